@@ -1,0 +1,111 @@
+"""Paged KV cache ops: writing new K/V into blocks, copy-on-write block copies, unified paged attention.
+
+KV cache layout, per layer (the contract shared with the CUDA kernels):
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+
+A sequence's token at position p lives in block `block_table[p // block_size]`, row `p % block_size`;
+its flat slot id is `block * block_size + row`. Blocks of one sequence need not be contiguous:
+
+    block_table = [7, 2, 9]      positions 0..15 -> block 7, 16..31 -> block 2, 32..40 -> block 9
+    slot of position 35 = 9 * 16 + 3 = 147
+
+The flat batch mixes prefill chunks and decodes. Sequence i owns query rows
+query_start_loc[i]:query_start_loc[i+1]; its context (seq_lens[i] tokens, the new ones included) is read
+through block_tables[i]. Query row j of a sequence with n new tokens sits at position
+seq_len - n + j and sees keys at positions <= its own (causal within the chunk, full over the past).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def reshape_and_cache(
+    key: np.ndarray,
+    value: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    slot_mapping: np.ndarray,
+) -> None:
+    """Write key/value [T, KV, D] into the caches at `slot_mapping` [T]; slot -1 means skip."""
+    num_blocks, block_size = k_cache.shape[:2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    if slots.size and int(slots.max()) >= num_blocks * block_size:
+        raise IndexError(f"slot {int(slots.max())} is outside a cache of {num_blocks * block_size} slots")
+    k_flat = k_cache.reshape(num_blocks * block_size, *k_cache.shape[2:])
+    v_flat = v_cache.reshape(num_blocks * block_size, *v_cache.shape[2:])
+    k_flat[slots] = key[keep]
+    v_flat[slots] = value[keep]
+
+
+def copy_blocks(kv_caches: list[tuple[np.ndarray, np.ndarray]], block_mapping: list[tuple[int, int]]) -> None:
+    """Copy whole blocks src -> dst in every layer's K and V (copy-on-write of a shared block)."""
+    if not block_mapping:
+        return
+    src = np.array([s for s, _ in block_mapping], dtype=np.int64)
+    dst = np.array([d for _, d in block_mapping], dtype=np.int64)
+    for k_cache, v_cache in kv_caches:
+        k_cache[dst] = k_cache[src]
+        v_cache[dst] = v_cache[src]
+
+
+def _gather_context(cache: np.ndarray, block_table: np.ndarray, context_len: int) -> np.ndarray:
+    """The first `context_len` token rows of one sequence, [context_len, KV, D]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-context_len // block_size)
+    rows = cache[block_table[:num_blocks]]  # [nb, bs, KV, D]
+    return rows.reshape(num_blocks * block_size, *cache.shape[2:])[:context_len]
+
+
+def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, mask: np.ndarray | None) -> np.ndarray:
+    """q [KV, G*n, D], k/v [KV, L, D], mask [G*n, L] (True = masked) -> [KV, G*n, D], fp32 softmax."""
+    scores = np.matmul(q, k.transpose(0, 2, 1)) * np.float32(scale)
+    if mask is not None:
+        scores = np.where(mask, np.float32(-np.inf), scores)
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    return np.matmul(probs, v)
+
+
+def paged_attention(
+    query: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    query_start_loc: np.ndarray,
+    seq_lens: np.ndarray,
+    block_tables: np.ndarray,
+    scale: float,
+) -> np.ndarray:
+    """Unified paged attention over a flat varlen batch: query [T, H, D] -> out [T, H, D].
+
+    Grouped-query attention: query head h reads kv head h // (H // KV). Each sequence is computed on its
+    own, so its result never depends on what else is in the batch.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = np.empty((num_tokens, num_heads, head_dim), dtype=np.float32)
+    for i in range(len(seq_lens)):
+        start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        n = end - start
+        if n == 0:
+            continue
+        context_len = int(seq_lens[i])
+        k = _gather_context(k_cache, block_tables[i], context_len).astype(np.float32, copy=False)
+        v = _gather_context(v_cache, block_tables[i], context_len).astype(np.float32, copy=False)
+        # [n, KV*G, D] -> [KV, G*n, D]: every query head of a group against its one kv head.
+        q = query[start:end].astype(np.float32, copy=False).reshape(n, num_kv_heads, group, head_dim)
+        q = q.transpose(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
+        mask = None
+        if n > 1:
+            q_pos = context_len - n + np.arange(n)
+            causal = np.arange(context_len)[None, :] > q_pos[:, None]  # [n, L]
+            mask = np.tile(causal, (group, 1))  # rows ordered (g, n) like q
+        o = _attend(q, k.transpose(1, 0, 2), v.transpose(1, 0, 2), scale, mask)
+        out[start:end] = o.reshape(num_kv_heads, group, n, head_dim).transpose(2, 0, 1, 3).reshape(
+            n, num_heads, head_dim
+        )
+    return out.astype(query.dtype, copy=False)

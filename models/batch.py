@@ -1,0 +1,75 @@
+"""ForwardBatch: the one flat, variable-length batch the model sees each step (see DESIGN.md).
+
+Prefill chunks and decodes are mixed freely. For three sequences scheduled with 3, 1 and 2 new tokens:
+
+    input_ids       = [a0 a1 a2 | b7 | c4 c5]
+    query_start_loc = [0, 3, 4, 6]
+    seq_lens        = [3, 8, 6]        context length including the new tokens
+    positions       = [0 1 2 | 7 | 4 5]
+    logits_indices  = [2, 3, 5]        the last new token of each sequence that needs a sample
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64, -1 = do not write
+    query_start_loc: np.ndarray  # [B + 1] int32
+    seq_lens: np.ndarray  # [B] int32
+    block_tables: np.ndarray  # [B, max_blocks] int32, padded with 0
+    logits_indices: np.ndarray  # [N] int64
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+@dataclass
+class SeqChunk:
+    """What one sequence contributes to a step: its new tokens and where its context lives."""
+
+    token_ids: Sequence[int]  # the new tokens scheduled this step
+    num_computed_tokens: int  # tokens already in the KV cache before this step
+    block_table: Sequence[int]
+    needs_logits: bool = True
+
+
+def build_forward_batch(chunks: Sequence[SeqChunk], block_size: int) -> ForwardBatch:
+    if not chunks:
+        raise ValueError("build_forward_batch needs at least one sequence")
+    counts = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
+    if (counts <= 0).any():
+        raise ValueError("every scheduled sequence needs at least one new token")
+    computed = np.array([c.num_computed_tokens for c in chunks], dtype=np.int64)
+    query_start_loc = np.zeros(len(chunks) + 1, dtype=np.int32)
+    np.cumsum(counts, out=query_start_loc[1:])
+    seq_lens = (computed + counts).astype(np.int32)
+    max_blocks = max(1, max(len(c.block_table) for c in chunks))
+    block_tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
+    for i, c in enumerate(chunks):
+        needed = -(-int(seq_lens[i]) // block_size)
+        if len(c.block_table) < needed:
+            raise ValueError(f"sequence {i}: block table has {len(c.block_table)} blocks, needs {needed}")
+        block_tables[i, : len(c.block_table)] = c.block_table
+    input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=int(counts.sum()))
+    # positions: computed .. computed + count - 1 for each sequence, built without a Python loop per token.
+    seq_index = np.repeat(np.arange(len(chunks)), counts)
+    positions = np.arange(int(counts.sum()), dtype=np.int64) - query_start_loc[seq_index] + computed[seq_index]
+    blocks = block_tables[seq_index, positions // block_size].astype(np.int64)
+    slot_mapping = blocks * block_size + positions % block_size
+    needs = np.array([c.needs_logits for c in chunks])
+    logits_indices = (query_start_loc[1:] - 1)[needs].astype(np.int64)
+    return ForwardBatch(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
+                        logits_indices)

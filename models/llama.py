@@ -1,0 +1,129 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache, written against the op layer.
+
+One class serves all three: Qwen2 only adds q/k/v bias, Mistral is Llama without sliding window here.
+Weights arrive with Hugging Face names; at construction q/k/v are fused into one matrix and gate/up into
+another, so each layer does four matmuls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pagedserve.cupy_kernels import ops
+from pagedserve.cupy_kernels.backend import Backend, get_backend
+from pagedserve.cupy_kernels.paged_attention import paged_attention, reshape_and_cache
+
+from .batch import ForwardBatch
+from .config import ModelConfig
+from .rope import rope_inv_freq
+
+
+@dataclass
+class LayerWeights:
+    input_norm: Any
+    qkv: Any  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: Any | None
+    o_proj: Any  # [hidden, q_size]
+    post_norm: Any
+    gate_up: Any  # [2 * intermediate, hidden]
+    down: Any  # [hidden, intermediate]
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model needs, with its shape (Hugging Face names)."""
+    h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for n in range(config.num_hidden_layers):
+        p = f"model.layers.{n}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        })
+        if config.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+    return shapes
+
+
+def check_weights(config: ModelConfig, weights: dict[str, np.ndarray], source: str) -> None:
+    """Raise ValueError naming `source` and the tensor when a weight is missing or mis-shaped."""
+    for name, shape in expected_shapes(config).items():
+        if name not in weights:
+            raise ValueError(f"{source}: missing tensor {name!r}")
+        if tuple(weights[name].shape) != shape:
+            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(weights[name].shape)}, "
+                             f"expected {shape} from the model config")
+
+
+class LlamaForCausalLM:
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend: Backend | None = None,
+                 source: str = "weights") -> None:
+        check_weights(config, weights, source)
+        self.config = config
+        self.backend = backend or get_backend("cpu")
+        put = self._put
+        self.embed_tokens = put(weights["model.embed_tokens.weight"])
+        self.norm = put(weights["model.norm.weight"])
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else put(weights["lm_head.weight"])
+        self.layers: list[LayerWeights] = []
+        for n in range(config.num_hidden_layers):
+            p = f"model.layers.{n}."
+            a = p + "self_attn."
+            bias = None
+            if config.attention_bias:
+                bias = put(np.concatenate([weights[a + f"{x}_proj.bias"] for x in "qkv"]))
+            self.layers.append(LayerWeights(
+                input_norm=put(weights[p + "input_layernorm.weight"]),
+                qkv=put(np.concatenate([weights[a + f"{x}_proj.weight"] for x in "qkv"])),
+                qkv_bias=bias,
+                o_proj=put(weights[a + "o_proj.weight"]),
+                post_norm=put(weights[p + "post_attention_layernorm.weight"]),
+                gate_up=put(np.concatenate([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])),
+                down=put(weights[p + "mlp.down_proj.weight"]),
+            ))
+        self.inv_freq = rope_inv_freq(config, weights.get("rope_freqs"))
+        self.scale = config.head_dim ** -0.5
+
+    def _put(self, w: np.ndarray):
+        return self.backend.asarray(np.ascontiguousarray(w, dtype=self.backend.dtype))
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[Any, Any]]) -> Any:
+        """Run one step; returns float32 logits [len(batch.logits_indices), vocab]."""
+        cfg = self.config
+        if len(kv_caches) != cfg.num_hidden_layers:
+            raise ValueError(f"expected {cfg.num_hidden_layers} KV cache layers, got {len(kv_caches)}")
+        t = batch.num_tokens
+        cos, sin = ops.rope_cos_sin(self.inv_freq, batch.positions)
+        hidden = ops.embedding(self.embed_tokens, batch.input_ids)
+        residual = None
+        q_size, kv_size = cfg.q_size, cfg.kv_size
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
+            qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
+            q = qkv[:, :q_size].reshape(t, cfg.num_attention_heads, cfg.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].reshape(t, cfg.num_key_value_heads, cfg.head_dim)
+            v = qkv[:, q_size + kv_size :].reshape(t, cfg.num_key_value_heads, cfg.head_dim)
+            q = ops.apply_rotary(q, cos, sin)
+            k = ops.apply_rotary(k, cos, sin)
+            reshape_and_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+            attn = paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
+                                   batch.block_tables, self.scale)
+            hidden = ops.linear(attn.reshape(t, q_size), layer.o_proj)
+            x, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
+            hidden = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up)), layer.down)
+        hidden = hidden[batch.logits_indices]
+        residual = residual[batch.logits_indices]
+        x, _ = ops.add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
+        return ops.linear(x, self.lm_head).astype(np.float32, copy=False)
