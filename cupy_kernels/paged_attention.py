@@ -59,15 +59,38 @@ def _gather_context(cache: np.ndarray, block_table: np.ndarray, context_len: int
     return rows.reshape(num_blocks * block_size, *cache.shape[2:])[:context_len]
 
 
-def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, mask: np.ndarray | None) -> np.ndarray:
+def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, mask: np.ndarray) -> np.ndarray:
     """q [KV, G*n, D], k/v [KV, L, D], mask [G*n, L] (True = masked) -> [KV, G*n, D], fp32 softmax."""
     scores = np.matmul(q, k.transpose(0, 2, 1)) * np.float32(scale)
-    if mask is not None:
-        scores = np.where(mask, np.float32(-np.inf), scores)
+    scores = np.where(mask, np.float32(-np.inf), scores)
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
     probs /= probs.sum(axis=-1, keepdims=True)
     return np.matmul(probs, v)
+
+
+def _decode_group(query, k_cache, v_cache, rows, seq_lens, block_tables, scale, out) -> None:
+    """Single-token queries whose contexts span the same number of blocks, in one batched matmul.
+
+    Grouping by block count keeps every sequence's arithmetic a function of its own length only
+    (padding to the group's block count = padding to its own), so results never depend on the batch.
+    """
+    b = len(rows)
+    num_heads, head_dim = query.shape[1:]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    nb = -(-int(seq_lens.max()) // block_size)
+    padded = nb * block_size
+    k = k_cache[block_tables[:, :nb]].reshape(b, padded, num_kv_heads, head_dim).astype(np.float32, copy=False)
+    v = v_cache[block_tables[:, :nb]].reshape(b, padded, num_kv_heads, head_dim).astype(np.float32, copy=False)
+    q = query[rows].astype(np.float32, copy=False).reshape(b, num_kv_heads, group, head_dim)
+    scores = np.matmul(q, k.transpose(0, 2, 3, 1)) * np.float32(scale)  # [b, KV, G, padded]
+    masked = np.arange(padded)[None, :] >= seq_lens[:, None]  # slots past the context were never written
+    scores[np.broadcast_to(masked[:, None, None, :], scores.shape)] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out[rows] = np.matmul(probs, v.transpose(0, 2, 1, 3)).reshape(b, num_heads, head_dim)
 
 
 def paged_attention(
@@ -81,29 +104,36 @@ def paged_attention(
 ) -> np.ndarray:
     """Unified paged attention over a flat varlen batch: query [T, H, D] -> out [T, H, D].
 
-    Grouped-query attention: query head h reads kv head h // (H // KV). Each sequence is computed on its
-    own, so its result never depends on what else is in the batch.
+    Grouped-query attention: query head h reads kv head h // (H // KV). Prefill chunks are computed one
+    sequence at a time; decodes (one query token) are batched by block count. Either way a sequence's
+    result depends only on itself, never on what else is in the batch.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = np.empty((num_tokens, num_heads, head_dim), dtype=np.float32)
-    for i in range(len(seq_lens)):
+    seq_lens = np.asarray(seq_lens)
+    query_start_loc = np.asarray(query_start_loc)
+    num_new = np.diff(query_start_loc)
+    decodes = np.flatnonzero(num_new == 1)
+    if decodes.size:
+        nblocks = -(-seq_lens[decodes] // k_cache.shape[1])
+        for nb in np.unique(nblocks):
+            seqs = decodes[nblocks == nb]
+            _decode_group(query, k_cache, v_cache, query_start_loc[seqs], seq_lens[seqs].astype(np.int64),
+                          block_tables[seqs], scale, out)
+    for i in np.flatnonzero(num_new > 1):
         start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
         n = end - start
-        if n == 0:
-            continue
         context_len = int(seq_lens[i])
         k = _gather_context(k_cache, block_tables[i], context_len).astype(np.float32, copy=False)
         v = _gather_context(v_cache, block_tables[i], context_len).astype(np.float32, copy=False)
         # [n, KV*G, D] -> [KV, G*n, D]: every query head of a group against its one kv head.
         q = query[start:end].astype(np.float32, copy=False).reshape(n, num_kv_heads, group, head_dim)
         q = q.transpose(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
-        mask = None
-        if n > 1:
-            q_pos = context_len - n + np.arange(n)
-            causal = np.arange(context_len)[None, :] > q_pos[:, None]  # [n, L]
-            mask = np.tile(causal, (group, 1))  # rows ordered (g, n) like q
+        q_pos = context_len - n + np.arange(n)
+        causal = np.arange(context_len)[None, :] > q_pos[:, None]  # [n, L]
+        mask = np.tile(causal, (group, 1))  # rows ordered (g, n) like q
         o = _attend(q, k.transpose(1, 0, 2), v.transpose(1, 0, 2), scale, mask)
         out[start:end] = o.reshape(num_kv_heads, group, n, head_dim).transpose(2, 0, 1, 3).reshape(
             n, num_heads, head_dim

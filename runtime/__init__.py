@@ -1,1 +1,28 @@
-"""pagedserve.runtime."""
+"""pagedserve.runtime: the engine (block pool, scheduler, model runner, sampler) and the offline API.
+
+`from pagedserve.runtime import LLM, SamplingParams`. Names are imported on first use, so importing
+one small module (say, the block pool) does not load the whole model stack.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LLM": ".llm",
+    "LLMEngine": ".engine",
+    "EngineConfig": ".config",
+    "SamplingParams": ".sampling_params",
+    "RequestOutput": ".outputs",
+    "CompletionOutput": ".outputs",
+    "EngineStats": ".outputs",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pagedserve.runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)

@@ -1,0 +1,447 @@
+"""Building the tokenizer a GGUF file describes in its metadata.
+
+A GGUF carries no tokenizer.json: it stores the vocabulary (`tokenizer.ggml.tokens`), the BPE merges,
+token types and special-token ids under llama.cpp's key names. We rebuild a `tokenizers.Tokenizer`
+from them that gives the SAME ids as transformers' GGUF loader (`AutoTokenizer.from_pretrained(dir,
+gguf_file=...)`), because the reference outputs our tests check against come from transformers.
+
+Two tokenizer models are supported:
+
+    tokenizer.ggml.model = "gpt2"   byte-level BPE (SmolLM2, Llama 3, Qwen2, ...). The text is split with
+                                    a regex chosen by `tokenizer.ggml.pre` when transformers knows that
+                                    name, otherwise with GPT-2's own regex, and no prefix space is added
+                                    whatever `add_space_prefix` says. SmolLM2's "smollm" is such a name:
+                                    " 2024" stays one piece before BPE (its vocabulary has no multi-digit
+                                    tokens, so the ids still end up one per digit).
+    tokenizer.ggml.model = "llama"  SentencePiece-style BPE with byte fallback ("\u2581" for spaces, one
+                                    prepended to the text). Merges come from the file, or are rebuilt
+                                    from the token scores when the file has none.
+
+Token types mark what must never be cut into pieces: CONTROL (3) tokens become special added tokens,
+USER_DEFINED (4) tokens plain added tokens.
+
+Reading metadata: pass the `gguf.GGUFReader` the weight loader already opened, or nothing, in which
+case a small reader here parses only the metadata block (GGUFReader builds numpy views for every one
+of the ~100k vocabulary strings, which takes seconds; this takes tens of milliseconds).
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import gguf
+
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+# Metadata the tokenizer needs; the rest of a GGUF's metadata is about the model.
+_TOKENIZER_PREFIX = "tokenizer."
+_ARCHITECTURE_KEY = "general.architecture"
+
+# -- pre-tokenizer regexes ------------------------------------------------------------------------------
+# transformers splits byte-level text with these for the `tokenizer.ggml.pre` names it knows (the regexes
+# of the original tokenizers); any other name gets GPT-2's regex from the ByteLevel pre-tokenizer.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLIT_BY_PRE: dict[str, str] = {
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+         "jina-v5-nano", "dbrx", "smaug-bpe"),
+        _LLAMA3_SPLIT,
+    ),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
+    "tekken": _TEKKEN_SPLIT,
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
+}  # fmt: skip
+
+# Architectures whose "llama" (SentencePiece) vocabulary transformers builds differently (Gemma's
+# respelled spaces and file-order merges, Phi-3's normalizer-made prefix space). Not reproduced here.
+_UNSUPPORTED_SENTENCEPIECE_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "phi3"})
+
+
+@lru_cache(maxsize=1)
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte alphabet: every byte as a printable character (spaces become "Ġ", newlines "Ċ")."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+# -- reading the metadata ---------------------------------------------------------------------------------
+
+# GGUF value types: fixed-size scalars (struct format), 8 = string, 9 = array.
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NUMPY_TYPES = {
+    0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"
+}  # fmt: skip
+_STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """Every metadata key of a GGUF file, as plain Python values, without touching the tensors.
+
+    Strings are str, arrays are lists. Raises ValueError naming the file when it is not a readable
+    little-endian GGUF v2/v3.
+    """
+    path = Path(path)
+    try:
+        handle = path.open("rb")
+    except OSError as exc:  # missing, a directory, unreadable
+        raise ValueError(f"{path}: cannot be read as a GGUF file: {exc}") from exc
+    with handle:
+        try:
+            blob = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as exc:  # mmap refuses an empty file with ValueError
+            raise ValueError(f"{path}: cannot be read as a GGUF file: {exc}") from exc
+        with blob:
+            return _parse_metadata(blob, path)
+
+
+def _parse_metadata(blob: mmap.mmap, path: Path) -> dict[str, Any]:
+    if blob[:4] != b"GGUF":
+        raise ValueError(f"{path}: not a GGUF file (it does not start with the bytes 'GGUF')")
+    try:
+        version, _tensor_count, kv_count = struct.unpack_from("<IQQ", blob, 4)
+        if version not in (2, 3):
+            raise ValueError(
+                f"{path}: GGUF version {version} is not supported (only little-endian v2 and v3; "
+                "for other files pass a gguf.GGUFReader)"
+            )
+        pos = 24
+        metadata: dict[str, Any] = {}
+        for _ in range(kv_count):
+            key, pos = _read_string(blob, pos)
+            (value_type,) = struct.unpack_from("<I", blob, pos)
+            metadata[key], pos = _read_value(blob, pos + 4, value_type, path, key)
+        return metadata
+    except (struct.error, UnicodeDecodeError, IndexError) as exc:
+        raise ValueError(f"{path}: GGUF metadata is truncated or corrupt: {exc}") from exc
+
+
+def _read_string(blob: mmap.mmap, pos: int) -> tuple[str, int]:
+    (length,) = _U64.unpack_from(blob, pos)
+    end = pos + 8 + length
+    if end > len(blob):
+        raise IndexError(f"a string of {length} bytes at offset {pos} runs past the end of the file")
+    return blob[pos + 8 : end].decode("utf-8"), end
+
+
+def _read_value(blob: mmap.mmap, pos: int, value_type: int, path: Path, key: str) -> tuple[Any, int]:
+    if value_type in _SCALAR_FORMATS:
+        fmt = _SCALAR_FORMATS[value_type]
+        return struct.unpack_from(fmt, blob, pos)[0], pos + struct.calcsize(fmt)
+    if value_type == _STRING:
+        return _read_string(blob, pos)
+    if value_type != _ARRAY:
+        raise ValueError(f"{path}: metadata key {key!r} has unknown GGUF value type {value_type}")
+    item_type, count = struct.unpack_from("<IQ", blob, pos)
+    pos += 12
+    if item_type in _NUMPY_TYPES:
+        dtype = np.dtype(_NUMPY_TYPES[item_type])
+        end = pos + count * dtype.itemsize
+        if end > len(blob):
+            raise IndexError(f"the array under {key!r} runs past the end of the file")
+        return np.frombuffer(blob, dtype=dtype, count=count, offset=pos).tolist(), end
+    if item_type == _STRING:
+        values = []
+        for _ in range(count):  # variable-length entries: nothing to do but walk them
+            value, pos = _read_string(blob, pos)
+            values.append(value)
+        return values, pos
+    if item_type == _ARRAY:  # nested arrays: never used by tokenizer keys, but must be skipped correctly
+        values = []
+        for _ in range(count):  # each element is an array value: its item type, count, then items
+            value, pos = _read_value(blob, pos, _ARRAY, path, key)
+            values.append(value)
+        return values, pos
+    raise ValueError(f"{path}: metadata key {key!r} is an array of unknown GGUF value type {item_type}")
+
+
+def _metadata_from_reader(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """The tokenizer keys of an already opened GGUFReader, as plain Python values."""
+    return {
+        key: field.contents()
+        for key, field in reader.fields.items()
+        if key.startswith(_TOKENIZER_PREFIX) or key == _ARCHITECTURE_KEY
+    }
+
+
+# -- building the backend ---------------------------------------------------------------------------------
+
+
+def _split_merges(merges: Sequence[str], source: str) -> list[tuple[str, str]]:
+    pairs = []
+    for index, merge in enumerate(merges):
+        parts = merge.split(" ")
+        if len(parts) != 2:
+            raise ValueError(
+                f"{source}: tokenizer.ggml.merges[{index}] = {merge!r} is not two tokens joined by a space"
+            )
+        pairs.append((parts[0], parts[1]))
+    return pairs
+
+
+def _merges_from_scores(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a scored vocabulary: every split of a token into two known tokens,
+    best-scored token first; ties go to the shorter left piece, then the shorter right one.
+
+    This is the order transformers derives (`generate_merges`), which SentencePiece files without a
+    merge list need; stable sorts keep the order of equal entries, as there.
+    """
+    rank = {token: index for index, token in enumerate(tokens)}
+    candidates: list[tuple[str, str, float]] = []
+    for token, score in dict(zip(tokens, scores)).items():
+        splits = [
+            (token[:cut], token[cut:])
+            for cut in range(1, len(token))
+            if token[:cut] in rank and token[cut:] in rank
+        ]
+        splits.sort(key=lambda pair: (rank[pair[0]], rank[pair[1]]))
+        candidates.extend((left, right, score) for left, right in splits)
+    candidates.sort(key=lambda c: (c[2], len(c[0]), len(c[1])), reverse=True)
+    return [(left, right) for left, right, _ in candidates]
+
+
+def _merges(metadata: Mapping[str, Any], source: str) -> list[tuple[str, str]]:
+    if "tokenizer.ggml.merges" in metadata:
+        return _split_merges(metadata["tokenizer.ggml.merges"], source)
+    scores = metadata.get("tokenizer.ggml.scores")
+    if scores is None:
+        raise ValueError(f"{source}: has neither tokenizer.ggml.merges nor tokenizer.ggml.scores to build merges from")
+    tokens = metadata["tokenizer.ggml.tokens"]
+    if len(scores) != len(tokens):
+        raise ValueError(f"{source}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+    return _merges_from_scores(tokens, scores)
+
+
+def _byte_level_backend(metadata: Mapping[str, Any], source: str) -> tuple[tokenizers.Tokenizer, list[str]]:
+    """Byte-level BPE. Returns the backend and, per id, the vocabulary key its token is stored under."""
+    spelling = _byte_to_unicode()
+    alphabet = frozenset(spelling.values())
+    # Tokens are normally stored already spelled in the byte alphabet; one that is not (raw text such as
+    # "<｜end▁of▁sentence｜>") is respelled from its UTF-8 bytes, as transformers does.
+    keys = [
+        token if alphabet.issuperset(token) else "".join(spelling[b] for b in token.encode("utf-8"))
+        for token in metadata["tokenizer.ggml.tokens"]
+    ]
+    vocab = {key: index for index, key in enumerate(keys)}
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=_merges(metadata, source),
+        dropout=None,
+        continuing_subword_prefix="",
+        end_of_word_suffix="",
+        fuse_unk=False,
+    )
+    backend = tokenizers.Tokenizer(bpe)
+    split = _SPLIT_BY_PRE.get(metadata.get("tokenizer.ggml.pre", ""))
+    if split is None:
+        # GPT-2's regex, no prefix space: what transformers' GPT2Tokenizer does for an unknown `pre`,
+        # whatever `tokenizer.ggml.add_space_prefix` says.
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    backend.decoder = decoders.ByteLevel()
+    return backend, keys
+
+
+def _sentencepiece_backend(metadata: Mapping[str, Any], source: str) -> tuple[tokenizers.Tokenizer, list[str]]:
+    """SentencePiece-style BPE with byte fallback, as transformers' LlamaTokenizer (non-legacy) builds it."""
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    bpe = models.BPE(
+        vocab={token: index for index, token in enumerate(tokens)},
+        merges=_merges(metadata, source),
+        fuse_unk=True,
+        byte_fallback=True,
+        dropout=None,
+    )
+    backend = tokenizers.Tokenizer(bpe)
+    backend.normalizer = None
+    # "first": one "\u2581" before the text, none before text that follows a special token.
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(content=" ", left=1, right=0),
+        ]
+    )
+    return backend, tokens
+
+
+def _add_marked_tokens(
+    backend: tokenizers.Tokenizer,
+    metadata: Mapping[str, Any],
+    keys: Sequence[str],
+    default_specials: Sequence[str],
+    named: Sequence[str],
+    control_in_alphabet_only: bool,
+    source: str,
+) -> None:
+    """Register the tokens that must be matched whole, in the order transformers does (the last add wins
+    when a token is added twice, so the order decides which ones count as special).
+
+    Unlike transformers, a token whose string is not in the vocabulary is never added: it would get an
+    id past the model's embedding.
+    """
+    tokens = metadata["tokenizer.ggml.tokens"]
+    vocab_keys = set(keys)
+    defaults = [AddedToken(t, special=True) for t in default_specials if t in vocab_keys]
+    if defaults:
+        backend.add_special_tokens(defaults)
+
+    token_types = metadata.get("tokenizer.ggml.token_type") or []
+    if token_types and len(token_types) != len(tokens):
+        raise ValueError(f"{source}: tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens")
+    alphabet = frozenset(_byte_to_unicode().values())
+    control = [
+        AddedToken(token, normalized=False, special=True)
+        for token, token_type in zip(tokens, token_types)
+        # In a byte-level vocabulary a control token outside the byte alphabet is a llama.cpp mislabel.
+        if token_type == TOKEN_TYPE_CONTROL and (not control_in_alphabet_only or alphabet.issuperset(token))
+    ]
+    if control:
+        backend.add_special_tokens(control)
+    user_defined = [
+        AddedToken(token, normalized=False, special=False)
+        for token, token_type in zip(tokens, token_types)
+        if token_type == TOKEN_TYPE_USER_DEFINED and token in vocab_keys
+    ]
+    if user_defined:
+        backend.add_tokens(user_defined)
+
+    already = {t.content for t in backend.get_added_tokens_decoder().values()}
+    late = [AddedToken(t, special=True) for t in dict.fromkeys(named) if t not in already and t in vocab_keys]
+    if late:
+        backend.add_special_tokens(late)
+
+
+def _named_token(metadata: Mapping[str, Any], key: str, keys: Sequence[str], source: str) -> str | None:
+    token_id = metadata.get(key)
+    if token_id is None:
+        return None
+    if not isinstance(token_id, int) or not 0 <= token_id < len(keys):
+        raise ValueError(f"{source}: {key} = {token_id!r} is not an id of its {len(keys)} tokens")
+    return keys[token_id]
+
+
+def load_gguf_tokenizer(path: str | Path, reader: gguf.GGUFReader | None = None) -> Tokenizer:
+    """The tokenizer of a GGUF file, built from its metadata (`reader` saves parsing it again).
+
+    Raises ValueError naming the file for a missing/corrupt file, missing tokenizer keys, or a
+    tokenizer model other than "gpt2" and "llama" (or a "llama" vocabulary of Gemma or Phi-3).
+    """
+    source = str(path)
+    metadata = _metadata_from_reader(reader) if reader is not None else read_gguf_metadata(path)
+    return tokenizer_from_gguf_metadata(metadata, source)
+
+
+def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], source: str = "<gguf metadata>") -> Tokenizer:
+    """Build the Tokenizer from GGUF metadata already read into plain values (`source` names it in errors)."""
+    model = metadata.get("tokenizer.ggml.model")
+    if model is None:
+        raise ValueError(f"{source}: has no tokenizer.ggml.model, so it describes no tokenizer")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not isinstance(tokens[0], str):
+        raise ValueError(f"{source}: tokenizer.ggml.tokens is missing or not a list of strings")
+    architecture = metadata.get(_ARCHITECTURE_KEY)
+
+    if model == "gpt2":
+        backend, keys = _byte_level_backend(metadata, source)
+        default_specials = ["<|endoftext|>"]  # GPT2Tokenizer's default bos/eos/unk
+        add_bos_default = False
+    elif model == "llama":
+        if architecture in _UNSUPPORTED_SENTENCEPIECE_ARCHS:
+            raise ValueError(
+                f"{source}: a SentencePiece ('llama') tokenizer for architecture {architecture!r} is not supported "
+                "(transformers builds Gemma and Phi-3 vocabularies differently)"
+            )
+        backend, keys = _sentencepiece_backend(metadata, source)
+        default_specials = ["<unk>", "<s>", "</s>"]  # LlamaTokenizer's defaults
+        # Older files have no flag, and llama.cpp adds BOS to a SentencePiece vocabulary unless told not to.
+        add_bos_default = True
+    else:
+        raise ValueError(
+            f"{source}: tokenizer.ggml.model {model!r} is not supported (supported: 'gpt2', 'llama')"
+        )
+
+    names = {
+        field: _named_token(metadata, f"tokenizer.ggml.{key}", keys, source)
+        for field, key in (
+            ("bos_token", "bos_token_id"),
+            ("eos_token", "eos_token_id"),
+            ("unk_token", "unknown_token_id"),
+            ("pad_token", "padding_token_id"),
+        )
+    }
+    _add_marked_tokens(
+        backend,
+        metadata,
+        keys,
+        default_specials,
+        [name for name in names.values() if name is not None],
+        control_in_alphabet_only=(model == "gpt2"),
+        source=source,
+    )
+    chat_template = metadata.get("tokenizer.chat_template")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise ValueError(f"{source}: tokenizer.chat_template is not a string")
+    # llama.cpp also stops on EOT/EOM tokens (end of turn), which chat models emit instead of EOS.
+    extra_eos = [
+        metadata[key]
+        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        if isinstance(metadata.get(key), int) and 0 <= metadata[key] < len(keys)
+    ]
+    return Tokenizer(
+        backend,
+        **names,
+        add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+        add_eos_token=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+        chat_template=chat_template,
+        extra_eos_token_ids=extra_eos,
+    )
