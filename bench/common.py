@@ -1,0 +1,43 @@
+"""Helpers shared by the benchmarks: the machine's sgemm rate and BLAS thread count, measured in-run."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import numpy as np
+
+
+def blas_threads() -> int | None:
+    try:
+        from threadpoolctl import threadpool_info
+
+        return max((p.get("num_threads") or 0) for p in threadpool_info() if p.get("user_api") == "blas") or None
+    except ImportError:
+        v = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
+        return int(v) if v else os.cpu_count()
+
+
+def sgemm_gflops(n: int = 1024, seconds: float = 1.0) -> float:
+    """float32 matmul rate on this machine, now (so a busy machine shows up in the figure)."""
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    b = np.random.default_rng(1).standard_normal((n, n), dtype=np.float32)
+    a @ b
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        reps += 1
+    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
+
+
+def machine() -> dict:
+    return {"cpu_count": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
+            "numpy": np.__version__, "blas_threads": blas_threads()}
+
+
+def model_flops_per_token(cfg, context_len: float, with_logits: bool) -> float:
+    """Matmul FLOPs of one token through the model (2 per multiply-add), attention over `context_len`."""
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    per_layer = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * 3 * h * i + 4 * context_len * q
+    return cfg.num_hidden_layers * per_layer + (2 * h * cfg.vocab_size if with_logits else 0)

@@ -1,0 +1,75 @@
+"""Offline throughput on the embedded model: N requests x (128 prompt tokens, 128 output tokens).
+
+Prints one JSON line per run: output and total tokens/s, model-FLOPs utilisation against the sgemm rate
+measured in the same run, and mean KV token-slot utilisation. Usage:
+
+    .venv/bin/python bench/throughput.py [--requests 64 256] [--prompt-len 128] [--output-len 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine, model_flops_per_token, sgemm_gflops  # noqa: E402
+
+from pagedserve.models.loader import load_model  # noqa: E402
+from pagedserve.runtime.config import EngineConfig  # noqa: E402
+from pagedserve.runtime.engine import LLMEngine  # noqa: E402
+from pagedserve.runtime.sampling_params import SamplingParams  # noqa: E402
+
+
+def run(loaded, num_requests: int, prompt_len: int, output_len: int, max_num_batched_tokens: int) -> dict:
+    engine = LLMEngine(EngineConfig(device="cpu", max_num_batched_tokens=max_num_batched_tokens,
+                                    max_num_seqs=256, seed=0), loaded=loaded)
+    rng = np.random.default_rng(0)
+    vocab = loaded.config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for i in range(num_requests):
+        engine.add_request(str(i), rng.integers(100, vocab, size=prompt_len).tolist(), params)
+    utilisation, steps = [], 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        utilisation.append(engine.get_stats().kv_token_slot_utilization)
+    elapsed = time.perf_counter() - t0
+    out_tokens = num_requests * output_len
+    cfg = loaded.config
+    mean_ctx = prompt_len + output_len / 2
+    flops = num_requests * (prompt_len * model_flops_per_token(cfg, prompt_len / 2, False)
+                            + output_len * model_flops_per_token(cfg, mean_ctx, True))
+    return {"requests": num_requests, "prompt_len": prompt_len, "output_len": output_len,
+            "max_num_batched_tokens": max_num_batched_tokens, "steps": steps, "seconds": round(elapsed, 2),
+            "output_tokens_per_s": round(out_tokens / elapsed, 1),
+            "total_tokens_per_s": round(num_requests * (prompt_len + output_len) / elapsed, 1),
+            "model_gflops_per_s": round(flops / elapsed / 1e9, 1),
+            "mean_kv_token_slot_utilization": round(float(np.mean(utilisation)), 4),
+            "preemptions": engine.num_preemptions}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    args = ap.parse_args()
+    loaded = load_model(None)
+    gflops = sgemm_gflops()
+    for n in args.requests:
+        result = run(loaded, n, args.prompt_len, args.output_len, args.max_num_batched_tokens)
+        result["sgemm_gflops"] = round(gflops, 1)
+        result["mfu"] = round(result["model_gflops_per_s"] / gflops, 3)
+        result["machine"] = machine()
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""EngineConfig: every knob of the engine, validated in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_CPU_KV_BYTES = 2 << 30  # 2 GiB of KV cache on the CPU backend
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None = the embedded SmolLM2
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    max_num_batched_tokens: int = 2048  # the per-step token budget
+    max_num_seqs: int = 256  # most requests running at once
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None  # CPU: bytes for the KV pool (None = 2 GiB)
+    num_kv_blocks: int | None = None  # overrides the byte budget (tests use it to force preemption)
+    gpu_memory_utilization: float = 0.9
+    seed: int | None = 0
+    use_weight_cache: bool = True
+
+    def __post_init__(self) -> None:
+        def positive(name: str, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        positive("max_num_batched_tokens")
+        positive("max_num_seqs")
+        positive("max_model_len", allow_none=True)
+        positive("kv_cache_memory_bytes", allow_none=True)
+        positive("num_kv_blocks", allow_none=True)
+        if self.block_size not in (8, 16, 32):
+            raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError("enable_chunked_prefill must be a bool")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")

@@ -1,0 +1,86 @@
+"""The offline API, with vLLM's names: LLM(...).generate(prompts, params) and .chat(messages)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Sequence, Union
+
+from .config import EngineConfig
+from .engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+PromptType = Union[str, Sequence[int]]
+
+
+class LLM:
+    """Run many prompts through the engine at once (continuous batching) and return whole outputs.
+
+    `model=None` serves the embedded default, SmolLM2-135M-Instruct. Keyword arguments are
+    EngineConfig fields (max_model_len, max_num_batched_tokens, max_num_seqs, enable_chunked_prefill,
+    block_size, kv_cache_memory_bytes, gpu_memory_utilization, seed, device, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`. A single prompt may be given bare (a str or one id list)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self._next_id())
+                self.engine.add_request(ids[-1], prompt, p)
+        except ValueError:
+            self.engine.abort_request(ids)  # nothing half-queued is left behind
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=True)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _next_id(self) -> str:
+        self._counter += 1
+        return f"offline-{self._counter}"
+
+    def _run(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
+        show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
+        wanted = set(ids)
+        final: dict[str, RequestOutput] = {}
+        t0 = time.perf_counter()
+        out_tokens = 0
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                out_tokens += len(out.outputs[0].new_token_ids)
+                if out.finished and out.request_id in wanted:
+                    final[out.request_id] = out
+            if show:
+                rate = out_tokens / max(time.perf_counter() - t0, 1e-9)
+                print(f"\rProcessed prompts: {len(final)}/{len(ids)}  output {rate:,.0f} tok/s",
+                      end="", file=sys.stderr, flush=True)
+        if show:
+            print(file=sys.stderr)
+        return [final[i] for i in ids]
