@@ -10,18 +10,25 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import cuda_ops
+
 
 def embedding(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Rows of `table` [V, hidden] for `ids` [T] -> [T, hidden]."""
+    if cuda_ops.is_cupy_array(table):
+        return cuda_ops.embedding(table, ids)
     return table[ids]
 
 
-def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    """x [T, in] @ weight.T where weight is [out, in] (the Hugging Face layout) -> [T, out].
+def linear(x: np.ndarray, weight_t: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """x [T, in] @ weight_t [in, out] -> [T, out].
 
-    The transpose is a view: BLAS reads the weight in place, nothing is copied.
+    Weights are stored transposed from the Hugging Face [out, in] layout, once at load: on the CPU,
+    OpenBLAS runs the small-M matmuls of decode steps 10-30% faster on an [in, out] operand.
     """
-    out = x @ weight.T
+    if cuda_ops.is_cupy_array(x):
+        return cuda_ops.linear(x, weight_t, bias)
+    out = x @ weight_t
     if bias is not None:
         out += bias
     return out
@@ -29,9 +36,17 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) ->
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """Root-mean-square norm over the last axis, computed in float32."""
+    if cuda_ops.is_cupy_array(x):
+        return cuda_ops.rms_norm(x, weight, eps)
     x32 = x.astype(np.float32, copy=False)
-    var = np.mean(x32 * x32, axis=-1, keepdims=True)
-    return (x32 / np.sqrt(var + eps)).astype(x.dtype, copy=False) * weight
+    # einsum gives the row sums of squares without a [T, hidden] temporary.
+    scale = np.einsum("ij,ij->i", x32, x32)[:, None]
+    scale /= x32.shape[-1]
+    scale += eps
+    np.sqrt(scale, out=scale)
+    out = x32 / scale
+    out *= weight
+    return out.astype(x.dtype, copy=False)
 
 
 def add_rms_norm(
@@ -42,12 +57,19 @@ def add_rms_norm(
     Fusing the add with the norm saves one pass over the activations on the GPU; with no residual yet
     (the first layer) `x` itself becomes the residual.
     """
-    residual = x if residual is None else x + residual
+    if cuda_ops.is_cupy_array(x):
+        return cuda_ops.add_rms_norm(x, residual, weight, eps)
+    if residual is None:
+        residual = x
+    else:
+        residual += x  # the residual stream is owned by the forward pass: updating it in place is safe
     return rms_norm(residual, weight, eps), residual
 
 
 def rope_cos_sin(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin [T, D/2] of positions x inv_freq, computed in float64 for accuracy at long positions."""
+    if cuda_ops.is_cupy_array(positions):
+        return cuda_ops.rope_cos_sin(inv_freq, positions)
     freqs = positions.astype(np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]
     return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
 
@@ -57,21 +79,33 @@ def apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
     The first and second halves of each head form the (real, imaginary) pairs.
     """
+    if cuda_ops.is_cupy_array(x):
+        return cuda_ops.apply_rotary(x, cos, sin)
     half = x.shape[-1] // 2
     c = cos[:, None, :]
     s = sin[:, None, :]
     x1 = x[..., :half]
     x2 = x[..., half:]
     out = np.empty_like(x)
-    out[..., :half] = x1 * c - x2 * s
-    out[..., half:] = x2 * c + x1 * s
+    lo, hi = out[..., :half], out[..., half:]
+    np.multiply(x1, c, out=lo)
+    lo -= x2 * s
+    np.multiply(x2, c, out=hi)
+    hi += x1 * s
     return out
 
 
 def silu_and_mul(x: np.ndarray) -> np.ndarray:
     """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+    if cuda_ops.is_cupy_array(x):
+        return cuda_ops.silu_and_mul(x)
     half = x.shape[-1] // 2
     gate = x[:, :half]
     up = x[:, half:]
+    out = np.negative(gate)
     with np.errstate(over="ignore"):  # exp(-gate) -> inf for very negative gate gives silu = -0, as it should
-        return gate / (1.0 + np.exp(-gate)) * up
+        np.exp(out, out=out)
+    out += 1.0
+    np.divide(gate, out, out=out)
+    out *= up
+    return out

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import cuda_ops
+
 
 def reshape_and_cache(
     key: np.ndarray,
@@ -29,6 +31,8 @@ def reshape_and_cache(
     slot_mapping: np.ndarray,
 ) -> None:
     """Write key/value [T, KV, D] into the caches at `slot_mapping` [T]; slot -1 means skip."""
+    if cuda_ops.is_cupy_array(key):
+        return cuda_ops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
     num_blocks, block_size = k_cache.shape[:2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
@@ -42,6 +46,8 @@ def reshape_and_cache(
 
 def copy_blocks(kv_caches: list[tuple[np.ndarray, np.ndarray]], block_mapping: list[tuple[int, int]]) -> None:
     """Copy whole blocks src -> dst in every layer's K and V (copy-on-write of a shared block)."""
+    if cuda_ops.is_cupy_array(kv_caches[0][0] if kv_caches else None):
+        return cuda_ops.copy_blocks(kv_caches, block_mapping)
     if not block_mapping:
         return
     src = np.array([s for s, _ in block_mapping], dtype=np.int64)
@@ -59,14 +65,33 @@ def _gather_context(cache: np.ndarray, block_table: np.ndarray, context_len: int
     return rows.reshape(num_blocks * block_size, *cache.shape[2:])[:context_len]
 
 
-def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, mask: np.ndarray) -> np.ndarray:
-    """q [KV, G*n, D], k/v [KV, L, D], mask [G*n, L] (True = masked) -> [KV, G*n, D], fp32 softmax."""
-    scores = np.matmul(q, k.transpose(0, 2, 1)) * np.float32(scale)
-    scores = np.where(mask, np.float32(-np.inf), scores)
+def _softmax_rows(scores: np.ndarray) -> np.ndarray:
+    """In-place softmax over the last axis (fp32); masked entries are -inf and come out as 0."""
     scores -= scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    return np.matmul(probs, v)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return scores
+
+
+def _prefill_one(query, k_cache, v_cache, start, end, context_len, block_table, scale, out) -> None:
+    """Attention for one sequence's chunk of n > 1 query tokens, causal within the chunk."""
+    n = end - start
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    k = _gather_context(k_cache, block_table, context_len).astype(np.float32, copy=False)
+    v = _gather_context(v_cache, block_table, context_len).astype(np.float32, copy=False)
+    # [n, KV*G, D] -> [KV, G*n, D]: every query head of a group against its one kv head.
+    q = query[start:end].astype(np.float32, copy=False).reshape(n, num_kv_heads, group, head_dim)
+    q = q.transpose(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
+    scores = np.matmul(q, k.transpose(1, 2, 0))  # [KV, G*n, L]
+    scores *= np.float32(scale)
+    q_pos = context_len - n + np.arange(n)
+    future = np.arange(context_len)[None, :] > q_pos[:, None]  # [n, L]
+    bias = np.where(future, np.float32(-np.inf), np.float32(0.0))
+    scores.reshape(num_kv_heads, group, n, context_len)[...] += bias  # broadcast over heads, in place
+    o = np.matmul(_softmax_rows(scores), v.transpose(1, 0, 2))  # [KV, G*n, D]
+    out[start:end] = o.reshape(num_kv_heads, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, num_heads, head_dim)
 
 
 def _decode_group(query, k_cache, v_cache, rows, seq_lens, block_tables, scale, out) -> None:
@@ -82,15 +107,14 @@ def _decode_group(query, k_cache, v_cache, rows, seq_lens, block_tables, scale, 
     nb = -(-int(seq_lens.max()) // block_size)
     padded = nb * block_size
     k = k_cache[block_tables[:, :nb]].reshape(b, padded, num_kv_heads, head_dim).astype(np.float32, copy=False)
-    v = v_cache[block_tables[:, :nb]].reshape(b, padded, num_kv_heads, head_dim).astype(np.float32, copy=False)
     q = query[rows].astype(np.float32, copy=False).reshape(b, num_kv_heads, group, head_dim)
-    scores = np.matmul(q, k.transpose(0, 2, 3, 1)) * np.float32(scale)  # [b, KV, G, padded]
-    masked = np.arange(padded)[None, :] >= seq_lens[:, None]  # slots past the context were never written
-    scores[np.broadcast_to(masked[:, None, None, :], scores.shape)] = -np.inf
-    scores -= scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    out[rows] = np.matmul(probs, v.transpose(0, 2, 1, 3)).reshape(b, num_heads, head_dim)
+    scores = np.matmul(q, k.transpose(0, 2, 3, 1))  # [b, KV, G, padded]
+    scores *= np.float32(scale)
+    never_written = np.arange(padded)[None, :] >= seq_lens[:, None]  # slots past the context
+    scores += np.where(never_written, np.float32(-np.inf), np.float32(0.0))[:, None, None, :]
+    del k
+    v = v_cache[block_tables[:, :nb]].reshape(b, padded, num_kv_heads, head_dim).astype(np.float32, copy=False)
+    out[rows] = np.matmul(_softmax_rows(scores), v.transpose(0, 2, 1, 3)).reshape(b, num_heads, head_dim)
 
 
 def paged_attention(
@@ -108,34 +132,22 @@ def paged_attention(
     sequence at a time; decodes (one query token) are batched by block count. Either way a sequence's
     result depends only on itself, never on what else is in the batch.
     """
+    if cuda_ops.is_cupy_array(query):
+        return cuda_ops.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    block_size = k_cache.shape[1]
     out = np.empty((num_tokens, num_heads, head_dim), dtype=np.float32)
-    seq_lens = np.asarray(seq_lens)
+    seq_lens = np.asarray(seq_lens).astype(np.int64)
     query_start_loc = np.asarray(query_start_loc)
     num_new = np.diff(query_start_loc)
     decodes = np.flatnonzero(num_new == 1)
     if decodes.size:
-        nblocks = -(-seq_lens[decodes] // k_cache.shape[1])
+        nblocks = -(-seq_lens[decodes] // block_size)
         for nb in np.unique(nblocks):
             seqs = decodes[nblocks == nb]
-            _decode_group(query, k_cache, v_cache, query_start_loc[seqs], seq_lens[seqs].astype(np.int64),
-                          block_tables[seqs], scale, out)
+            _decode_group(query, k_cache, v_cache, query_start_loc[seqs], seq_lens[seqs], block_tables[seqs],
+                          scale, out)
     for i in np.flatnonzero(num_new > 1):
         start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
-        n = end - start
-        context_len = int(seq_lens[i])
-        k = _gather_context(k_cache, block_tables[i], context_len).astype(np.float32, copy=False)
-        v = _gather_context(v_cache, block_tables[i], context_len).astype(np.float32, copy=False)
-        # [n, KV*G, D] -> [KV, G*n, D]: every query head of a group against its one kv head.
-        q = query[start:end].astype(np.float32, copy=False).reshape(n, num_kv_heads, group, head_dim)
-        q = q.transpose(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
-        q_pos = context_len - n + np.arange(n)
-        causal = np.arange(context_len)[None, :] > q_pos[:, None]  # [n, L]
-        mask = np.tile(causal, (group, 1))  # rows ordered (g, n) like q
-        o = _attend(q, k.transpose(1, 0, 2), v.transpose(1, 0, 2), scale, mask)
-        out[start:end] = o.reshape(num_kv_heads, group, n, head_dim).transpose(2, 0, 1, 3).reshape(
-            n, num_heads, head_dim
-        )
+        _prefill_one(query, k_cache, v_cache, start, end, int(seq_lens[i]), block_tables[i], scale, out)
     return out.astype(query.dtype, copy=False)

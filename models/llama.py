@@ -24,12 +24,12 @@ from .rope import rope_inv_freq
 @dataclass
 class LayerWeights:
     input_norm: Any
-    qkv: Any  # [q_size + 2 * kv_size, hidden]
+    qkv: Any  # [hidden, q_size + 2 * kv_size]  (matmul weights are stored transposed: [in, out])
     qkv_bias: Any | None
-    o_proj: Any  # [hidden, q_size]
+    o_proj: Any  # [q_size, hidden]
     post_norm: Any
-    gate_up: Any  # [2 * intermediate, hidden]
-    down: Any  # [hidden, intermediate]
+    gate_up: Any  # [hidden, 2 * intermediate]
+    down: Any  # [intermediate, hidden]
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -73,10 +73,11 @@ class LlamaForCausalLM:
         check_weights(config, weights, source)
         self.config = config
         self.backend = backend or get_backend("cpu")
-        put = self._put
+        put, put_t = self._put, self._put_t
         self.embed_tokens = put(weights["model.embed_tokens.weight"])
         self.norm = put(weights["model.norm.weight"])
-        self.lm_head = self.embed_tokens if config.tie_word_embeddings else put(weights["lm_head.weight"])
+        # Tied: the transposed view of the embedding (no copy; BLAS reads it as a transposed operand).
+        self.lm_head = self.embed_tokens.T if config.tie_word_embeddings else put_t(weights["lm_head.weight"])
         self.layers: list[LayerWeights] = []
         for n in range(config.num_hidden_layers):
             p = f"model.layers.{n}."
@@ -86,18 +87,22 @@ class LlamaForCausalLM:
                 bias = put(np.concatenate([weights[a + f"{x}_proj.bias"] for x in "qkv"]))
             self.layers.append(LayerWeights(
                 input_norm=put(weights[p + "input_layernorm.weight"]),
-                qkv=put(np.concatenate([weights[a + f"{x}_proj.weight"] for x in "qkv"])),
+                qkv=put_t(np.concatenate([weights[a + f"{x}_proj.weight"] for x in "qkv"])),
                 qkv_bias=bias,
-                o_proj=put(weights[a + "o_proj.weight"]),
+                o_proj=put_t(weights[a + "o_proj.weight"]),
                 post_norm=put(weights[p + "post_attention_layernorm.weight"]),
-                gate_up=put(np.concatenate([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])),
-                down=put(weights[p + "mlp.down_proj.weight"]),
+                gate_up=put_t(np.concatenate([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])),
+                down=put_t(weights[p + "mlp.down_proj.weight"]),
             ))
         self.inv_freq = rope_inv_freq(config, weights.get("rope_freqs"))
         self.scale = config.head_dim ** -0.5
 
     def _put(self, w: np.ndarray):
         return self.backend.asarray(np.ascontiguousarray(w, dtype=self.backend.dtype))
+
+    def _put_t(self, w: np.ndarray):
+        """A matmul weight, [out, in] in the checkpoint, stored as [in, out] for ops.linear."""
+        return self._put(w.T)
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[Any, Any]]) -> Any:
         """Run one step; returns float32 logits [len(batch.logits_indices), vocab]."""

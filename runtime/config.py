@@ -21,6 +21,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     seed: int | None = 0
     use_weight_cache: bool = True
+    # Request lifecycle log events (queued, scheduled, first_token, preempted, finished, aborted):
+    # None = off (offline use), False = on without text, True = on with prompts and outputs.
+    log_requests: bool | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:

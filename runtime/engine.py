@@ -45,6 +45,7 @@ class LLMEngine:
                              f"must be >= max_model_len ({self.max_model_len}) or long prompts could never run")
         self.block_size = config.block_size
         num_blocks = self._num_kv_blocks()
+        self.num_kv_blocks = num_blocks
         self.kv_manager = KVCacheManager(num_blocks, self.block_size)
         kv_caches = allocate_kv_caches(loaded.config, num_blocks, self.block_size, self.backend)
         self.runner = ModelRunner(self.model, kv_caches, self.kv_manager, Sampler(config.seed))
@@ -76,9 +77,18 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> Request:
         """Validate and queue a request; raises ValueError with a precise message on bad input."""
-        params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        request = self.make_request(request_id, prompt, params, arrival_time)
+        self.add_prepared(request)
+        return request
+
+    def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                     arrival_time: float | None = None) -> Request:
+        """Validate a request and build it, touching no engine state (safe from another thread)."""
+        params = params or SamplingParams()
+        if params.n != 1 or (params.best_of or 1) != 1:
+            raise ValueError("n and best_of > 1 (parallel sampling) are not supported yet; send n separate requests")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -92,19 +102,27 @@ class LLMEngine:
             raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                              f"max_model_len ({self.max_model_len})")
         needed = -(-(len(ids) + params.max_tokens) // self.block_size)
-        if needed > self.kv_manager.usage().num_blocks:
+        if needed > self.num_kv_blocks:
             raise ValueError(f"prompt plus max_tokens needs {needed} KV blocks but the whole pool has "
-                             f"{self.kv_manager.usage().num_blocks}; lower max_tokens or enlarge the KV cache")
+                             f"{self.num_kv_blocks}; lower max_tokens or enlarge the KV cache")
         generator = np.random.default_rng(params.seed) if params.seed is not None else None
         request = Request(request_id, ids, params, arrival_time or time.monotonic(),
                           eos_token_ids=self.model_config.eos_token_ids, prompt=text, generator=generator)
         request.detokenizer = IncrementalDetokenizer(
             self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens)
-        self.requests[request_id] = request
-        self.scheduler.add_request(request)
-        log.debug("request.queued", request_id=request_id, prompt_tokens=len(ids), max_tokens=params.max_tokens)
         return request
+
+    def add_prepared(self, request: Request) -> None:
+        """Queue a request built by make_request."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.scheduler.add_request(request)
+        if self.config.log_requests is not None:
+            fields = {"prompt": request.prompt} if self.config.log_requests and request.prompt is not None else {}
+            log.info("request.queued", request_id=request.request_id, prompt_tokens=request.num_prompt_tokens,
+                     max_tokens=request.sampling_params.max_tokens, **fields)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests; their blocks are freed at once. Unknown or finished ids are ignored."""
@@ -112,7 +130,7 @@ class LLMEngine:
             request = self.requests.pop(rid, None)
             if request is not None:
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
-                log.debug("request.aborted", request_id=rid, output_tokens=request.num_output_tokens)
+                self._log_end("request.aborted", request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -128,9 +146,34 @@ class LLMEngine:
         return self._update(sched, sampled)
 
     def _note_preemptions(self, sched: SchedulerOutput) -> None:
+        self.num_preemptions += len(sched.preempted)
+        if self.config.log_requests is None:
+            return
         for r in sched.preempted:
-            self.num_preemptions += 1
-            log.debug("request.preempted", request_id=r.request_id, output_tokens=r.num_output_tokens)
+            log.info("request.preempted", request_id=r.request_id, output_tokens=r.num_output_tokens,
+                     num_preemptions=r.num_preemptions)
+        for s in sched.scheduled:
+            t = s.request.timings
+            if t.first_scheduled is not None and s.request.num_computed_tokens == 0 and not s.request.num_preemptions:
+                log.info("request.scheduled", request_id=s.request.request_id,
+                         queue_time_s=round(t.first_scheduled - t.arrival, 6), num_new_tokens=s.num_new_tokens)
+
+    def _log_end(self, event: str, r: Request) -> None:
+        if self.config.log_requests is None:
+            return
+        t = r.timings
+        fields = {}
+        if t.first_token is not None:
+            fields["ttft_s"] = round(t.first_token - t.arrival, 6)
+            if r.num_output_tokens > 1 and t.finished is not None:
+                fields["tpot_s"] = round((t.finished - t.first_token) / (r.num_output_tokens - 1), 6)
+        if t.first_scheduled is not None:
+            fields["queue_time_s"] = round(t.first_scheduled - t.arrival, 6)
+        if self.config.log_requests:
+            fields["output"] = r.detokenizer.output_text
+        log.info(event, request_id=r.request_id, finish_reason=r.finish_reason, prompt_tokens=r.num_prompt_tokens,
+                 completion_tokens=r.num_output_tokens, cached_tokens=r.num_cached_tokens,
+                 e2e_s=round((t.finished or time.monotonic()) - t.arrival, 6), **fields)
 
     def _update(self, sched: SchedulerOutput, sampled: list[SampledToken | None]) -> list[RequestOutput]:
         now = time.monotonic()
@@ -144,6 +187,9 @@ class LLMEngine:
             num_out += 1
             if r.timings.first_token is None:
                 r.timings.first_token = now
+                if self.config.log_requests is not None:
+                    log.info("request.first_token", request_id=r.request_id,
+                             ttft_s=round(now - r.timings.arrival, 6))
             r.append_output_token(tok.token_id)
             r.cumulative_logprob += tok.logprob
             if r.sampling_params.logprobs is not None:
@@ -157,8 +203,7 @@ class LLMEngine:
                     new_text += r.detokenizer.finish()
                 self.requests.pop(r.request_id, None)
                 self.scheduler.finish_request(r, status)
-                log.debug("request.finished", request_id=r.request_id, reason=status.value,
-                          output_tokens=r.num_output_tokens)
+                self._log_end("request.finished", r)
             outputs.append(self._make_output(r, new_text, [tok.token_id]))
         self._throughput.append((now, num_out, sched.num_batched_tokens))
         return outputs

@@ -1,54 +1,133 @@
-"""The `pagedserve` command line."""
+"""The `pagedserve` command line: serve, generate, chat, stats."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="a .gguf file or Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+from .settings import DEFAULT_SOCKET, add_settings_arguments, load_settings
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .logging_setup import configure_logging
+    from .server import run_server
+
+    settings = load_settings(args)
+    configure_logging(level=settings.log_level)
+    return run_server(settings)
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    return {"temperature": args.temperature, "max_tokens": args.max_tokens, "seed": args.sample_seed}
+
+
+def _local(args: argparse.Namespace, messages: list[dict] | None) -> int:
     from pagedserve.runtime import LLM, SamplingParams
 
-    llm = LLM(args.model, device=args.device, max_model_len=args.max_model_len, seed=args.seed)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.sample_seed)
-    if args.chat:
-        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    llm = LLM(args.model, device=args.device, max_model_len=args.max_model_len, seed=0)
+    params = SamplingParams(**_sampling(args))
+    if messages is not None:
+        out = llm.chat(messages, params, use_tqdm=False)
     else:
         out = llm.generate(args.prompt, params, use_tqdm=False)
     print(out[0].outputs[0].text)
     return 0
 
 
+def _remote(args: argparse.Namespace, messages: list[dict] | None) -> int | None:
+    """Stream from a running server; None when no server answers (the caller then runs locally)."""
+    import grpc
+
+    from .client import PagedServeClient, PagedServeError
+
+    with PagedServeClient(args.socket) as client:
+        try:
+            if client.health() != "SERVING":
+                return None
+        except PagedServeError as e:
+            if e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return None
+            raise
+        kwargs = {k: v for k, v in _sampling(args).items() if v is not None}
+        stream = client.chat(messages, **kwargs) if messages is not None else client.generate(args.prompt, **kwargs)
+        for chunk in stream:
+            print(chunk.text, end="", flush=True)
+        print()
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    messages = [{"role": "user", "content": args.prompt}] if args.chat else None
+    return _cmd_text(args, messages)
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": args.prompt})
+    return _cmd_text(args, messages)
+
+
+def _cmd_text(args: argparse.Namespace, messages: list[dict] | None) -> int:
+    if not args.local and args.model is None:
+        result = _remote(args, messages)
+        if result is not None:
+            return result
+    return _local(args, messages)
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from .client import PagedServeClient
+
+    with PagedServeClient(args.socket) as client:
+        info, stats = client.model_info(), client.server_stats()
+    print(json.dumps({"model": dataclasses.asdict(info), "stats": dataclasses.asdict(stats)}, indent=2))
+    return 0
+
+
+def _add_text_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    p.add_argument("--sample-seed", type=int, default=None)
+    p.add_argument("--local", action="store_true", help="run the model in this process even if a server is up")
+    p.add_argument("--socket", default=None, help=f"server socket (default $PAGEDSERVE_SOCKET or {DEFAULT_SOCKET})")
+    p.add_argument("--model", default=None, help="a .gguf file or HF directory: implies --local")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--max-model-len", type=int, default=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate a continuation in this process and print it")
-    g.add_argument("--prompt", required=True)
+    s = sub.add_parser("serve", help="run the gRPC sidecar (unix socket by default)")
+    add_settings_arguments(s)
+    s.set_defaults(func=_cmd_serve)
+    g = sub.add_parser("generate", help="generate a continuation (through a running server, else locally)")
+    _add_text_args(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
-    g.add_argument("--sample-seed", type=int, default=None)
-    _add_engine_args(g)
     g.set_defaults(func=_cmd_generate)
+    c = sub.add_parser("chat", help="one chat turn (through a running server, else locally)")
+    _add_text_args(c)
+    c.add_argument("--system", default=None, help="an optional system message")
+    c.set_defaults(func=_cmd_chat)
+    st = sub.add_parser("stats", help="model info and live stats of a running server")
+    st.add_argument("--socket", default=None)
+    st.set_defaults(func=_cmd_stats)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .client import PagedServeError
     from .logging_setup import configure_logging
 
     args = build_parser().parse_args(argv)
-    configure_logging(level="warning", stream=sys.stderr)
+    if args.command != "serve":
+        configure_logging(level="warning", stream=sys.stderr)
     try:
         return args.func(args)
-    except ValueError as e:  # bad input: one clear line, no traceback
+    except (ValueError, PagedServeError) as e:  # bad input or a server error: one clear line, no traceback
         print(f"pagedserve: error: {e}", file=sys.stderr)
         return 2
 

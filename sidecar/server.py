@@ -1,0 +1,164 @@
+"""The sidecar server: grpc.aio on an anyio (asyncio) loop, one AsyncEngine, health, reflection, systemd.
+
+Start-up: bind the socket(s) and answer health NOT_SERVING at once; load and warm the model in a worker
+thread; then SERVING and READY=1. SIGTERM/SIGINT: NOT_SERVING, STOPPING=1, refuse new requests
+(UNAVAILABLE), give in-flight ones `drain_timeout` seconds, abort the rest, stop, exit 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import time
+from pathlib import Path
+
+import anyio
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from pagedserve.runtime.async_engine import AsyncEngine
+from pagedserve.runtime.engine import LLMEngine
+from pagedserve.runtime.sampling_params import SamplingParams
+
+from .pb import generation_pb2 as pb
+from .pb import generation_pb2_grpc as pb_grpc
+from .sd_notify import SystemdNotifier, watchdog_loop
+from .servicer import GenerationServicer
+from .settings import Settings
+
+log = structlog.get_logger("pagedserve.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+SOCKET_MODE = 0o660
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+def prepare_socket_path(path: str) -> None:
+    """Make room for a unix socket at `path`: create the folder, replace a stale socket safely.
+
+    A socket file nobody listens on is removed; one that a live server answers on, or any other kind of
+    file, is left alone and reported, so we never steal a running server's socket or delete a user's file.
+    """
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if not p.exists() and not p.is_symlink():
+        return
+    if not stat.S_ISSOCK(p.lstat().st_mode):
+        raise ValueError(f"socket path {path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError, socket.timeout, OSError):
+        p.unlink(missing_ok=True)  # stale: left behind by a server that died
+        return
+    finally:
+        probe.close()
+    raise ValueError(f"socket {path} is in use by a running server")
+
+
+class SidecarServer:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.engine: AsyncEngine | None = None
+        self.model_name = ""
+        self.notifier = SystemdNotifier()
+        self.health = health_aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.addresses: list[str] = []
+
+    async def _set_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def start(self) -> None:
+        s = self.settings
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                          ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                          ("grpc.so_reuseport", 0)])
+        servicer = GenerationServicer(lambda: self.engine, lambda: self.model_name, s.max_prompt_chars)
+        pb_grpc.add_GenerationServicer_to_server(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            server)
+        await self._set_health(False)
+        if s.socket:
+            prepare_socket_path(s.socket)
+            server.add_insecure_port(f"unix:{s.socket}")
+            self.addresses.append(f"unix:{s.socket}")
+        if tcp := s.tcp_address():
+            port = server.add_insecure_port(tcp)
+            if port == 0:
+                raise ValueError(f"could not bind TCP address {tcp}")
+            self.addresses.append(tcp.rsplit(":", 1)[0] + f":{port}")
+        await server.start()
+        if s.socket:
+            os.chmod(s.socket, SOCKET_MODE)  # owner and group (the app pods' group) may connect
+        self.server = server
+        log.info("server.listening", addresses=self.addresses)
+        self.notifier.status("loading model")
+
+    async def load(self) -> None:
+        t0 = time.monotonic()
+        config = self.settings.engine_config()
+        engine = await anyio.to_thread.run_sync(LLMEngine, config)
+        await anyio.to_thread.run_sync(self._warm_up, engine)
+        self.model_name = engine.model_name
+        self.engine = AsyncEngine(engine, self.settings.max_waiting_requests)
+        log.info("server.model_loaded", model=engine.model_name, seconds=round(time.monotonic() - t0, 2),
+                 num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size, backend=engine.backend.name)
+
+    @staticmethod
+    def _warm_up(engine: LLMEngine) -> None:
+        """One short generation so the first real request does not pay for first-touch costs."""
+        engine.add_request("warmup", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    async def serve(self) -> None:
+        # Signals are caught from the very start; one that arrives while the model loads is handled
+        # once loading ends (the load runs in a thread and cannot be interrupted mid-way).
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            await self.start()
+            try:
+                await self.load()
+            except BaseException:
+                await self.server.stop(None)
+                raise
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.engine.run)
+                if self.notifier.watchdog_interval():
+                    tg.start_soon(watchdog_loop, self.notifier)
+                await self._set_health(True)
+                self.notifier.ready(f"serving {self.model_name}")
+                log.info("server.ready", model=self.model_name)
+                async for signum in signals:
+                    log.info("server.signal", signal=signal.Signals(signum).name)
+                    break
+                await self.drain()
+                tg.cancel_scope.cancel()
+
+    async def drain(self) -> None:
+        timeout = self.settings.drain_timeout
+        await self._set_health(False)
+        self.notifier.stopping(f"draining (up to {timeout:g} s)")
+        in_flight = self.engine.num_in_flight
+        log.info("server.draining", in_flight=in_flight, drain_timeout_s=timeout)
+        aborted = await self.engine.drain(timeout)
+        await self.server.stop(grace=2.0)
+        self.engine.stop()
+        if self.settings.socket:
+            Path(self.settings.socket).unlink(missing_ok=True)
+        log.info("server.stopped", finished=in_flight - aborted, aborted=aborted)
+
+
+def run_server(settings: Settings) -> int:
+    anyio.run(SidecarServer(settings).serve, backend="asyncio")
+    return 0

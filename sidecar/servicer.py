@@ -1,0 +1,174 @@
+"""The pagedserve.v1.Generation servicer: protobuf in, AsyncEngine calls, protobuf out.
+
+Status codes: bad input -> INVALID_ARGUMENT (the ValueError's message, which names the field); full
+queue -> RESOURCE_EXHAUSTED; loading or draining -> UNAVAILABLE. A cancelled or timed-out RPC leaves
+the engine's async generator, which aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Callable
+
+import grpc
+
+from pagedserve.runtime.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
+from pagedserve.runtime.outputs import RequestOutput
+from pagedserve.runtime.sampling_params import SamplingParams
+
+from .pb import generation_pb2 as pb
+from .pb import generation_pb2_grpc as pb_grpc
+
+_SCALAR_FIELDS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                  "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens", "ignore_eos",
+                  "logprobs", "skip_special_tokens", "include_stop_str_in_output")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    kwargs: dict[str, Any] = {name: getattr(msg, name) for name in _SCALAR_FIELDS if msg.HasField(name)}
+    if msg.stop:
+        kwargs["stop"] = list(msg.stop)
+    if msg.stop_token_ids:
+        kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    return SamplingParams(**kwargs)  # ValueError names the field
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, get_engine: Callable[[], AsyncEngine | None], model_name: Callable[[], str],
+                 max_prompt_chars: int) -> None:
+        self._get_engine = get_engine
+        self._model_name = model_name
+        self.max_prompt_chars = max_prompt_chars
+
+    async def _engine(self, context) -> AsyncEngine:
+        engine = self._get_engine()
+        if engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
+        return engine
+
+    def _check_text(self, text: str, field: str) -> None:
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(f"{field} is {len(text)} characters; the limit is {self.max_prompt_chars}")
+
+    def _chat_ids(self, engine: AsyncEngine, chat: pb.ChatMessages) -> list[int]:
+        if not chat.messages:
+            raise ValueError("chat.messages is empty")
+        messages = []
+        for i, m in enumerate(chat.messages):
+            if m.role not in CHAT_ROLES:
+                raise ValueError(f"chat.messages[{i}].role {m.role!r} is not one of {list(CHAT_ROLES)}")
+            self._check_text(m.content, f"chat.messages[{i}].content")
+            messages.append({"role": m.role, "content": m.content})
+        add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        return engine.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen, tokenize=True)
+
+    def _prompt(self, engine: AsyncEngine, request: pb.GenerateRequest):
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise ValueError("prompt is missing: set text, token_ids or chat")
+        if kind == "text":
+            if not request.text:
+                raise ValueError("prompt is empty")
+            self._check_text(request.text, "text")
+            return request.text
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        return self._chat_ids(engine, request.chat)
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        engine = await self._engine(context)
+        request_id = request.request_id or uuid.uuid4().hex
+        start = time.monotonic()
+        last: RequestOutput | None = None
+        try:
+            params = sampling_params_from_proto(request.sampling)
+            prompt = self._prompt(engine, request)
+            async for out in engine.generate(request_id, prompt, params):
+                last = out
+                yield pb.GenerateResponse(chunk=self._chunk(out, params))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFullError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except EngineStoppedError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except RuntimeError as e:  # the engine step failed: a bug, reported as such
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        if last is None or not last.finished:  # aborted through the Abort RPC
+            yield pb.GenerateResponse(chunk=pb.Chunk(index=0, finish_reason="abort"))
+        yield pb.GenerateResponse(usage=self._usage(request_id, last, start))
+
+    @staticmethod
+    def _chunk(out: RequestOutput, params: SamplingParams) -> pb.Chunk:
+        c = out.outputs[0]
+        chunk = pb.Chunk(index=c.index, text=c.new_text, token_ids=c.new_token_ids, finish_reason=c.finish_reason or "")
+        if params.logprobs is not None and c.logprobs:
+            for token_id, entry in zip(c.new_token_ids, c.logprobs[-len(c.new_token_ids):]):
+                top = sorted(((t, lp) for t, lp in entry.items() if t != token_id), key=lambda x: -x[1])
+                chunk.logprobs.add(token_id=token_id, logprob=entry[token_id],
+                                   top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in top])
+        if isinstance(c.stop_reason, int):
+            chunk.stop_token_id = c.stop_reason
+        elif isinstance(c.stop_reason, str):
+            chunk.stop_str = c.stop_reason
+        return chunk
+
+    @staticmethod
+    def _usage(request_id: str, out: RequestOutput | None, start: float) -> pb.Usage:
+        usage = pb.Usage(request_id=request_id, e2e_s=time.monotonic() - start)
+        if out is not None:
+            m = out.metrics
+            usage.prompt_tokens = len(out.prompt_token_ids)
+            usage.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+            usage.cached_tokens = out.num_cached_tokens
+            usage.queue_time_s = m.queue_time or 0.0
+            usage.ttft_s = m.ttft or 0.0
+        return usage
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context):
+        engine = await self._engine(context)
+        try:
+            kind = request.WhichOneof("input")
+            if kind == "chat":
+                ids = self._chat_ids(engine, request.chat)
+            elif kind == "text":
+                self._check_text(request.text, "text")
+                add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+                ids = engine.engine.tokenizer.encode(request.text, add_special_tokens=add)
+            else:
+                raise ValueError("input is missing: set text or chat")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.TokenizeResponse(token_ids=ids, count=len(ids))
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context):
+        engine = await self._engine(context)
+        vocab = engine.engine.model_config.vocab_size
+        bad = [t for t in request.token_ids if not 0 <= t < vocab]
+        if bad:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids must be in [0, {vocab}); got {bad[:5]}")
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return pb.DetokenizeResponse(text=engine.engine.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip))
+
+    async def GetModelInfo(self, request, context):
+        engine = await self._engine(context)
+        e = engine.engine
+        return pb.ModelInfo(name=self._model_name(), architecture=e.model_config.architecture,
+                            max_model_len=e.max_model_len, vocab_size=e.model_config.vocab_size,
+                            block_size=e.block_size, dtype=str(e.backend.dtype), backend=e.backend.name,
+                            num_kv_blocks=e.num_kv_blocks)
+
+    async def GetServerStats(self, request, context):
+        engine = await self._engine(context)
+        s = engine.stats
+        return pb.ServerStats(num_running=s.num_running, num_waiting=s.num_waiting, kv_blocks_used=s.num_kv_blocks_used,
+                              kv_blocks_total=s.num_kv_blocks_total, kv_utilization=s.kv_token_slot_utilization,
+                              prefix_cache_hit_rate=0.0, output_tokens_per_s=s.output_tokens_per_s,
+                              total_tokens_per_s=s.total_tokens_per_s, num_preemptions=s.num_preemptions,
+                              uptime_s=time.monotonic() - engine.started_at)
+
+    async def Abort(self, request: pb.AbortRequest, context):
+        engine = await self._engine(context)
+        return pb.AbortResponse(found=engine.abort(request.request_id))

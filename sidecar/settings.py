@@ -1,0 +1,119 @@
+"""Settings: one object fed by CLI flags and PAGEDSERVE_* environment variables (flags win).
+
+Every field below can be set as `--field-name VALUE` or `PAGEDSERVE_FIELD_NAME=VALUE`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from pagedserve.runtime.config import EngineConfig
+
+DEFAULT_SOCKET = "/run/pagedserve/pagedserve.sock"
+ENV_PREFIX = "PAGEDSERVE_"
+
+
+@dataclass
+class Settings:
+    # -- model and engine (see runtime.EngineConfig) --
+    model: str | None = None
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    seed: int | None = 0
+    # -- server --
+    socket: str = DEFAULT_SOCKET  # unix domain socket path; "" turns the socket off
+    tcp: str | None = None  # "host:port" or ":port" (host defaults to 127.0.0.1)
+    max_waiting_requests: int = 256
+    drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    max_prompt_chars: int = 1_000_000  # per text prompt or chat message
+    log_level: str = "info"
+    log_requests: bool = False  # put prompts and outputs in the logs
+
+    def engine_config(self) -> EngineConfig:
+        names = {f.name for f in fields(EngineConfig)}
+        kwargs = {k: v for k, v in dataclasses.asdict(self).items() if k in names}
+        kwargs["log_requests"] = self.log_requests  # False: lifecycle events on, prompts and outputs off
+        return EngineConfig(**kwargs)
+
+    def tcp_address(self) -> str | None:
+        if not self.tcp:
+            return None
+        host, sep, port = self.tcp.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"tcp must be 'host:port' or ':port', got {self.tcp!r}")
+        return f"{host or '127.0.0.1'}:{port}"
+
+    def validate(self) -> None:
+        self.engine_config()  # raises ValueError naming the field
+        self.tcp_address()
+        if self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if not self.socket and not self.tcp:
+            raise ValueError("nothing to listen on: set a unix socket path or a tcp address")
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    t = str(f.type)
+    if "bool" in t:
+        return bool
+    if "int" in t:
+        return int
+    if "float" in t:
+        return float
+    return str
+
+
+def _parse(value: str, typ: type, name: str) -> Any:
+    if value.lower() in ("none", "") and typ is not str:
+        return None
+    try:
+        if typ is bool:
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        return typ(value)
+    except ValueError:
+        raise ValueError(f"{name}: cannot parse {value!r} as {typ.__name__}") from None
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    """One --flag per Settings field; defaults are None so the environment can fill what flags leave."""
+    for f in fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        typ = _field_type(f)
+        help_default = f"env {ENV_PREFIX}{f.name.upper()}; default {f.default!r}"
+        if typ is bool:
+            parser.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
+                                help=help_default)
+        else:
+            parser.add_argument(flag, dest=f.name, default=None, type=str, help=help_default)
+
+
+def load_settings(args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for f in fields(Settings):
+        typ = _field_type(f)
+        env = environ.get(ENV_PREFIX + f.name.upper())
+        if env is not None:
+            values[f.name] = _parse(env, typ, ENV_PREFIX + f.name.upper())
+        flag = getattr(args, f.name, None) if args is not None else None
+        if flag is not None:
+            values[f.name] = flag if isinstance(flag, bool) else _parse(flag, typ, "--" + f.name.replace("_", "-"))
+    settings = Settings(**values)
+    settings.validate()
+    return settings

@@ -1,0 +1,252 @@
+"""The sidecar end to end: a real server process on a unix socket, spoken to over gRPC."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from server_proc import TINY, ServerProcess, client_for, wait_idle
+
+from pagedserve.runtime import LLM, SamplingParams
+from pagedserve.sidecar.client import PagedServeError
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("srv"), "--max-model-len", "512", "--max-prompt-chars", "2000")
+    srv.wait_serving()
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(TINY, device="cpu", seed=0, kv_cache_memory_bytes=64 << 20)
+
+
+def prompts(n):
+    return [[3 + (i * 7 + j) % 500 for j in range(5 + i % 40)] for i in range(n)]
+
+
+def test_socket_mode_and_model_info(server):
+    assert stat.S_IMODE(os.stat(server.socket).st_mode) == 0o660
+    with client_for(server) as c:
+        info = c.model_info()
+    assert info.architecture == "llama" and info.vocab_size == 512 and info.max_model_len == 512
+    assert info.block_size == 16 and info.backend == "numpy"
+
+
+def test_stream_equals_offline_tokens(server, offline):
+    params = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref = offline.generate([prompts(3)[2]], SamplingParams(**params))[0].outputs[0]
+    with client_for(server) as c:
+        stream = c.generate(prompts(3)[2], **params)
+        chunks = list(stream)
+    assert [t for ch in chunks for t in ch.token_ids] == ref.token_ids
+    assert "".join(ch.text for ch in chunks) == ref.text
+    assert chunks[-1].finish_reason == "length"
+    assert stream.usage.prompt_tokens == len(prompts(3)[2]) and stream.usage.completion_tokens == 24
+    assert stream.usage.ttft_s > 0
+
+
+def test_64_concurrent_streams_from_separate_clients(server, offline):
+    ps = prompts(64)
+    seeded = [dict(temperature=0.8, top_p=0.9, seed=i, max_tokens=16 + i % 9, ignore_eos=True) for i in range(64)]
+    refs = offline.generate(ps, [SamplingParams(**p) for p in seeded])
+
+    def one(i):
+        with client_for(server) as c:
+            return [t for ch in c.generate(ps[i], **seeded[i]) for t in ch.token_ids]
+
+    with ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(one, range(64)))
+    for i, got in enumerate(results):
+        assert got == refs[i].outputs[0].token_ids, f"stream {i}"
+    with client_for(server) as c:
+        assert wait_idle(c).kv_blocks_used == 0
+
+
+def test_cancelled_streams_free_their_blocks(server):
+    with client_for(server) as c:
+        stream = c.generate(prompts(1)[0], temperature=0.0, max_tokens=400, ignore_eos=True)
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        stream.close()
+        assert wait_idle(c).kv_blocks_used == 0
+
+        streams = [c.generate(p, temperature=0.0, max_tokens=400, ignore_eos=True) for p in prompts(100)]
+        for s in streams[::2]:
+            next(iter(s), None)  # half of them have started producing
+        for s in streams:
+            s.close()
+        stats = wait_idle(c)
+        assert stats.kv_blocks_used == 0 and stats.num_running == 0 and stats.num_waiting == 0
+        assert c.generate_text("ok", max_tokens=2, temperature=0.0) is not None
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(prompt=""), "prompt is empty"),
+    (dict(prompt=[5] * 600), "exceeds max_model_len (512)"),
+    (dict(prompt="hi", temperature=-1.0), "temperature"),
+    (dict(prompt="hi", top_p=2.0), "top_p"),
+    (dict(prompt="hi", max_tokens=0), "max_tokens"),
+    (dict(prompt=[5, 9999]), "token ids must be in [0, 512)"),
+    (dict(prompt="x" * 2001), "2001 characters; the limit is 2000"),
+])
+def test_bad_input_is_invalid_argument_and_the_server_carries_on(server, kwargs, needle):
+    with client_for(server) as c:
+        prompt = kwargs.pop("prompt")
+        with pytest.raises(PagedServeError) as err:
+            list(c.generate(prompt, **kwargs))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert needle in err.value.message
+        assert len(c.generate_text([5, 6, 7], max_tokens=3, temperature=0.0, ignore_eos=True)) >= 0
+        assert wait_idle(c).kv_blocks_used == 0
+
+
+def test_bad_chat_messages(server):
+    with client_for(server) as c:
+        with pytest.raises(PagedServeError) as err:
+            list(c.chat([{"role": "wizard", "content": "hi"}]))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "messages[0].role 'wizard'" in err.value.message
+        with pytest.raises(PagedServeError) as err:
+            list(c.chat([{"role": "user", "content": "y" * 5000}]))
+        assert "messages[0].content is 5000 characters" in err.value.message
+        text = c.chat_text([{"role": "user", "content": "hi"}], max_tokens=4, temperature=0.0)
+        assert isinstance(text, str)
+
+
+def test_tokenize_detokenize_and_abort(server):
+    with client_for(server) as c:
+        ids = c.tokenize("hello world")
+        assert ids and c.detokenize(ids) == "hello world"
+        with pytest.raises(PagedServeError) as err:
+            c.detokenize([100000])
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        stream = c.generate([5, 6, 7], request_id="to-abort", max_tokens=400, temperature=0.0, ignore_eos=True)
+        first = next(stream)
+        assert first.token_ids
+        assert c.abort("to-abort") is True
+        rest = list(stream)
+        assert rest and rest[-1].finish_reason == "abort"
+        assert c.abort("no-such-request") is False
+        assert wait_idle(c).kv_blocks_used == 0
+
+
+def test_reflection_lists_the_services(server):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(f"unix:{server.socket}") as channel:
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {"pagedserve.v1.Generation", "grpc.health.v1.Health"} <= services
+
+
+def test_queue_limit_answers_resource_exhausted(tmp_path):
+    srv = ServerProcess(tmp_path, "--max-waiting-requests", "2", "--max-num-seqs", "1")
+    try:
+        srv.wait_serving()
+        with client_for(srv) as c:
+            streams = [c.generate([5, 6, 7], max_tokens=1500, temperature=0.0, ignore_eos=True) for _ in range(3)]
+            next(streams[0])  # running; the next two wait
+            time.sleep(0.3)
+            with pytest.raises(PagedServeError) as err:
+                list(c.generate([5, 6], max_tokens=2))
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_waiting_requests=2" in err.value.message
+            for s in streams:
+                s.close()
+            assert wait_idle(c).kv_blocks_used == 0
+            assert c.generate_text([5, 6], max_tokens=2, temperature=0.0, ignore_eos=True) is not None
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_sigterm_drains_running_streams_and_exits_zero(tmp_path):
+    srv = ServerProcess(tmp_path, "--drain-timeout", "1.5")
+    srv.wait_serving()
+    outcomes: list[str] = []
+    lock = threading.Lock()
+    started = threading.Barrier(17)
+
+    def stream(i):
+        with client_for(srv) as c:
+            # Half are short (they finish inside the drain window), half too long to finish.
+            s = c.generate([5 + i, 6, 7], max_tokens=20 if i % 2 else 100000 // 64, temperature=0.0, ignore_eos=True)
+            try:
+                next(s)
+                started.wait()
+                chunks = list(s)
+                result = "finished:" + (chunks[-1].finish_reason if chunks else "?")
+            except PagedServeError as e:
+                result = f"error:{e.code.name}:{e.message}"
+            with lock:
+                outcomes.append(result)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    started.wait()
+    srv.proc.terminate()
+    for t in threads:
+        t.join(30)
+    code = srv.stop()
+    assert code == 0, srv.log()
+    assert len(outcomes) == 16
+    for o in outcomes:
+        assert o == "finished:length" or (o.startswith("error:UNAVAILABLE") and "shutting down" in o), o
+    assert any(o.startswith("finished") for o in outcomes)
+    assert '"event": "server.stopped"' in srv.log()
+
+
+def test_health_goes_not_serving_then_serving_and_systemd_hears_it(tmp_path):
+    """On the embedded model (slow enough to load that NOT_SERVING is observable), with a fake
+    NOTIFY_SOCKET: READY=1 after loading, WATCHDOG=1 pings, STOPPING=1 on SIGTERM."""
+    import socket as socketlib
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    notify_path = str(tmp_path / "notify.sock")
+    notify = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_DGRAM)
+    notify.bind(notify_path)
+    notify.settimeout(0.2)
+    messages: list[str] = []
+    done = threading.Event()
+
+    def read_notify():  # drain the datagram queue as messages arrive (the kernel keeps only ~10)
+        while not done.is_set():
+            try:
+                messages.append(notify.recv(4096).decode())
+            except OSError:
+                pass
+
+    reader = threading.Thread(target=read_notify)
+    reader.start()
+    srv = ServerProcess(tmp_path, env={"NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": "300000"}, model=None)
+    seen: list[str] = []
+    try:
+        srv.wait_socket()
+        with grpc.insecure_channel(f"unix:{srv.socket}") as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
+            for resp in watch:
+                seen.append(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+                if seen[-1] == "SERVING":
+                    watch.cancel()
+                    break
+        time.sleep(0.5)
+        srv.proc.terminate()
+        assert srv.proc.wait(30) == 0, srv.log()
+    finally:
+        srv.stop()
+        time.sleep(0.3)
+        done.set()
+        reader.join()
+        notify.close()
+    assert seen[0] == "NOT_SERVING" and seen[-1] == "SERVING", seen
+    states = [line for m in messages for line in m.splitlines()]
+    assert "READY=1" in states and "WATCHDOG=1" in states and "STOPPING=1" in states, states
+    assert states.index("READY=1") < states.index("STOPPING=1")
