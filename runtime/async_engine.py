@@ -96,8 +96,8 @@ class AsyncEngine:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt: str | Sequence[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step. Leaving early (cancel, break) aborts it."""
         if not self.accepting or self._stop:
             raise EngineStoppedError("server is shutting down and accepts no new requests")
@@ -108,7 +108,7 @@ class AsyncEngine:
         if self.num_waiting >= self.max_waiting_requests:
             raise QueueFullError(f"{self.num_waiting} requests are already waiting "
                                  f"(max_waiting_requests={self.max_waiting_requests}); retry later")
-        request = self.engine.make_request(request_id, prompt, params)
+        request = self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt)
         send, receive = anyio.create_memory_object_stream[object](math.inf)
         self._streams[request_id] = send
         self._submit("add", request)
@@ -206,7 +206,7 @@ class AsyncEngine:
                 pass
 
     def _abort_all_after_failure(self, error: Exception) -> None:
-        ids = list(self.engine.requests)
+        ids = list(self.engine.groups)
         self.engine.abort_request(ids)
         if self._loop is not None:
             for rid in ids:

@@ -15,8 +15,8 @@ Every block is either *used* (``ref_cnt > 0``, in no queue) or *free* (``ref_cnt
 in the free queue exactly once). ``allocate`` takes blocks from the head, ``free`` puts a
 block whose count drops to zero at the tail, so the queue is in least-recently-freed order.
 
-Why a doubly linked list and not a deque or a set: prefix caching (a later step) keeps a
-freed block's hash, so a free block may still hold reusable K/V. A cache hit then has to
+Why a doubly linked list and not a deque or a set: prefix caching keeps a freed block's hash, so
+a free block may still hold reusable K/V. A cache hit then has to
 take that block out of the *middle* of the queue ("touch"), and eviction must take the
 least recently freed first. Links stored on the blocks themselves make both O(1):
 ``FreeKVBlockQueue.remove`` is that touch.
@@ -43,8 +43,12 @@ class KVBlock:
 
     block_id: int
     ref_cnt: int = 0
-    # Reserved for prefix caching: the hash of the full block's tokens (and its parent's hash).
+    # Prefix caching: a full block's chained hash, its parent's hash and its token ids (kept to
+    # check a hash hit token for token). They survive free(): a free block with a hash is a
+    # cached block, reusable until allocate() evicts it.
     block_hash: int | None = None
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
     # Free-queue links; both are None exactly when the block is not in the queue.
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
@@ -164,6 +168,8 @@ class BlockPool:
         self._blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
         # Initially in id order, so a fresh pool hands out 0, 1, 2, ... (handy in tests and logs).
         self._free_queue = FreeKVBlockQueue(self._blocks)
+        self._cached: dict[int, KVBlock] = {}  # block_hash -> the block holding that content
+        self.num_evictions = 0
 
     @property
     def num_blocks(self) -> int:
@@ -201,7 +207,9 @@ class BlockPool:
         for _ in range(n):
             block = self._free_queue.popleft()
             assert block.ref_cnt == 0, f"block {block.block_id} in the free queue has refs"
-            # With prefix caching this is where a cached block's hash would be evicted.
+            if block.block_hash is not None:  # evict: least recently freed cached block first
+                self._uncache(block)
+                self.num_evictions += 1
             block.ref_cnt = 1
             block_ids.append(block.block_id)
         return block_ids
@@ -210,7 +218,7 @@ class BlockPool:
         """Add one reference to each block (sharing it with one more block table).
 
         Only blocks in use can be shared: a free block's contents are not owned by anyone.
-        (Prefix caching will add a ``touch`` that revives a cached free block.)
+        (``touch`` is the way to revive a cached free block.)
         """
         blocks = [self._block(block_id) for block_id in block_ids]
         for block in blocks:
@@ -218,6 +226,44 @@ class BlockPool:
                 raise ValueError(f"cannot incref block {block.block_id}: it is free")
         for block in blocks:
             block.ref_cnt += 1
+
+    # -- prefix caching ------------------------------------------------------------------------
+
+    def lookup(self, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]) -> int | None:
+        """The block caching exactly this content (same chain and same tokens), else None."""
+        block = self._cached.get(block_hash)
+        if block is None or block.parent_hash != parent_hash or block.token_ids != token_ids:
+            return None  # absent, or a hash collision caught by the token check
+        return block.block_id
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take one more reference to cached blocks, reviving free ones out of the free queue (O(1))."""
+        for block in [self._block(block_id) for block_id in block_ids]:
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    raise ValueError(f"cannot touch block {block.block_id}: it is free and caches nothing")
+                self._free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache(self, block_id: int, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]) -> bool:
+        """Record that a used, full block holds this content; False if it (or an equal block) already does."""
+        block = self._block(block_id)
+        if block.ref_cnt == 0:
+            raise ValueError(f"cannot cache free block {block_id}")
+        if block.block_hash is not None or block_hash in self._cached:
+            return False
+        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
+        self._cached[block_hash] = block
+        return True
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def _uncache(self, block: KVBlock) -> None:
+        if self._cached.get(block.block_hash) is block:
+            del self._cached[block.block_hash]
+        block.block_hash = block.parent_hash = block.token_ids = None
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block, in the given order.
@@ -281,6 +327,10 @@ class BlockPool:
                 raise BlockPoolIntegrityError(f"block {i} has stale free-queue links")
         if self.num_free_blocks + sum(1 for r in refs if r > 0) != self._num_blocks:
             raise BlockPoolIntegrityError("free + used blocks do not add up to num_blocks")
+        for block_hash, block in self._cached.items():
+            if block.block_hash != block_hash or self._blocks[block.block_id] is not block:
+                raise BlockPoolIntegrityError(f"prefix cache maps hash {block_hash} to block {block.block_id}, "
+                                              f"which holds hash {block.block_hash}")
 
     def _block(self, block_id: int) -> KVBlock:
         if not isinstance(block_id, int) or isinstance(block_id, bool):

@@ -15,6 +15,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # the per-step token budget
     max_num_seqs: int = 256  # most requests running at once
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None  # CPU: bytes for the KV pool (None = 2 GiB)
     num_kv_blocks: int | None = None  # overrides the byte budget (tests use it to force preemption)
@@ -44,7 +45,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if not isinstance(self.enable_chunked_prefill, bool):
-            raise ValueError("enable_chunked_prefill must be a bool")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from typing import Iterable, Sequence
@@ -17,12 +18,15 @@ from pagedserve.models.loader import LoadedModel, load_model
 from .config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
-from .model_runner import ModelRunner, SampledToken
-from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from .beam_search import BeamSearchParams, Proposal, select
+from .model_runner import ModelRunner, SampledToken, StepResult
+from .outputs import CompletionOutput, EngineStats, RequestOutput
 from .request import Request, RequestStatus
+from .request_events import RequestEvents
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .sequence_group import SequenceGroup, completion, group_output, sample_generator
 
 log = structlog.get_logger("pagedserve.engine")
 
@@ -46,12 +50,13 @@ class LLMEngine:
         self.block_size = config.block_size
         num_blocks = self._num_kv_blocks()
         self.num_kv_blocks = num_blocks
-        self.kv_manager = KVCacheManager(num_blocks, self.block_size)
+        self.kv_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
         kv_caches = allocate_kv_caches(loaded.config, num_blocks, self.block_size, self.backend)
         self.runner = ModelRunner(self.model, kv_caches, self.kv_manager, Sampler(config.seed))
         self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_chunked_prefill)
-        self.requests: dict[str, Request] = {}
+        self.groups: dict[str, SequenceGroup] = {}
+        self.events = RequestEvents(config.log_requests)
         self._throughput: deque[tuple[float, int, int]] = deque()  # (time, output tokens, all tokens)
         self.num_preemptions = 0
         log.info("engine.kv_pool", num_blocks=num_blocks, block_size=self.block_size,
@@ -75,20 +80,34 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> Request:
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> SequenceGroup:
         """Validate and queue a request; raises ValueError with a precise message on bad input."""
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        request = self.make_request(request_id, prompt, params, arrival_time)
-        self.add_prepared(request)
-        return request
+        group = self.make_request(request_id, prompt, params, arrival_time, cache_salt)
+        self.add_prepared(group)
+        return group
+
+    def add_beam_request(self, request_id: str, prompt: str | Sequence[int], params: BeamSearchParams,
+                         arrival_time: float | None = None) -> SequenceGroup:
+        """Queue a beam search; its one finished output carries beam_width completions, best first."""
+        sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
+        group = self.make_request(request_id, prompt, sampling, arrival_time)
+        group.beam = params
+        per_beam = -(-(len(group.prompt_token_ids) + params.max_tokens) // self.block_size)
+        if params.beam_width * per_beam > self.num_kv_blocks or params.beam_width > self.config.max_num_seqs:
+            raise ValueError(f"beam search of width {params.beam_width} needs up to {params.beam_width * per_beam} "
+                             f"KV blocks and {params.beam_width} sequence slots; the pool has {self.num_kv_blocks} "
+                             f"blocks and max_num_seqs is {self.config.max_num_seqs}")
+        self.add_prepared(group)
+        return group
 
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                     arrival_time: float | None = None) -> Request:
+                     arrival_time: float | None = None, cache_salt: str | None = None) -> SequenceGroup:
         """Validate a request and build it, touching no engine state (safe from another thread)."""
         params = params or SamplingParams()
-        if params.n != 1 or (params.best_of or 1) != 1:
-            raise ValueError("n and best_of > 1 (parallel sampling) are not supported yet; send n separate requests")
+        if not isinstance(request_id, str) or not request_id or "#" in request_id:
+            raise ValueError(f"request_id must be a non-empty string without '#', got {request_id!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -105,32 +124,42 @@ class LLMEngine:
         if needed > self.num_kv_blocks:
             raise ValueError(f"prompt plus max_tokens needs {needed} KV blocks but the whole pool has "
                              f"{self.num_kv_blocks}; lower max_tokens or enlarge the KV cache")
-        generator = np.random.default_rng(params.seed) if params.seed is not None else None
-        request = Request(request_id, ids, params, arrival_time or time.monotonic(),
-                          eos_token_ids=self.model_config.eos_token_ids, prompt=text, generator=generator)
-        request.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens)
-        return request
+        arrival = arrival_time or time.monotonic()
+        group = SequenceGroup(request_id, text, ids, params, arrival, eos_token_ids=self.model_config.eos_token_ids,
+                              num_to_fork=(params.best_of or params.n) - 1)
+        first = self._new_seq(group, request_id, 0)
+        first.cache_salt = cache_salt
+        group.seqs.append(first)
+        group.first = first
+        return group
 
-    def add_prepared(self, request: Request) -> None:
+    def _new_seq(self, group: SequenceGroup, seq_id: str, index: int) -> Request:
+        p = group.params
+        r = Request(seq_id, group.prompt_token_ids, p, group.arrival_time, eos_token_ids=group.eos_token_ids,
+                    prompt=group.prompt, generator=sample_generator(p.seed, index), sample_index=index, group=group)
+        r.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, group.prompt_token_ids, skip_special_tokens=p.skip_special_tokens, stop=p.stop,
+            include_stop_str_in_output=p.include_stop_str_in_output, min_tokens=p.min_tokens)
+        return r
+
+    def add_prepared(self, group: SequenceGroup) -> None:
         """Queue a request built by make_request."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
-        self.scheduler.add_request(request)
-        if self.config.log_requests is not None:
-            fields = {"prompt": request.prompt} if self.config.log_requests and request.prompt is not None else {}
-            log.info("request.queued", request_id=request.request_id, prompt_tokens=request.num_prompt_tokens,
-                     max_tokens=request.sampling_params.max_tokens, **fields)
+        if group.request_id in self.groups:
+            raise ValueError(f"request_id {group.request_id!r} is already in use")
+        self.groups[group.request_id] = group
+        self.scheduler.add_request(group.seqs[0])
+        self.events.queued(group.seqs[0])
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
-        """Abort requests; their blocks are freed at once. Unknown or finished ids are ignored."""
+        """Abort requests (every sequence of each); their blocks are freed at once. Unknown ids are ignored."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            request = self.requests.pop(rid, None)
-            if request is not None:
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
-                self._log_end("request.aborted", request)
+            group = self.groups.pop(rid, None)
+            if group is None:
+                continue
+            group.aborted = True
+            for seq in group.live:
+                self.scheduler.finish_request(seq, RequestStatus.FINISHED_ABORTED)
+            self.events.ended("request.aborted", group.first, rid)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -139,74 +168,140 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        self._note_preemptions(sched)
+        self.num_preemptions += len(sched.preempted)
+        self.events.scheduled(sched)
         if sched.is_empty:
             return []
-        sampled = self.runner.execute(sched)
-        return self._update(sched, sampled)
+        forks = self._plan_forks(sched)
+        results = self.runner.execute(sched, forks)
+        return self._update(sched, forks, results)
 
-    def _note_preemptions(self, sched: SchedulerOutput) -> None:
-        self.num_preemptions += len(sched.preempted)
-        if self.config.log_requests is None:
-            return
-        for r in sched.preempted:
-            log.info("request.preempted", request_id=r.request_id, output_tokens=r.num_output_tokens,
-                     num_preemptions=r.num_preemptions)
-        for s in sched.scheduled:
-            t = s.request.timings
-            if t.first_scheduled is not None and s.request.num_computed_tokens == 0 and not s.request.num_preemptions:
-                log.info("request.scheduled", request_id=s.request.request_id,
-                         queue_time_s=round(t.first_scheduled - t.arrival, 6), num_new_tokens=s.num_new_tokens)
+    def _plan_forks(self, sched: SchedulerOutput) -> dict[int, list[Request]]:
+        """Samples 1.. of n > 1 requests whose prompt completes this step: created now, forked after."""
+        forks: dict[int, list[Request]] = {}
+        for i, s in enumerate(sched.scheduled):
+            r = s.request
+            group = r.group
+            if group.num_to_fork and r.sample_index == 0 and r.num_computed_tokens + s.num_new_tokens == r.num_tokens:
+                forks[i] = [self._new_seq(group, group.next_seq_id(), k) for k in range(1, group.num_to_fork + 1)]
+        return forks
 
-    def _log_end(self, event: str, r: Request) -> None:
-        if self.config.log_requests is None:
-            return
-        t = r.timings
-        fields = {}
-        if t.first_token is not None:
-            fields["ttft_s"] = round(t.first_token - t.arrival, 6)
-            if r.num_output_tokens > 1 and t.finished is not None:
-                fields["tpot_s"] = round((t.finished - t.first_token) / (r.num_output_tokens - 1), 6)
-        if t.first_scheduled is not None:
-            fields["queue_time_s"] = round(t.first_scheduled - t.arrival, 6)
-        if self.config.log_requests:
-            fields["output"] = r.detokenizer.output_text
-        log.info(event, request_id=r.request_id, finish_reason=r.finish_reason, prompt_tokens=r.num_prompt_tokens,
-                 completion_tokens=r.num_output_tokens, cached_tokens=r.num_cached_tokens,
-                 e2e_s=round((t.finished or time.monotonic()) - t.arrival, 6), **fields)
-
-    def _update(self, sched: SchedulerOutput, sampled: list[SampledToken | None]) -> list[RequestOutput]:
+    def _update(self, sched: SchedulerOutput, forks: dict[int, list[Request]],
+                results: list[StepResult | None]) -> list[RequestOutput]:
         now = time.monotonic()
-        outputs = []
+        changed: dict[str, list[CompletionOutput]] = {}
         num_out = 0
-        for s, tok in zip(sched.scheduled, sampled):
+        for i, (s, result) in enumerate(zip(sched.scheduled, results)):
             r = s.request
             r.num_computed_tokens += s.num_new_tokens
-            if tok is None:
+            self.kv_manager.cache_full_blocks(r.request_id, r.all_token_ids, r.num_computed_tokens, r.cache_salt)
+            if result is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            num_out += 1
+            group = r.group
             if r.timings.first_token is None:
                 r.timings.first_token = now
-                if self.config.log_requests is not None:
-                    log.info("request.first_token", request_id=r.request_id,
-                             ttft_s=round(now - r.timings.arrival, 6))
-            r.append_output_token(tok.token_id)
-            r.cumulative_logprob += tok.logprob
-            if r.sampling_params.logprobs is not None:
-                r.output_logprobs.append(tok.logprob)
-                r.output_top_logprobs.append(tok.top_logprobs or [])
-            delta = r.detokenizer.add_tokens([tok.token_id])
-            status = self._stop_status(r, tok.token_id, delta.stop_hit)
-            new_text = delta.text
-            if status is not None:
-                if delta.stop_hit is None:
-                    new_text += r.detokenizer.finish()
-                self.requests.pop(r.request_id, None)
-                self.scheduler.finish_request(r, status)
-                self._log_end("request.finished", r)
-            outputs.append(self._make_output(r, new_text, [tok.token_id]))
+                self.events.first_token(r, now)
+            if group.beam is not None:
+                group.beam_pending[r.request_id] = result.beam_topk
+                num_out += self._advance_beams(group)
+                if group.is_finished:
+                    changed.setdefault(group.request_id, [])
+                continue
+            for child in forks.get(i, []):  # share the prompt's blocks with every other sample
+                self.kv_manager.fork(r.request_id, child.request_id)
+                child.num_computed_tokens = r.num_computed_tokens
+                child.num_cached_tokens = r.num_cached_tokens
+                child.timings = dataclasses.replace(r.timings)
+                self.scheduler.add_running(child)
+                group.seqs.append(child)
+            group.num_to_fork = 0
+            for seq, tok in zip([r, *forks.get(i, [])], result.samples):
+                num_out += 1
+                changed.setdefault(group.request_id, []).append(self._append_sample(seq, tok))
         self._throughput.append((now, num_out, sched.num_batched_tokens))
+        return self._collect(changed)
+
+    def _append_sample(self, r: Request, tok: SampledToken) -> CompletionOutput:
+        r.append_output_token(tok.token_id)
+        r.cumulative_logprob += tok.logprob
+        if r.sampling_params.logprobs is not None:
+            r.output_logprobs.append(tok.logprob)
+            r.output_top_logprobs.append(tok.top_logprobs or [])
+        delta = r.detokenizer.add_tokens([tok.token_id])
+        status = self._stop_status(r, tok.token_id, delta.stop_hit)
+        new_text = delta.text
+        if status is not None:
+            if delta.stop_hit is None:
+                new_text += r.detokenizer.finish()
+            self.scheduler.finish_request(r, status)
+        return completion(r, r.sample_index, new_text, [tok.token_id])
+
+    def _collect(self, changed: dict[str, list[CompletionOutput]]) -> list[RequestOutput]:
+        """One RequestOutput per group that moved: its new deltas, or its final outputs when it is done."""
+        outputs = []
+        for rid, completions in changed.items():
+            group = self.groups.get(rid)
+            if group is None:
+                continue
+            if group.is_finished:
+                del self.groups[rid]
+                final = group.final_completions(self.tokenizer.decode)
+                if group.beam is None and group.params.n == len(group.seqs):  # streamed samples: keep deltas
+                    deltas = {c.index: c for c in completions}
+                    for c in final:
+                        if c.index in deltas:
+                            c.new_text, c.new_token_ids = deltas[c.index].new_text, deltas[c.index].new_token_ids
+                outputs.append(group_output(group, final, finished=True))
+                self.events.ended("request.finished", group.first, rid, group)
+            elif group.beam is None and (group.params.best_of or group.params.n) == group.params.n:
+                outputs.append(group_output(group, completions, finished=False))
         return outputs
+
+    def _advance_beams(self, group: SequenceGroup) -> int:
+        """Once every live beam has its next-token proposals, pick the new beams (see beam_search.py)."""
+        live = group.live
+        if any(b.request_id not in group.beam_pending for b in live):
+            return 0  # a sibling was preempted and is being recomputed
+        bp = group.beam
+        proposals = []
+        for k, beam in enumerate(live):
+            ids, lps = group.beam_pending.pop(beam.request_id)
+            proposals += [Proposal(k, int(t), float(lp), beam.cumulative_logprob + float(lp)) for t, lp in zip(ids, lps)]
+        survivors, finished = select(proposals, bp.beam_width, group.eos_token_ids, bp.ignore_eos)
+        for p in finished:
+            group.beam_done.append((live[p.beam].output_token_ids + [p.token_id], p.score))
+        taken: set[int] = set()
+        new_live: list[Request] = []
+        for p in survivors:  # forks first, from each parent's state before any token is appended
+            parent = live[p.beam]
+            if p.beam in taken:
+                child = self._new_seq(group, group.next_seq_id(), parent.sample_index)
+                child.output_token_ids = list(parent.output_token_ids)
+                child.all_token_ids = list(parent.all_token_ids)
+                child.cumulative_logprob = parent.cumulative_logprob
+                child.timings = dataclasses.replace(parent.timings)
+                if parent.status == RequestStatus.RUNNING:
+                    self.kv_manager.fork(parent.request_id, child.request_id)
+                    child.num_computed_tokens = parent.num_computed_tokens
+                    self.scheduler.add_running(child)
+                else:  # the parent was preempted after proposing: the child recomputes too
+                    self.scheduler.add_request(child)
+                new_live.append(child)
+            else:
+                taken.add(p.beam)
+                new_live.append(parent)
+        for k, beam in enumerate(live):
+            if k not in taken:  # a beam that died: its blocks go back (shared ones stay with the others)
+                self.scheduler.finish_request(beam, RequestStatus.FINISHED_ABORTED)
+        for beam, p in zip(new_live, survivors):
+            beam.append_output_token(p.token_id)
+            beam.cumulative_logprob = p.score
+        group.seqs = new_live
+        if new_live and (new_live[0].num_output_tokens >= bp.max_tokens or new_live[0].num_tokens >= self.max_model_len):
+            for beam in new_live:
+                group.beam_done.append((list(beam.output_token_ids), beam.cumulative_logprob))
+                self.scheduler.finish_request(beam, RequestStatus.FINISHED_LENGTH)
+        return len(survivors)
 
     def _stop_status(self, r: Request, token_id: int, stop_hit: str | None) -> RequestStatus | None:
         p = r.sampling_params
@@ -224,20 +319,6 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _make_output(self, r: Request, new_text: str, new_ids: list[int]) -> RequestOutput:
-        logprobs = None
-        if r.sampling_params.logprobs is not None:
-            logprobs = [{r.output_token_ids[i]: lp, **dict(top)} for i, (lp, top)
-                        in enumerate(zip(r.output_logprobs, r.output_top_logprobs))]
-        completion = CompletionOutput(
-            index=0, text=r.detokenizer.output_text, token_ids=list(r.output_token_ids),
-            cumulative_logprob=r.cumulative_logprob, logprobs=logprobs, finish_reason=r.finish_reason,
-            stop_reason=r.stop_reason, new_text=new_text, new_token_ids=new_ids)
-        t = r.timings
-        return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, [completion], r.is_finished,
-                             RequestMetrics(t.arrival, t.first_scheduled, t.first_token, t.finished),
-                             r.num_cached_tokens)
-
     # -- observability ---------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
@@ -252,8 +333,15 @@ class LLMEngine:
         out_tps = sum(x[1] for x in self._throughput) / span if span > 0 else 0.0
         all_tps = sum(x[2] for x in self._throughput) / span if span > 0 else 0.0
         usage = self.kv_manager.usage()
-        held = sum(r.num_computed_tokens for r in self.scheduler.running)
+        sched = self.scheduler
+        held = sum(r.num_computed_tokens for r in sched.running)
         slots = usage.num_used_blocks * self.block_size
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), usage.num_used_blocks,
-                           usage.num_blocks, held / slots if slots else 0.0, out_tps, all_tps,
-                           self.num_preemptions)
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.backend.dtype.itemsize)
+        table_blocks = sum(len(self.kv_manager.block_table(r.request_id)) for r in sched.running)
+        return EngineStats(
+            len(sched.running), len(sched.waiting), usage.num_used_blocks, usage.num_blocks,
+            min(held / slots, 1.0) if slots else 0.0, out_tps, all_tps, self.num_preemptions,
+            prefix_cache_hit_rate=sched.num_cached_prompt_tokens / sched.num_prompt_tokens if sched.num_prompt_tokens else 0.0,
+            prefix_cache_request_hit_rate=sched.num_admitted_with_hit / sched.num_admitted if sched.num_admitted else 0.0,
+            num_shared_blocks=usage.num_shared_blocks, num_exclusive_blocks=usage.num_exclusive_blocks,
+            kv_bytes_used=usage.num_used_blocks * per_block, kv_bytes_without_sharing=table_blocks * per_block)

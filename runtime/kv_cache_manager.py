@@ -26,6 +26,7 @@ applied on the device *before* the step's forward writes any new K/V.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedserve.runtime.block_pool import BlockPool, BlockPoolIntegrityError
@@ -68,10 +69,13 @@ def _check_count(name: str, value: int) -> None:
 class KVCacheManager:
     """Owns a BlockPool and the block table of every live sequence (keyed by a str id)."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         self.pool = BlockPool(num_blocks, block_size)
+        self.enable_prefix_caching = enable_prefix_caching
         self._block_tables: dict[str, list[int]] = {}
         self._pending_copies: list[tuple[int, int]] = []
+        # Prefix caching: the chained hashes of each sequence's full blocks hashed so far.
+        self._hashes: dict[str, list[int]] = {}
 
     @property
     def block_size(self) -> int:
@@ -124,6 +128,74 @@ class KVCacheManager:
         table.extend(fresh[len(plan.cow_indices):])
         return True
 
+    # -- prefix caching --------------------------------------------------------------------------
+    #
+    # Every full block gets a hash chained from its parent's: block i's hash covers all tokens
+    # 0 .. (i+1)*block_size - 1 plus an extra key (a per-tenant cache_salt), so equal hashes mean
+    # equal prefixes; a hit is still checked token for token against the block (collisions).
+    #
+    #   tokens  [The cat sat on | the mat and | then it sl]   block_size 4 (say)
+    #   hashes   h0 = H(root, b0)  h1 = H(h0, b1)  (partial: not hashed)
+
+    @staticmethod
+    def _root_hash(extra_key: object) -> int:
+        return hash(("pagedserve-prefix-root", extra_key))
+
+    def find_cached_prefix(self, token_ids: Sequence[int], extra_key: object = None) -> list[int]:
+        """Blocks of the longest cached prefix of full blocks of `token_ids`.
+
+        Capped so at least the last token is left to compute: its logits are needed to sample.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        block_size = self.pool.block_size
+        parent = self._root_hash(extra_key)
+        found: list[int] = []
+        for i in range((len(token_ids) - 1) // block_size):
+            tokens = tuple(token_ids[i * block_size : (i + 1) * block_size])
+            block_hash = hash((parent, tokens))
+            block_id = self.pool.lookup(block_hash, parent, tokens)
+            if block_id is None:
+                break
+            found.append(block_id)
+            parent = block_hash
+        return found
+
+    def allocate_with_prefix(self, seq_id: str, cached_blocks: Sequence[int], num_new_tokens: int) -> bool:
+        """Start a sequence on cached blocks, then make room for `num_new_tokens` after them.
+
+        All-or-nothing like allocate_slots: on failure the cached blocks are released again.
+        """
+        self._check_seq_id(seq_id)
+        if self._block_tables.get(seq_id):
+            raise ValueError(f"sequence {seq_id!r} already has blocks; prefix hits apply to new sequences")
+        if not cached_blocks:
+            return self.allocate_slots(seq_id, 0, num_new_tokens)
+        self.pool.touch(cached_blocks)
+        self._block_tables[seq_id] = list(cached_blocks)
+        if self.allocate_slots(seq_id, len(cached_blocks) * self.pool.block_size, num_new_tokens):
+            return True
+        self.free(seq_id)
+        return False
+
+    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                          extra_key: object = None) -> None:
+        """Hash the sequence's blocks that became full (all their tokens computed) since the last call."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._block_tables.get(seq_id)
+        if table is None:
+            return
+        block_size = self.pool.block_size
+        chain = self._hashes.setdefault(seq_id, [])
+        parent = chain[-1] if chain else self._root_hash(extra_key)
+        for i in range(len(chain), min(num_computed_tokens // block_size, len(table))):
+            tokens = tuple(token_ids[i * block_size : (i + 1) * block_size])
+            block_hash = hash((parent, tokens))
+            self.pool.cache(table[i], block_hash, parent, tokens)
+            chain.append(block_hash)
+            parent = block_hash
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give ``child_id`` the parent's blocks, shared (each ref_cnt + 1); nothing is copied.
 
@@ -138,6 +210,8 @@ class KVCacheManager:
         parent_table = self._block_tables[parent_id]
         self.pool.incref(parent_table)
         self._block_tables[child_id] = list(parent_table)
+        if parent_id in self._hashes:
+            self._hashes[child_id] = list(self._hashes[parent_id])
 
     def free(self, seq_id: str) -> None:
         """Release the sequence's blocks and forget it; a no-op for an unknown id.
@@ -146,6 +220,7 @@ class KVCacheManager:
         prefix cache would evict a chain's tail before the prefix other requests may share.
         """
         table = self._block_tables.pop(seq_id, None)
+        self._hashes.pop(seq_id, None)
         if table:
             self.pool.free(reversed(table))
             # A copy into a block nobody holds any more is useless; dropping it also keeps

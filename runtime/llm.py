@@ -6,6 +6,7 @@ import sys
 import time
 from typing import Sequence, Union
 
+from .beam_search import BeamSearchParams
 from .config import EngineConfig
 from .engine import LLMEngine
 from .outputs import RequestOutput
@@ -49,6 +50,21 @@ class LLM:
                 self.engine.add_request(ids[-1], prompt, p)
         except ValueError:
             self.engine.abort_request(ids)  # nothing half-queued is left behind
+            raise
+        return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Beam search for each prompt; each output holds params.beam_width completions, best first."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = []
+        try:
+            for prompt in prompts:
+                ids.append(self._next_id())
+                self.engine.add_beam_request(ids[-1], prompt, params)
+        except ValueError:
+            self.engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
 

@@ -27,6 +27,14 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] | None
 
 
+@dataclass
+class StepResult:
+    """What one scheduled sequence got from a step whose chunk reached the end of its tokens."""
+
+    samples: list[SampledToken]  # the sequence's next token, then one per sample forked from it
+    beam_topk: tuple[np.ndarray, np.ndarray] | None = None  # beam search: (token ids, logprobs), best first
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[Any, Any]], kv_manager: KVCacheManager,
                  sampler: Sampler) -> None:
@@ -35,10 +43,12 @@ class ModelRunner:
         self.kv = kv_manager
         self.sampler = sampler
 
-    def execute(self, sched: SchedulerOutput) -> list[SampledToken | None]:
-        """One forward pass; entry i is the token sampled for sched.scheduled[i] (None mid-prefill)."""
+    def execute(self, sched: SchedulerOutput, forks: dict[int, list] | None = None) -> list[StepResult | None]:
+        """One forward pass. Entry i is for sched.scheduled[i]: None mid-prefill, else its samples
+        (its own and those of `forks[i]`, the samples about to fork from it) or beam proposals."""
+        forks = forks or {}
         copy_blocks(self.kv_caches, self.kv.take_pending_copies())
-        chunks, sampling_rows = [], []
+        chunks, completing = [], []
         for i, s in enumerate(sched.scheduled):
             r = s.request
             start = r.num_computed_tokens
@@ -46,28 +56,48 @@ class ModelRunner:
             chunks.append(SeqChunk(r.all_token_ids[start : start + s.num_new_tokens], start,
                                    self.kv.block_table(r.request_id), needs_logits=completes))
             if completes:
-                sampling_rows.append(i)
+                completing.append(i)
         batch = build_forward_batch(chunks, self.kv.block_size)
         logits = self.model.forward(batch, self.kv_caches)
-        results: list[SampledToken | None] = [None] * len(sched.scheduled)
-        if not sampling_rows:
+        results: list[StepResult | None] = [None] * len(sched.scheduled)
+        rows, seqs, owners = [], [], []  # sampler rows: logits row, sequence, scheduled index
+        for row, i in enumerate(completing):
+            r = sched.scheduled[i].request
+            if r.group is not None and r.group.beam is not None:
+                results[i] = StepResult([], self._beam_topk(logits[row], 2 * r.group.beam.beam_width))
+                continue
+            for seq in [r, *forks.get(i, [])]:
+                rows.append(row)
+                seqs.append(seq)
+                owners.append(i)
+        if not rows:
             return results
-        requests = [sched.scheduled[i].request for i in sampling_rows]
-        banned = [_banned_ids(r) for r in requests]
+        banned = [_banned_ids(r) for r in seqs]
         out = self.sampler(
-            logits,
-            [r.sampling_params for r in requests],
-            [r.generator for r in requests],
-            [r.prompt_token_ids for r in requests],
-            [r.output_token_ids for r in requests],
+            logits[np.asarray(rows)] if rows != list(range(len(completing))) else logits,
+            [r.sampling_params for r in seqs],
+            [r.generator for r in seqs],
+            [r.prompt_token_ids for r in seqs],
+            [r.output_token_ids for r in seqs],
             banned_token_ids=banned if any(banned) else None,
         )
         token_ids = np.asarray(out.token_ids).tolist()
         logprobs = np.asarray(out.logprobs).tolist()
-        for row, i in enumerate(sampling_rows):
-            top = out.top_logprobs[row] if out.top_logprobs is not None else None
-            results[i] = SampledToken(token_ids[row], logprobs[row], top)
+        for k, i in enumerate(owners):
+            top = out.top_logprobs[k] if out.top_logprobs is not None else None
+            if results[i] is None:
+                results[i] = StepResult([])
+            results[i].samples.append(SampledToken(token_ids[k], logprobs[k], top))
         return results
+
+    @staticmethod
+    def _beam_topk(logits_row, k: int) -> tuple[np.ndarray, np.ndarray]:
+        row = np.asarray(logits_row, dtype=np.float64)
+        logprobs = row - (row.max() + np.log(np.exp(row - row.max()).sum()))
+        k = min(k, row.shape[0])
+        top = np.argpartition(-logprobs, k - 1)[:k]
+        top = top[np.lexsort((top, -logprobs[top]))]  # best first; ties: the lower token id
+        return top, logprobs[top]
 
 
 def _banned_ids(request) -> list[int]:

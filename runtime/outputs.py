@@ -61,6 +61,12 @@ class EngineStats:
     output_tokens_per_s: float
     total_tokens_per_s: float
     num_preemptions: int
+    prefix_cache_hit_rate: float = 0.0  # cached prompt tokens / prompt tokens, since start
+    prefix_cache_request_hit_rate: float = 0.0  # requests with a hit / requests, since start
+    num_shared_blocks: int = 0  # referenced by more than one sequence (forks, prefix hits)
+    num_exclusive_blocks: int = 0  # referenced by exactly one sequence
+    kv_bytes_used: int = 0  # bytes of the blocks in use
+    kv_bytes_without_sharing: int = 0  # what the live block tables would take if nothing were shared
 
     @property
     def kv_block_usage(self) -> float:

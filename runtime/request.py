@@ -44,6 +44,7 @@ class Request:
     arrival_time: float
     eos_token_ids: tuple[int, ...] = ()
     prompt: str | None = None
+    cache_salt: str | None = None  # keeps tenants' prefix-cache entries apart
     generator: np.random.Generator | None = None
     detokenizer: Any = None  # runtime.detokenizer.IncrementalDetokenizer, set by the engine
     status: RequestStatus = RequestStatus.WAITING
@@ -56,6 +57,8 @@ class Request:
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None
     timings: RequestTimings | None = None
+    sample_index: int = 0  # which of the group's samples this sequence is
+    group: Any = None  # the runtime.sequence_group.SequenceGroup it belongs to
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

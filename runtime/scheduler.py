@@ -8,6 +8,10 @@
 When the free blocks cannot cover a running request, the newest running request is preempted: its
 blocks are freed and it goes back to the front of the waiting queue with num_computed_tokens = 0, to be
 recomputed from its prompt and the tokens it already produced (so it yields the same tokens later).
+
+With prefix caching, a request being admitted first takes the longest cached prefix of full blocks
+(those tokens count as computed), so a shared system prompt, or a preempted request's own freed but
+still cached blocks, is not computed again.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    admitted: list[tuple[Request, int]] = field(default_factory=list)  # moved from waiting this step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -49,6 +54,11 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Prefix cache hit counters (first admissions only).
+        self.num_prompt_tokens = 0
+        self.num_cached_prompt_tokens = 0
+        self.num_admitted = 0
+        self.num_admitted_with_hit = 0
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -66,57 +76,100 @@ class Scheduler:
                 pass
         self.kv.free(request.request_id)
 
+    def add_running(self, request: Request) -> None:
+        """A sequence forked from a running one (parallel samples, beams): it runs from the next step."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
-        self.kv.free(request.request_id)
-        request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.waiting.appendleft(request)
+    def _preempt(self, request: Request, out: SchedulerOutput) -> list[Request]:
+        """Preempt `request` and, for a beam, its running sibling beams: beams move together, because a
+        beam can only advance once all its siblings have proposed their next tokens."""
+        group = request.group
+        members = [request]
+        if group is not None and group.beam is not None:
+            members = [m for m in group.seqs if m in self.running] or [request]
+        for m in members:
+            out.scheduled = [s for s in out.scheduled if s.request is not m]  # un-schedule: its slots go too
+            self.running.remove(m)
+            self.kv.free(m.request_id)
+            m.status = RequestStatus.WAITING
+            m.num_computed_tokens = 0
+            m.num_preemptions += 1
+            self.waiting.appendleft(m)
+            out.preempted.append(m)
+        return members
+
+    def _budget(self, out: SchedulerOutput) -> int:
+        return self.max_num_batched_tokens - out.num_batched_tokens
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
         now = time.monotonic()
         # Decodes first, then prefills; each group oldest first (the running list is in admission order).
-        order = sorted(self.running, key=lambda r: r.is_prefilling)
-        scheduled_ids: set[str] = set()
-        for request in order:
+        for request in sorted(self.running, key=lambda r: r.is_prefilling):
             if request not in self.running:  # preempted earlier in this loop
                 continue
-            if budget == 0:
+            budget = self._budget(out)
+            if budget <= 0:
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:  # a beam waiting for its siblings' proposals: nothing to compute
+                continue
             while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new):
-                victim = next((r for r in reversed(self.running) if r.request_id not in scheduled_ids), None)
-                if victim is None:
-                    break
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
+                if request in self._preempt(self.running[-1], out):  # newest first
                     break
             else:
                 out.scheduled.append(ScheduledRequest(request, num_new))
-                scheduled_ids.add(request.request_id)
-                budget -= num_new
         # New requests only when nothing was preempted: memory is tight, let the running ones finish.
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            remaining = request.num_tokens - request.num_computed_tokens
-            if remaining > budget and not self.enable_chunked_prefill:
+        while self.waiting and not out.preempted and self._budget(out) > 0:
+            if not self._admit(self._admission_unit(), out, now):
                 break
-            num_new = min(remaining, budget)
-            if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new):
+        return out
+
+    def _admission_unit(self) -> list[Request]:
+        """The head of the queue, with its sibling beams: a beam group is admitted whole or not at all."""
+        head = self.waiting[0]
+        if head.group is None or head.group.beam is None:
+            return [head]
+        return [head] + [r for r in self.waiting if r is not head and r.group is head.group]
+
+    def _admit(self, unit: list[Request], out: SchedulerOutput, now: float) -> bool:
+        if self.running and len(self.running) + len(unit) > self.max_num_seqs:
+            return False
+        planned: list[tuple[Request, int, int]] = []  # (request, cached tokens, new tokens)
+        for k, request in enumerate(unit):
+            cached = self.kv.find_cached_prefix(request.all_token_ids, request.cache_salt)
+            num_cached = len(cached) * self.kv.block_size
+            remaining = request.num_tokens - num_cached
+            share = self._budget(out) // (len(unit) - k)  # split the budget across a beam group
+            if share <= 0 or (remaining > share and not self.enable_chunked_prefill):
                 break
-            self.waiting.popleft()
+            num_new = min(remaining, share)
+            if not self.kv.allocate_with_prefix(request.request_id, cached, num_new):
+                break
+            planned.append((request, num_cached, num_new))
+            out.scheduled.append(ScheduledRequest(request, num_new))
+        if len(planned) < len(unit):  # roll back a partly admitted group
+            for request, _, _ in planned:
+                self.kv.free(request.request_id)
+                out.scheduled = [s for s in out.scheduled if s.request is not request]
+            return False
+        for request, num_cached, num_new in planned:
+            request.num_computed_tokens = num_cached
+            if request.num_preemptions == 0:  # count hits of the prompt, not of a recompute
+                request.num_cached_tokens = num_cached
+                self.num_prompt_tokens += request.num_prompt_tokens
+                self.num_cached_prompt_tokens += num_cached
+                self.num_admitted += 1
+                self.num_admitted_with_hit += num_cached > 0
+            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             if request.timings.first_scheduled is None:
                 request.timings.first_scheduled = now
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
-        return out
+            out.admitted.append((request, num_new))
+        return True

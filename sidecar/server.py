@@ -144,6 +144,9 @@ class SidecarServer:
                     break
                 await self.drain()
                 tg.cancel_scope.cancel()
+        # Drained: a repeated SIGTERM during the last moments of shutdown must not turn exit 0 into a kill.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     async def drain(self) -> None:
         timeout = self.settings.drain_timeout

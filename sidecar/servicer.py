@@ -85,9 +85,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             params = sampling_params_from_proto(request.sampling)
             prompt = self._prompt(engine, request)
-            async for out in engine.generate(request_id, prompt, params):
+            whole = (params.best_of or params.n) > params.n  # best_of: only the chosen n, at the end
+            async for out in engine.generate(request_id, prompt, params, cache_salt=request.cache_salt or None):
                 last = out
-                yield pb.GenerateResponse(chunk=self._chunk(out, params))
+                for c in out.outputs:
+                    if whole or c.new_token_ids:
+                        yield pb.GenerateResponse(chunk=self._chunk(c, params, whole))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFullError as e:
@@ -101,11 +104,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         yield pb.GenerateResponse(usage=self._usage(request_id, last, start))
 
     @staticmethod
-    def _chunk(out: RequestOutput, params: SamplingParams) -> pb.Chunk:
-        c = out.outputs[0]
-        chunk = pb.Chunk(index=c.index, text=c.new_text, token_ids=c.new_token_ids, finish_reason=c.finish_reason or "")
-        if params.logprobs is not None and c.logprobs:
-            for token_id, entry in zip(c.new_token_ids, c.logprobs[-len(c.new_token_ids):]):
+    def _chunk(c, params: SamplingParams, whole: bool = False) -> pb.Chunk:
+        ids = c.token_ids if whole else c.new_token_ids
+        chunk = pb.Chunk(index=c.index, text=c.text if whole else c.new_text, token_ids=ids,
+                         finish_reason=c.finish_reason or "")
+        if params.logprobs is not None and c.logprobs and ids:
+            for token_id, entry in zip(ids, c.logprobs[-len(ids):]):
                 top = sorted(((t, lp) for t, lp in entry.items() if t != token_id), key=lambda x: -x[1])
                 chunk.logprobs.add(token_id=token_id, logprob=entry[token_id],
                                    top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in top])

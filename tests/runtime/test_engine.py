@@ -92,7 +92,7 @@ def test_decodes_get_a_token_every_step_during_a_long_chunked_prefill(tiny):
     e.add_request("long", list(np.random.default_rng(3).integers(3, 512, size=2000)),
                   SamplingParams(temperature=0, max_tokens=1))
     chunks = 0
-    while e.requests.get("long") is not None and e.requests["long"].num_output_tokens == 0:
+    while "long" in e.groups and e.groups["long"].seqs[0].num_output_tokens == 0:
         outs = {o.request_id for o in e.step()}
         assert {f"d{i}" for i in range(4)} <= outs, "a running decode missed a step"
         chunks += 1
