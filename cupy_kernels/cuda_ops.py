@@ -172,11 +172,18 @@ def _i64(x: int) -> np.int64:
     return np.int64(x)
 
 
-def _dummy():
-    """A valid device pointer for kernel arguments that a launch does not use."""
+_dummies: dict[tuple[int, str], Any] = {}
+
+
+def _dummy(dtype=np.float32):
+    """A valid device pointer for kernel arguments that a launch does not use (one per device and dtype)."""
     import cupy
 
-    return cupy.empty(1, dtype=cupy.float32)
+    key = (cupy.cuda.runtime.getDevice(), np.dtype(dtype).str)
+    d = _dummies.get(key)
+    if d is None:
+        d = _dummies[key] = cupy.zeros(1, dtype=dtype)
+    return d
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,7 +241,7 @@ def _norm(x, residual, weight, eps: float):
     rows = x2.shape[0]
     normed = cupy.empty((rows, hidden), dtype=x.dtype)
     if residual is None:
-        r_in = r_out = _dummy().astype(x.dtype)
+        r_in = r_out = _dummy(x.dtype)
         r_stride = 0
     else:
         r_in = _rows(residual, hidden, "add_rms_norm residual")
@@ -320,7 +327,7 @@ def silu_and_mul(x):
     if rows and inter:
         threads = 256
         _kernel("activation", f"silu_and_mul_kernel<{t}>")(
-            (-(-inter // threads), rows), (threads,),
+            (rows, -(-inter // threads)), (threads,),
             (out, x, _i64(_elements(x.strides[0], x.itemsize, "x")), _i32(inter)),
         )
     return out

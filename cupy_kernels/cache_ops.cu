@@ -1,0 +1,47 @@
+// Paged KV cache writes and copy-on-write block copies.
+
+// key/value [T, KV, D] (token and head strides given in elements, dims contiguous) -> the caches'
+// slot `slot_mapping[t]` ([num_slots, KV, D] when flattened). Slot -1 means "do not write" (padding,
+// or a token whose K/V is already cached); slots outside the cache are skipped as well (the host
+// checks them when it has slot_mapping in host memory).
+template <typename T>
+__global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __restrict__ value,
+                                         long long k_stride_token, long long k_stride_head,
+                                         long long v_stride_token, long long v_stride_head,
+                                         T* __restrict__ k_cache, T* __restrict__ v_cache,
+                                         const long long* __restrict__ slot_mapping, long long num_slots,
+                                         int num_kv_heads, int head_dim) {
+    const long long token = blockIdx.x;
+    const long long slot = slot_mapping[token];
+    if (slot < 0 || slot >= num_slots) return;
+    const int n = num_kv_heads * head_dim;
+    T* k_dst = k_cache + slot * n;
+    T* v_dst = v_cache + slot * n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int h = i / head_dim;
+        const int d = i % head_dim;
+        k_dst[i] = key[token * k_stride_token + h * k_stride_head + d];
+        v_dst[i] = value[token * v_stride_token + h * v_stride_head + d];
+    }
+}
+
+// Copy whole blocks src -> dst in every layer with one launch. cache_ptrs holds the base addresses of
+// all caches (layer 0 K, layer 0 V, layer 1 K, ...); block_mapping is [num_pairs, 2] (src, dst).
+// grid = (num_pairs, num_caches). The host guarantees that no dst is also a src, so the order in
+// which CTAs run does not matter.
+extern "C" __global__ void copy_blocks_kernel(const unsigned long long* __restrict__ cache_ptrs,
+                                              const long long* __restrict__ block_mapping,
+                                              long long block_bytes) {
+    unsigned char* base = reinterpret_cast<unsigned char*>(cache_ptrs[blockIdx.y]);
+    const long long src = block_mapping[2 * blockIdx.x];
+    const long long dst = block_mapping[2 * blockIdx.x + 1];
+    const unsigned char* s = base + src * block_bytes;
+    unsigned char* t = base + dst * block_bytes;
+    if (block_bytes % 16 == 0) {  // the usual case: D * itemsize is a multiple of 16
+        const long long n = block_bytes / 16;
+        for (long long i = threadIdx.x; i < n; i += blockDim.x)
+            reinterpret_cast<uint4*>(t)[i] = reinterpret_cast<const uint4*>(s)[i];
+    } else {
+        for (long long i = threadIdx.x; i < block_bytes; i += blockDim.x) t[i] = s[i];
+    }
+}

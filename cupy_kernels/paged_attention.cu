@@ -1,0 +1,324 @@
+// Unified paged attention over a flat, variable-length batch (prefill chunks and decodes mixed).
+//
+// Layout contract (see paged_attention.py):
+//   query   [T, H, D] float16, rows may be strided (a view of the fused qkv projection)
+//   caches  [num_blocks, BLOCK_SIZE, KV, D] float16, C-contiguous
+//   query_start_loc [B + 1], seq_lens [B], block_tables [B, stride] int32
+//   out     [T, H, D] float16
+// Query row j of a sequence with n new tokens sits at position seq_len - n + j and sees keys 0..pos.
+//
+// Work split (one CTA = 4 warps):
+//   grid.x  query tiles. A tile holds BLOCK_Q = BLOCK_M / G consecutive query tokens of ONE sequence
+//           times the G query heads that share a kv head, so BLOCK_M "rows" in all. Sequence s owns
+//           tiles tile_start(s) .. with tile_start(s) = (query_start_loc[s] - s) / BLOCK_Q + s, found
+//           by binary search (an upper bound on the tile count needs only T and B, never a device
+//           read). Surplus tiles exit at once.
+//   grid.y  kv heads. Each 32-key tile of K and V is read from the cache once per query-head group.
+//   grid.z  partitions of PS_PARTITION_SIZE keys. Only single-token (decode) sequences are split;
+//           they get ceil(seq_len / PS_PARTITION_SIZE) partitions, a function of their own length.
+//           A split sequence writes an unnormalised partial (acc, max, sum) per partition, combined by
+//           paged_attention_reduce_kernel. Everything else is done by partition 0 alone.
+//
+// Per 32-key tile: cp.async loads K and V into shared memory (keys past the tile's end are
+// zero-filled, never read), scores S = Q.K (one lane per key, fp32, exact fixed order over D), an
+// online-softmax update per row in base 2 (the scale is folded into Q as scale * log2(e)), and
+// acc = acc * alpha + P.V. K of the next tile is prefetched while the softmax and P.V of this one run;
+// V of the next tile while its scores are computed.
+//
+// Batch invariance: every row's arithmetic (dot products over D in a fixed order, the warp reductions,
+// the sequential P.V accumulation over keys, the partition split) depends only on that row's query,
+// its position, its sequence's length and the cache contents, never on BLOCK_M or on which other
+// rows or sequences share the launch. Key tiles beyond a row's position are exact no-ops for it
+// (alpha = exp2(0) = 1, p = 0).
+
+#ifndef PS_ATTN_THREADS
+#error "cuda_ops.py defines PS_ATTN_THREADS, PS_TILE_N and PS_PARTITION_SIZE"
+#endif
+
+#define PS_ATTN_WARPS (PS_ATTN_THREADS / 32)
+// At least 4 CTAs (16 warps) per SM: caps registers at 128 per thread. Left to itself ptxas picks
+// 48-56 registers plus spills for the small tiles, or 255 registers for the largest.
+#define PS_ATTN_MIN_BLOCKS 4
+
+// Sequence owning query tile `tile`: the largest s with tile_start(s) <= tile.
+__device__ __forceinline__ int find_sequence(const int* __restrict__ query_start_loc, int num_seqs, int block_q,
+                                             int tile) {
+    int lo = 0, hi = num_seqs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        const int start = (query_start_loc[mid] - mid) / block_q + mid;
+        if (start <= tile) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+// Issue the cp.async copies of keys [t0, t0 + PS_TILE_N) of one kv head into a shared tile;
+// keys >= k_end are zero-filled.
+template <int HEAD_DIM, int BLOCK_SIZE>
+__device__ __forceinline__ void load_kv_tile(f16 (*dst)[HEAD_DIM + 8], const f16* __restrict__ cache,
+                                             const int* __restrict__ block_table, long long slot_stride,
+                                             int kv_head, int t0, int k_end) {
+    constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per key row
+    for (int c = threadIdx.x; c < PS_TILE_N * CHUNKS; c += PS_ATTN_THREADS) {
+        const int row = c / CHUNKS;
+        const int col = (c % CHUNKS) * 8;
+        const int key = t0 + row;
+        const f16* src = cache;  // not read when the key is masked
+        int bytes = 0;
+        if (key < k_end) {
+            const long long block = block_table[key / BLOCK_SIZE];
+            src = cache + (block * BLOCK_SIZE + key % BLOCK_SIZE) * slot_stride + (long long)kv_head * HEAD_DIM + col;
+            bytes = 16;
+        }
+        cp_async_16(&dst[row][col], src, bytes);
+    }
+}
+
+template <int HEAD_DIM, int BLOCK_SIZE, int BLOCK_M>
+__global__ void __launch_bounds__(PS_ATTN_THREADS, PS_ATTN_MIN_BLOCKS)
+paged_attention_kernel(f16* __restrict__ out,               // [T, H, D]
+                       float* __restrict__ part_acc,        // [B, H, max_parts, D]
+                       float* __restrict__ part_ml,         // [B, H, max_parts, 2]
+                       const f16* __restrict__ query, long long q_stride_token, long long q_stride_head,
+                       const f16* __restrict__ k_cache, const f16* __restrict__ v_cache,
+                       const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
+                       const int* __restrict__ block_tables, long long block_table_stride, int num_seqs,
+                       int num_heads, int num_kv_heads, int block_q, int max_parts, float scale_log2) {
+    static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM <= 2 * PS_ATTN_THREADS, "unsupported head dim");
+    static_assert(BLOCK_M % PS_ATTN_WARPS == 0, "rows must split evenly over warps");
+    constexpr int ROWS_PER_WARP = BLOCK_M / PS_ATTN_WARPS;           // softmax / score rows per warp
+    constexpr int PAIRS = HEAD_DIM / 2;                              // output dims handled as pairs
+    constexpr int ROW_GROUPS = PS_ATTN_THREADS / PAIRS;              // P.V: threads per output pair
+    static_assert(BLOCK_M % ROW_GROUPS == 0, "rows must split evenly over P.V row groups");
+    constexpr int ROWS_PER_THREAD = BLOCK_M / ROW_GROUPS;
+
+    __shared__ __align__(16) float q_s[BLOCK_M][HEAD_DIM];
+    __shared__ __align__(16) f16 k_s[PS_TILE_N][HEAD_DIM + 8];  // +8 halves: conflict-free 16-byte reads
+    __shared__ __align__(16) f16 v_s[PS_TILE_N][HEAD_DIM + 8];
+    __shared__ float p_s[BLOCK_M][PS_TILE_N + 1];
+    __shared__ float alpha_s[BLOCK_M];
+    __shared__ float m_s[BLOCK_M];
+    __shared__ float l_s[BLOCK_M];
+    __shared__ int pos_s[BLOCK_M];  // the row's key limit (its position), -1 for padding rows
+
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5;
+    const int lane = tid & 31;
+    const int tile = blockIdx.x;
+    const int kv_head = blockIdx.y;
+    const int part = blockIdx.z;
+    const int group = num_heads / num_kv_heads;
+
+    const int seq = find_sequence(query_start_loc, num_seqs, block_q, tile);
+    const int q_begin = query_start_loc[seq];
+    const int num_q = query_start_loc[seq + 1] - q_begin;
+    const int q0 = (tile - ((q_begin - seq) / block_q + seq)) * block_q;  // first local query
+    if (q0 >= num_q) return;
+    const int seq_len = seq_lens[seq];
+    const int tile_q = min(block_q, num_q - q0);
+    const int first_pos = seq_len - num_q + q0;
+    const int kv_end = first_pos + tile_q;  // keys [0, kv_end) are needed by some row of this tile
+
+    const bool split = num_q == 1 && seq_len > PS_PARTITION_SIZE;
+    const int num_parts = split ? (seq_len + PS_PARTITION_SIZE - 1) / PS_PARTITION_SIZE : 1;
+    if (part >= num_parts) return;
+    const int k_begin = split ? part * PS_PARTITION_SIZE : 0;
+    const int k_end = split ? min(k_begin + PS_PARTITION_SIZE, kv_end) : kv_end;
+    const int num_kv_tiles = (k_end - k_begin + PS_TILE_N - 1) / PS_TILE_N;
+
+    const int* block_table = block_tables + (long long)seq * block_table_stride;
+    const long long slot_stride = (long long)num_kv_heads * HEAD_DIM;
+
+    // Start fetching the first K and V tiles before anything else.
+    load_kv_tile<HEAD_DIM, BLOCK_SIZE>(k_s, k_cache, block_table, slot_stride, kv_head, k_begin, k_end);
+    cp_async_commit();
+    load_kv_tile<HEAD_DIM, BLOCK_SIZE>(v_s, v_cache, block_table, slot_stride, kv_head, k_begin, k_end);
+    cp_async_commit();
+
+    // Rows: r = query_in_tile * group + head_in_group.
+    for (int r = tid; r < BLOCK_M; r += PS_ATTN_THREADS) {
+        const int qi = r / group;
+        pos_s[r] = (qi < tile_q) ? first_pos + qi : -1;
+    }
+    for (int i = tid; i < BLOCK_M * HEAD_DIM; i += PS_ATTN_THREADS) {
+        const int r = i / HEAD_DIM;
+        const int d = i % HEAD_DIM;
+        const int qi = r / group;
+        float value = 0.f;
+        if (qi < tile_q) {
+            const long long token = q_begin + q0 + qi;
+            const long long head = (long long)kv_head * group + r % group;
+            value = to_float(query[token * q_stride_token + head * q_stride_head + d]) * scale_log2;
+        }
+        q_s[r][d] = value;
+    }
+
+    float m_row[ROWS_PER_WARP];
+    float l_row[ROWS_PER_WARP];
+#pragma unroll
+    for (int i = 0; i < ROWS_PER_WARP; ++i) {
+        m_row[i] = neg_inf();
+        l_row[i] = 0.f;
+    }
+    const int pair = tid % PAIRS;
+    const int row_group = tid / PAIRS;
+    float2 acc[ROWS_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < ROWS_PER_THREAD; ++j) {
+        acc[j].x = 0.f;
+        acc[j].y = 0.f;
+    }
+
+    for (int it = 0; it < num_kv_tiles; ++it) {
+        const int t0 = k_begin + it * PS_TILE_N;
+        cp_async_wait<1>();  // this tile's K has landed (its V may still be in flight)
+        __syncthreads();
+
+        // Scores: lane = key, warp = rows warp, warp + 4, ...
+        {
+            float s[ROWS_PER_WARP];
+#pragma unroll
+            for (int i = 0; i < ROWS_PER_WARP; ++i) s[i] = 0.f;
+#pragma unroll
+            for (int d = 0; d < HEAD_DIM; d += 8) {
+                const uint4 raw = *reinterpret_cast<const uint4*>(&k_s[lane][d]);
+                const float2 k01 = half2_to_float2(raw.x);
+                const float2 k23 = half2_to_float2(raw.y);
+                const float2 k45 = half2_to_float2(raw.z);
+                const float2 k67 = half2_to_float2(raw.w);
+#pragma unroll
+                for (int i = 0; i < ROWS_PER_WARP; ++i) {
+                    const int r = warp + i * PS_ATTN_WARPS;
+                    const float4 qa = *reinterpret_cast<const float4*>(&q_s[r][d]);
+                    const float4 qb = *reinterpret_cast<const float4*>(&q_s[r][d + 4]);
+                    float x = s[i];
+                    x = fmaf(qa.x, k01.x, x);
+                    x = fmaf(qa.y, k01.y, x);
+                    x = fmaf(qa.z, k23.x, x);
+                    x = fmaf(qa.w, k23.y, x);
+                    x = fmaf(qb.x, k45.x, x);
+                    x = fmaf(qb.y, k45.y, x);
+                    x = fmaf(qb.z, k67.x, x);
+                    x = fmaf(qb.w, k67.y, x);
+                    s[i] = x;
+                }
+            }
+            const int key = t0 + lane;
+#pragma unroll
+            for (int i = 0; i < ROWS_PER_WARP; ++i) {
+                const int r = warp + i * PS_ATTN_WARPS;
+                const bool visible = key < k_end && key <= pos_s[r];  // pos_s = -1 hides padding rows
+                p_s[r][lane] = visible ? s[i] : neg_inf();
+            }
+        }
+        __syncthreads();  // every warp is done reading k_s
+
+        if (it + 1 < num_kv_tiles)
+            load_kv_tile<HEAD_DIM, BLOCK_SIZE>(k_s, k_cache, block_table, slot_stride, kv_head, t0 + PS_TILE_N, k_end);
+        cp_async_commit();  // possibly empty: keeps the group count uniform
+
+        // Online softmax, base 2. Warp w owns rows w, w + 4, ... (the rows it just scored).
+#pragma unroll
+        for (int i = 0; i < ROWS_PER_WARP; ++i) {
+            const int r = warp + i * PS_ATTN_WARPS;
+            const float s = p_s[r][lane];
+            const float m_new = fmaxf(m_row[i], warp_max(s));
+            const float m_use = (m_new == neg_inf()) ? 0.f : m_new;  // a row with no key yet
+            const float p = exp2f(s - m_use);
+            const float alpha = exp2f(m_row[i] - m_use);
+            l_row[i] = fmaf(l_row[i], alpha, warp_sum(p));
+            m_row[i] = m_new;
+            p_s[r][lane] = p;
+            if (lane == 0) alpha_s[r] = alpha;
+        }
+
+        cp_async_wait<1>();  // this tile's V has landed (the next K may still be in flight)
+        __syncthreads();
+
+        // acc = acc * alpha + P.V: thread = (pair of dims, rows row_group, row_group + ROW_GROUPS, ...)
+#pragma unroll
+        for (int j = 0; j < ROWS_PER_THREAD; ++j) {
+            const float a = alpha_s[row_group + j * ROW_GROUPS];
+            acc[j].x *= a;
+            acc[j].y *= a;
+        }
+#pragma unroll 4
+        for (int t = 0; t < PS_TILE_N; ++t) {
+            const float2 v = half2_to_float2(*reinterpret_cast<const unsigned int*>(&v_s[t][2 * pair]));
+#pragma unroll
+            for (int j = 0; j < ROWS_PER_THREAD; ++j) {
+                const float p = p_s[row_group + j * ROW_GROUPS][t];
+                acc[j].x = fmaf(p, v.x, acc[j].x);
+                acc[j].y = fmaf(p, v.y, acc[j].y);
+            }
+        }
+        __syncthreads();  // every warp is done reading v_s and p_s
+
+        if (it + 1 < num_kv_tiles)
+            load_kv_tile<HEAD_DIM, BLOCK_SIZE>(v_s, v_cache, block_table, slot_stride, kv_head, t0 + PS_TILE_N, k_end);
+        cp_async_commit();
+    }
+    cp_async_wait<0>();
+
+    if (lane == 0) {
+#pragma unroll
+        for (int i = 0; i < ROWS_PER_WARP; ++i) {
+            m_s[warp + i * PS_ATTN_WARPS] = m_row[i];
+            l_s[warp + i * PS_ATTN_WARPS] = l_row[i];
+        }
+    }
+    __syncthreads();
+
+#pragma unroll
+    for (int j = 0; j < ROWS_PER_THREAD; ++j) {
+        const int r = row_group + j * ROW_GROUPS;
+        if (pos_s[r] < 0) continue;
+        const long long head = (long long)kv_head * group + r % group;
+        if (!split) {
+            const long long token = q_begin + q0 + r / group;
+            const float l = l_s[r];
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+            unsigned int* dst = reinterpret_cast<unsigned int*>(out + (token * num_heads + head) * HEAD_DIM + 2 * pair);
+            *dst = float2_to_half2(acc[j].x * inv, acc[j].y * inv);
+        } else {
+            const long long slot = ((long long)seq * num_heads + head) * max_parts + part;
+            float2* dst = reinterpret_cast<float2*>(part_acc + slot * HEAD_DIM + 2 * pair);
+            *dst = acc[j];
+            if (pair == 0) {
+                part_ml[2 * slot] = m_s[r];
+                part_ml[2 * slot + 1] = l_s[r];
+            }
+        }
+    }
+}
+
+// Combine the partitions of split (single-token) sequences: one CTA per (sequence, query head), one
+// thread per output dim. Partitions are folded in index order, so the result depends only on the
+// sequence.
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(HEAD_DIM)
+paged_attention_reduce_kernel(f16* __restrict__ out, const float* __restrict__ part_acc,
+                              const float* __restrict__ part_ml, const int* __restrict__ query_start_loc,
+                              const int* __restrict__ seq_lens, int num_heads, int max_parts) {
+    const int seq = blockIdx.x;
+    const int head = blockIdx.y;
+    const int d = threadIdx.x;
+    const int q_begin = query_start_loc[seq];
+    const int seq_len = seq_lens[seq];
+    if (query_start_loc[seq + 1] - q_begin != 1 || seq_len <= PS_PARTITION_SIZE) return;
+    const int num_parts = (seq_len + PS_PARTITION_SIZE - 1) / PS_PARTITION_SIZE;
+    const long long base = ((long long)seq * num_heads + head) * max_parts;
+
+    float m = neg_inf();
+    for (int z = 0; z < num_parts; ++z) m = fmaxf(m, part_ml[2 * (base + z)]);
+    float l = 0.f;
+    float acc = 0.f;
+    for (int z = 0; z < num_parts; ++z) {
+        const float w = exp2f(part_ml[2 * (base + z)] - m);
+        l = fmaf(part_ml[2 * (base + z) + 1], w, l);
+        acc = fmaf(part_acc[(base + z) * HEAD_DIM + d], w, acc);
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    out[((long long)q_begin * num_heads + head) * HEAD_DIM + d] = from_float<f16>(acc * inv);
+}

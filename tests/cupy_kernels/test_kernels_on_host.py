@@ -1,0 +1,268 @@
+"""The real CUDA kernels and cuda_ops' launch code, run on the CPU (no GPU needed).
+
+Each kernel family file is compiled unchanged by g++ after tests/cupy_kernels/_host_emulation.h, which
+runs every CUDA thread of a CTA as a fiber with real barriers and warp shuffles. A stand-in `cupy`
+module (numpy arrays whose type claims to be CuPy's) is installed for the duration of a test, so
+cuda_ops and the op-layer dispatch run unmodified: RawModule receives the exact source string and
+options, get_function checks that the name is one of the module's instantiations, and each launch
+checks its argument count and byte sizes against the kernel's parameter list.
+
+What this cannot show: speed, behaviour of the real NVRTC/ptxas, PTX asm (cvt, cp.async: stood in by
+the harness), or races the GPU's memory model would allow. Those are for the GPU tests.
+Skipped when g++ is absent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import types
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pagedserve.cupy_kernels import cuda_ops, ops
+from pagedserve.cupy_kernels import paged_attention as pa
+
+
+def _load_gpu_tests():
+    """The GPU test module, loaded under its own name (pytest imports it separately, with its own caches)."""
+    spec = importlib.util.spec_from_file_location("pagedserve_gpu_tests", Path(__file__).with_name("test_cuda_ops.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_tests = _load_gpu_tests()
+
+GXX = shutil.which("g++")
+HARNESS = Path(__file__).with_name("_host_emulation.h")
+pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not found (needed to run the kernels on the CPU)")
+
+
+class EmulatedArray(np.ndarray):
+    """A numpy array that cuda_ops takes for a CuPy one (is_cupy_array looks at the type's module)."""
+
+    __module__ = "cupy_host_emulation"
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+    def get(self):
+        return np.array(self.view(np.ndarray))
+
+
+def _dev(a, dtype=None) -> EmulatedArray:
+    return np.array(np.asarray(a), dtype=dtype).view(EmulatedArray)
+
+
+def _garbage(shape, dtype) -> EmulatedArray:
+    a = np.empty(shape, dtype=dtype)
+    a.view(np.uint8)[...] = 0xFF  # NaN for floats, -1 for ints: unwritten outputs cannot pass
+    return a.view(EmulatedArray)
+
+
+class EmulatedKernel:
+    def __init__(self, lib, index: int, name: str):
+        self.fn = getattr(lib, f"ps_launch_{index}")
+        self.fn.restype = ctypes.c_int
+        self.name = name
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        assert shared_mem == 0
+        dims = [int(v) for v in grid] + [1] * (3 - len(grid)) + [int(v) for v in block] + [1] * (3 - len(block))
+        buffers, sizes = [], []
+        for a in args:
+            if isinstance(a, EmulatedArray):
+                buffers.append(ctypes.c_void_p(a.__array_interface__["data"][0]))
+                sizes.append(8)
+            elif isinstance(a, np.generic):
+                raw = a.tobytes()
+                buf = ctypes.create_string_buffer(b"\xab" * 8, 8)  # wrong-width reads see garbage
+                ctypes.memmove(buf, raw, len(raw))
+                buffers.append(buf)
+                sizes.append(len(raw))
+            else:
+                raise TypeError(f"{self.name}: argument of type {type(a).__name__}; pass numpy scalars or arrays")
+        argv = (ctypes.c_void_p * len(args))(*[ctypes.addressof(b) for b in buffers])
+        rc = self.fn((ctypes.c_uint * 6)(*dims), argv, len(args), (ctypes.c_int * len(args))(*sizes))
+        assert rc == 0, f"{self.name}: launch rejected (see stderr)"
+
+
+class EmulatedModule:
+    def __init__(self, libs, code, options=(), name_expressions=()):
+        matches = [m for m in cuda_ops.MODULES.values() if m.source() == code]
+        assert len(matches) == 1, "RawModule got a source string that is not one of cuda_ops.MODULES"
+        self.spec = matches[0]
+        assert tuple(options) == cuda_ops.NVRTC_OPTIONS
+        assert tuple(name_expressions) == self.spec.name_expressions
+        self.lib = libs[self.spec.name]
+
+    def get_function(self, name):
+        assert name in self.spec.name_expressions, f"{name} is not instantiated in module {self.spec.name}"
+        return EmulatedKernel(self.lib, self.spec.name_expressions.index(name), name)
+
+
+def fake_cupy(libs) -> types.ModuleType:
+    cp = types.ModuleType("cupy")
+    cp.ndarray = EmulatedArray
+    for name in ("float16", "float32", "float64", "int32", "int64", "uint64"):
+        setattr(cp, name, getattr(np, name))
+    cp.empty = lambda shape, dtype=np.float64: _garbage(shape, dtype)
+    cp.zeros = lambda shape, dtype=np.float64: np.zeros(shape, dtype).view(EmulatedArray)
+    cp.ones = lambda shape, dtype=np.float64: np.ones(shape, dtype).view(EmulatedArray)
+    cp.asarray = lambda a, dtype=None: a if isinstance(a, EmulatedArray) and dtype in (None, a.dtype) else _dev(a, dtype)
+    cp.ascontiguousarray = lambda a, dtype=None: np.ascontiguousarray(a, dtype=dtype).view(EmulatedArray)
+    cp.take = lambda a, ids, axis=None: np.take(a.view(np.ndarray), np.asarray(ids), axis=axis).view(EmulatedArray)
+    cp.cos = lambda x: np.cos(np.asarray(x)).view(EmulatedArray)
+    cp.sin = lambda x: np.sin(np.asarray(x)).view(EmulatedArray)
+    cp.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1))
+    cp.RawModule = lambda code, options=(), name_expressions=(): EmulatedModule(libs, code, options, name_expressions)
+    return cp
+
+
+def _build(module: cuda_ops.KernelModule, workdir: Path) -> Path:
+    common = (cuda_ops.KERNEL_DIR / "common.cu").read_text()
+    source = module.source()
+    assert common in source
+    lines = [source.replace(common, f'#include "{HARNESS}"\n'), ""]
+    for i, expr in enumerate(module.name_expressions):
+        lines.append(f'extern "C" int ps_launch_{i}(const unsigned* dims, void** args, int nargs, const int* sizes) '
+                     f"{{ return ps_launch(&{expr}, dims, args, nargs, sizes); }}")
+    src = workdir / f"{module.name}.cpp"
+    src.write_text("\n".join(lines) + "\n")
+    lib = workdir / f"lib{module.name}.so"
+    proc = subprocess.run([GXX, "-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-U_FORTIFY_SOURCE", "-o", str(lib), str(src)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"g++ failed for {module.name}:\n{proc.stderr[-6000:]}"
+    return lib
+
+
+@pytest.fixture(scope="module")
+def libs(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("host_emulation")
+    mods = list(cuda_ops.MODULES.values())
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        paths = list(pool.map(lambda m: _build(m, workdir), mods))
+    return {m.name: ctypes.CDLL(str(p)) for m, p in zip(mods, paths)}
+
+
+@pytest.fixture
+def emulated(libs, monkeypatch):
+    """Install the stand-in cupy (and fresh kernel caches) for one test."""
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(libs))
+    monkeypatch.setattr(cuda_ops, "_modules", {})
+    monkeypatch.setattr(cuda_ops, "_functions", {})
+    monkeypatch.setattr(cuda_ops, "_dummies", {})
+    gpu_tests._model_pair.cache_clear()
+    yield
+    gpu_tests._model_pair.cache_clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged attention (sizes cut down: every CUDA thread is a fiber here)
+# ---------------------------------------------------------------------------------------------
+
+MIXED = [(1, 1), (7, 7), (40, 40), (100, 33), (1100, 1), (513, 1), (512, 1), (700, 45), (17, 1), (530, 3)]
+DECODES = [(1, 1), (17, 1), (512, 1), (513, 1), (1100, 1)]
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (32, 128)])
+def test_paged_attention_on_host(emulated, block_size, head_dim, group):
+    rng = np.random.default_rng(group + block_size)
+    for specs in (MIXED, DECODES):
+        k, v, qsl, lens, tables = gpu_tests.build_cache(rng, specs, 2, head_dim, block_size)
+        query = rng.standard_normal((int(qsl[-1]), 2 * group, head_dim)).astype(np.float16)
+        ref = gpu_tests.reference_attention(query, k, v, qsl, lens, tables, head_dim ** -0.5)
+        got = pa.paged_attention(_dev(query), _dev(k), _dev(v), qsl, lens, tables, head_dim ** -0.5).get()
+        assert got.dtype == np.float16
+        gpu_tests.check_attention(got, ref, "host")
+        got_dev = pa.paged_attention(_dev(query), _dev(k), _dev(v), _dev(qsl), _dev(lens), _dev(tables),
+                                     head_dim ** -0.5).get()
+        np.testing.assert_array_equal(got_dev, got)
+
+
+def test_batch_invariance_on_host(emulated):
+    rng = np.random.default_rng(4)
+    specs = {"A": (1300, 1), "B": (200, 40), "C": (60, 1), "D": (90, 90)}
+    names = list(specs)
+    k, v, _, lens, tables = gpu_tests.build_cache(rng, list(specs.values()), 2, 64, 16)
+    queries = {n: rng.standard_normal((specs[n][1], 8, 64)).astype(np.float16) for n in names}
+
+    def run(members):
+        idx = [names.index(m) for m in members]
+        qsl = np.concatenate([[0], np.cumsum([specs[m][1] for m in members])]).astype(np.int32)
+        out = pa.paged_attention(_dev(np.concatenate([queries[m] for m in members])), _dev(k), _dev(v), qsl,
+                                 lens[idx], tables[idx], 0.125).get()
+        return {m: out[qsl[i]: qsl[i + 1]] for i, m in enumerate(members)}
+
+    alone = {m: run([m])[m] for m in names}
+    for batch in (["C", "A", "B", "D"], ["A", "C"], ["D", "B"]):
+        together = run(batch)
+        for m in batch:
+            np.testing.assert_array_equal(together[m], alone[m], err_msg=f"{m} in {batch}")
+
+
+def test_never_written_slots_are_never_read_on_host(emulated):
+    outs = []
+    for poison in (3e4, np.nan):
+        k, v, qsl, lens, tables = gpu_tests.build_cache(np.random.default_rng(3), [(600, 1), (37, 37)], 1, 64, 16,
+                                                        poison=poison)
+        query = np.random.default_rng(4).standard_normal((38, 3, 64)).astype(np.float16)
+        outs.append(pa.paged_attention(_dev(query), _dev(k), _dev(v), qsl, lens, tables, 0.125).get())
+    assert np.isfinite(outs[1]).all()
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU suite's own tests for the other kernels, unchanged, on the emulation
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_reshape_and_cache_on_host(emulated, dtype):
+    gpu_tests.test_reshape_and_cache(dtype)
+
+
+def test_copy_blocks_on_host(emulated):
+    gpu_tests.test_copy_blocks_all_layers_one_launch()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("hidden", [64, 576, 5000])
+def test_add_rms_norm_on_host(emulated, hidden, dtype):
+    gpu_tests.test_add_rms_norm(hidden, dtype)
+
+
+def test_apply_rotary_on_host(emulated):
+    gpu_tests.test_apply_rotary()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_silu_and_mul_on_host(emulated, dtype):
+    gpu_tests.test_silu_and_mul(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_argmax_rows_on_host(emulated, dtype):
+    gpu_tests.test_argmax_rows(dtype)
+
+
+def test_embedding_and_validation_on_host(emulated):
+    gpu_tests.test_ops_return_device_arrays()
+    gpu_tests.test_paged_attention_rejects_unsupported_shapes()
+    gpu_tests.test_paged_attention_strided_query_view()
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_model_forward_on_host(emulated, name):
+    """The Llama forward with get_backend("cuda") (float16, every op through cuda_ops) vs numpy float32."""
+    gpu_tests.test_model_logits_match_numpy(name)

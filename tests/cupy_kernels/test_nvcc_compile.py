@@ -1,0 +1,169 @@
+"""Every CUDA kernel compiles with nvcc for sm_80 and sm_90, warnings as errors, no GPU needed.
+
+The sources, template instantiations (NVRTC name expressions) and #defines come from the table in
+cuda_ops.MODULES, the same one cuda_ops hands to cupy.RawModule; only the instantiation lines are
+added, written the way NVRTC instantiates a name expression (taking the kernel's address). Compiling
+to cubin (not only PTX) runs ptxas too, which reports register spills and shared-memory overflows.
+Skipped only when nvcc is absent.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from pagedserve.cupy_kernels import cuda_ops
+
+ARCHS = ("sm_80", "sm_90")
+# Static shared memory a CTA may use without an opt-in (the kernels never opt in).
+STATIC_SMEM_LIMIT = 48 * 1024
+# The attention kernel is capped at 128 registers (__launch_bounds__(128, 4)); its largest tile
+# (BLOCK_M = 32, only for > 16 query heads per kv head, head dim 128) spills 8-20 bytes under that
+# cap, reloaded once in the epilogue. A real register shortage spills far more than this.
+MAX_SPILL_BYTES = 32
+
+
+def _nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for candidate in ("/usr/local/bin/nvcc", "/usr/local/cuda/bin/nvcc"):
+        if os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+NVCC = _nvcc()
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found (install the CUDA toolkit to compile-check)")
+
+
+def compile_source(module: cuda_ops.KernelModule) -> str:
+    """The module's source plus one line per name expression that makes nvcc instantiate it."""
+    lines = [module.source(), ""]
+    for i, expr in enumerate(module.name_expressions):
+        lines.append(f"auto pagedserve_instance_{i} = &{expr};")
+    return "\n".join(lines) + "\n"
+
+
+def _compile(module: cuda_ops.KernelModule, arch: str, workdir: Path) -> tuple[str, str, int, str]:
+    src = workdir / f"{module.name}_{arch}.cu"
+    src.write_text(compile_source(module))
+    cmd = [NVCC, f"-arch={arch}", "-cubin", "-o", str(workdir / f"{module.name}_{arch}.cubin"),
+           *cuda_ops.NVRTC_OPTIONS, *cuda_ops.CUPY_IMPLICIT_OPTIONS,
+           "-Werror", "all-warnings", "-Xptxas", "--warning-as-error",
+           "--resource-usage", str(src)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return module.name, arch, proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict[tuple[str, str], tuple[int, str]]:
+    workdir = tmp_path_factory.mktemp("nvcc")
+    jobs = [(m, a) for m in cuda_ops.MODULES.values() for a in ARCHS]
+    with ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2))) as pool:
+        results = list(pool.map(lambda job: _compile(job[0], job[1], workdir), jobs))
+    return {(name, arch): (rc, log) for name, arch, rc, log in results}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("module", sorted(cuda_ops.MODULES))
+def test_module_compiles_without_warnings(compiled, module, arch):
+    rc, log = compiled[(module, arch)]
+    assert rc == 0, f"nvcc failed for {module} ({arch}):\n{log}"
+    assert "warning" not in log.lower(), f"nvcc warned for {module} ({arch}):\n{log}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_no_real_spills_and_static_shared_memory_fits(compiled, arch):
+    for module in cuda_ops.MODULES:
+        rc, log = compiled[(module, arch)]
+        assert rc == 0
+        for spill in re.findall(r"(\d+) bytes spill stores", log):
+            assert int(spill) <= MAX_SPILL_BYTES, f"{module} ({arch}) spills {spill} bytes:\n{log}"
+        for smem in re.findall(r"(\d+) bytes smem", log):
+            assert int(smem) <= STATIC_SMEM_LIMIT, f"{module} ({arch}) uses {smem} bytes of shared memory"
+
+
+def test_every_cu_file_is_compiled():
+    files = {p.name for p in cuda_ops.KERNEL_DIR.glob("*.cu")}
+    used = {m.source_file for m in cuda_ops.MODULES.values()} | set(cuda_ops.SHARED_SOURCES)
+    assert files == used, f"kernel files not in cuda_ops.MODULES: {sorted(files - used)}"
+
+
+def test_every_instantiation_is_compiled(compiled):
+    """Each name expression shows up as a compiled entry function in ptxas' report."""
+    for module in cuda_ops.MODULES.values():
+        rc, log = compiled[(module.name, "sm_90")]
+        assert rc == 0
+        entries = re.findall(r"Compiling entry function '(\w+)'", log)
+        assert len(set(entries)) == len(module.name_expressions), (module.name, entries)
+
+
+# ---------------------------------------------------------------------------------------------
+# NVRTC itself: what CuPy compiles with (no host compiler, no implicit cuda_runtime.h)
+# ---------------------------------------------------------------------------------------------
+
+
+def _find_libnvrtc() -> str | None:
+    """libnvrtc from $PAGEDSERVE_LIBNVRTC, the nvidia-cuda-nvrtc wheel, a CUDA toolkit, or the loader path."""
+    import ctypes.util
+    import glob
+    import importlib.util
+
+    candidates = [os.environ.get("PAGEDSERVE_LIBNVRTC", "")]
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        candidates += sorted(glob.glob(os.path.join(root, "*", "lib", "libnvrtc.so*")))
+    for home in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home:
+            candidates += sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")))
+    found = ctypes.util.find_library("nvrtc")
+    if found:
+        candidates.append(found)
+    for c in candidates:
+        if c and "builtins" not in c and "alt" not in os.path.basename(c) and (os.path.isfile(c) or "/" not in c):
+            return c
+    return None
+
+
+LIBNVRTC = _find_libnvrtc()
+
+
+@pytest.mark.skipif(LIBNVRTC is None, reason="libnvrtc not found (set PAGEDSERVE_LIBNVRTC to check with NVRTC)")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_modules_compile_with_nvrtc(arch):
+    """The exact RawModule inputs (source, options + CuPy's -ftz=true, name expressions) through NVRTC."""
+    import ctypes
+    import glob
+
+    for builtins in sorted(glob.glob(os.path.join(os.path.dirname(LIBNVRTC), "libnvrtc-builtins.so*"))):
+        if "alt" not in os.path.basename(builtins):
+            ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)  # NVRTC dlopens it by name
+    lib = ctypes.CDLL(LIBNVRTC)
+    for module in cuda_ops.MODULES.values():
+        prog = ctypes.c_void_p()
+        assert lib.nvrtcCreateProgram(ctypes.byref(prog), module.source().encode(), f"{module.name}.cu".encode(),
+                                      0, None, None) == 0
+        try:
+            for expr in module.name_expressions:
+                assert lib.nvrtcAddNameExpression(prog, expr.encode()) == 0
+            opts = [o.encode() for o in (*cuda_ops.NVRTC_OPTIONS, *cuda_ops.CUPY_IMPLICIT_OPTIONS, f"-arch={arch}")]
+            rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            text = log.value.decode(errors="replace")
+            assert rc == 0, f"NVRTC failed for {module.name} ({arch}):\n{text}"
+            assert "warning" not in text.lower(), f"NVRTC warned for {module.name} ({arch}):\n{text}"
+            for expr in module.name_expressions:
+                lowered = ctypes.c_char_p()
+                assert lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(lowered)) == 0 and lowered.value, expr
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))
