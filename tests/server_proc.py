@@ -66,7 +66,7 @@ def client_for(server: ServerProcess, **kw) -> PagedServeClient:
     return PagedServeClient(server.socket, **kw)
 
 
-def wait_idle(client: PagedServeClient, timeout: float = 10.0):
+def wait_idle(client: PagedServeClient, timeout: float = 30.0):
     """Poll stats until nothing runs or waits and no KV block is in use."""
     deadline = time.monotonic() + timeout
     while True:

@@ -152,9 +152,11 @@ def test_queue_limit_answers_resource_exhausted(tmp_path):
     try:
         srv.wait_serving()
         with client_for(srv) as c:
-            streams = [c.generate([5, 6, 7], max_tokens=1500, temperature=0.0, ignore_eos=True) for _ in range(3)]
+            streams = [c.generate([5, 6, 7], max_tokens=2000, temperature=0.0, ignore_eos=True) for _ in range(3)]
             next(streams[0])  # running; the next two wait
-            time.sleep(0.3)
+            deadline = time.monotonic() + 20
+            while c.server_stats().num_waiting < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
             with pytest.raises(PagedServeError) as err:
                 list(c.generate([5, 6], max_tokens=2))
             assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_waiting_requests=2" in err.value.message
@@ -194,7 +196,8 @@ def test_sigterm_drains_running_streams_and_exits_zero(tmp_path):
     srv.proc.terminate()
     for t in threads:
         t.join(30)
-    code = srv.stop()
+    code = srv.proc.wait(30)
+    srv.stop()
     assert code == 0, srv.log()
     assert len(outcomes) == 16
     for o in outcomes:
