@@ -7,7 +7,6 @@ import time
 from collections import deque
 from typing import Iterable, Sequence
 
-import numpy as np
 import structlog
 
 from pagedserve.cupy_kernels.backend import get_backend
