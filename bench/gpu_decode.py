@@ -2,16 +2,20 @@
 
 Prints one JSON object: for each batch size (1, 16, 64, 256 by default) every sequence decodes one
 token at a --context-token context; the step time (LlamaForCausalLM.forward, logits included) is set
-next to the HBM roofline, (weights + KV cache read) / peak bandwidth. Two figures per batch:
-`step_ms` with the batch metadata already on the device (what a runner that uploads the batch once
-would see), and `step_ms_host_metadata` with numpy metadata, which the op layer uploads per layer
-(what models/llama.py + runtime/ do today).
+next to the HBM roofline, (weights + KV cache read) / peak bandwidth. Three figures per batch:
+`step_ms` with the batch metadata already on the device (the kernels alone, launched eagerly);
+`step_ms_host_metadata` with numpy metadata, which the forward checks and uploads once per step
+(models/device_batch.py: what an eager engine step costs); and `step_ms_graph`, the same host
+metadata through runtime/cuda_graphs.py (padding, two uploads into static buffers, one graph launch:
+what an engine decode step costs with CUDA graphs on). `graph_speedup` = host-metadata eager / graph.
+A capture failure does not stop the benchmark: `cuda_graphs.disabled_reason` says why, and the
+graph figures are null.
 
 Weights are random (values do not change the timing) and generated on the device: the model's
 `_put` hook is overridden so that 16 GB never pass through host memory. That hook is the one place
 this couples to models/llama.py internals. Imports only numpy, CuPy and pagedserve's GPU path.
 
-    python bench/gpu_decode.py [--batches 1 16 64 256] [--context 1024] [--layers 32] [--steps 10]
+    python bench/gpu_decode.py [--batches 1 16 64 256] [--context 1024] [--layers 32] [--steps 10] [--no-graphs]
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pagedserve.models.batch import ForwardBatch  # noqa: E402
 from pagedserve.models.config import ModelConfig  # noqa: E402
 from pagedserve.models.kv_cache import allocate_kv_caches, kv_bytes_per_block  # noqa: E402
 from pagedserve.models.llama import LlamaForCausalLM, expected_shapes  # noqa: E402
+from pagedserve.runtime.cuda_graphs import CupyGraphCapturer, DecodeGraphs  # noqa: E402
 
 
 def llama31_8b_config(layers: int) -> ModelConfig:
@@ -81,18 +86,25 @@ def decode_batch(xp, batch: int, context: int, block_size: int, vocab: int) -> F
     return ForwardBatch(**{k: xp.asarray(v) for k, v in fields.items()})
 
 
-def time_steps(cp, model, batch, kv, steps: int) -> float:
+def time_steps(cp, step, batch, steps: int) -> float:
+    """Mean ms of `step(batch)` (a forward, or a graph run) between events on the current stream."""
     for _ in range(2):
-        model.forward(batch, kv)
+        step(batch)
     cp.cuda.Device().synchronize()
     start, stop = cp.cuda.Event(), cp.cuda.Event()
     start.record()
     for _ in range(steps):
-        logits = model.forward(batch, kv)
+        logits = step(batch)
     stop.record()
     stop.synchronize()
     assert logits.shape[0] == batch.num_seqs
     return cp.cuda.get_elapsed_time(start, stop) / steps
+
+
+def capture_graphs(model, kv, batches, max_blocks: int) -> DecodeGraphs:
+    graphs = DecodeGraphs(model, kv, tuple(batches), max_blocks, CupyGraphCapturer())
+    graphs.capture_all()  # on failure: disabled_reason set, graphs.run returns None
+    return graphs
 
 
 def main() -> None:
@@ -103,6 +115,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--peak-tbps", type=float, default=4.8)
+    parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA graph figures")
     args = parser.parse_args()
     import cupy as cp
 
@@ -117,16 +130,30 @@ def main() -> None:
     nb = -(-args.context // args.block_size)
     kv = allocate_kv_caches(cfg, max(args.batches) * nb, args.block_size, get_backend("cuda"))
     kv_bytes_per_token = kv_bytes_per_block(cfg, args.block_size, 2) // args.block_size
+    graphs = None
+    if not args.no_graphs:
+        t0 = time.perf_counter()
+        graphs = capture_graphs(model, kv, args.batches, nb)
+        graph_info = {"captured": graphs.enabled, "batch_sizes": list(graphs.sizes),
+                      "capture_s": round(time.perf_counter() - t0, 2), "disabled_reason": graphs.disabled_reason,
+                      "pool_bytes": graphs.capturer.pool_bytes() if graphs.enabled else 0}
+    else:
+        graph_info = {"captured": False, "disabled_reason": "--no-graphs"}
     results = []
     for b in args.batches:
-        step_ms = time_steps(cp, model, decode_batch(cp, b, args.context, args.block_size, cfg.vocab_size), kv,
-                             args.steps)
-        host_ms = time_steps(cp, model, decode_batch(np, b, args.context, args.block_size, cfg.vocab_size), kv,
-                             max(2, args.steps // 2))
+        host_batch = decode_batch(np, b, args.context, args.block_size, cfg.vocab_size)
+        step_ms = time_steps(cp, lambda x: model.forward(x, kv),
+                             decode_batch(cp, b, args.context, args.block_size, cfg.vocab_size), args.steps)
+        host_ms = time_steps(cp, lambda x: model.forward(x, kv), host_batch, max(2, args.steps // 2))
+        graph_ms = None
+        if graphs is not None and graphs.enabled:
+            graph_ms = time_steps(cp, graphs.run, host_batch, args.steps)
         kv_read = b * args.context * kv_bytes_per_token
         roofline_ms = (read_weight_bytes + kv_read) / (args.peak_tbps * 1e12) * 1e3
         results.append({
             "batch": b, "step_ms": round(step_ms, 3), "step_ms_host_metadata": round(host_ms, 3),
+            "step_ms_graph": None if graph_ms is None else round(graph_ms, 3),
+            "graph_speedup": None if graph_ms is None else round(host_ms / graph_ms, 2),
             "roofline_ms": round(roofline_ms, 3), "pct_of_roofline": round(100 * roofline_ms / step_ms, 1),
             "tokens_per_s": round(b / step_ms * 1e3, 1), "kv_bytes_read": kv_read,
         })
@@ -134,7 +161,7 @@ def main() -> None:
         "benchmark": "decode_step", "model": cfg.name, "layers": cfg.num_hidden_layers, "dtype": "float16",
         "context": args.context, "block_size": args.block_size, "weight_bytes": weight_bytes,
         "weights_read_per_step_bytes": read_weight_bytes, "peak_tbps": args.peak_tbps,
-        "model_build_s": round(build_s, 1), "results": results,
+        "model_build_s": round(build_s, 1), "cuda_graphs": graph_info, "results": results,
     }, indent=2))
 
 

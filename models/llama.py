@@ -18,7 +18,9 @@ from pagedserve.cupy_kernels.paged_attention import paged_attention, reshape_and
 
 from .batch import ForwardBatch
 from .config import ModelConfig
+from .device_batch import to_device
 from .rope import rope_inv_freq
+from .weights_check import check_float16_range
 
 
 @dataclass
@@ -73,6 +75,8 @@ class LlamaForCausalLM:
         check_weights(config, weights, source)
         self.config = config
         self.backend = backend or get_backend("cpu")
+        if self.backend.dtype == np.float16:  # a value float16 cannot hold would become inf on the device
+            check_float16_range({name: weights[name] for name in expected_shapes(config)}, source)
         put, put_t = self._put, self._put_t
         self.embed_tokens = put(weights["model.embed_tokens.weight"])
         self.norm = put(weights["model.norm.weight"])
@@ -95,6 +99,8 @@ class LlamaForCausalLM:
                 down=put_t(weights[p + "mlp.down_proj.weight"]),
             ))
         self.inv_freq = rope_inv_freq(config, weights.get("rope_freqs"))
+        if self.backend.is_gpu:  # float64 on the device: cos/sin are computed there from device positions
+            self.inv_freq = self.backend.asarray(self.inv_freq)
         self.scale = config.head_dim ** -0.5
 
     def _put(self, w: np.ndarray):
@@ -109,6 +115,9 @@ class LlamaForCausalLM:
         cfg = self.config
         if len(kv_caches) != cfg.num_hidden_layers:
             raise ValueError(f"expected {cfg.num_hidden_layers} KV cache layers, got {len(kv_caches)}")
+        # GPU: the step's metadata is checked and uploaded here, once (numpy: the batch as it is).
+        k0 = kv_caches[0][0]
+        batch = to_device(batch, self.backend, int(k0.shape[1]), int(k0.shape[0]), cfg.vocab_size)
         t = batch.num_tokens
         cos, sin = ops.rope_cos_sin(self.inv_freq, batch.positions)
         hidden = ops.embedding(self.embed_tokens, batch.input_ids)

@@ -20,6 +20,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # CPU: bytes for the KV pool (None = 2 GiB)
     num_kv_blocks: int | None = None  # overrides the byte budget (tests use it to force preemption)
     gpu_memory_utilization: float = 0.9
+    # GPU: replay decode steps from CUDA graphs captured per batch size (runtime/cuda_graphs.py).
+    enable_cuda_graphs: bool = True
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None  # None = cuda_graphs.default_batch_sizes
     seed: int | None = 0
     use_weight_cache: bool = True
     # Request lifecycle log events (queued, scheduled, first_token, preempted, finished, aborted):
@@ -45,7 +48,17 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+        if self.cuda_graph_batch_sizes is not None:
+            sizes = self.cuda_graph_batch_sizes
+            if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+                raise ValueError(f"cuda_graph_batch_sizes must be a sequence of batch sizes, got {sizes!r}")
+            sizes = tuple(sizes)
+            bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int) or not 0 < s <= self.max_num_seqs]
+            if not sizes or bad:
+                raise ValueError(f"cuda_graph_batch_sizes must be a non-empty sequence of integers in "
+                                 f"[1, max_num_seqs={self.max_num_seqs}], got {self.cuda_graph_batch_sizes!r}")
+            self.cuda_graph_batch_sizes = tuple(sorted(set(sizes)))
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enable_cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):

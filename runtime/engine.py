@@ -18,6 +18,8 @@ from .config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
 from .beam_search import BeamSearchParams, Proposal, select
+from .cuda_graphs import build_decode_graphs
+from .gpu_memory import profile_kv_cache
 from .model_runner import ModelRunner, SampledToken, StepResult
 from .outputs import CompletionOutput, EngineStats, RequestOutput
 from .request import Request, RequestStatus
@@ -51,7 +53,9 @@ class LLMEngine:
         self.num_kv_blocks = num_blocks
         self.kv_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
         kv_caches = allocate_kv_caches(loaded.config, num_blocks, self.block_size, self.backend)
-        self.runner = ModelRunner(self.model, kv_caches, self.kv_manager, Sampler(config.seed))
+        # GPU: decode steps replay CUDA graphs captured now, against these very KV caches (None: eager).
+        graphs = build_decode_graphs(config, self.model, kv_caches, self.max_model_len)
+        self.runner = ModelRunner(self.model, kv_caches, self.kv_manager, Sampler(config.seed), graphs=graphs)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_chunked_prefill)
         self.groups: dict[str, SequenceGroup] = {}
@@ -63,14 +67,17 @@ class LLMEngine:
                  model=self.model_name)
 
     def _num_kv_blocks(self) -> int:
+        self.kv_sizing = None  # GPU: the gpu_memory.KVCacheSizing behind the pool's size
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         per_block = kv_bytes_per_block(self.model_config, self.block_size, self.backend.dtype.itemsize)
         if self.backend.is_gpu:
-            free, total = self.backend.xp.cuda.runtime.memGetInfo()
-            budget = int(total * self.config.gpu_memory_utilization) - (total - free)
-        else:
-            budget = self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+            # A profile forward measures the activation peak; the arithmetic is gpu_memory.size_kv_cache.
+            sizing = profile_kv_cache(self.model, self.config, self.max_model_len, self.block_size, per_block)
+            log.info("engine.kv_sizing", model=self.model_name, **sizing.log_fields())
+            self.kv_sizing = sizing
+            return sizing.num_blocks
+        budget = self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"the KV cache budget of {budget} bytes holds no block of {per_block} bytes")

@@ -11,10 +11,12 @@ from typing import Any
 
 import numpy as np
 
+from pagedserve.cupy_kernels import cuda_ops
 from pagedserve.cupy_kernels.paged_attention import copy_blocks
 from pagedserve.models.batch import SeqChunk, build_forward_batch
 from pagedserve.models.llama import LlamaForCausalLM
 
+from .cuda_graphs import DecodeGraphs
 from .kv_cache_manager import KVCacheManager
 from .sampler import Sampler
 from .scheduler import SchedulerOutput
@@ -37,11 +39,14 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[Any, Any]], kv_manager: KVCacheManager,
-                 sampler: Sampler) -> None:
+                 sampler: Sampler, graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.kv = kv_manager
         self.sampler = sampler
+        self.graphs = graphs  # GPU: decode steps replay CUDA graphs when they can (None: always eager)
+        # The sampler's array module: numpy as before, or CuPy with greedy rows through argmax_rows.
+        self.xp = _DeviceArrayModule(model.backend.xp) if model.backend.is_gpu else np
 
     def execute(self, sched: SchedulerOutput, forks: dict[int, list] | None = None) -> list[StepResult | None]:
         """One forward pass. Entry i is for sched.scheduled[i]: None mid-prefill, else its samples
@@ -58,7 +63,9 @@ class ModelRunner:
             if completes:
                 completing.append(i)
         batch = build_forward_batch(chunks, self.kv.block_size)
-        logits = self.model.forward(batch, self.kv_caches)
+        logits = self.graphs.run(batch) if self.graphs is not None else None
+        if logits is None:  # no graph for this step (CPU, graphs off, prefill in the batch, too many rows)
+            logits = self.model.forward(batch, self.kv_caches)
         results: list[StepResult | None] = [None] * len(sched.scheduled)
         rows, seqs, owners = [], [], []  # sampler rows: logits row, sequence, scheduled index
         for row, i in enumerate(completing):
@@ -74,11 +81,12 @@ class ModelRunner:
             return results
         banned = [_banned_ids(r) for r in seqs]
         out = self.sampler(
-            logits[np.asarray(rows)] if rows != list(range(len(completing))) else logits,
+            logits[self.xp.asarray(np.asarray(rows))] if rows != list(range(len(completing))) else logits,
             [r.sampling_params for r in seqs],
             [r.generator for r in seqs],
             [r.prompt_token_ids for r in seqs],
             [r.output_token_ids for r in seqs],
+            xp=self.xp,
             banned_token_ids=banned if any(banned) else None,
         )
         token_ids = np.asarray(out.token_ids).tolist()
@@ -92,7 +100,7 @@ class ModelRunner:
 
     @staticmethod
     def _beam_topk(logits_row, k: int) -> tuple[np.ndarray, np.ndarray]:
-        row = np.asarray(logits_row, dtype=np.float64)
+        row = np.asarray(logits_row.get() if hasattr(logits_row, "get") else logits_row, dtype=np.float64)
         logprobs = row - (row.max() + np.log(np.exp(row - row.max()).sum()))
         k = min(k, row.shape[0])
         top = np.argpartition(-logprobs, k - 1)[:k]
@@ -109,3 +117,21 @@ def _banned_ids(request) -> list[int]:
     if not params.ignore_eos:
         banned += list(request.eos_token_ids)
     return banned
+
+
+class _DeviceArrayModule:
+    """CuPy for the sampler, except that row-wise argmax of float logits (the greedy rows) runs as
+    cuda_ops.argmax_rows: numpy's rule for ties and NaN, one CTA per row. Only the sampled token ids
+    and their logprobs (and requested top logprobs) are copied back to the host."""
+
+    def __init__(self, xp: Any) -> None:
+        self._xp = xp
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._xp, name)
+
+    def argmax(self, a: Any, axis: int | None = None, **kwargs: Any) -> Any:
+        if (axis == 1 and not kwargs and a.ndim == 2 and a.shape[0] and a.shape[1]
+                and np.dtype(a.dtype) in cuda_ops.STORAGE_TYPES):
+            return cuda_ops.argmax_rows(a)
+        return self._xp.argmax(a, axis=axis, **kwargs)

@@ -3,12 +3,14 @@
 #   1. finds a Python with numpy + CuPy that sees a device (else exits 2 with the reason);
 #   2. makes pagedserve importable from this checkout without installing it (a symlinked
 #      namespace package on PYTHONPATH), unless it already is;
-#   3. runs every GPU test (tests/cupy_kernels, marker `gpu`): with pytest if importable; else with
-#      pytest installed from ./wheels (offline, into a throw-away venv that sees the system CuPy) if
+#   3. runs every GPU test (tests/cupy_kernels, marker `gpu`: kernels, whole models, and the runtime
+#      above them - device metadata, CUDA graph replays, sampling, KV sizing, the engine): with
+#      pytest if importable; else with pytest installed from ./wheels (offline, into a throw-away venv that sees the system CuPy) if
 #      that folder exists; else with tests/cupy_kernels/_mini_runner.py (no pytest needed);
 #   4. runs bench/gpu_attention.py and bench/gpu_decode.py;
 #   5. writes gpu_results.json to $OUT if set, else to the repository root: test summary, kernel
-#      errors against the numpy reference, attention bandwidth, decode step times vs roofline.
+#      errors against the numpy reference (plus graph-vs-eager logit gaps and KV sizing numbers),
+#      attention bandwidth, decode step times vs roofline with CUDA graphs on and off.
 # Exit status: 0 all good, 1 a test or benchmark failed, 2 no usable GPU, 3 pagedserve not importable.
 #
 #   scripts/gpu_check.sh                 # PYTHON=/path/to/python to choose the interpreter
@@ -76,7 +78,7 @@ if "$TEST_PY" -c "import pytest" 2>/dev/null; then
 else
   RUNNER=mini
   (cd "$ROOT" && timeout 300 "$TEST_PY" tests/cupy_kernels/_mini_runner.py tests/cupy_kernels/test_cuda_ops.py \
-      --json "$WORK/tests.json") > "$WORK/tests.log" 2>&1
+      tests/cupy_kernels/test_gpu_runtime.py --json "$WORK/tests.json") > "$WORK/tests.log" 2>&1
   TESTS_RC=$?
 fi
 tail -n 25 "$WORK/tests.log" >&2

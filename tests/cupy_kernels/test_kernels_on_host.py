@@ -266,3 +266,101 @@ def test_embedding_and_validation_on_host(emulated):
 def test_model_forward_on_host(emulated, name):
     """The Llama forward with get_backend("cuda") (float16, every op through cuda_ops) vs numpy float32."""
     gpu_tests.test_model_logits_match_numpy(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU runtime path (device metadata, CUDA graph replays, on-device sampling) on the emulation.
+# Graph capture itself needs a GPU: a fake capturer records the forward and "replays" it by calling
+# it, so a replay reads the static buffers as they are at launch, as a real graph does.
+# ---------------------------------------------------------------------------------------------
+
+
+def _load_runtime_gpu_tests():
+    spec = importlib.util.spec_from_file_location("pagedserve_gpu_runtime_tests",
+                                                  Path(__file__).with_name("test_gpu_runtime.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class RecordingCapturer:
+    def __init__(self):
+        self.events = []
+
+    def warmup(self, fn):
+        self.events.append("warmup")
+        fn()
+
+    def capture(self, fn):
+        self.events.append("capture")
+        return fn
+
+    def launch(self, graph):
+        self.events.append("launch")
+        graph()
+
+    def synchronize(self):
+        pass
+
+    def pool_bytes(self):
+        return 0
+
+    def release(self):
+        self.events.append("release")
+
+
+@pytest.fixture
+def runtime_tests(emulated):
+    module = _load_runtime_gpu_tests()
+    module.T._model_pair.cache_clear()
+    yield module
+    module.T._model_pair.cache_clear()
+
+
+def test_decode_graph_replays_on_host(runtime_tests):
+    """Padded replays with max_model_len-wide static tables (two-partition decodes included) against
+    eager steps, through the real kernels; exact sizes bit for bit, KV included."""
+    capturer = RecordingCapturer()
+    runtime_tests._graph_check("tiny-llama", capturer)
+    assert capturer.events.count("capture") == 4 and "release" not in capturer.events
+
+
+def test_device_metadata_on_host(runtime_tests):
+    runtime_tests.test_device_metadata_and_table_width_change_nothing()
+
+
+def test_engine_on_host_with_graphs_and_device_sampling(runtime_tests, monkeypatch):
+    """LLMEngine(device="cuda") on the emulation: graphs (fake capture) and eager give the same tokens;
+    the sampler runs on the stand-in CuPy arrays with greedy rows through the argmax_rows kernel."""
+    from pagedserve.runtime import cuda_graphs, model_runner
+    from pagedserve.runtime.config import EngineConfig
+    from pagedserve.runtime.engine import LLMEngine
+    from pagedserve.runtime.sampling_params import SamplingParams
+
+    def params(temperature, seed, n=1):
+        return SamplingParams(temperature=temperature, seed=seed, n=n, top_k=40 if temperature else 0, max_tokens=10,
+                              ignore_eos=True)
+
+    cp = sys.modules["cupy"]
+    cp.__getattr__ = lambda name: getattr(np, name)  # the sampler's array API: numpy on EmulatedArray
+    monkeypatch.setattr(cuda_graphs, "CupyGraphCapturer", RecordingCapturer)
+    argmax_calls = []
+    real_argmax = cuda_ops.argmax_rows
+    monkeypatch.setattr(cuda_ops, "argmax_rows", lambda a: argmax_calls.append(a.shape) or real_argmax(a))
+    results = {}
+    for graphs_on in (True, False):
+        engine = LLMEngine(EngineConfig(device="cuda", num_kv_blocks=64, max_num_seqs=4, enable_cuda_graphs=graphs_on,
+                                        cuda_graph_batch_sizes=(1, 2, 4), seed=0), loaded=runtime_tests._tiny_loaded())
+        assert engine.backend.is_gpu and isinstance(engine.runner.xp, model_runner._DeviceArrayModule)
+        rng = np.random.default_rng(2)
+        requests = [
+            ("greedy", rng.integers(3, 500, 30).tolist(), params(0.0, None)),
+            ("seeded", rng.integers(3, 500, 7).tolist(), params(0.9, 5)),
+            ("n2", rng.integers(3, 500, 50).tolist(), params(1.0, 6, n=2)),
+        ]
+        results[graphs_on] = runtime_tests._generate(engine, requests)
+        if graphs_on:
+            assert engine.runner.graphs.num_replays >= 8
+    assert argmax_calls, "greedy rows did not go through cuda_ops.argmax_rows"
+    assert results[True] == results[False]
+

@@ -1,0 +1,153 @@
+"""Moving a step's batch metadata to the device once, instead of once per op and layer.
+
+build_forward_batch makes the ForwardBatch on the host (numpy). Handed numpy metadata, the CUDA op
+layer checks and uploads it at every call: slot_mapping and the three attention arrays in every layer,
+and cos/sin (computed on the host from numpy positions) twice per layer. `to_device` does that work
+once per step:
+
+    host ForwardBatch --check_batch--> trim block_tables --pack--> int64 [3T + N] + int32 [2B + 1 + B*W]
+                                                                        | two host->device copies
+    device ForwardBatch <----------------- unpack: views into the two device buffers
+
+The check runs on the host because, given device metadata, the kernels trust it (a block id out of
+range would be an illegal address that kills the CUDA context, not an exception naming the field).
+
+Trimming: block tables arrive as wide as the longest table the KV manager holds, but the attention
+kernel sizes its split-decode workspace (and the number of partitions it launches) from the table's
+width when the metadata is on the device, so the width is cut to what the longest sequence of this
+step needs: ceil(max(seq_lens) / block_size) columns. That width times block_size is the kernel's
+max_seq_len bound (cuda_ops.paged_attention takes no separate max_seq_len argument).
+
+cos/sin are not uploaded: with positions on the device the op layer computes them there, once per
+step, from the model's device-resident inv_freq.
+
+On the numpy backend `to_device` returns the batch unchanged (the CPU path is untouched).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pagedserve.cupy_kernels.backend import Backend
+from pagedserve.cupy_kernels.cuda_ops import is_cupy_array
+
+from .batch import ForwardBatch
+
+I64_FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices")
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where each field lives in the two packed buffers."""
+
+    num_tokens: int  # T
+    num_seqs: int  # B
+    num_logits: int  # N
+    max_blocks: int  # W, block table columns
+
+    @property
+    def i64_size(self) -> int:
+        return 3 * self.num_tokens + self.num_logits
+
+    @property
+    def i32_size(self) -> int:
+        return 2 * self.num_seqs + 1 + self.num_seqs * self.max_blocks
+
+
+def blocks_needed(seq_lens: np.ndarray, block_size: int) -> int:
+    """Block table columns the longest sequence of the batch reads (at least 1)."""
+    if seq_lens.size == 0:
+        return 1
+    return max(1, -(-int(np.max(seq_lens)) // block_size))
+
+
+def check_batch(batch: ForwardBatch, block_size: int, num_blocks: int, vocab_size: int | None = None) -> None:
+    """Validate host metadata against the KV cache (and vocabulary); raises ValueError / IndexError."""
+    t, b = batch.num_tokens, batch.num_seqs
+    for name in ("positions", "slot_mapping"):
+        if getattr(batch, name).shape != (t,):
+            raise ValueError(f"ForwardBatch.{name} has shape {getattr(batch, name).shape}, expected ({t},)")
+    qsl = np.asarray(batch.query_start_loc)
+    if qsl.shape != (b + 1,) or (b and (int(qsl[0]) != 0 or int(qsl[-1]) != t)):
+        raise ValueError(f"ForwardBatch.query_start_loc must be [{b + 1}] from 0 to {t}, got shape {qsl.shape}")
+    num_new = np.diff(qsl.astype(np.int64))
+    if (num_new < 1).any():
+        raise ValueError("ForwardBatch: every sequence needs at least one query token")
+    lens = np.asarray(batch.seq_lens, dtype=np.int64)
+    if (lens < num_new).any():
+        raise ValueError("ForwardBatch: a sequence has more query tokens than its seq_len")
+    tables = np.asarray(batch.block_tables)
+    if tables.ndim != 2 or tables.shape[0] != b:
+        raise ValueError(f"ForwardBatch.block_tables must be [{b}, max_blocks], got shape {tables.shape}")
+    need = blocks_needed(lens, block_size)
+    if need > tables.shape[1]:
+        raise ValueError(f"ForwardBatch: a sequence of {int(lens.max())} tokens needs {need} blocks, "
+                         f"block_tables has {tables.shape[1]} columns")
+    used = tables[:, :need]
+    if used.size and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
+        raise IndexError(f"ForwardBatch.block_tables holds a block id outside [0, {num_blocks})")
+    slots = np.asarray(batch.slot_mapping)
+    if slots.size and (int(slots.min()) < -1 or int(slots.max()) >= num_blocks * block_size):
+        raise IndexError(f"ForwardBatch.slot_mapping holds a slot outside [-1, {num_blocks * block_size})")
+    ids = np.asarray(batch.input_ids)
+    if vocab_size is not None and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise IndexError(f"ForwardBatch.input_ids holds a token id outside [0, {vocab_size})")
+    li = np.asarray(batch.logits_indices)
+    if li.size and (int(li.min()) < 0 or int(li.max()) >= t):
+        raise IndexError(f"ForwardBatch.logits_indices holds a row outside [0, {t})")
+
+
+def pack_batch(batch: ForwardBatch, max_blocks: int) -> tuple[np.ndarray, np.ndarray, PackedLayout]:
+    """The batch's metadata as one int64 and one int32 host buffer; block tables cut or zero-padded
+    to `max_blocks` columns (zeros: block 0, a valid id the kernels never read past seq_len)."""
+    layout = PackedLayout(batch.num_tokens, batch.num_seqs, int(np.asarray(batch.logits_indices).shape[0]),
+                          max_blocks)
+    i64 = np.empty(layout.i64_size, dtype=np.int64)
+    t = layout.num_tokens
+    i64[:t] = batch.input_ids
+    i64[t : 2 * t] = batch.positions
+    i64[2 * t : 3 * t] = batch.slot_mapping
+    i64[3 * t :] = batch.logits_indices
+    b = layout.num_seqs
+    i32 = np.zeros(layout.i32_size, dtype=np.int32)
+    i32[: b + 1] = batch.query_start_loc
+    i32[b + 1 : 2 * b + 1] = batch.seq_lens
+    tables = np.asarray(batch.block_tables)
+    width = min(max_blocks, tables.shape[1])
+    i32[2 * b + 1 :].reshape(b, max_blocks)[:, :width] = tables[:, :width]
+    return i64, i32, layout
+
+
+def unpack_batch(i64: Any, i32: Any, layout: PackedLayout) -> ForwardBatch:
+    """A ForwardBatch of views into the packed buffers (numpy or CuPy)."""
+    t, b = layout.num_tokens, layout.num_seqs
+    return ForwardBatch(
+        input_ids=i64[:t],
+        positions=i64[t : 2 * t],
+        slot_mapping=i64[2 * t : 3 * t],
+        query_start_loc=i32[: b + 1],
+        seq_lens=i32[b + 1 : 2 * b + 1],
+        block_tables=i32[2 * b + 1 :].reshape(b, layout.max_blocks),
+        logits_indices=i64[3 * t :],
+    )
+
+
+def is_on_device(batch: ForwardBatch) -> bool:
+    return is_cupy_array(batch.input_ids)
+
+
+def to_device(batch: ForwardBatch, backend: Backend, block_size: int, num_blocks: int,
+              vocab_size: int | None = None) -> ForwardBatch:
+    """The batch with its metadata on the backend's device: checked, trimmed, two uploads.
+
+    numpy backend, or metadata already on the device (a CUDA graph's static buffers, a benchmark's
+    prepared batch): returned as it is.
+    """
+    if not backend.is_gpu or is_on_device(batch):
+        return batch
+    check_batch(batch, block_size, num_blocks, vocab_size)
+    i64, i32, layout = pack_batch(batch, blocks_needed(np.asarray(batch.seq_lens), block_size))
+    return unpack_batch(backend.xp.asarray(i64), backend.xp.asarray(i32), layout)

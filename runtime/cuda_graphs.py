@@ -1,0 +1,326 @@
+"""CUDA graphs for decode steps: one captured forward per batch size, replayed with new metadata.
+
+A decode step of a small model is launch-bound: ~15 kernels per layer, each a few microseconds of
+Python and driver work. Capturing the whole forward once per batch size and replaying it costs one
+graph launch per step instead.
+
+    decode step, B sequences (one token each)
+        -> padded_size(B): the smallest captured size >= B (else: eager forward)
+        -> pack_decode_batch: the real rows, then padding rows (token 0, position 0, slot -1 = no KV
+           write, seq_len 1 reading block 0), block tables as wide as max_model_len needs
+        -> two host->device copies into that size's static buffers
+        -> graph launch on the current stream; logits rows [:B] of the shared static output
+
+What capture needs, and how it is met:
+- No host<->device synchronisation inside the forward. With metadata on the device (the static
+  buffers) and inv_freq on the device, the op layer reads nothing back; the first eager run of each
+  size (the warm-up) compiles every kernel and initialises cuBLAS before the capture starts.
+- Shapes and pointers fixed at capture. Each size has its own static metadata buffers; the block
+  table width is fixed at max_model_len / block_size so the attention kernel's partition count
+  (derived from that width) covers every sequence the engine can run; the KV caches and weights are
+  allocated once and never move.
+- Memory. CuPy's MemoryPool is not capture-aware (cupy/cuda/memory.pyx: arenas per stream, no
+  notion of a graph): an array allocated and freed during capture goes back to the free list, and a
+  later eager allocation on the same stream could take it while a graph still writes there on
+  replay. CuPy begins captures in relaxed mode precisely so that the pool may cudaMalloc while
+  capturing (cupy/cuda/stream.pyx, begin_capture). So captures (and their warm-ups) allocate from a
+  private MemoryPool, through `cupy.cuda.using_allocator`, that nothing else uses and that is never
+  trimmed while a graph exists; sizes are captured largest first, so smaller sizes reuse the larger
+  ones' blocks and replays, serialised on one stream, share them safely. A pool that runs out of
+  memory frees its cached blocks (SingleDeviceMemoryPool._try_malloc) - blocks earlier graphs still
+  use - so any capture error drops every graph and the engine runs eagerly.
+- The ops allocate their outputs (cupy.empty) inside the forward, which the private pool covers;
+  no `out=` parameters are needed in the op layer.
+
+Failure policy: a capture error (any exception while warming up, capturing, or in the first test
+launch) is logged as `cuda_graphs.capture_failed` with the batch size and the error, every graph is
+dropped, and decode steps run eagerly. A failure of a later replay is raised, not hidden.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from pagedserve.models.batch import ForwardBatch
+from pagedserve.models.device_batch import PackedLayout, blocks_needed, check_batch, unpack_batch
+
+from .config import EngineConfig
+
+try:
+    import structlog
+
+    log = structlog.get_logger("pagedserve.engine")
+except ImportError:  # the bare GPU check machine may have numpy and CuPy only
+    import logging
+
+    class _KeyValueLogger:
+        def __init__(self, logger: logging.Logger) -> None:
+            self._logger = logger
+
+        def _emit(self, level: int, event: str, **kw: Any) -> None:
+            self._logger.log(level, "%s %s", event, " ".join(f"{k}={v!r}" for k, v in kw.items()))
+
+        def info(self, event: str, **kw: Any) -> None:
+            self._emit(logging.INFO, event, **kw)
+
+        def warning(self, event: str, **kw: Any) -> None:
+            self._emit(logging.WARNING, event, **kw)
+
+    log = _KeyValueLogger(logging.getLogger("pagedserve.engine"))
+
+# Sizes captured by default (those <= max_num_seqs, plus max_num_seqs itself when it is smaller
+# than the largest). Dense at the small end where most decode batches of a lightly loaded server
+# are; padding wastes at most a third of a step above 64.
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+def default_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    sizes = [s for s in DEFAULT_BATCH_SIZES if s <= max_num_seqs]
+    if max_num_seqs < DEFAULT_BATCH_SIZES[-1] and max_num_seqs not in sizes:
+        sizes.append(max_num_seqs)
+    return tuple(sizes)
+
+
+def resolve_batch_sizes(config: EngineConfig) -> tuple[int, ...]:
+    """The sizes to capture: the configured ones (validated by EngineConfig) or the defaults, up to
+    the most sequences a decode step can hold (max_num_seqs, and one token each within the budget)."""
+    if config.cuda_graph_batch_sizes is not None:
+        return tuple(config.cuda_graph_batch_sizes)
+    return default_batch_sizes(min(config.max_num_seqs, config.max_num_batched_tokens))
+
+
+def padded_size(num_seqs: int, sizes: Sequence[int]) -> int | None:
+    """The smallest of the sorted `sizes` that holds `num_seqs` rows; None when none does."""
+    i = bisect.bisect_left(sizes, num_seqs)
+    return sizes[i] if i < len(sizes) and num_seqs > 0 else None
+
+
+def is_decode_step(batch: ForwardBatch) -> bool:
+    """Every sequence has one new token and wants its logits, in row order (host metadata)."""
+    b = batch.num_seqs
+    li = np.asarray(batch.logits_indices)
+    return batch.num_tokens == b and li.shape == (b,) and bool((li == np.arange(b)).all())
+
+
+def pack_decode_batch(batch: ForwardBatch | None, size: int, max_blocks: int) -> tuple[np.ndarray, np.ndarray, PackedLayout]:
+    """Host buffers (see device_batch.pack_batch) for a decode batch padded to `size` rows.
+
+    batch=None gives padding rows only (what the static buffers hold while capturing). Padding rows
+    write no KV (slot -1) and attend to one key in block 0, so they can neither fault nor disturb a
+    real row: every op of the forward is row-independent.
+    """
+    layout = PackedLayout(size, size, size, max_blocks)
+    b = 0 if batch is None else batch.num_seqs
+    if b > size:
+        raise ValueError(f"a decode batch of {b} sequences does not fit a captured size of {size}")
+    i64 = np.zeros(layout.i64_size, dtype=np.int64)
+    i64[2 * size : 3 * size] = -1
+    i64[3 * size :] = np.arange(size)
+    i32 = np.zeros(layout.i32_size, dtype=np.int32)
+    i32[: size + 1] = np.arange(size + 1)  # one query token per row
+    i32[size + 1 : 2 * size + 1] = 1
+    if batch is not None:
+        i64[:b] = batch.input_ids
+        i64[size : size + b] = batch.positions
+        i64[2 * size : 2 * size + b] = batch.slot_mapping
+        i32[size + 1 : size + 1 + b] = batch.seq_lens
+        tables = np.asarray(batch.block_tables)
+        width = min(max_blocks, tables.shape[1])
+        i32[2 * size + 1 :].reshape(size, max_blocks)[:b, :width] = tables[:, :width]
+    return i64, i32, layout
+
+
+def copy_into(dst: Any, src: np.ndarray) -> None:
+    """Overwrite a static buffer in place (its address is baked into the graphs)."""
+    if hasattr(dst, "set"):  # CuPy: a synchronous host->device copy into the existing memory
+        dst.set(src)
+    else:
+        dst[...] = src
+
+
+class GraphCapturer(Protocol):
+    """The CUDA side of capturing, kept behind a small interface so the logic above it runs on numpy
+    in the unit tests (with a fake that records the function and "replays" it by calling it)."""
+
+    def warmup(self, fn: Callable[[], None]) -> None: ...
+
+    def capture(self, fn: Callable[[], None]) -> Any: ...
+
+    def launch(self, graph: Any) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def pool_bytes(self) -> int: ...
+
+    def release(self) -> None: ...
+
+
+class CupyGraphCapturer:
+    """Stream capture with CuPy: a private non-blocking stream and a private memory pool."""
+
+    def __init__(self) -> None:
+        import cupy
+
+        self._cp = cupy
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.pool = cupy.cuda.MemoryPool()
+
+    def warmup(self, fn: Callable[[], None]) -> None:
+        cp = self._cp
+        # The capture stream does not synchronise with the legacy default stream by itself.
+        self.stream.wait_event(cp.cuda.get_current_stream().record())
+        with cp.cuda.using_allocator(self.pool.malloc), self.stream:
+            fn()
+        self.stream.synchronize()
+
+    def capture(self, fn: Callable[[], None]) -> Any:
+        cp = self._cp
+        with cp.cuda.using_allocator(self.pool.malloc), self.stream:
+            self.stream.begin_capture()
+            try:
+                fn()
+            except BaseException:
+                try:  # end the capture so the stream is usable again; the graph is discarded
+                    self.stream.end_capture()
+                except Exception:
+                    pass
+                raise
+            return self.stream.end_capture()
+
+    def launch(self, graph: Any) -> None:
+        graph.launch()  # on the current stream: ordered with the eager work around it
+
+    def synchronize(self) -> None:
+        self._cp.cuda.get_current_stream().synchronize()
+
+    def pool_bytes(self) -> int:
+        return int(self.pool.total_bytes())
+
+    def release(self) -> None:
+        self.pool.free_all_blocks()
+
+
+@dataclass
+class _Captured:
+    size: int
+    i64: Any  # static device buffers, see pack_decode_batch
+    i32: Any
+    batch: ForwardBatch  # views into them
+    graph: Any = None
+
+
+@dataclass
+class DecodeGraphs:
+    """Captured decode forwards by padded batch size; `run` replays one or returns None (eager)."""
+
+    model: Any  # LlamaForCausalLM
+    kv_caches: list[tuple[Any, Any]]
+    sizes: tuple[int, ...]
+    max_blocks: int  # block table columns of the static buffers: ceil(max_model_len / block_size)
+    capturer: GraphCapturer
+    captured: dict[int, _Captured] = field(default_factory=dict)
+    num_replays: int = 0
+    disabled_reason: str | None = None
+    capture_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.sizes = tuple(sorted(set(self.sizes)))
+        if not self.sizes or self.sizes[0] < 1:
+            raise ValueError(f"CUDA graph batch sizes must be positive integers, got {self.sizes}")
+        k_cache = self.kv_caches[0][0]
+        self.block_size, self.num_blocks = int(k_cache.shape[1]), int(k_cache.shape[0])
+        self.vocab_size = self.model.config.vocab_size
+        xp = self.model.backend.xp
+        self.logits = xp.empty((self.sizes[-1], self.vocab_size), dtype=np.float32)  # shared static output
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.captured)
+
+    def capture_all(self) -> bool:
+        """Capture every size, largest first; on any error drop them all. True if all were captured."""
+        t0 = time.perf_counter()
+        xp = self.model.backend.xp
+        for size in reversed(self.sizes):
+            error = None
+            try:
+                i64, i32, layout = pack_decode_batch(None, size, self.max_blocks)
+                i64, i32 = xp.asarray(i64), xp.asarray(i32)
+                step = _Captured(size, i64, i32, unpack_batch(i64, i32, layout))
+                fn = self._forward_fn(step)
+                self.capturer.warmup(fn)
+                step.graph = self.capturer.capture(fn)
+                self.capturer.launch(step.graph)  # a test replay: a bad graph fails here, at start-up
+                self.capturer.synchronize()
+            except Exception as e:  # noqa: BLE001 - every capture error means: run eagerly
+                error, trace = f"{type(e).__name__}: {e}", traceback.format_exc(limit=8)
+            if error is not None:  # outside the except: the traceback's arrays are gone before the release
+                self.disable(f"capture of batch size {size} failed: {error}")
+                log.warning("cuda_graphs.capture_failed", batch_size=size, error=error, traceback=trace,
+                            fallback="eager")
+                return False
+            self.captured[size] = step
+        self.capture_seconds = time.perf_counter() - t0
+        log.info("cuda_graphs.captured", batch_sizes=list(self.sizes), max_blocks=self.max_blocks,
+                 seconds=round(self.capture_seconds, 3), pool_bytes=self.capturer.pool_bytes())
+        return True
+
+    def _forward_fn(self, step: _Captured) -> Callable[[], None]:
+        def forward() -> None:
+            out = self.model.forward(step.batch, self.kv_caches)
+            self.logits[: step.size] = out
+
+        return forward
+
+    def disable(self, reason: str) -> None:
+        """Drop every graph (and their memory) and run eagerly from now on."""
+        self.captured.clear()
+        self.disabled_reason = reason
+        try:  # nothing may still run from the pool about to be freed
+            self.capturer.synchronize()
+        except Exception:  # noqa: BLE001 - a sticky device error surfaces again at the next eager step
+            pass
+        self.capturer.release()
+
+    def run(self, batch: ForwardBatch) -> Any | None:
+        """Logits [B, V] for a decode step from a graph replay, or None when the step must run eagerly
+        (graphs off, a prefill chunk in the batch, more sequences than the largest captured size, or a
+        sequence longer than the graphs were captured for). The returned array is a view of the
+        shared static output: valid until the next `run`."""
+        if not self.captured or not is_decode_step(batch):
+            return None
+        size = padded_size(batch.num_seqs, self.sizes)
+        if size is None or blocks_needed(np.asarray(batch.seq_lens), self.block_size) > self.max_blocks:
+            return None
+        check_batch(batch, self.block_size, self.num_blocks, self.vocab_size)
+        step = self.captured[size]
+        i64, i32, _ = pack_decode_batch(batch, size, self.max_blocks)
+        copy_into(step.i64, i64)
+        copy_into(step.i32, i32)
+        self.capturer.launch(step.graph)
+        self.num_replays += 1
+        return self.logits[: batch.num_seqs]
+
+
+def build_decode_graphs(config: EngineConfig, model: Any, kv_caches: list[tuple[Any, Any]], max_model_len: int,
+                        capturer: GraphCapturer | None = None) -> DecodeGraphs | None:
+    """Capture the decode graphs for an engine; None on the CPU, when turned off, or when capture
+    failed (logged; the engine then runs every step eagerly)."""
+    if not config.enable_cuda_graphs or not model.backend.is_gpu:
+        return None
+    if capturer is None:
+        try:
+            capturer = CupyGraphCapturer()
+        except Exception as e:  # noqa: BLE001 - a CuPy without stream capture: run eagerly
+            log.warning("cuda_graphs.capture_failed", batch_size=None, error=f"{type(e).__name__}: {e}",
+                        traceback=traceback.format_exc(limit=8), fallback="eager")
+            return None
+    block_size = int(kv_caches[0][0].shape[1])
+    graphs = DecodeGraphs(model, kv_caches, resolve_batch_sizes(config), -(-max_model_len // block_size), capturer)
+    return graphs if graphs.capture_all() else None

@@ -1,0 +1,235 @@
+"""runtime/cuda_graphs.py on the CPU: bucketing, padding, static buffers, replay and the eager fallback.
+
+The CUDA part hides behind GraphCapturer; here a fake records the forward instead of capturing it and
+"replays" it by calling it, so a replay reads the static buffers as they are at launch time, like a
+real graph. The numpy model then checks the whole data path: padded replays give the eager logits and
+write exactly the KV slots an eager step writes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from structlog.testing import capture_logs
+
+from pagedserve.models.batch import SeqChunk, build_forward_batch
+from pagedserve.models.device_batch import unpack_batch
+from pagedserve.models.kv_cache import allocate_kv_caches
+from pagedserve.models.llama import LlamaForCausalLM
+from pagedserve.models.loader import load_model
+from pagedserve.runtime.config import EngineConfig
+from pagedserve.runtime.cuda_graphs import (
+    DEFAULT_BATCH_SIZES, DecodeGraphs, build_decode_graphs, default_batch_sizes, is_decode_step,
+    pack_decode_batch, padded_size, resolve_batch_sizes,
+)
+from pagedserve.runtime.engine import LLMEngine
+from pagedserve.runtime.sampling_params import SamplingParams
+
+from model_factory import random_model
+
+BS = 16
+
+
+class FakeCapturer:
+    def __init__(self, fail_on_capture: int | None = None) -> None:
+        self.fail_on_capture = fail_on_capture
+        self.events: list[str] = []
+        self.num_captures = 0
+        self.released = False
+
+    def warmup(self, fn):
+        self.events.append("warmup")
+        fn()
+
+    def capture(self, fn):
+        self.num_captures += 1
+        if self.num_captures == self.fail_on_capture:
+            raise RuntimeError("operation not permitted when stream is capturing (fake)")
+        self.events.append("capture")
+        return fn
+
+    def launch(self, graph):
+        self.events.append("launch")
+        graph()
+
+    def synchronize(self):
+        pass
+
+    def pool_bytes(self):
+        return 4096
+
+    def release(self):
+        self.released = True
+
+
+def test_default_batch_sizes():
+    assert default_batch_sizes(256) == DEFAULT_BATCH_SIZES
+    assert default_batch_sizes(1000) == DEFAULT_BATCH_SIZES
+    assert default_batch_sizes(10) == (1, 2, 4, 8, 10)
+    assert default_batch_sizes(8) == (1, 2, 4, 8)
+    assert default_batch_sizes(1) == (1,)
+    assert resolve_batch_sizes(EngineConfig(max_num_seqs=20)) == (1, 2, 4, 8, 16, 20)
+    assert resolve_batch_sizes(EngineConfig(max_num_seqs=20, cuda_graph_batch_sizes=[12, 3, 3])) == (3, 12)
+    assert resolve_batch_sizes(EngineConfig(max_num_seqs=256, max_num_batched_tokens=12)) == (1, 2, 4, 8, 12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=10, unique=True), st.integers(0, 320))
+def test_padded_size_is_the_smallest_size_that_fits(sizes, n):
+    sizes = sorted(sizes)
+    fits = [s for s in sizes if s >= n]
+    assert padded_size(n, sizes) == (min(fits) if fits and n > 0 else None)
+
+
+def test_config_validates_graph_settings():
+    with pytest.raises(ValueError, match="enable_cuda_graphs must be a bool"):
+        EngineConfig(enable_cuda_graphs=1)
+    for bad in ([], [0, 4], [4, 300], "8", [2.0], [True]):
+        with pytest.raises(ValueError, match="cuda_graph_batch_sizes"):
+            EngineConfig(cuda_graph_batch_sizes=bad, max_num_seqs=256)
+    assert EngineConfig(cuda_graph_batch_sizes=[8, 1, 8]).cuda_graph_batch_sizes == (1, 8)
+
+
+def _decode_batch(lens, tables):
+    chunks = [SeqChunk([7 + i], n - 1, t) for i, (n, t) in enumerate(zip(lens, tables))]
+    return build_forward_batch(chunks, BS)
+
+
+def test_is_decode_step():
+    assert is_decode_step(_decode_batch([5, 30], [[0], [1, 2]]))
+    mixed = build_forward_batch([SeqChunk([1], 4, [0]), SeqChunk([1, 2], 0, [1])], BS)
+    assert not is_decode_step(mixed)
+    no_logits = build_forward_batch([SeqChunk([1], 4, [0], needs_logits=False)], BS)
+    assert not is_decode_step(no_logits)
+
+
+def test_padding_rows_write_nothing_and_read_one_key_of_block_0():
+    batch = _decode_batch([5, 40, 17], [[3], [4, 5, 6], [7, 8]])
+    i64, i32, layout = pack_decode_batch(batch, 8, 4)
+    got = unpack_batch(i64, i32, layout)
+    np.testing.assert_array_equal(got.input_ids[:3], batch.input_ids)
+    np.testing.assert_array_equal(got.positions[:3], batch.positions)
+    np.testing.assert_array_equal(got.slot_mapping, list(batch.slot_mapping) + [-1] * 5)
+    np.testing.assert_array_equal(got.query_start_loc, np.arange(9))
+    np.testing.assert_array_equal(got.seq_lens, [5, 40, 17, 1, 1, 1, 1, 1])
+    np.testing.assert_array_equal(got.logits_indices, np.arange(8))
+    assert got.block_tables.shape == (8, 4)
+    np.testing.assert_array_equal(got.block_tables[:3, :3], batch.block_tables)
+    assert (got.block_tables[3:] == 0).all() and (got.block_tables[:, 3] == 0).all()
+    empty = unpack_batch(*pack_decode_batch(None, 2, 4))
+    assert (empty.slot_mapping == -1).all() and (empty.seq_lens == 1).all()
+    with pytest.raises(ValueError, match="does not fit"):
+        pack_decode_batch(batch, 2, 4)
+
+
+def _model_and_caches(num_blocks=40):
+    cfg, weights = random_model(layers=2, vocab=61)
+    model = LlamaForCausalLM(cfg, weights)
+    return model, allocate_kv_caches(cfg, num_blocks, BS, model.backend), allocate_kv_caches(cfg, num_blocks, BS, model.backend)
+
+
+def _zero(kv):
+    return all(not k.any() and not v.any() for k, v in kv)
+
+
+def test_replays_match_eager_steps_and_write_the_same_kv():
+    model, kv_eager, kv_graph = _model_and_caches()
+    capturer = FakeCapturer()
+    graphs = DecodeGraphs(model, kv_graph, (1, 4, 8), max_blocks=6, capturer=capturer)
+    assert graphs.capture_all() and graphs.enabled
+    assert capturer.events[:3] == ["warmup", "capture", "launch"] and capturer.events.count("capture") == 3
+    assert _zero(kv_graph), "capturing (padding rows only) must not write the KV cache"
+    rng = np.random.default_rng(0)
+    lens = [int(n) for n in rng.integers(2, 60, size=7)]
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(7)]
+    # prefill everything eagerly in both caches
+    prompt = build_forward_batch([SeqChunk(rng.integers(0, 61, n - 1).tolist(), 0, t) for n, t in zip(lens, tables)], BS)
+    model.forward(prompt, kv_eager)
+    model.forward(prompt, kv_graph)
+    for rows in ([0, 1, 2], [3], [0, 1, 2, 3, 4, 5, 6], [6, 2]):  # padded to 4, 1, 8, 4
+        batch = _decode_batch([lens[i] for i in rows], [tables[i] for i in rows])
+        ref = model.forward(batch, kv_eager)
+        got = graphs.run(batch)
+        assert got is not None and got.shape == ref.shape
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+        assert (got.argmax(1) == ref.argmax(1)).all()
+        for (ke, ve), (kg, vg) in zip(kv_eager, kv_graph):  # same slots written, nothing else
+            np.testing.assert_allclose(kg, ke, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(vg, ve, rtol=1e-6, atol=1e-6)
+        for i in rows:
+            lens[i] += 1
+    assert graphs.num_replays == 4
+
+
+def test_steps_a_graph_cannot_take_run_eagerly():
+    model, _, kv = _model_and_caches()
+    graphs = DecodeGraphs(model, kv, (1, 2), max_blocks=2, capturer=FakeCapturer())
+    assert graphs.capture_all()
+    prefill = build_forward_batch([SeqChunk([1, 2, 3], 0, [0])], BS)
+    assert graphs.run(prefill) is None  # not a decode step
+    assert graphs.run(_decode_batch([3, 4, 5], [[0], [1], [2]])) is None  # more rows than the largest size
+    assert graphs.run(_decode_batch([40], [[0, 1, 2]])) is None  # longer than the captured table width
+    assert graphs.run(_decode_batch([4, 20], [[0], [1, 2]])) is not None
+    assert graphs.num_replays == 1
+
+
+def test_a_capture_error_drops_every_graph_and_logs_it():
+    model, _, kv = _model_and_caches()
+    capturer = FakeCapturer(fail_on_capture=2)
+    graphs = DecodeGraphs(model, kv, (1, 2, 4), max_blocks=2, capturer=capturer)
+    with capture_logs() as logs:
+        assert not graphs.capture_all()
+    assert not graphs.enabled and capturer.released
+    assert "batch size 2" in graphs.disabled_reason and "not permitted" in graphs.disabled_reason
+    failed = [e for e in logs if e["event"] == "cuda_graphs.capture_failed"]
+    assert len(failed) == 1 and failed[0]["batch_size"] == 2 and failed[0]["fallback"] == "eager"
+    assert "RuntimeError" in failed[0]["error"] and "Traceback" in failed[0]["traceback"]
+    assert graphs.run(_decode_batch([4], [[0]])) is None
+
+
+def test_build_decode_graphs_only_on_the_gpu_and_when_enabled():
+    model, _, kv = _model_and_caches()
+    assert build_decode_graphs(EngineConfig(device="cpu"), model, kv, 64, FakeCapturer()) is None
+    model.backend = type(model.backend)("cupy", np, np.dtype(np.float32))  # claims to be the GPU
+    assert build_decode_graphs(EngineConfig(enable_cuda_graphs=False), model, kv, 64, FakeCapturer()) is None
+    graphs = build_decode_graphs(EngineConfig(max_num_seqs=6), model, kv, 64, FakeCapturer())
+    assert graphs is not None and graphs.sizes == (1, 2, 4, 6) and graphs.max_blocks == 4
+    assert build_decode_graphs(EngineConfig(max_num_seqs=6), model, kv, 64, FakeCapturer(fail_on_capture=1)) is None
+
+
+@pytest.fixture(scope="module")
+def tiny(data_dir):
+    return load_model(data_dir / "tiny-llama")
+
+
+def test_engine_steps_through_graphs_give_the_eager_tokens(tiny):
+    """The model runner's routing: decode steps replay graphs, prefill steps stay eager, and greedy and
+    seeded outputs are the eager engine's."""
+    def engine():
+        return LLMEngine(EngineConfig(device="cpu", max_num_batched_tokens=64, num_kv_blocks=256, max_num_seqs=8,
+                                      seed=0), loaded=tiny)
+
+    def run(e):
+        rng = np.random.default_rng(5)
+        for i in range(6):
+            params = SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=5 + 3 * i, ignore_eos=True)
+            e.add_request(str(i), rng.integers(3, 500, size=int(rng.integers(3, 90))).tolist(), params)
+        done = {}
+        while e.has_unfinished_requests():
+            for out in e.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0]
+        return {k: (v.token_ids, v.cumulative_logprob) for k, v in done.items()}
+
+    eager = run(engine())
+    e = engine()
+    e.runner.graphs = DecodeGraphs(e.model, e.runner.kv_caches, (1, 2, 4, 8), -(-e.max_model_len // 16),
+                                   FakeCapturer())
+    assert e.runner.graphs.capture_all()
+    with_graphs = run(e)
+    assert e.runner.graphs.num_replays > 10
+    assert {k: v[0] for k, v in with_graphs.items()} == {k: v[0] for k, v in eager.items()}
+    for k in eager:
+        assert with_graphs[k][1] == pytest.approx(eager[k][1], rel=1e-5, abs=1e-5)
