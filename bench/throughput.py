@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, model_flops_per_token, sgemm_gflops  # noqa: E402
 
 from pagedserve.models.loader import load_model  # noqa: E402
+from pagedserve.sidecar.logging_setup import configure_logging  # noqa: E402
 from pagedserve.runtime.config import EngineConfig  # noqa: E402
 from pagedserve.runtime.engine import LLMEngine  # noqa: E402
 from pagedserve.runtime.sampling_params import SamplingParams  # noqa: E402
@@ -61,6 +62,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     args = ap.parse_args()
+    configure_logging(level="warning", stream=sys.stderr)
     loaded = load_model(None)
     gflops = sgemm_gflops()
     for n in args.requests:

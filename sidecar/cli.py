@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("stats", help="model info and live stats of a running server")
     st.add_argument("--socket", default=None)
     st.set_defaults(func=_cmd_stats)
+    from .bench_cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

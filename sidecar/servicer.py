@@ -169,7 +169,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         s = engine.stats
         return pb.ServerStats(num_running=s.num_running, num_waiting=s.num_waiting, kv_blocks_used=s.num_kv_blocks_used,
                               kv_blocks_total=s.num_kv_blocks_total, kv_utilization=s.kv_token_slot_utilization,
-                              prefix_cache_hit_rate=0.0, output_tokens_per_s=s.output_tokens_per_s,
+                              prefix_cache_hit_rate=s.prefix_cache_hit_rate, output_tokens_per_s=s.output_tokens_per_s,
                               total_tokens_per_s=s.total_tokens_per_s, num_preemptions=s.num_preemptions,
                               uptime_s=time.monotonic() - engine.started_at)
 

@@ -1,0 +1,342 @@
+"""Online serving: the sidecar under Poisson load, latency percentiles and SLO violations per request rate.
+
+This script starts `pagedserve serve` as its own process on a unix socket in a temporary folder (the
+embedded model unless --model), then acts as the client process: for each request rate it sends
+requests at Poisson arrival times (bounded by --duration seconds and --max-requests) through
+AsyncPagedServeClient, streams the tokens back, and measures per request
+
+  TTFT   time from sending to the first token (client side)
+  TPOT   (last token time - first token time) / (output tokens - 1)
+  ITL    gaps between consecutive token-carrying chunks
+
+(latencies pool every request that streamed, including ones cut off by the drain timeout), and the
+output tokens/s received over the rate's span.
+A request breaks the SLOs when it fails, does not finish within --drain-timeout after the last
+arrival, or has TTFT > --slo-ttft or TPOT > --slo-tpot. The run is repeated for a prefix case whose
+prompts share a long system prompt (token ids) and differ in a short suffix; cached_tokens comes from
+each request's Usage. Server and load generator share this machine's cores. Usage:
+
+    .venv/bin/python bench/serve.py [--quick] [--model PATH] [--rates 0.5 1 2 4] [--duration 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import plots  # noqa: E402
+
+NAME = "serve"
+CLAIM = {"text": "latency SLOs held under load (TTFT and TPOT targets), prefix caching cuts prefill work",
+         "note": "no single number is claimed; the SLOs below are this benchmark's targets"}
+
+
+class ServerProcess:
+    """`pagedserve serve` on a unix socket in `tmp`, its log in tmp/server.log."""
+
+    def __init__(self, tmp: Path, model: str | None, device: str, extra: list[str]) -> None:
+        self.socket = str(tmp / "ps.sock")
+        self.log_path = tmp / "server.log"
+        cmd = [sys.executable, "-m", "pagedserve.sidecar.cli", "serve", "--socket", self.socket, "--device", device,
+               "--log-level", "warning", "--max-waiting-requests", "4096", *extra]
+        if model is not None:
+            cmd += ["--model", model]
+        self._log = open(self.log_path, "wb")
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_serving(self, timeout: float) -> float:
+        from pagedserve.sidecar.client import PagedServeClient, PagedServeError
+
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(self.socket):
+            self._check_alive(deadline)
+            time.sleep(0.02)
+        with PagedServeClient(self.socket, timeout=2.0) as c:
+            while True:
+                try:
+                    if c.health() == "SERVING":
+                        return time.perf_counter() - self.t0
+                except PagedServeError:
+                    pass
+                self._check_alive(deadline)
+                time.sleep(0.05)
+
+    def _check_alive(self, deadline: float) -> None:
+        if self.proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not come up:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+        finally:
+            self._log.close()
+
+
+@dataclass
+class Record:
+    prompt_len: int
+    sent: float = 0.0
+    token_times: list[float] = field(default_factory=list)  # one entry per token-carrying chunk
+    num_tokens: int = 0
+    cached_tokens: int | None = None
+    server_ttft_s: float | None = None
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.sent if self.token_times else None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.num_tokens < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (self.num_tokens - 1)
+
+
+async def _one(client, rec: Record, prompt: list[int], sampling: dict) -> None:
+    from pagedserve.sidecar.client import PagedServeError
+
+    rec.sent = time.perf_counter()
+    try:
+        stream = client.generate(prompt, **sampling)
+        async for chunk in stream:
+            if chunk.token_ids:
+                rec.token_times.append(time.perf_counter())
+                rec.num_tokens += len(chunk.token_ids)
+        if stream.usage is not None:
+            rec.cached_tokens = stream.usage.cached_tokens
+            rec.server_ttft_s = stream.usage.ttft_s
+    except PagedServeError as e:
+        rec.error = e.code.name
+
+
+async def _wait_idle(client, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = await client.server_stats()
+        if s.num_running == 0 and s.num_waiting == 0:
+            return
+        await asyncio.sleep(0.1)
+
+
+async def run_rate(socket: str, rate: float, prompts: list[list[int]], args: argparse.Namespace, seed: int) -> dict:
+    from pagedserve.sidecar.client import AsyncPagedServeClient
+
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, size=args.max_requests)
+    arrivals = [t for t in np.cumsum(gaps) - gaps[0] if t <= args.duration]  # the first one at t = 0
+    sampling = {"max_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}
+    records = [Record(len(prompts[i % len(prompts)])) for i in range(len(arrivals))]
+    async with AsyncPagedServeClient(socket, generate_timeout=None) as client:
+        start = time.perf_counter()
+        tasks = []
+        for i, at in enumerate(arrivals):
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            tasks.append(asyncio.create_task(_one(client, records[i], prompts[i % len(prompts)], sampling)))
+        last_send = time.perf_counter()
+        _, pending = await asyncio.wait(tasks, timeout=args.drain_timeout) if tasks else (set(), set())
+        for i, t in enumerate(tasks):
+            if t in pending:
+                t.cancel()  # the RPC is cancelled; the server aborts the request
+                records[i].error = "DRAIN_TIMEOUT"
+        await asyncio.gather(*pending, return_exceptions=True)
+        end = time.perf_counter()
+        await _wait_idle(client, 30.0)
+        stats = await client.server_stats()
+    return summarize(rate, records, end - start, last_send - start, args, stats)
+
+
+def summarize(rate: float, records: list[Record], span: float, send_span: float, args, stats) -> dict:
+    """Latencies over every request that streamed tokens, finished or cut off by the drain timeout
+    (an overloaded rate would otherwise report nothing); completion and SLOs over all requests."""
+    ok = [r for r in records if r.error is None and r.num_tokens > 0]
+    started = [r for r in records if r.token_times]
+    itls = [b - a for r in started for a, b in zip(r.token_times, r.token_times[1:])]
+
+    def ms(values: list[float]) -> dict:
+        return {k: (round(1000 * v, 1) if v is not None else None) for k, v in plots.percentiles(values).items()}
+
+    ttfts = [r.ttft for r in started]
+    tpots = [r.tpot for r in started if r.tpot is not None]
+    broken = [r for r in records if r.error is not None or r.num_tokens == 0 or r.ttft > args.slo_ttft
+              or (r.tpot is not None and r.tpot > args.slo_tpot)]
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    return {"rate_req_per_s": rate, "requests_sent": len(records), "requests_ok": len(ok),
+            "requests_streaming_when_cut": sum(1 for r in started if r.error is not None),
+            "errors": sorted({r.error for r in records if r.error}), "num_errors": sum(1 for r in records if r.error),
+            "send_span_s": round(send_span, 2), "span_s": round(span, 2),
+            "achieved_rate_req_per_s": round((len(records) - 1) / send_span, 3) if send_span > 0 else None,
+            "throughput_req_per_s": round(len(ok) / span, 3) if span else None,
+            "output_tokens_per_s": round(sum(r.num_tokens for r in records) / span, 2) if span else None,
+            "ttft_ms": ms(ttfts), "tpot_ms": ms(tpots), "itl_ms": ms(itls),
+            "server_ttft_ms_p50": round(1000 * float(np.median([r.server_ttft_s for r in ok])), 1)
+            if ok and all(r.server_ttft_s is not None for r in ok) else None,
+            "slo_violation_pct": round(100 * len(broken) / len(records), 1) if records else None,
+            "mean_cached_tokens": round(float(np.mean(cached)), 1) if cached else None,
+            "mean_prompt_tokens": round(float(np.mean([r.prompt_len for r in records])), 1) if records else None,
+            "server_prefix_cache_hit_rate": round(stats.prefix_cache_hit_rate, 4),
+            "server_preemptions_total": stats.num_preemptions}
+
+
+def make_prompts(args, vocab: int, shared_prefix: bool, seed: int) -> list[list[int]]:
+    """Fresh prompts for each rate, so no rate finds the previous rate's prompts in the prefix cache."""
+    rng = np.random.default_rng(seed)
+    low = min(100, vocab // 4)
+    n = args.max_requests
+    if not shared_prefix:
+        return [rng.integers(low, vocab, size=args.prompt_len).tolist() for _ in range(n)]
+    system = rng.integers(low, vocab, size=args.prefix_len).tolist()
+    return [system + rng.integers(low, vocab, size=args.prompt_len - args.prefix_len).tolist() for _ in range(n)]
+
+
+def run(args: argparse.Namespace) -> dict:
+    from pagedserve.sidecar.client import PagedServeClient
+
+    env = plots.environment(args.quick)
+    with tempfile.TemporaryDirectory(prefix="pagedserve-bench-") as tmp:
+        server = ServerProcess(Path(tmp), args.model, args.device, args.server_arg)
+        try:
+            startup = server.wait_serving(args.startup_timeout)
+            with PagedServeClient(server.socket) as c:
+                info = c.model_info()
+                # Warm-up: the first request pays one-time costs that are not the load's.
+                c.generate_text(list(range(min(100, info.vocab_size // 4), min(100, info.vocab_size // 4) + 8)),
+                                max_tokens=2, temperature=0.0)
+            cases = {}
+            for case, shared in (("unique", False), ("shared_prefix", True)):
+                cases[case] = []
+                for i, rate in enumerate(args.rates):
+                    seed = args.seed + 1000 * i + (500 if shared else 0)
+                    prompts = make_prompts(args, info.vocab_size, shared, seed)
+                    t = time.perf_counter()
+                    cases[case].append(asyncio.run(run_rate(server.socket, rate, prompts, args, seed)))
+                    plots.progress(f"serve: {case} at {rate} req/s took {time.perf_counter() - t:.1f} s")
+        except BaseException:
+            print(server.log()[-4000:], file=sys.stderr)
+            raise
+        finally:
+            rc = server.stop()
+    unique = cases["unique"]
+    within = [r["rate_req_per_s"] for r in unique
+              if r["slo_violation_pct"] is not None and r["slo_violation_pct"] <= 10]
+    prefix_cached = [r["mean_cached_tokens"] for r in cases["shared_prefix"]]
+    summary = {"rates": args.rates, "max_rate_within_slo": max(within) if within else None,
+               "slo_violation_pct_by_rate": [r["slo_violation_pct"] for r in unique],
+               "ttft_p99_ms_by_rate": [r["ttft_ms"]["p99"] for r in unique],
+               "tpot_p99_ms_by_rate": [r["tpot_ms"]["p99"] for r in unique],
+               "output_tokens_per_s_by_rate": [r["output_tokens_per_s"] for r in unique],
+               "prefix_slo_violation_pct_by_rate": [r["slo_violation_pct"] for r in cases["shared_prefix"]],
+               "prefix_ttft_p50_ms_by_rate": [r["ttft_ms"]["p50"] for r in cases["shared_prefix"]],
+               "unique_ttft_p50_ms_by_rate": [r["ttft_ms"]["p50"] for r in unique],
+               "prefix_mean_cached_tokens": max((c for c in prefix_cached if c is not None), default=None)}
+    return {"benchmark": NAME, "quick": args.quick, "claim": CLAIM,
+            "config": {"model": info.name, "backend": info.backend, "max_model_len": info.max_model_len,
+                       "num_kv_blocks": info.num_kv_blocks, "block_size": info.block_size, "rates": args.rates,
+                       "duration_s": args.duration, "max_requests": args.max_requests,
+                       "prompt_len": args.prompt_len, "prefix_len": args.prefix_len, "output_len": args.output_len,
+                       "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
+                       "drain_timeout_s": args.drain_timeout, "server_args": args.server_arg,
+                       "prompts": "random token ids (unique case); prefix case: one shared system prompt of "
+                                  "prefix_len tokens + a unique suffix, same total length",
+                       "sampling": "greedy, ignore_eos, max_tokens = output_len"},
+            "environment": env, "server": {"startup_s": round(startup, 2), "exit_code": rc},
+            "results": cases, "summary": summary}
+
+
+def draw(record: dict, path: Path) -> None:
+    cases, cfg = record["results"], record["config"]
+    slo = cfg["slo"]
+    title = (f"Serving under Poisson load: prompt {cfg['prompt_len']}, output {cfg['output_len']} tokens, "
+             f"{cfg['model']} ({cfg['backend']}); dashed: shared-prefix case")
+    with plots.figure(path, title, ncols=2, nrows=2, size=(11, 7)) as (a, b, c, d):
+        for case, style in (("unique", "-"), ("shared_prefix", "--")):
+            rows = cases[case]
+            rates = [r["rate_req_per_s"] for r in rows]
+            for q, color in (("p50", "#9ecae1"), ("p99", "#08306b")):
+                a.plot(rates, [r["ttft_ms"][q] for r in rows], style, marker="o", color=color, label=f"{case} {q}")
+                b.plot(rates, [r["tpot_ms"][q] for r in rows], style, marker="o", color=color, label=f"{case} {q}")
+            c.plot(rates, [r["output_tokens_per_s"] for r in rows], style, marker="o", color="#2a7ab9", label=case)
+            d.plot(rates, [r["slo_violation_pct"] for r in rows], style, marker="o", color="#2a7ab9", label=case)
+        plots.claim_line(a, 1000 * slo["ttft_s"], f"SLO: TTFT < {slo['ttft_s']} s")
+        plots.claim_line(b, 1000 * slo["tpot_s"], f"SLO: TPOT < {1000 * slo['tpot_s']:.0f} ms")
+        a.set_yscale("log")
+        a.set_ylabel("time to first token (ms)")
+        b.set_ylabel("time per output token (ms)")
+        c.set_ylabel("output tokens/s")
+        d.set_ylabel("requests breaking an SLO (%)")
+        d.set_ylim(-2, 102)
+        a.set_title("TTFT (p50, p99)")
+        b.set_title("TPOT (p50, p99)")
+        c.set_title("Throughput")
+        d.set_title(f"SLO violations (TTFT < {slo['ttft_s']} s, TPOT < {1000 * slo['tpot_s']:.0f} ms)")
+        for ax in (a, b, c, d):
+            ax.set_xlabel("offered request rate (req/s, Poisson)")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(cfg["rates"], [f"{r:g}" for r in cfg["rates"]])
+            ax.minorticks_off()
+            ax.legend(fontsize=7)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pagedserve bench serve", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test's)")
+    ap.add_argument("--model", default=None, help="a .gguf file or HF directory (default: the embedded SmolLM2)")
+    ap.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--rates", type=float, nargs="+", default=None, help="req/s (default 0.5 1 2 4; 4 8 with --quick)")
+    ap.add_argument("--duration", type=float, default=None, help="seconds of arrivals per rate (default 20)")
+    ap.add_argument("--max-requests", type=int, default=None, help="most requests per rate (default 40)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 320; 32 with --quick)")
+    ap.add_argument("--prefix-len", type=int, default=None,
+                    help="shared system prompt tokens in the prefix case (default 256; 24 with --quick)")
+    ap.add_argument("--output-len", type=int, default=None, help="output tokens (default 64; 8 with --quick)")
+    ap.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
+    ap.add_argument("--slo-tpot", type=float, default=0.2, help="seconds")
+    ap.add_argument("--drain-timeout", type=float, default=None,
+                    help="seconds after the last arrival before unfinished requests are cancelled (default 45)")
+    ap.add_argument("--startup-timeout", type=float, default=180.0)
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="extra argument for `pagedserve serve` (repeat; e.g. --server-arg=--max-num-seqs=64)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--no-plot", action="store_true")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    t0 = time.perf_counter()
+    args = build_parser().parse_args(argv)
+    plots.fill_defaults(
+        args, quick={"rates": [4.0, 8.0], "duration": 1.0, "max_requests": 6, "prompt_len": 32, "prefix_len": 24,
+                     "output_len": 8, "drain_timeout": 30.0},
+        full={"rates": [0.5, 1.0, 2.0, 4.0], "duration": 20.0, "max_requests": 40, "prompt_len": 320,
+              "prefix_len": 256, "output_len": 64, "drain_timeout": 45.0},
+        positive=("rates", "duration", "max_requests", "prompt_len", "output_len", "drain_timeout"))
+    if not 0 <= args.prefix_len < args.prompt_len:
+        raise ValueError(f"--prefix-len must be in [0, --prompt-len), got {args.prefix_len}")
+    plots.emit(NAME, run(args), args.out_dir, draw, not args.no_plot, t0)
+    return 0
+
+
+if __name__ == "__main__":
+    plots.run_script(main)

@@ -1,0 +1,168 @@
+"""Smoke test of the benchmarks: each one's --quick mode on tiny sizes (the tiny committed model where a
+model is needed), checking the JSON it prints and saves, and the `pagedserve bench` entry point."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench"
+TINY = str(ROOT / "tests" / "data" / "tiny-llama")
+ENV_KEYS = {"machine", "sgemm_gflops", "blas_threads", "date_utc"}
+
+
+def _load(name: str):
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"bench_smoke_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _have_matplotlib() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def run_bench(name: str, out: Path, *args: str, timeout: float = 120) -> dict:
+    cmd = [sys.executable, str(BENCH / f"{name}.py"), "--quick", "--out-dir", str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stderr[-4000:]}"
+    record = json.loads(proc.stdout)  # stdout carries exactly the one JSON document
+    assert json.loads((out / f"{name}.json").read_text()) == record
+    assert record["benchmark"] == name and record["quick"] is True
+    assert ENV_KEYS <= set(record["environment"]), record["environment"]
+    assert record["environment"]["sgemm_gflops"] > 0
+    assert record["environment"]["machine"]["cpu_count"] >= 1
+    assert record["claim"]["text"]
+    assert record["elapsed_s"] >= 0
+    if _have_matplotlib():
+        png = out / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert record["files"]["png"] == str(png)
+    claim, measured = _load("plots").headline(record)
+    assert claim and measured
+    return record
+
+
+def test_memory(tmp_path: Path) -> None:
+    r = run_bench("memory", tmp_path)
+    res = r["results"]
+    assert set(res) == {"contiguous_max_model_len", "contiguous_max_tokens", "paged_8", "paged_16", "paged_32"}
+    contiguous = min(res["contiguous_max_model_len"]["waste_pct"], res["contiguous_max_tokens"]["waste_pct"])
+    for b in (8, 16, 32):
+        paged = res[f"paged_{b}"]
+        assert 0.0 <= paged["waste_pct"] < contiguous
+        assert paged["mean_running"] > res["contiguous_max_model_len"]["mean_running"]
+    # The last block of a request is on average half empty: waste grows with the block size.
+    assert res["paged_8"]["waste_pct"] < res["paged_32"]["waste_pct"]
+    assert res["paged_16"]["waste_pct"] < 4.0
+    # Reserving max_model_len wastes more than reserving prompt + max_tokens.
+    assert res["contiguous_max_model_len"]["waste_pct"] > res["contiguous_max_tokens"]["waste_pct"]
+    assert r["workload"]["num_requests"] == 40
+    assert r["summary"]["claim_paged_under_4_reproduced"] is True
+
+
+def test_batching(tmp_path: Path) -> None:
+    r = run_bench("batching", tmp_path, "--model", TINY)
+    cont, static = r["results"]["continuous"], r["results"]["static_b4"]
+    assert cont["useful_output_tokens"] == static["useful_output_tokens"] == cont["computed_output_tokens"]
+    # Static batches run every member to the batch's longest output: padding is computed, not counted.
+    assert static["computed_output_tokens"] > static["useful_output_tokens"]
+    assert static["padding_waste_pct"] > 0 and cont["padding_waste_pct"] == 0
+    assert cont["steps"] < static["steps"]
+    assert cont["output_tokens_per_s"] > 0 and static["output_tokens_per_s"] > 0
+    assert r["summary"]["speedup_vs_static"] == pytest.approx(
+        cont["output_tokens_per_s"] / static["output_tokens_per_s"], rel=1e-2)
+    if importlib.util.find_spec("transformers") is None:
+        assert "not importable" in r["summary"]["hf_skipped"] and r["summary"]["speedup_vs_hf"] is None
+
+
+def test_jitter(tmp_path: Path) -> None:
+    r = run_bench("jitter", tmp_path, "--model", TINY)
+    res = r["results"]
+    assert set(res) == {"off", "budget_32", "budget_64"}
+    assert res["off"]["long_prompt_prefill_steps"] == 1
+    # 200 prompt tokens, 4 decodes per step: chunks of 28 and 60 tokens.
+    assert res["budget_32"]["long_prompt_prefill_steps"] == 8
+    assert res["budget_64"]["long_prompt_prefill_steps"] == 4
+    for v in res.values():
+        itl = v["itl_ms"]
+        assert v["num_itl_samples"] >= 4 * 8
+        assert 0 < itl["p50"] <= itl["p99"] <= itl["max"]
+    assert set(r["summary"]["p99_reduction_pct_by_budget"]) == {"budget_32", "budget_64"}
+
+
+def test_parallel(tmp_path: Path) -> None:
+    r = run_bench("parallel", tmp_path, "--model", TINY)
+    if r["summary"]["status"] == "skipped":
+        pytest.skip(f"parallel sampling (n > 1) is not in the engine yet: {r['summary']['reason']}")
+    for row in r["results"].values():
+        k = row["n"]
+        shared, indep = row["shared"]["peak_blocks"], row["independent"]["peak_blocks"]
+        # 64-token prompt = 4 blocks of 16; each of k samples holds at least its own 4 tokens' block.
+        assert indep >= k * row["prompt_blocks"]
+        assert row["prompt_blocks"] <= shared < indep
+        assert row["shared"]["peak_shared_blocks"] > 0 and row["independent"]["peak_shared_blocks"] == 0
+        assert 0 < row["prompt_memory_saved_pct"] <= row["ideal_prompt_memory_saved_pct"] + 1e-9
+        assert row["shared"]["blocks_in_use_after"] == row["independent"]["blocks_in_use_after"] == 0
+
+
+def test_serve(tmp_path: Path) -> None:
+    r = run_bench("serve", tmp_path, "--model", TINY, timeout=180)
+    assert r["server"]["exit_code"] == 0
+    for case in ("unique", "shared_prefix"):
+        rows = r["results"][case]
+        assert [row["rate_req_per_s"] for row in rows] == [4.0, 8.0]
+        for row in rows:
+            assert row["requests_sent"] >= 1 and row["requests_ok"] == row["requests_sent"], row
+            assert 0 < row["ttft_ms"]["p50"] <= row["ttft_ms"]["p99"]
+            assert row["tpot_ms"]["p50"] > 0 and row["output_tokens_per_s"] > 0
+            assert 0 <= row["slo_violation_pct"] <= 100
+            assert row["mean_prompt_tokens"] == 32
+    # Fresh random prompts per rate: the unique case never finds its prompts in a cache.
+    assert all(row["mean_cached_tokens"] in (0, None) for row in r["results"]["unique"])
+
+
+def test_cli_entry_point(tmp_path: Path) -> None:
+    from pagedserve.sidecar.bench_cli import BENCHMARKS, add_bench_parser, bench_dir
+
+    assert bench_dir() == BENCH
+    assert all((BENCH / f"{name}.py").is_file() for name in BENCHMARKS)
+    parser = argparse.ArgumentParser(prog="pagedserve")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", "memory", "--quick", "--no-plot", "--out-dir", str(tmp_path)])
+    assert args.bench_args == ["--quick", "--no-plot", "--out-dir", str(tmp_path)]
+    assert args.func(args) == 0
+    record = json.loads((tmp_path / "memory.json").read_text())
+    assert record["quick"] is True and "png" not in record["files"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "nonsense"])
+
+
+def test_doc_table(tmp_path: Path) -> None:
+    plots = _load("plots")
+    results = tmp_path / "results"
+    record = run_bench("memory", results)
+    doc = tmp_path / "docs" / "benchmarks.md"
+    doc.parent.mkdir()
+    doc.write_text(f"# x\n{plots.DOC_START}\nold table\n{plots.DOC_END}\ntail\n")
+    plots.update_doc(results, doc, tmp_path / "docs" / "img", "test label")
+    text = doc.read_text()
+    assert "old table" not in text and "test label" in text and text.endswith("tail\n")
+    assert "| [memory](#memory) (quick mode) |" in text and "| batching | | not run |" in text
+    s = record["summary"]
+    flags = (s["claim_contiguous_60_80_reproduced"], s["claim_paged_under_4_reproduced"])
+    assert plots.reproduced(record) == {(True, True): "yes", (False, False): "no"}.get(flags, "partly")
+    assert f"| {plots.reproduced(record)} |" in text
+    if _have_matplotlib():
+        assert (tmp_path / "docs" / "img" / "memory.png").is_file() and "](img/memory.png)" in text
