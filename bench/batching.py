@@ -223,9 +223,7 @@ def draw(record: dict, path: Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pagedserve bench batching", description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test's)")
-    ap.add_argument("--model", default=None, help="a .gguf file or HF directory (default: the embedded SmolLM2)")
-    ap.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    plots.add_common_args(ap)
     ap.add_argument("--requests", type=int, default=None, help="default 64 (12 with --quick)")
     ap.add_argument("--prompt-len", type=int, default=None, help="default 64 (8 with --quick)")
     ap.add_argument("--min-output", type=int, default=16)
@@ -236,8 +234,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline even if it imports")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out-dir", default=None)
-    ap.add_argument("--no-plot", action="store_true")
     return ap
 
 

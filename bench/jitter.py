@@ -166,9 +166,7 @@ def draw(record: dict, path: Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pagedserve bench jitter", description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test's)")
-    ap.add_argument("--model", default=None, help="a .gguf file or HF directory (default: the embedded SmolLM2)")
-    ap.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    plots.add_common_args(ap)
     ap.add_argument("--streams", type=int, default=None, help="default 16 (4 with --quick)")
     ap.add_argument("--stream-prompt-len", type=int, default=None, help="default 128 (8 with --quick)")
     ap.add_argument("--long-prompt-len", type=int, default=None, help="default 4000 (200 with --quick)")
@@ -177,8 +175,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps-before", type=int, default=None, help="default 16 (4 with --quick)")
     ap.add_argument("--steps-after", type=int, default=None, help="default 16 (4 with --quick)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out-dir", default=None)
-    ap.add_argument("--no-plot", action="store_true")
     return ap
 
 

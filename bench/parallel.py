@@ -168,16 +168,12 @@ def _wrap(text: str, width: int) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pagedserve bench parallel", description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test's)")
-    ap.add_argument("--model", default=None, help="a .gguf file or HF directory (default: the embedded SmolLM2)")
-    ap.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    plots.add_common_args(ap)
     ap.add_argument("--n", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--prompt-len", type=int, default=None, help="default 512 (64 with --quick)")
     ap.add_argument("--max-tokens", type=int, default=None, help="default 32 (4 with --quick)")
     ap.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out-dir", default=None)
-    ap.add_argument("--no-plot", action="store_true")
     return ap
 
 

@@ -44,6 +44,16 @@ def quiet_engine_logs() -> None:
     configure_logging(level="warning", stream=sys.stderr)
 
 
+def add_common_args(ap: argparse.ArgumentParser, with_model: bool = True) -> None:
+    """The options every model benchmark takes: --quick, --model, --device, --out-dir, --no-plot."""
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test's)")
+    if with_model:
+        ap.add_argument("--model", default=None, help="a .gguf file or HF directory (default: the embedded SmolLM2)")
+        ap.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--out-dir", default=None, help="where <name>.json and .png go (default bench/results)")
+    ap.add_argument("--no-plot", action="store_true")
+
+
 def fill_defaults(args: argparse.Namespace, quick: dict[str, Any], full: dict[str, Any],
                   positive: tuple[str, ...] = ()) -> None:
     """Options left unset (None) take the --quick or the full-size default; `positive` ones must be > 0."""

@@ -300,9 +300,7 @@ def draw(record: dict, path: Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pagedserve bench serve", description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test's)")
-    ap.add_argument("--model", default=None, help="a .gguf file or HF directory (default: the embedded SmolLM2)")
-    ap.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    plots.add_common_args(ap)
     ap.add_argument("--rates", type=float, nargs="+", default=None, help="req/s (default 0.5 1 2 4; 4 8 with --quick)")
     ap.add_argument("--duration", type=float, default=None, help="seconds of arrivals per rate (default 20)")
     ap.add_argument("--max-requests", type=int, default=None, help="most requests per rate (default 40)")
@@ -318,8 +316,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--server-arg", action="append", default=[],
                     help="extra argument for `pagedserve serve` (repeat; e.g. --server-arg=--max-num-seqs=64)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out-dir", default=None)
-    ap.add_argument("--no-plot", action="store_true")
     return ap
 
 

