@@ -1,9 +1,11 @@
 """Offline throughput on the embedded model: N requests x (128 prompt tokens, 128 output tokens).
 
 Prints one JSON line per run: output and total tokens/s, model-FLOPs utilisation against the sgemm rate
-measured in the same run, and mean KV token-slot utilisation. Usage:
+measured in the same run, and mean KV token-slot utilisation. With --breakdown it also says where the
+seconds went (matmuls, paged attention, the rest of the forward pass, the engine around it) and what
+the output rate would be if the matmuls were the only cost. Usage:
 
-    .venv/bin/python bench/throughput.py [--requests 64 256] [--prompt-len 128] [--output-len 128]
+    .venv/bin/python bench/throughput.py [--requests 64 256] [--prompt-len 128] [--output-len 128] [--breakdown]
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import argparse
 import json
 import sys
 import time
+from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, model_flops_per_token, sgemm_gflops  # noqa: E402
 
+from pagedserve.models import llama  # noqa: E402
 from pagedserve.models.loader import load_model  # noqa: E402
 from pagedserve.sidecar.logging_setup import configure_logging  # noqa: E402
 from pagedserve.runtime.config import EngineConfig  # noqa: E402
@@ -26,7 +31,30 @@ from pagedserve.runtime.engine import LLMEngine  # noqa: E402
 from pagedserve.runtime.sampling_params import SamplingParams  # noqa: E402
 
 
-def run(loaded, num_requests: int, prompt_len: int, output_len: int, max_num_batched_tokens: int) -> dict:
+@contextmanager
+def timed_parts(seconds: dict[str, float]):
+    """Time every call of the forward pass and of its matmul and attention ops (the bench's own wrappers)."""
+    def timer(fn, key):
+        def wrapped(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[key] += time.perf_counter() - t0
+        return wrapped
+
+    saved = (llama.ops.linear, llama.paged_attention, llama.LlamaForCausalLM.forward)
+    llama.ops.linear = timer(saved[0], "linear")
+    llama.paged_attention = timer(saved[1], "attention")
+    llama.LlamaForCausalLM.forward = timer(saved[2], "forward")
+    try:
+        yield
+    finally:
+        llama.ops.linear, llama.paged_attention, llama.LlamaForCausalLM.forward = saved
+
+
+def run(loaded, num_requests: int, prompt_len: int, output_len: int, max_num_batched_tokens: int,
+        breakdown: bool = False) -> dict:
     engine = LLMEngine(EngineConfig(device="cpu", max_num_batched_tokens=max_num_batched_tokens,
                                     max_num_seqs=256, seed=0), loaded=loaded)
     rng = np.random.default_rng(0)
@@ -35,12 +63,14 @@ def run(loaded, num_requests: int, prompt_len: int, output_len: int, max_num_bat
     for i in range(num_requests):
         engine.add_request(str(i), rng.integers(100, vocab, size=prompt_len).tolist(), params)
     utilisation, steps = [], 0
-    t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-        utilisation.append(engine.get_stats().kv_token_slot_utilization)
-    elapsed = time.perf_counter() - t0
+    seconds: dict[str, float] = defaultdict(float)
+    with timed_parts(seconds) if breakdown else _nothing():
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+            utilisation.append(engine.get_stats().kv_token_slot_utilization)
+        elapsed = time.perf_counter() - t0
     out_tokens = num_requests * output_len
     cfg = loaded.config
     mean_ctx = prompt_len + output_len / 2
@@ -52,7 +82,21 @@ def run(loaded, num_requests: int, prompt_len: int, output_len: int, max_num_bat
             "total_tokens_per_s": round(num_requests * (prompt_len + output_len) / elapsed, 1),
             "model_gflops_per_s": round(flops / elapsed / 1e9, 1),
             "mean_kv_token_slot_utilization": round(float(np.mean(utilisation)), 4),
-            "preemptions": engine.num_preemptions}
+            "preemptions": engine.num_preemptions,
+            **({"breakdown": _breakdown(seconds, elapsed, out_tokens)} if breakdown else {})}
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+def _breakdown(seconds: dict[str, float], elapsed: float, out_tokens: int) -> dict:
+    linear, attention, forward = seconds["linear"], seconds["attention"], seconds["forward"]
+    return {"seconds_matmuls": round(linear, 3), "seconds_attention": round(attention, 3),
+            "seconds_rest_of_forward": round(forward - linear - attention, 3),
+            "seconds_outside_forward": round(elapsed - forward, 3),
+            "output_tokens_per_s_if_matmuls_were_all": round(out_tokens / linear, 1)}
 
 
 def main() -> None:
@@ -61,12 +105,13 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--breakdown", action="store_true", help="time matmuls, attention and the rest separately")
     args = ap.parse_args()
     configure_logging(level="warning", stream=sys.stderr)
     loaded = load_model(None)
     gflops = sgemm_gflops()
     for n in args.requests:
-        result = run(loaded, n, args.prompt_len, args.output_len, args.max_num_batched_tokens)
+        result = run(loaded, n, args.prompt_len, args.output_len, args.max_num_batched_tokens, args.breakdown)
         result["sgemm_gflops"] = round(gflops, 1)
         result["mfu"] = round(result["model_gflops_per_s"] / gflops, 3)
         result["machine"] = machine()

@@ -166,3 +166,20 @@ def test_doc_table(tmp_path: Path) -> None:
     assert f"| {plots.reproduced(record)} |" in text
     if _have_matplotlib():
         assert (tmp_path / "docs" / "img" / "memory.png").is_file() and "](img/memory.png)" in text
+
+
+def test_throughput_breakdown() -> None:
+    from pagedserve.models import llama
+    from pagedserve.models.loader import load_model
+
+    throughput = _load("throughput")
+    originals = (llama.ops.linear, llama.paged_attention, llama.LlamaForCausalLM.forward)
+    r = throughput.run(load_model(TINY), 6, prompt_len=20, output_len=5, max_num_batched_tokens=64, breakdown=True)
+    assert (llama.ops.linear, llama.paged_attention, llama.LlamaForCausalLM.forward) == originals  # unpatched
+    assert r["requests"] == 6 and r["steps"] >= 5 and r["output_tokens_per_s"] > 0
+    parts = r["breakdown"]
+    assert parts["seconds_matmuls"] > 0 and parts["seconds_attention"] > 0
+    assert parts["seconds_rest_of_forward"] >= 0 and parts["seconds_outside_forward"] >= 0
+    total = parts["seconds_matmuls"] + parts["seconds_attention"] + parts["seconds_rest_of_forward"]
+    assert total + parts["seconds_outside_forward"] == pytest.approx(r["seconds"], abs=0.05)
+    assert parts["output_tokens_per_s_if_matmuls_were_all"] >= r["output_tokens_per_s"]
