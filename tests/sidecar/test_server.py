@@ -90,6 +90,19 @@ def test_cancelled_streams_free_their_blocks(server):
         assert c.generate_text("ok", max_tokens=2, temperature=0.0) is not None
 
 
+def test_prefix_cache_hits_show_in_usage_and_stats(server):
+    shared = [7 + (j * 13) % 400 for j in range(64)]  # four full blocks
+    with client_for(server) as c:
+        first = c.generate(shared + [11, 12], temperature=0.0, max_tokens=2, ignore_eos=True)
+        list(first)
+        second = c.generate(shared + [21, 22, 23], temperature=0.0, max_tokens=2, ignore_eos=True)
+        list(second)
+        stats = wait_idle(c)
+    assert first.usage.cached_tokens == 0
+    assert second.usage.cached_tokens == 64
+    assert 0.0 < stats.prefix_cache_hit_rate < 1.0
+
+
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(prompt=""), "prompt is empty"),
     (dict(prompt=[5] * 600), "exceeds max_model_len (512)"),
