@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedserve.cupy_kernels.cuda_ops import ATTN_BLOCK_SIZES
+
 DEFAULT_CPU_KV_BYTES = 2 << 30  # 2 GiB of KV cache on the CPU backend
 
 
@@ -46,6 +48,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda":
+            check_gpu_block_size(self.block_size)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.cuda_graph_batch_sizes is not None:
@@ -63,3 +67,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+
+
+def check_gpu_block_size(block_size: int) -> None:
+    """The CUDA paged-attention kernels are compiled for a few block sizes; the numpy backend takes any."""
+    if block_size not in ATTN_BLOCK_SIZES:
+        raise ValueError(f"block_size {block_size} runs on the CPU backend only; on the GPU it must be one of "
+                         f"{', '.join(map(str, ATTN_BLOCK_SIZES))}")

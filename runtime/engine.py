@@ -14,7 +14,7 @@ from pagedserve.models.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.loader import LoadedModel, load_model
 
-from .config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from .config import DEFAULT_CPU_KV_BYTES, EngineConfig, check_gpu_block_size
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
 from .beam_search import BeamSearchParams, Proposal, select
@@ -40,6 +40,8 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.backend = get_backend(config.device)
+        if self.backend.is_gpu:  # device "auto" resolved to the GPU
+            check_gpu_block_size(config.block_size)
         self.model = LlamaForCausalLM(loaded.config, loaded.weights, self.backend, source=str(loaded.path))
         self.max_model_len = config.max_model_len or loaded.config.max_position_embeddings
         if self.max_model_len > loaded.config.max_position_embeddings:

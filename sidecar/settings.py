@@ -26,9 +26,12 @@ class Settings:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    enable_cuda_graphs: bool = True
+    cuda_graph_batch_sizes: str | None = None  # "1,2,4,8"; None = runtime.cuda_graphs' defaults
     seed: int | None = 0
     # -- server --
     socket: str = DEFAULT_SOCKET  # unix domain socket path; "" turns the socket off
@@ -43,6 +46,7 @@ class Settings:
         names = {f.name for f in fields(EngineConfig)}
         kwargs = {k: v for k, v in dataclasses.asdict(self).items() if k in names}
         kwargs["log_requests"] = self.log_requests  # False: lifecycle events on, prompts and outputs off
+        kwargs["cuda_graph_batch_sizes"] = parse_batch_sizes(self.cuda_graph_batch_sizes)
         return EngineConfig(**kwargs)
 
     def tcp_address(self) -> str | None:
@@ -62,6 +66,17 @@ class Settings:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if not self.socket and not self.tcp:
             raise ValueError("nothing to listen on: set a unix socket path or a tcp address")
+
+
+def parse_batch_sizes(text: str | None) -> tuple[int, ...] | None:
+    """'1, 2,4' -> (1, 2, 4); None or blank -> None (EngineConfig checks the values themselves)."""
+    if text is None or not text.strip():
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"cuda_graph_batch_sizes must be comma-separated integers like '1,2,4,8', "
+                         f"got {text!r}") from None
 
 
 def _field_type(f: dataclasses.Field) -> type:

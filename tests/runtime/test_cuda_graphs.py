@@ -92,6 +92,13 @@ def test_config_validates_graph_settings():
     assert EngineConfig(cuda_graph_batch_sizes=[8, 1, 8]).cuda_graph_batch_sizes == (1, 8)
 
 
+def test_gpu_block_sizes_are_checked_before_anything_is_loaded():
+    with pytest.raises(ValueError, match="block_size 8 runs on the CPU backend only; on the GPU it must be one of 16, 32"):
+        EngineConfig(device="cuda", block_size=8)
+    assert EngineConfig(device="cuda", block_size=32).block_size == 32
+    assert EngineConfig(device="cpu", block_size=8).block_size == 8
+
+
 def _decode_batch(lens, tables):
     chunks = [SeqChunk([7 + i], n - 1, t) for i, (n, t) in enumerate(zip(lens, tables))]
     return build_forward_batch(chunks, BS)

@@ -1,0 +1,54 @@
+"""Settings from flags and PAGEDSERVE_* variables, down to the EngineConfig they make."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from pagedserve.runtime.config import EngineConfig
+from pagedserve.sidecar.settings import Settings, add_settings_arguments, load_settings
+
+
+def parse(*flags: str, env: dict[str, str] | None = None) -> Settings:
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser)
+    return load_settings(parser.parse_args(list(flags)), env or {})
+
+
+def test_every_engine_knob_a_server_needs_is_a_setting():
+    engine = {f.name for f in dataclasses.fields(EngineConfig)}
+    # Left to the offline API: tests force pool sizes with num_kv_blocks; the server always uses the
+    # weight cache; log_requests is a setting but with the server's own meaning (False = events, no text).
+    offline_only = {"num_kv_blocks", "use_weight_cache"}
+    assert engine - offline_only <= {f.name for f in dataclasses.fields(Settings)}
+
+
+def test_engine_switches_from_flags_and_environment():
+    s = parse("--no-enable-prefix-caching", "--no-enable-cuda-graphs", "--cuda-graph-batch-sizes", "4, 1,2")
+    config = s.engine_config()
+    assert config.enable_prefix_caching is False and config.enable_cuda_graphs is False
+    assert config.cuda_graph_batch_sizes == (1, 2, 4)
+    env = {"PAGEDSERVE_ENABLE_PREFIX_CACHING": "false", "PAGEDSERVE_CUDA_GRAPH_BATCH_SIZES": "8,16"}
+    config = parse(env=env).engine_config()
+    assert config.enable_prefix_caching is False and config.cuda_graph_batch_sizes == (8, 16)
+    assert parse("--enable-prefix-caching", env=env).engine_config().enable_prefix_caching is True  # flag wins
+    defaults = parse().engine_config()
+    assert defaults.enable_prefix_caching and defaults.enable_cuda_graphs and defaults.cuda_graph_batch_sizes is None
+
+
+@pytest.mark.parametrize("value,needle", [
+    ("1,two", "cuda_graph_batch_sizes must be comma-separated integers like '1,2,4,8', got '1,two'"),
+    ("0,4", "cuda_graph_batch_sizes must be a non-empty sequence of integers in [1, max_num_seqs=256]"),
+])
+def test_bad_batch_sizes_name_the_setting(value, needle):
+    with pytest.raises(ValueError) as err:
+        parse("--cuda-graph-batch-sizes", value)
+    assert needle in str(err.value)
+
+
+def test_gpu_block_size_is_refused_at_start():
+    with pytest.raises(ValueError, match="block_size 8 runs on the CPU backend only"):
+        parse("--device", "cuda", "--block-size", "8")
+    assert parse("--device", "cpu", "--block-size", "8").engine_config().block_size == 8
