@@ -10,13 +10,14 @@ import numpy as np
 
 
 def blas_threads() -> int | None:
-    try:
-        from threadpoolctl import threadpool_info
+    """Threads numpy's OpenBLAS uses (read from the library), else what the environment asks for."""
+    from pagedserve.cupy_kernels.blas_threads import blas_threads as openblas_threads
 
-        return max((p.get("num_threads") or 0) for p in threadpool_info() if p.get("user_api") == "blas") or None
-    except ImportError:
-        v = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
-        return int(v) if v else os.cpu_count()
+    n = openblas_threads()
+    if n is not None:
+        return n
+    v = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
+    return int(v) if v else os.cpu_count()
 
 
 def sgemm_gflops(n: int = 1024, seconds: float = 1.0) -> float:

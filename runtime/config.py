@@ -26,6 +26,9 @@ class EngineConfig:
     enable_cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] | None = None  # None = cuda_graphs.default_batch_sizes
     seed: int | None = 0
+    # Threads of numpy's BLAS (OpenBLAS) for the whole process; None = as started (OPENBLAS_NUM_THREADS,
+    # else every core). On a host shared with busy processes, fewer threads are faster.
+    cpu_threads: int | None = None
     use_weight_cache: bool = True
     # Request lifecycle log events (queued, scheduled, first_token, preempted, finished, aborted):
     # None = off (offline use), False = on without text, True = on with prompts and outputs.
@@ -44,6 +47,7 @@ class EngineConfig:
         positive("max_model_len", allow_none=True)
         positive("kv_cache_memory_bytes", allow_none=True)
         positive("num_kv_blocks", allow_none=True)
+        positive("cpu_threads", allow_none=True)
         if self.block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size!r}")
         if self.device not in ("auto", "cpu", "cuda"):

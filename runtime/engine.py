@@ -10,6 +10,7 @@ from typing import Iterable, Sequence
 import structlog
 
 from pagedserve.cupy_kernels.backend import get_backend
+from pagedserve.cupy_kernels.blas_threads import blas_threads, set_blas_threads
 from pagedserve.models.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.loader import LoadedModel, load_model
@@ -35,6 +36,8 @@ log = structlog.get_logger("pagedserve.engine")
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        if config.cpu_threads is not None:
+            set_blas_threads(config.cpu_threads)
         loaded = loaded or load_model(config.model, use_cache=config.use_weight_cache)
         self.model_name = loaded.name
         self.model_config = loaded.config
@@ -66,7 +69,7 @@ class LLMEngine:
         self.num_preemptions = 0
         log.info("engine.kv_pool", num_blocks=num_blocks, block_size=self.block_size,
                  num_token_slots=num_blocks * self.block_size, backend=self.backend.name,
-                 model=self.model_name)
+                 model=self.model_name, blas_threads=blas_threads())
 
     def _num_kv_blocks(self) -> int:
         self.kv_sizing = None  # GPU: the gpu_memory.KVCacheSizing behind the pool's size

@@ -32,6 +32,7 @@ class Settings:
     gpu_memory_utilization: float = 0.9
     enable_cuda_graphs: bool = True
     cuda_graph_batch_sizes: str | None = None  # "1,2,4,8"; None = runtime.cuda_graphs' defaults
+    cpu_threads: int | None = None  # numpy's BLAS threads; None = OPENBLAS_NUM_THREADS, else every core
     seed: int | None = 0
     # -- server --
     socket: str = DEFAULT_SOCKET  # unix domain socket path; "" turns the socket off

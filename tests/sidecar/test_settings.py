@@ -34,8 +34,13 @@ def test_engine_switches_from_flags_and_environment():
     config = parse(env=env).engine_config()
     assert config.enable_prefix_caching is False and config.cuda_graph_batch_sizes == (8, 16)
     assert parse("--enable-prefix-caching", env=env).engine_config().enable_prefix_caching is True  # flag wins
+    assert parse("--cpu-threads", "1").engine_config().cpu_threads == 1
+    assert parse(env={"PAGEDSERVE_CPU_THREADS": "3"}).engine_config().cpu_threads == 3
+    with pytest.raises(ValueError, match="cpu_threads must be a positive integer"):
+        parse("--cpu-threads", "0")
     defaults = parse().engine_config()
     assert defaults.enable_prefix_caching and defaults.enable_cuda_graphs and defaults.cuda_graph_batch_sizes is None
+    assert defaults.cpu_threads is None
 
 
 @pytest.mark.parametrize("value,needle", [
