@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from .settings import DEFAULT_SOCKET, add_settings_arguments, load_settings
@@ -129,10 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "serve":
         configure_logging(level="warning", stream=sys.stderr)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows up here, not in the interpreter's exit
+        return code
     except (ValueError, PagedServeError) as e:  # bad input or a server error: one clear line, no traceback
         print(f"pagedserve: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `pagedserve stats | head`: the reader left; stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141
 
 
 if __name__ == "__main__":

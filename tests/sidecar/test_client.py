@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -467,3 +470,15 @@ def test_async_errors_cancel_and_deadline(server):
             assert await asyncio.to_thread(fake.slow_ended.wait, 2.0)
 
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_cli_stats_into_a_closed_pipe_exits_quietly(server):
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader (`| head`) is already gone
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pagedserve.sidecar.cli", "stats", "--socket", server[0]],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141, proc.stderr
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
