@@ -15,7 +15,7 @@ import json
 import sys
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -64,7 +64,7 @@ def run(loaded, num_requests: int, prompt_len: int, output_len: int, max_num_bat
         engine.add_request(str(i), rng.integers(100, vocab, size=prompt_len).tolist(), params)
     utilisation, steps = [], 0
     seconds: dict[str, float] = defaultdict(float)
-    with timed_parts(seconds) if breakdown else _nothing():
+    with timed_parts(seconds) if breakdown else nullcontext():
         t0 = time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
@@ -84,11 +84,6 @@ def run(loaded, num_requests: int, prompt_len: int, output_len: int, max_num_bat
             "mean_kv_token_slot_utilization": round(float(np.mean(utilisation)), 4),
             "preemptions": engine.num_preemptions,
             **({"breakdown": _breakdown(seconds, elapsed, out_tokens)} if breakdown else {})}
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 def _breakdown(seconds: dict[str, float], elapsed: float, out_tokens: int) -> dict:
