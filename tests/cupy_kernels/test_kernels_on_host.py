@@ -317,6 +317,7 @@ def runtime_tests(emulated):
     module.T._model_pair.cache_clear()
 
 
+@pytest.mark.slow
 def test_decode_graph_replays_on_host(runtime_tests):
     """Padded replays with max_model_len-wide static tables (two-partition decodes included) against
     eager steps, through the real kernels; exact sizes bit for bit, KV included."""

@@ -40,7 +40,8 @@ def _nvcc() -> str | None:
 
 
 NVCC = _nvcc()
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found (install the CUDA toolkit to compile-check)")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(NVCC is None, reason="nvcc not found (install the CUDA toolkit to compile-check)")]
 
 
 def compile_source(module: cuda_ops.KernelModule) -> str:

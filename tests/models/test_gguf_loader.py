@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from model_factory import random_model, write_gguf
+from numerics import assert_close_model
 
 from pagedserve.models.batch import SeqChunk, build_forward_batch
 from pagedserve.cupy_kernels.backend import get_backend
@@ -40,7 +41,7 @@ def test_f32_gguf_gives_the_same_logits_as_the_hf_layout(tmp_path):
     for name in w:
         np.testing.assert_array_equal(gw[name], w[name], err_msg=name)
     ids = list(range(1, 30))
-    np.testing.assert_allclose(logits(gcfg, gw, ids), logits(cfg, w, ids), atol=1e-5, rtol=0)
+    assert_close_model(logits(gcfg, gw, ids), logits(cfg, w, ids), cfg)
 
 
 @pytest.mark.parametrize("qtype,tol", [("F16", 2e-3), ("Q8_0", 2e-2), ("Q4_0", 0.3), ("Q4_1", 0.3)])

@@ -28,6 +28,7 @@ from pagedserve.runtime.engine import LLMEngine
 from pagedserve.runtime.sampling_params import SamplingParams
 
 from model_factory import random_model
+from numerics import assert_close_model, model_tol
 
 BS = 16
 
@@ -160,11 +161,13 @@ def test_replays_match_eager_steps_and_write_the_same_kv():
         ref = model.forward(batch, kv_eager)
         got = graphs.run(batch)
         assert got is not None and got.shape == ref.shape
-        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+        # A padded batch may take another BLAS kernel (M = 4 rows instead of 3): same math, other rounding.
+        assert_close_model(got, ref, model.config)
         assert (got.argmax(1) == ref.argmax(1)).all()
         for (ke, ve), (kg, vg) in zip(kv_eager, kv_graph):  # same slots written, nothing else
-            np.testing.assert_allclose(kg, ke, rtol=1e-6, atol=1e-6)
-            np.testing.assert_allclose(vg, ve, rtol=1e-6, atol=1e-6)
+            assert np.array_equal(kg == 0, ke == 0) and np.array_equal(vg == 0, ve == 0)
+            assert_close_model(kg, ke, model.config)
+            assert_close_model(vg, ve, model.config)
         for i in rows:
             lens[i] += 1
     assert graphs.num_replays == 4
@@ -238,5 +241,10 @@ def test_engine_steps_through_graphs_give_the_eager_tokens(tiny):
     with_graphs = run(e)
     assert e.runner.graphs.num_replays > 10
     assert {k: v[0] for k, v in with_graphs.items()} == {k: v[0] for k, v in eager.items()}
+    # Cumulative logprobs: each token's logprob moves by at most twice the logits' rounding tolerance.
+    probe = build_forward_batch([SeqChunk(list(range(3, 90)), 0, list(range(6)))], 16)
+    scale = float(np.abs(LlamaForCausalLM(tiny.config, tiny.weights).forward(
+        probe, allocate_kv_caches(tiny.config, 6, 16, e.model.backend))).max())
     for k in eager:
-        assert with_graphs[k][1] == pytest.approx(eager[k][1], rel=1e-5, abs=1e-5)
+        tol = len(eager[k][0]) * 2 * model_tol(tiny.config, scale)
+        assert with_graphs[k][1] == pytest.approx(eager[k][1], rel=0, abs=tol)

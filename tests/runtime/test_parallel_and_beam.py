@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from numerics import model_tol
+
 from pagedserve.cupy_kernels.backend import get_backend
 from pagedserve.models.batch import SeqChunk, build_forward_batch
 from pagedserve.models.kv_cache import allocate_kv_caches
@@ -134,5 +136,9 @@ def test_beam_search_equals_brute_force(tiny, width, length_penalty):
     got = run(e, peak)["beam"].outputs
     ref = reference_beam_search(model, prompt, width, 6, length_penalty, eos)
     assert [c.token_ids for c in got] == [h[0] for h in ref]
-    np.testing.assert_allclose([c.cumulative_logprob for c in got], [h[1] for h in ref], atol=1e-4)
+    # The engine's batched forward and the reference's one-sequence forward differ by rounding only:
+    # each of the 6 logprobs is within 2x the logits' tolerance (log-softmax shifts by a logsumexp).
+    scale = float(np.abs(full_logprobs(model, prompt)).max())
+    np.testing.assert_allclose([c.cumulative_logprob for c in got], [h[1] for h in ref], rtol=0,
+                               atol=6 * 2 * model_tol(tiny.config, scale))
     assert e.kv_manager.usage().num_used_blocks == 0

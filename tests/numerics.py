@@ -1,0 +1,59 @@
+"""The suite's float tolerances, derived once from float32 rounding.
+
+Two float32 evaluations of the same math that differ only in the order of their sums (another
+OpenBLAS kernel or blocking, another thread count, a padded batch, a prompt cut into other chunks,
+another CPU model) differ by their rounding errors, nothing more. One rounding is off by at most
+u = 2**-24 of the value. A sum of n terms rounded in some order is off by at most about n * u * scale,
+and in practice by about sqrt(n) * u * scale: the roundings behave like independent signs (the
+probabilistic error bound; Higham & Mary, SIAM J. Sci. Comput. 41(5), 2019), scale being the size of
+the result.
+
+A transformer adds `depth` layers of such reductions (projections of length n = hidden or
+intermediate size) to its residual stream; RMSNorm rescales every layer's input, so each layer's error
+is relative to the stream's size and the layers' errors add up like one more random walk:
+sqrt(depth * n) * u * scale for one evaluation, sqrt(2) times that for the difference of two. We allow
+SIGMAS times that, a tail no honest run reaches, with scale = the largest magnitude of the values
+compared. A real bug (a wrong position, block, mask or row) moves values by a fair part of their scale,
+orders of magnitude above these tolerances.
+
+Where a test's claim is about tokens (greedy choices, sampled ids), it asserts the tokens exactly and
+compares the floats behind them with these tolerances.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+U32 = 2.0 ** -24  # float32 unit roundoff
+SIGMAS = 8.0
+
+
+def f32_tol(scale: float, reduction_len: int, depth: int = 1) -> float:
+    """Absolute tolerance between two float32 evaluations of values of magnitude <= `scale` that each
+    went through `depth` chained reductions of length `reduction_len`."""
+    return SIGMAS * math.sqrt(2.0 * depth * max(reduction_len, 1)) * U32 * float(scale)
+
+
+def model_tol(config, scale: float) -> float:
+    """Tolerance for a whole forward pass of `config` (logits, or K/V of any layer), values of
+    magnitude <= `scale`: depth = the number of layers, n = the longest projection."""
+    n = max(config.hidden_size, config.intermediate_size, config.num_attention_heads * config.head_dim)
+    return f32_tol(scale, n, depth=config.num_hidden_layers)
+
+
+def max_abs(a) -> float:
+    return float(np.abs(np.asarray(a, dtype=np.float64)).max()) if np.size(a) else 0.0
+
+
+def assert_close_model(actual, desired, config, err_msg: str = "") -> None:
+    """Two float32 forward passes of `config` agree to float32 rounding."""
+    np.testing.assert_allclose(actual, desired, rtol=0, atol=model_tol(config, max_abs(desired)),
+                               err_msg=err_msg)
+
+
+def assert_close_reduction(actual, desired, reduction_len: int, err_msg: str = "") -> None:
+    """One float32 reduction of `reduction_len` terms (a log-sum-exp over the vocabulary, say) agrees."""
+    np.testing.assert_allclose(actual, desired, rtol=0, atol=f32_tol(max_abs(desired), reduction_len),
+                               err_msg=err_msg)
