@@ -27,16 +27,24 @@ __global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __r
 
 // Copy whole blocks src -> dst in every layer with one launch. cache_ptrs holds the base addresses of
 // all caches (layer 0 K, layer 0 V, layer 1 K, ...); block_mapping is [num_pairs, 2] (src, dst).
-// grid = (num_pairs, num_caches). The host guarantees that no dst is also a src, so the order in
-// which CTAs run does not matter.
+// grid = (num_pairs, num_caches). The CTAs of one launch run in any order, so a block that is both a
+// source and a destination of one call (a fork's copy X -> Y, then X freed by a preemption and taken
+// by a later copy-on-write Z -> X) cannot be copied directly. The host then makes two launches through
+// a scratch buffer [num_pairs, num_caches, block_bytes], which gives numpy's "read every source, then
+// write every destination" semantics:
+//   phase 0  direct:  cache[src] -> cache[dst]       (no block is both; one launch)
+//   phase 1  gather:  cache[src] -> scratch[pair]
+//   phase 2  scatter: scratch[pair] -> cache[dst]    (ordered after phase 1 on the same stream)
 extern "C" __global__ void copy_blocks_kernel(const unsigned long long* __restrict__ cache_ptrs,
                                               const long long* __restrict__ block_mapping,
-                                              long long block_bytes) {
+                                              long long block_bytes, unsigned char* __restrict__ scratch,
+                                              int phase) {
     unsigned char* base = reinterpret_cast<unsigned char*>(cache_ptrs[blockIdx.y]);
     const long long src = block_mapping[2 * blockIdx.x];
     const long long dst = block_mapping[2 * blockIdx.x + 1];
-    const unsigned char* s = base + src * block_bytes;
-    unsigned char* t = base + dst * block_bytes;
+    unsigned char* staged = scratch + ((long long)blockIdx.x * gridDim.y + blockIdx.y) * block_bytes;
+    const unsigned char* s = phase == 2 ? staged : base + src * block_bytes;
+    unsigned char* t = phase == 1 ? staged : base + dst * block_bytes;
     if (block_bytes % 16 == 0) {  // the usual case: D * itemsize is a multiple of 16
         const long long n = block_bytes / 16;
         for (long long i = threadIdx.x; i < n; i += blockDim.x)

@@ -389,12 +389,15 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def copy_blocks(kv_caches, block_mapping) -> None:
-    """Copy whole blocks src -> dst in every layer's K and V with one kernel launch.
+    """Copy whole blocks src -> dst in every layer's K and V, with numpy's semantics: every source is
+    read before any destination is written (kv_cache_manager.take_pending_copies documents a block
+    that is a source and, after a preemption freed it, a later copy's destination in the same step).
 
     The caches' base addresses go to the kernel as one array of pointers, so the launch count does
-    not grow with the number of layers. On the GPU the copies of one call run concurrently, hence a
-    stricter rule than numpy's: no block may be a destination twice, or both a source and a
-    destination (copy-on-write never needs that).
+    not grow with the number of layers. The copies of one launch run concurrently, so when a block is
+    both a source and a destination the copy goes through a scratch buffer in two launches (gather,
+    then scatter); otherwise it is one direct launch. Destinations must be distinct (the KV manager
+    guarantees it; which of two writes to one block wins would be up to the GPU's scheduling).
     """
     import cupy
 
@@ -410,13 +413,18 @@ def copy_blocks(kv_caches, block_mapping) -> None:
     if int(mapping.min()) < 0 or int(mapping.max()) >= num_blocks:
         raise IndexError(f"copy_blocks: block id outside [0, {num_blocks})")
     src, dst = mapping[:, 0], mapping[:, 1]
-    if len(np.unique(dst)) != len(dst) or np.intersect1d(src, dst).size:
-        raise ValueError("copy_blocks: a destination block appears twice or is also a source")
+    if len(np.unique(dst)) != len(dst):
+        raise ValueError("copy_blocks: a destination block appears twice in one call")
     ptrs = cupy.asarray(np.array([c.data.ptr for c in caches], dtype=np.uint64))
     block_bytes = int(np.prod(first.shape[1:])) * first.itemsize
-    _kernel("cache_ops", "copy_blocks_kernel")(
-        (len(mapping), len(caches)), (256,), (ptrs, cupy.asarray(mapping), _i64(block_bytes)),
-    )
+    grid, kernel, device_mapping = (len(mapping), len(caches)), _kernel("cache_ops", "copy_blocks_kernel"), \
+        cupy.asarray(mapping)
+    if not np.intersect1d(src, dst).size:
+        kernel(grid, (256,), (ptrs, device_mapping, _i64(block_bytes), _dummy(np.uint8), _i32(0)))
+        return
+    scratch = cupy.empty(len(mapping) * len(caches) * block_bytes, dtype=cupy.uint8)
+    for phase in (1, 2):  # same stream: the scatter starts after every source has been read
+        kernel(grid, (256,), (ptrs, device_mapping, _i64(block_bytes), scratch, _i32(phase)))
 
 
 @dataclass(frozen=True)

@@ -163,14 +163,19 @@ static void ps_run_cta(const std::function<void()>& body) {
 // Launch `kernel` with its arguments read from `args` (the CUDA kernelParams convention: one pointer
 // per parameter). `sizes` holds the byte size of what the caller put behind each pointer; a mismatch
 // with the kernel's parameter types aborts, so the Python launch code is checked too.
+// CTAs of a real launch run in any order; ps_reverse_grid = 1 runs them last to first, so a test can
+// show that a result does not depend on the order (see ps_set_reverse_grid).
+static int ps_reverse_grid = 0;
+extern "C" void ps_set_reverse_grid(int on) { ps_reverse_grid = on; }
+
 template <typename... P, std::size_t... I>
 static void ps_launch_impl(void (*kernel)(P...), void** args, std::index_sequence<I...>) {
     for (unsigned z = 0; z < ps_grid_dim.z; ++z)
         for (unsigned y = 0; y < ps_grid_dim.y; ++y)
             for (unsigned x = 0; x < ps_grid_dim.x; ++x) {
-                ps_block_idx.x = x;
-                ps_block_idx.y = y;
-                ps_block_idx.z = z;
+                ps_block_idx.x = ps_reverse_grid ? ps_grid_dim.x - 1 - x : x;
+                ps_block_idx.y = ps_reverse_grid ? ps_grid_dim.y - 1 - y : y;
+                ps_block_idx.z = ps_reverse_grid ? ps_grid_dim.z - 1 - z : z;
                 ps_run_cta([&] { kernel(*static_cast<P*>(args[I])...); });
             }
 }

@@ -273,10 +273,51 @@ def test_copy_blocks_all_layers_one_launch():
         np.testing.assert_array_equal(to_host(dk), rk)
         np.testing.assert_array_equal(to_host(dv), rv)
     pa.copy_blocks(dev, [])  # no-op
-    with pytest.raises(ValueError, match="also a source"):
-        pa.copy_blocks(dev, [(1, 2), (2, 3)])
+    with pytest.raises(ValueError, match="destination block appears twice"):
+        pa.copy_blocks(dev, [(1, 2), (3, 2)])
     with pytest.raises(IndexError):
         pa.copy_blocks(dev, [(1, 10)])
+
+
+def copy_on_write_after_preemption() -> list[tuple[int, int]]:
+    """The pending copies of the sequence kv_cache_manager.take_pending_copies warns about: a fork's
+    copy X -> Y, then the parent is preempted and frees X, then a later copy-on-write takes X as its
+    destination, all before the step applies them."""
+    from pagedserve.runtime.kv_cache_manager import KVCacheManager
+
+    mgr = KVCacheManager(num_blocks=5, block_size=4)
+    assert mgr.allocate_slots("p", 0, 6)  # p: [0, 1], block 1 partly filled
+    mgr.fork("p", "c")
+    assert mgr.allocate_slots("c", 6, 1)  # c writes into shared block 1: copy (1 -> 2)
+    assert mgr.allocate_slots("q", 0, 2)  # q: [3]
+    mgr.fork("q", "r")
+    assert mgr.allocate_slots("s", 0, 4)  # s: [4]; no free block left
+    mgr.free("p")  # p preempted: block 1 (held by p alone now) is free again
+    assert mgr.allocate_slots("r", 2, 1)  # r writes into shared block 3: copy (3 -> 1)
+    copies = mgr.take_pending_copies()
+    assert copies == [(1, 2), (3, 1)], copies
+    return copies
+
+
+@pytest.mark.gpu
+def test_copy_blocks_source_freed_and_reused_as_destination():
+    """A block that is a source and a destination in one call: numpy reads every source first, so the
+    GPU op must too (block 2 gets block 1's old contents, block 1 gets block 3's)."""
+    cp = _cp()
+    mapping = copy_on_write_after_preemption()
+    rng = np.random.default_rng(5)
+    for dtype, shape in ((f16, (5, 4, 2, 64)), (np.float32, (5, 4, 1, 3))):  # 3 floats: the byte-wise loop
+        layers = [(rng.standard_normal(shape).astype(dtype), rng.standard_normal(shape).astype(dtype))
+                  for _ in range(2)]
+        ref = [(k.copy(), v.copy()) for k, v in layers]
+        pa.copy_blocks(ref, mapping)
+        np.testing.assert_array_equal(ref[0][0][2], layers[0][0][1])
+        np.testing.assert_array_equal(ref[0][0][1], layers[0][0][3])
+        dev = [(cp.asarray(k), cp.asarray(v)) for k, v in layers]
+        pa.copy_blocks(dev, mapping)
+        for (rk, rv), (dk, dv) in zip(ref, dev):
+            np.testing.assert_array_equal(to_host(dk), rk)
+            np.testing.assert_array_equal(to_host(dv), rv)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ class EmulatedModule:
 def fake_cupy(libs) -> types.ModuleType:
     cp = types.ModuleType("cupy")
     cp.ndarray = EmulatedArray
-    for name in ("float16", "float32", "float64", "int32", "int64", "uint64"):
+    for name in ("float16", "float32", "float64", "int32", "int64", "uint8", "uint64"):
         setattr(cp, name, getattr(np, name))
     cp.empty = lambda shape, dtype=np.float64: _garbage(shape, dtype)
     cp.zeros = lambda shape, dtype=np.float64: np.zeros(shape, dtype).view(EmulatedArray)
@@ -234,6 +234,16 @@ def test_reshape_and_cache_on_host(emulated, dtype):
 
 def test_copy_blocks_on_host(emulated):
     gpu_tests.test_copy_blocks_all_layers_one_launch()
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_copy_blocks_source_freed_and_reused_as_destination_on_host(emulated, libs, reverse):
+    """CTAs run first to last and last to first: a direct one-launch copy gets one of the two wrong."""
+    libs["cache_ops"].ps_set_reverse_grid(int(reverse))
+    try:
+        gpu_tests.test_copy_blocks_source_freed_and_reused_as_destination()
+    finally:
+        libs["cache_ops"].ps_set_reverse_grid(0)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
