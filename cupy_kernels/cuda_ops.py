@@ -30,12 +30,15 @@ sizes its partition workspace from block_tables.shape[1] instead of max(seq_lens
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from . import kernel_cache
 
 KERNEL_DIR = Path(__file__).parent
 
@@ -118,6 +121,43 @@ def is_cupy_array(x: Any) -> bool:
 
 _modules: dict[tuple[str, int], Any] = {}
 _functions: dict[tuple[str, str, int], Any] = {}
+_log = logging.getLogger("pagedserve.kernels")
+
+
+class _CachedModule:
+    """A module loaded from kernel_cache's binary: functions by name expression, like RawModule's."""
+
+    def __init__(self, module: Any, lowered_names: dict[str, str]) -> None:
+        self.module = module
+        self.lowered_names = lowered_names
+
+    def get_function(self, name: str):
+        return self.module.get_function(self.lowered_names[name])
+
+
+def _make_kernel_cache() -> kernel_cache.KernelCache:
+    return kernel_cache.KernelCache(kernel_cache.default_cache_dir(), kernel_cache.nvrtc_compile,
+                                    kernel_cache.nvrtc_version())
+
+
+def _load_module(spec: KernelModule):
+    """The module from pagedserve's on-disk kernel cache (compiled by NVRTC on a miss), else - cache
+    off, or any failure of that path (no NVRTC bindings, an architecture NVRTC does not know) -
+    CuPy's RawModule, which compiles in memory in every process."""
+    import cupy
+
+    code = spec.source()
+    if kernel_cache.cache_enabled():
+        try:
+            compiled = _make_kernel_cache().get(code, NVRTC_OPTIONS + CUPY_IMPLICIT_OPTIONS, kernel_cache.device_arch(),
+                                                spec.name_expressions)
+            module = cupy.cuda.function.Module()
+            module.load(compiled.image)
+            return _CachedModule(module, compiled.lowered_names)
+        except Exception as e:  # noqa: BLE001 - the uncached path below still works
+            _log.warning("kernel cache unusable for module %s (%s: %s); compiling in memory", spec.name,
+                         type(e).__name__, e)
+    return cupy.RawModule(code=code, options=NVRTC_OPTIONS, name_expressions=spec.name_expressions)
 
 
 def _kernel(module: str, name: str):
@@ -129,9 +169,7 @@ def _kernel(module: str, name: str):
     if fn is None:
         mod = _modules.get((module, device))
         if mod is None:
-            spec = MODULES[module]
-            mod = cupy.RawModule(code=spec.source(), options=NVRTC_OPTIONS, name_expressions=spec.name_expressions)
-            _modules[(module, device)] = mod
+            mod = _modules[(module, device)] = _load_module(MODULES[module])
         fn = _functions[key] = mod.get_function(name)
     return fn
 

@@ -320,6 +320,43 @@ def test_copy_blocks_source_freed_and_reused_as_destination():
             np.testing.assert_array_equal(to_host(dv), rv)
 
 
+@pytest.mark.gpu
+def test_kernel_cache_on_disk_serves_a_fresh_process():
+    """Modules compiled by NVRTC land in pagedserve's cache dir; a process with empty in-memory tables
+    loads them from there (a hit, no compile) and they compute the same thing."""
+    import tempfile
+
+    from pagedserve.cupy_kernels import kernel_cache
+
+    cp = _cp()
+    logits = cp.asarray(np.random.default_rng(0).standard_normal((3, 1000)).astype(np.float32))
+    saved = dict(os.environ), dict(cuda_ops._modules), dict(cuda_ops._functions)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            os.environ["PAGEDSERVE_CACHE_DIR"] = tmp
+            os.environ["PAGEDSERVE_KERNEL_CACHE"] = "1"
+            caches = []
+            real = cuda_ops._make_kernel_cache
+            cuda_ops._make_kernel_cache = lambda: caches.append(real()) or caches[-1]
+            results = []
+            for _ in range(2):
+                cuda_ops._modules.clear()
+                cuda_ops._functions.clear()
+                results.append(to_host(cuda_ops.argmax_rows(logits)))
+            assert [(c.hits, c.misses) for c in caches] == [(0, 1), (1, 0)]
+            assert len(list(Path(tmp, "kernels").glob("*.cubin"))) == 1
+            np.testing.assert_array_equal(results[0], results[1])
+            np.testing.assert_array_equal(results[0], to_host(logits).argmax(axis=1))
+        finally:
+            cuda_ops._make_kernel_cache = real
+            os.environ.clear()
+            os.environ.update(saved[0])
+            cuda_ops._modules.clear()
+            cuda_ops._modules.update(saved[1])
+            cuda_ops._functions.clear()
+            cuda_ops._functions.update(saved[2])
+
+
 # ---------------------------------------------------------------------------------------------
 # Elementwise and normalisation ops
 # ---------------------------------------------------------------------------------------------

@@ -158,6 +158,7 @@ def libs(tmp_path_factory):
 def emulated(libs, monkeypatch):
     """Install the stand-in cupy (and fresh kernel caches) for one test."""
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy(libs))
+    monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", "0")  # EmulatedModule stands in for RawModule
     monkeypatch.setattr(cuda_ops, "_modules", {})
     monkeypatch.setattr(cuda_ops, "_functions", {})
     monkeypatch.setattr(cuda_ops, "_dummies", {})
