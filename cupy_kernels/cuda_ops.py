@@ -51,6 +51,10 @@ CUPY_IMPLICIT_OPTIONS: tuple[str, ...] = ("-ftz=true",)
 ATTN_THREADS = 128  # 4 warps per CTA
 ATTN_TILE_N = 32  # keys per shared-memory tile: one lane per key in the softmax
 PARTITION_SIZE = 512  # keys per partition of a split decode
+# Most bytes of float32 partials (acc + max/sum) one attention launch may use. A batch whose split
+# decodes would need more runs in several launches over ranges of sequences (each with this much at
+# most), so 256 sequences at 131,072 tokens (1 GiB of partials in one launch) cost 64 MiB, not 1 GiB.
+PARTITION_SCRATCH_BYTES = 64 << 20
 ATTN_HEAD_DIMS = (64, 128)
 ATTN_BLOCK_SIZES = (16, 32)
 ATTN_BLOCK_MS = (4, 8, 16, 32)  # rows (query tokens x heads of one group) per CTA
@@ -560,24 +564,41 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     lens = _device_int32(seq_lens)
     tables = _device_int32(block_tables)
     max_parts = max(1, math.ceil(max_seq_len / PARTITION_SIZE))
+    chunk = partition_chunk(num_seqs, num_heads, dim, max_parts)
     if max_parts > 1:
-        part_acc = cupy.empty((num_seqs, num_heads, max_parts, dim), dtype=cupy.float32)
-        part_ml = cupy.empty((num_seqs, num_heads, max_parts, 2), dtype=cupy.float32)
+        part_acc = cupy.empty((chunk, num_heads, max_parts, dim), dtype=cupy.float32)
+        part_ml = cupy.empty((chunk, num_heads, max_parts, 2), dtype=cupy.float32)
     else:
         part_acc = part_ml = _dummy()
     query = _inner_contiguous(query, "query")
-    _kernel("paged_attention", attention_kernel_name(dim, block_size, launch.block_m))(
-        (launch.num_tiles, num_kv, max_parts), (ATTN_THREADS,),
-        (out, part_acc, part_ml, query, _i64(_elements(query.strides[0], 2, "query")),
-         _i64(_elements(query.strides[1], 2, "query")), k_cache, v_cache, qsl, lens, tables,
-         _i64(tables.shape[1]), _i32(num_seqs), _i32(num_heads), _i32(num_kv), _i32(launch.block_q),
-         _i32(max_parts), np.float32(scale * LOG2E)),
-    )
-    if max_parts > 1:
-        _kernel("paged_attention", attention_reduce_name(dim))(
-            (num_seqs, num_heads), (dim,), (out, part_acc, part_ml, qsl, lens, _i32(num_heads), _i32(max_parts)),
+    attend = _kernel("paged_attention", attention_kernel_name(dim, block_size, launch.block_m))
+    reduce = _kernel("paged_attention", attention_reduce_name(dim)) if max_parts > 1 else None
+    for begin in range(0, num_seqs, chunk):  # one range, unless the partials would exceed the cap
+        end = min(num_seqs, begin + chunk)
+        attend(
+            (launch.num_tiles, num_kv, max_parts), (ATTN_THREADS,),
+            (out, part_acc, part_ml, query, _i64(_elements(query.strides[0], 2, "query")),
+             _i64(_elements(query.strides[1], 2, "query")), k_cache, v_cache, qsl, lens, tables,
+             _i64(tables.shape[1]), _i32(num_seqs), _i32(num_heads), _i32(num_kv), _i32(launch.block_q),
+             _i32(max_parts), np.float32(scale * LOG2E), _i32(begin), _i32(end)),
         )
+        if reduce is not None:
+            reduce((end - begin, num_heads), (dim,),
+                   (out, part_acc, part_ml, qsl, lens, _i32(num_heads), _i32(max_parts), _i32(begin)))
     return out
+
+
+def partition_bytes_per_seq(num_heads: int, head_dim: int, max_parts: int) -> int:
+    """float32 partials (acc [D] + max and sum) of one sequence split into max_parts partitions."""
+    return num_heads * max_parts * (head_dim + 2) * 4 if max_parts > 1 else 0
+
+
+def partition_chunk(num_seqs: int, num_heads: int, head_dim: int, max_parts: int) -> int:
+    """Sequences per attention launch: all of them unless their partials exceed PARTITION_SCRATCH_BYTES."""
+    per_seq = partition_bytes_per_seq(num_heads, head_dim, max_parts)
+    if per_seq == 0 or num_seqs == 0:
+        return max(1, num_seqs)
+    return max(1, min(num_seqs, PARTITION_SCRATCH_BYTES // per_seq))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,10 @@
 //           they get ceil(seq_len / PS_PARTITION_SIZE) partitions, a function of their own length.
 //           A split sequence writes an unnormalised partial (acc, max, sum) per partition, combined by
 //           paged_attention_reduce_kernel. Everything else is done by partition 0 alone.
+// Sequence range: a launch computes the sequences [seq_begin, seq_end) only (tiles of the others exit
+// at once) and indexes its partials by seq - seq_begin, so the host can bound the partial buffer
+// ([seq_end - seq_begin, H, max_parts, D] float32) by launching a large batch of long decodes in
+// several ranges. A row's arithmetic is the same whichever range computes it.
 //
 // Per 32-key tile: cp.async loads K and V into shared memory (keys past the tile's end are
 // zero-filled, never read), scores S = Q.K (one lane per key, fp32, exact fixed order over D), an
@@ -78,13 +82,14 @@ __device__ __forceinline__ void load_kv_tile(f16 (*dst)[HEAD_DIM + 8], const f16
 template <int HEAD_DIM, int BLOCK_SIZE, int BLOCK_M>
 __global__ void __launch_bounds__(PS_ATTN_THREADS, PS_ATTN_MIN_BLOCKS)
 paged_attention_kernel(f16* __restrict__ out,               // [T, H, D]
-                       float* __restrict__ part_acc,        // [B, H, max_parts, D]
-                       float* __restrict__ part_ml,         // [B, H, max_parts, 2]
+                       float* __restrict__ part_acc,        // [seq_end - seq_begin, H, max_parts, D]
+                       float* __restrict__ part_ml,         // [seq_end - seq_begin, H, max_parts, 2]
                        const f16* __restrict__ query, long long q_stride_token, long long q_stride_head,
                        const f16* __restrict__ k_cache, const f16* __restrict__ v_cache,
                        const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
                        const int* __restrict__ block_tables, long long block_table_stride, int num_seqs,
-                       int num_heads, int num_kv_heads, int block_q, int max_parts, float scale_log2) {
+                       int num_heads, int num_kv_heads, int block_q, int max_parts, float scale_log2,
+                       int seq_begin, int seq_end) {
     static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM <= 2 * PS_ATTN_THREADS, "unsupported head dim");
     static_assert(BLOCK_M % PS_ATTN_WARPS == 0, "rows must split evenly over warps");
     constexpr int ROWS_PER_WARP = BLOCK_M / PS_ATTN_WARPS;           // softmax / score rows per warp
@@ -111,6 +116,7 @@ paged_attention_kernel(f16* __restrict__ out,               // [T, H, D]
     const int group = num_heads / num_kv_heads;
 
     const int seq = find_sequence(query_start_loc, num_seqs, block_q, tile);
+    if (seq < seq_begin || seq >= seq_end) return;
     const int q_begin = query_start_loc[seq];
     const int num_q = query_start_loc[seq + 1] - q_begin;
     const int q0 = (tile - ((q_begin - seq) / block_q + seq)) * block_q;  // first local query
@@ -282,7 +288,7 @@ paged_attention_kernel(f16* __restrict__ out,               // [T, H, D]
             unsigned int* dst = reinterpret_cast<unsigned int*>(out + (token * num_heads + head) * HEAD_DIM + 2 * pair);
             *dst = float2_to_half2(acc[j].x * inv, acc[j].y * inv);
         } else {
-            const long long slot = ((long long)seq * num_heads + head) * max_parts + part;
+            const long long slot = ((long long)(seq - seq_begin) * num_heads + head) * max_parts + part;
             float2* dst = reinterpret_cast<float2*>(part_acc + slot * HEAD_DIM + 2 * pair);
             *dst = acc[j];
             if (pair == 0) {
@@ -293,22 +299,22 @@ paged_attention_kernel(f16* __restrict__ out,               // [T, H, D]
     }
 }
 
-// Combine the partitions of split (single-token) sequences: one CTA per (sequence, query head), one
-// thread per output dim. Partitions are folded in index order, so the result depends only on the
-// sequence.
+// Combine the partitions of split (single-token) sequences: one CTA per (sequence of the range, query
+// head), one thread per output dim. Partitions are folded in index order, so the result depends only on
+// the sequence.
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(HEAD_DIM)
 paged_attention_reduce_kernel(f16* __restrict__ out, const float* __restrict__ part_acc,
                               const float* __restrict__ part_ml, const int* __restrict__ query_start_loc,
-                              const int* __restrict__ seq_lens, int num_heads, int max_parts) {
-    const int seq = blockIdx.x;
+                              const int* __restrict__ seq_lens, int num_heads, int max_parts, int seq_begin) {
+    const int seq = seq_begin + blockIdx.x;
     const int head = blockIdx.y;
     const int d = threadIdx.x;
     const int q_begin = query_start_loc[seq];
     const int seq_len = seq_lens[seq];
     if (query_start_loc[seq + 1] - q_begin != 1 || seq_len <= PS_PARTITION_SIZE) return;
     const int num_parts = (seq_len + PS_PARTITION_SIZE - 1) / PS_PARTITION_SIZE;
-    const long long base = ((long long)seq * num_heads + head) * max_parts;
+    const long long base = ((long long)blockIdx.x * num_heads + head) * max_parts;
 
     float m = neg_inf();
     for (int z = 0; z < num_parts; ++z) m = fmaxf(m, part_ml[2 * (base + z)]);

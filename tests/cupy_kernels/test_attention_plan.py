@@ -234,3 +234,15 @@ def test_is_cupy_array_by_module_name():
     fake = type("ndarray", (), {"__module__": "cupy._core.core"})()
     assert cuda_ops.is_cupy_array(fake)
     assert not cuda_ops.is_cupy_array(np.float16(1))
+
+
+def test_partial_buffer_is_capped_whatever_the_batch_and_context():
+    """256 decodes at 131,072 tokens with Llama-3.1-8B's 32 heads of 128: 1 GiB of partials in one
+    launch; capped, each launch holds at most PARTITION_SCRATCH_BYTES."""
+    heads, dim, parts = 32, 128, 131072 // cuda_ops.PARTITION_SIZE
+    per_seq = cuda_ops.partition_bytes_per_seq(heads, dim, parts)
+    assert 256 * per_seq > 1 << 30
+    chunk = cuda_ops.partition_chunk(256, heads, dim, parts)
+    assert chunk * per_seq <= cuda_ops.PARTITION_SCRATCH_BYTES and chunk >= 1
+    assert cuda_ops.partition_chunk(256, heads, dim, 1) == 256  # nothing split: one launch
+    assert cuda_ops.partition_chunk(8, heads, dim, 4) == 8  # small partials: one launch

@@ -376,3 +376,27 @@ def test_engine_on_host_with_graphs_and_device_sampling(runtime_tests, monkeypat
     assert argmax_calls, "greedy rows did not go through cuda_ops.argmax_rows"
     assert results[True] == results[False]
 
+
+
+def test_attention_over_sequence_ranges_is_bitwise_the_same_on_host(emulated, monkeypatch):
+    """With the partial buffer capped, long decodes run in several launches over ranges of sequences:
+    the partials never exceed the cap and every row is bit for bit what one launch gives."""
+    rng = np.random.default_rng(11)
+    specs = [(1100, 1), (40, 40), (700, 1), (1500, 1), (17, 1), (530, 3), (900, 1)]
+    k, v, qsl, lens, tables = gpu_tests.build_cache(rng, specs, 2, 64, 16)
+    query = rng.standard_normal((int(qsl[-1]), 4, 64)).astype(np.float16)
+    whole = pa.paged_attention(_dev(query), _dev(k), _dev(v), qsl, lens, tables, 0.125).get()
+    per_seq = cuda_ops.partition_bytes_per_seq(4, 64, 3)
+    cap = 2 * per_seq + 100  # two sequences per launch: four launches for seven sequences
+    monkeypatch.setattr(cuda_ops, "PARTITION_SCRATCH_BYTES", cap)
+    cp = sys.modules["cupy"]
+    sizes = []
+    real_empty = cp.empty
+    cp.empty = lambda shape, dtype=np.float64: sizes.append((tuple(np.atleast_1d(shape)), np.dtype(dtype))) or \
+        real_empty(shape, dtype)
+    for metadata in ((qsl, lens, tables), (_dev(qsl), _dev(lens), _dev(tables))):
+        sizes.clear()
+        got = pa.paged_attention(_dev(query), _dev(k), _dev(v), *metadata, 0.125).get()
+        np.testing.assert_array_equal(got, whole)
+        partials = [int(np.prod(s)) * 4 for s, d in sizes if d == np.float32]
+        assert partials and sum(partials) <= cap, sizes
