@@ -21,6 +21,10 @@ max_seq_len bound (cuda_ops.paged_attention takes no separate max_seq_len argume
 cos/sin are not uploaded: with positions on the device the op layer computes them there, once per
 step, from the model's device-resident inv_freq.
 
+Uploads go through `PinnedStaging`: the packed buffers are copied into page-locked host memory and
+from there to the device with cudaMemcpyAsync on the current stream, so the copy is a real DMA that
+does not block the host (a copy from pageable memory is staged by the driver and synchronous).
+
 On the numpy backend `to_device` returns the batch unchanged (the CPU path is untouched).
 """
 
@@ -135,6 +139,61 @@ def unpack_batch(i64: Any, i32: Any, layout: PackedLayout) -> ForwardBatch:
     )
 
 
+class PinnedStaging:
+    """Host->device copies through one reusable page-locked buffer (CuPy only).
+
+    The buffer is rewritten only after the previous upload's copies have finished (an event recorded
+    behind them), so an asynchronous copy never reads bytes the next upload is writing.
+    """
+
+    ALIGN = 256
+
+    def __init__(self, cp: Any) -> None:
+        self.cp = cp
+        self.buffer: np.ndarray | None = None
+        self.done: Any = None  # event after the last upload's copies
+        self.num_uploads = 0
+
+    def upload(self, copies: list[tuple[Any, np.ndarray]]) -> list[Any]:
+        """Copy each host array into its device array (None: a new one); returns the device arrays."""
+        cp = self.cp
+        sizes = [-(-src.nbytes // self.ALIGN) * self.ALIGN for _, src in copies]
+        total = max(self.ALIGN, sum(sizes))
+        if self.done is not None:
+            self.done.synchronize()
+        if self.buffer is None or self.buffer.nbytes < total:
+            self.buffer = np.frombuffer(cp.cuda.alloc_pinned_memory(total), dtype=np.uint8, count=total)
+        stream = cp.cuda.get_current_stream()
+        out, offset = [], 0
+        for (dst, src), size in zip(copies, sizes):
+            staged = self.buffer[offset : offset + src.nbytes].view(src.dtype).reshape(src.shape)
+            staged[...] = src
+            if dst is None:
+                dst = cp.empty(src.shape, dtype=src.dtype)
+            dst.set(staged, stream=stream)
+            out.append(dst)
+            offset += size
+        self.done = stream.record()
+        self.num_uploads += 1
+        return out
+
+
+_staging: dict[int, PinnedStaging] = {}
+
+
+def _upload(xp: Any, *arrays: np.ndarray) -> list[Any]:
+    """Host arrays on the device: through pinned memory for CuPy, xp.asarray otherwise (the host
+    harness's stand-in CuPy, which has no pinned memory)."""
+    cuda = getattr(xp, "cuda", None)
+    if cuda is None or not hasattr(cuda, "alloc_pinned_memory"):
+        return [xp.asarray(a) for a in arrays]
+    device = int(cuda.runtime.getDevice())
+    staging = _staging.get(device)
+    if staging is None:
+        staging = _staging[device] = PinnedStaging(xp)
+    return staging.upload([(None, a) for a in arrays])
+
+
 def is_on_device(batch: ForwardBatch) -> bool:
     return is_cupy_array(batch.input_ids)
 
@@ -150,4 +209,5 @@ def to_device(batch: ForwardBatch, backend: Backend, block_size: int, num_blocks
         return batch
     check_batch(batch, block_size, num_blocks, vocab_size)
     i64, i32, layout = pack_batch(batch, blocks_needed(np.asarray(batch.seq_lens), block_size))
-    return unpack_batch(backend.xp.asarray(i64), backend.xp.asarray(i32), layout)
+    dev_i64, dev_i32 = _upload(backend.xp, i64, i32)
+    return unpack_batch(dev_i64, dev_i32, layout)

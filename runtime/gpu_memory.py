@@ -15,8 +15,11 @@ passes whose activations are largest and lets the sampler work on their logits:
      [B, heads, partitions, head_dim] float32 from that width.
 The activation peak is how much CuPy's default memory pool grew over them (it keeps what it
 allocates, so its total after the runs is its high-water mark, fragmentation included). With CUDA
-graphs on, a decode forward at the largest captured size runs under a throw-away pool; its size plus
-the graphs' static buffers is what the private graph pool will hold (runtime/cuda_graphs.py).
+graphs on, a decode forward at the largest captured size and widest table runs under a throw-away
+pool; cuda_graphs.graph_pool_reserve of its size (the arena the graphs' private pool draws from,
+reserved before capture with the same rule) plus the graphs' shared static buffers is counted.
+The attention's float32 partials are capped per launch (cuda_ops.PARTITION_SCRATCH_BYTES), so a
+long max_model_len no longer costs [max_num_seqs, heads, partitions, head_dim] here.
 
 Everything else in use is read from cudaMemGetInfo and the pool's counters after the profile's
 temporaries are returned to the driver, so memory held by the CUDA context, cuBLAS, loaded kernels
@@ -38,7 +41,7 @@ from pagedserve.models.device_batch import unpack_batch
 from pagedserve.models.kv_cache import allocate_kv_caches
 
 from .config import EngineConfig
-from .cuda_graphs import pack_decode_batch, resolve_batch_sizes
+from .cuda_graphs import graph_pool_reserve, pack_decode_batch, resolve_batch_sizes
 
 GIB = float(1 << 30)
 
@@ -145,9 +148,10 @@ def decode_profile_batch(num_seqs: int, max_model_len: int, block_size: int) -> 
 
 
 def graph_static_bytes(sizes: Sequence[int], max_blocks: int, vocab_size: int) -> int:
-    """Static metadata buffers of every captured size plus the shared float32 logits output."""
-    per_size = sum(4 * s * 8 + (2 * s + 1 + s * max_blocks) * 4 for s in sizes)
-    return per_size + max(sizes) * vocab_size * 4
+    """The static metadata buffers every graph shares (sized for the largest size and table width)
+    plus the shared float32 logits output."""
+    s = max(sizes)
+    return 4 * s * 8 + (2 * s + 1 + s * max_blocks) * 4 + s * vocab_size * 4
 
 
 def read_device_memory(cp: Any) -> DeviceMemory:
@@ -205,7 +209,7 @@ def profile_kv_cache(model: Any, config: EngineConfig, max_model_len: int, block
         except Exception as e:
             raise RuntimeError(f"the GPU profile run for CUDA graphs (decode batch of {max(graph_sizes)}) failed: "
                                f"{type(e).__name__}: {e}") from e
-        graph_bytes = int(scratch.total_bytes()) + graph_static_bytes(
+        graph_bytes = graph_pool_reserve(int(scratch.total_bytes())) + graph_static_bytes(
             graph_sizes, -(-max_model_len // block_size), model.config.vocab_size)
         scratch.free_all_blocks()
     del kv

@@ -182,6 +182,33 @@ def test_capture_error_falls_back_to_eager_and_the_device_stays_usable():
 
 
 @pytest.mark.gpu
+def test_graph_pool_draws_only_from_the_reserved_arena():
+    """Every block of the private graph pool lies inside the arena reserved before capture, and an
+    arena too small fails the capture (graphs dropped) instead of a pool retry that frees graph memory."""
+    from pagedserve.cupy_kernels.backend import get_backend
+    from pagedserve.models.kv_cache import allocate_kv_caches
+    from pagedserve.runtime import cuda_graphs
+    from pagedserve.runtime.cuda_graphs import CupyGraphCapturer, DecodeGraphs
+
+    _, gpu = T._model_pair("tiny-llama")
+    kv = allocate_kv_caches(gpu.config, 64, BS, get_backend("cuda"))
+    capturer = CupyGraphCapturer()
+    graphs = DecodeGraphs(gpu, kv, (1, 4), 64, capturer)
+    assert graphs.capture_all(), graphs.disabled_reason
+    arena = capturer.arena
+    assert arena is not None and arena.num_allocations > 0 and 0 < arena.used <= arena.capacity
+    assert capturer.pool.total_bytes() <= arena.capacity
+    graphs.disable("test")
+    saved = cuda_graphs.GRAPH_POOL_MARGIN, cuda_graphs.GRAPH_POOL_SLACK_BYTES
+    try:
+        cuda_graphs.GRAPH_POOL_MARGIN, cuda_graphs.GRAPH_POOL_SLACK_BYTES = -0.9, 0
+        small = DecodeGraphs(gpu, kv, (1, 4), 64, CupyGraphCapturer())
+        assert not small.capture_all() and "arena" in small.disabled_reason
+    finally:
+        cuda_graphs.GRAPH_POOL_MARGIN, cuda_graphs.GRAPH_POOL_SLACK_BYTES = saved
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_greedy_argmax_goes_through_argmax_rows_with_numpys_rule(dtype):
     cp = _cp()

@@ -306,6 +306,14 @@ class RecordingCapturer:
         self.events.append("capture")
         return fn
 
+    def reserve(self, fn):
+        self.events.append("reserve")
+        fn()
+
+    def upload(self, copies):
+        for dst, src in copies:
+            dst[...] = src
+
     def launch(self, graph):
         self.events.append("launch")
         graph()
@@ -330,11 +338,13 @@ def runtime_tests(emulated):
 
 @pytest.mark.slow
 def test_decode_graph_replays_on_host(runtime_tests):
-    """Padded replays with max_model_len-wide static tables (two-partition decodes included) against
-    eager steps, through the real kernels; exact sizes bit for bit, KV included."""
+    """Padded replays against eager steps through the real kernels, with context buckets of one and two
+    partitions (max_model_len 1024; the 700- and 530-token decodes take the two-partition graphs);
+    exact sizes bit for bit, KV included."""
     capturer = RecordingCapturer()
     runtime_tests._graph_check("tiny-llama", capturer)
-    assert capturer.events.count("capture") == 4 and "release" not in capturer.events
+    assert capturer.events.count("capture") == 4 * 2 and "release" not in capturer.events
+    assert capturer.events.count("reserve") == 1
 
 
 def test_device_metadata_on_host(runtime_tests):

@@ -135,3 +135,55 @@ def test_forward_on_packed_trimmed_metadata_is_identical():
     for (ka, va), (kb, vb) in zip(kv_a, kv_b):
         np.testing.assert_array_equal(ka, kb)
         np.testing.assert_array_equal(va, vb)
+
+
+class _FakeEvent:
+    def __init__(self, log):
+        self.log = log
+
+    def synchronize(self):
+        self.log.append("wait")
+
+
+class _FakeDeviceBuffer:
+    def __init__(self, shape, dtype, log):
+        self.host = np.zeros(shape, dtype)
+        self.log = log
+
+    def set(self, arr, stream=None):
+        assert stream is not None, "an async copy names its stream"
+        assert isinstance(arr.base, np.ndarray) or arr.base is not None  # a view of the staging buffer
+        self.host[...] = arr
+        self.log.append(("copy", arr.nbytes))
+
+
+def _fake_cupy_with_pinned_memory(log):
+    stream = types.SimpleNamespace(record=lambda: _FakeEvent(log))
+
+    def alloc_pinned_memory(n):
+        log.append(("pin", n))
+        return bytearray(n)
+
+    cuda = types.SimpleNamespace(alloc_pinned_memory=alloc_pinned_memory, get_current_stream=lambda: stream,
+                                 runtime=types.SimpleNamespace(getDevice=lambda: 0))
+    return types.SimpleNamespace(cuda=cuda, empty=lambda shape, dtype: _FakeDeviceBuffer(shape, dtype, log))
+
+
+def test_pinned_staging_copies_asynchronously_and_reuses_its_buffer_after_the_last_copy():
+    from pagedserve.models.device_batch import PinnedStaging
+
+    log = []
+    staging = PinnedStaging(_fake_cupy_with_pinned_memory(log))
+    a, b = np.arange(10, dtype=np.int64), np.arange(7, dtype=np.int32)
+    dev_a, dev_b = staging.upload([(None, a), (None, b)])
+    np.testing.assert_array_equal(dev_a.host, a)
+    np.testing.assert_array_equal(dev_b.host, b)
+    assert log == [("pin", 512), ("copy", 80), ("copy", 28)]
+    log.clear()
+    c = np.arange(3, dtype=np.int64)
+    staging.upload([(dev_a, np.zeros(10, np.int64)), (None, c)])
+    # waits for the previous copies before rewriting the pinned bytes; no new pinned allocation
+    assert log[0] == "wait" and not any(isinstance(e, tuple) and e[0] == "pin" for e in log)
+    assert not dev_a.host.any()
+    staging.upload([(None, np.zeros(1000, np.int64))])  # larger than the buffer: a new one
+    assert ("pin", 8192) in log

@@ -21,8 +21,8 @@ from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.loader import load_model
 from pagedserve.runtime.config import EngineConfig
 from pagedserve.runtime.cuda_graphs import (
-    DEFAULT_BATCH_SIZES, DecodeGraphs, build_decode_graphs, default_batch_sizes, is_decode_step,
-    pack_decode_batch, padded_size, resolve_batch_sizes,
+    DEFAULT_BATCH_SIZES, ArenaAllocator, ArenaExhausted, DecodeGraphs, build_decode_graphs, context_buckets,
+    default_batch_sizes, graph_pool_reserve, is_decode_step, pack_decode_batch, padded_size, resolve_batch_sizes,
 )
 from pagedserve.runtime.engine import LLMEngine
 from pagedserve.runtime.sampling_params import SamplingParams
@@ -50,6 +50,14 @@ class FakeCapturer:
             raise RuntimeError("operation not permitted when stream is capturing (fake)")
         self.events.append("capture")
         return fn
+
+    def reserve(self, fn):
+        self.events.append("reserve")
+        fn()
+
+    def upload(self, copies):
+        for dst, src in copies:
+            dst[...] = src
 
     def launch(self, graph):
         self.events.append("launch")
@@ -147,7 +155,8 @@ def test_replays_match_eager_steps_and_write_the_same_kv():
     capturer = FakeCapturer()
     graphs = DecodeGraphs(model, kv_graph, (1, 4, 8), max_blocks=6, capturer=capturer)
     assert graphs.capture_all() and graphs.enabled
-    assert capturer.events[:3] == ["warmup", "capture", "launch"] and capturer.events.count("capture") == 3
+    assert capturer.events[:4] == ["reserve", "warmup", "capture", "launch"] and capturer.events.count("capture") == 3
+    assert capturer.events.count("reserve") == 1  # once, for the largest graph, before any capture
     assert _zero(kv_graph), "capturing (padding rows only) must not write the KV cache"
     rng = np.random.default_rng(0)
     lens = [int(n) for n in rng.integers(2, 60, size=7)]
@@ -248,3 +257,133 @@ def test_engine_steps_through_graphs_give_the_eager_tokens(tiny):
     for k in eager:
         tol = len(eager[k][0]) * 2 * model_tol(tiny.config, scale)
         assert with_graphs[k][1] == pytest.approx(eager[k][1], rel=0, abs=tol)
+
+
+
+def test_context_buckets_double_the_partitions_up_to_max_model_len():
+    # block_size 16: 32 blocks per 512-key attention partition
+    assert context_buckets(131072 // 16, 16) == (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    assert context_buckets(80, 16) == (32, 64, 80)
+    assert context_buckets(6, 16) == (6,)
+    assert context_buckets(100, 32) == (16, 32, 64, 100)
+
+
+def test_replays_use_the_narrowest_bucket_and_upload_only_its_width():
+    """A batch of short sequences replays the 1-partition graph and copies 32 table columns, not the
+    80 of max_model_len; a batch with one 600-token sequence takes the 64-column graph. Both give the
+    eager logits and KV."""
+    model, kv_eager, kv_graph = _model_and_caches(num_blocks=200)
+    capturer = FakeCapturer()
+    graphs = DecodeGraphs(model, kv_graph, (1, 4), max_blocks=80, capturer=capturer)
+    assert graphs.capture_all()
+    assert sorted(graphs.captured) == [(1, 32), (1, 64), (1, 80), (4, 32), (4, 64), (4, 80)]
+    rng = np.random.default_rng(3)
+    lens = [30, 600, 45]
+    tables = [list(range(0, 2)), list(range(2, 41)), list(range(41, 44))]
+    prompt = build_forward_batch([SeqChunk(rng.integers(0, 61, n - 1).tolist(), 0, t) for n, t in zip(lens, tables)], BS)
+    model.forward(prompt, kv_eager)
+    model.forward(prompt, kv_graph)
+    for rows, width in (([0, 2], 32), ([0, 1, 2], 64), ([1], 64)):
+        batch = _decode_batch([lens[i] for i in rows], [tables[i] for i in rows])
+        ref = model.forward(batch, kv_eager)
+        got = graphs.run(batch)
+        assert got is not None
+        assert_close_model(got, ref, model.config)  # padded rows: another BLAS kernel, same math
+        size = padded_size(len(rows), graphs.sizes)
+        assert graphs.upload_bytes == 4 * size * 8 + (2 * size + 1 + size * width) * 4
+        for i in rows:
+            lens[i] += 1
+    for (ke, ve), (kg, vg) in zip(kv_eager, kv_graph):  # same slots written, nothing else
+        assert np.array_equal(kg == 0, ke == 0) and np.array_equal(vg == 0, ve == 0)
+        assert_close_model(kg, ke, model.config)
+        assert_close_model(vg, ve, model.config)
+
+
+class RetryingPool:
+    """CuPy's SingleDeviceMemoryPool in miniature: freed blocks are cached for reuse; when the
+    underlying allocator fails, every cached block is given back to it and the allocation retried."""
+
+    def __init__(self, allocate, give_back):
+        self.allocate, self.give_back = allocate, give_back
+        self.cached: dict[int, list[int]] = {}
+        self.retries = 0
+
+    def malloc(self, size):
+        if self.cached.get(size):
+            return self.cached[size].pop()
+        try:
+            return self.allocate(size)
+        except MemoryError:
+            self.retries += 1
+            for blocks in self.cached.values():
+                for b in blocks:
+                    self.give_back(b)
+            self.cached.clear()
+            return self.allocate(size)
+
+    def free(self, address, size):
+        self.cached.setdefault(size, []).append(address)
+
+
+class Device:
+    """cudaMalloc / cudaFree over a small address space, first fit: freed memory is handed out again."""
+
+    def __init__(self, capacity):
+        self.capacity, self.live = capacity, {}
+
+    def malloc(self, size):
+        start = 0
+        for a in sorted(self.live):
+            if a - start >= size:
+                break
+            start = max(start, a + self.live[a])
+        if start + size > self.capacity:
+            raise MemoryError("out of memory")
+        self.live[start] = size
+        return start
+
+    def free(self, address):
+        del self.live[address]
+
+
+def _capture_two_graphs(pool):
+    """Graph A's temporaries are freed into the pool after its capture (the graph still writes there on
+    every replay); graph B's capture then needs a size the cache cannot serve."""
+    graph_a = [pool.malloc(1024) for _ in range(3)]
+    for address in graph_a:
+        pool.free(address, 1024)
+    graph_b = [pool.malloc(2048)]
+    return graph_a, graph_b
+
+
+def _overlaps(a_blocks, a_size, b_blocks, b_size):
+    return any(a < b + b_size and b < a + a_size for a in a_blocks for b in b_blocks)
+
+
+def test_a_pool_retry_over_the_driver_aliases_a_graphs_memory():
+    """Why the arena exists: over plain cudaMalloc the retry frees graph A's blocks and the driver hands
+    the same bytes to graph B, so replaying A overwrites B's data."""
+    device = Device(capacity=4096)
+    pool = RetryingPool(device.malloc, device.free)
+    graph_a, graph_b = _capture_two_graphs(pool)
+    assert pool.retries == 1 and _overlaps(graph_a, 1024, graph_b, 2048)
+
+
+def test_the_graph_arena_never_hands_out_the_same_bytes_twice():
+    arena = ArenaAllocator(base=1 << 20, capacity=8192)
+    pool = RetryingPool(arena.allocate, lambda address: None)  # giving back to the arena returns nothing
+    # The arena is sized for A and B: no retry is needed, and none could alias anyway.
+    graph_a, graph_b = _capture_two_graphs(pool)
+    assert not _overlaps(graph_a, 1024, graph_b, 2048)
+    assert all(a % ArenaAllocator.ALIGNMENT == 0 for a in graph_a + graph_b)
+    # Too small for B: the pool's retry cannot alias A either; it fails, and capture_all drops the graphs.
+    small = ArenaAllocator(base=0, capacity=3 * 1024 + 1000)
+    pool = RetryingPool(small.allocate, lambda address: None)
+    with pytest.raises(ArenaExhausted, match="2048 bytes requested"):
+        _capture_two_graphs(pool)
+    assert pool.retries == 1
+
+
+def test_graph_pool_reserve_adds_a_margin():
+    assert graph_pool_reserve(0) == 8 << 20
+    assert graph_pool_reserve(400 << 20) == (500 << 20) + (8 << 20)

@@ -15,6 +15,7 @@ from pagedserve.models.kv_cache import kv_bytes_per_block
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.runtime import gpu_memory
 from pagedserve.runtime.config import EngineConfig
+from pagedserve.runtime.cuda_graphs import graph_pool_reserve
 from pagedserve.runtime.gpu_memory import (
     DeviceMemory, array_bytes, decode_profile_batch, graph_static_bytes, model_weight_bytes, profile_chunks,
     size_kv_cache,
@@ -72,7 +73,8 @@ def test_profile_chunks_fill_the_token_budget(tokens, seqs, max_len):
 def test_decode_profile_batch_has_max_model_len_wide_tables():
     batch = unpack_batch(*decode_profile_batch(5, 1000, 16))
     assert batch.block_tables.shape == (5, 63) and (batch.slot_mapping == -1).all()
-    assert graph_static_bytes([1, 4], 63, 100) == (4 * 1 * 8 + (3 + 63) * 4) + (4 * 4 * 8 + (9 + 4 * 63) * 4) + 4 * 100 * 4
+    # one pair of buffers for the largest size and width, shared by every graph, and the logits
+    assert graph_static_bytes([1, 4], 63, 100) == (4 * 4 * 8 + (9 + 4 * 63) * 4) + 4 * 100 * 4
 
 
 def test_weight_bytes_count_views_once():
@@ -139,7 +141,7 @@ def test_profile_runs_the_forwards_and_sampler_and_does_the_arithmetic(monkeypat
     assert forwards == [(96, (8, 1)), (8, (8, 13)), (4, (4, 13))]
     assert cuda.calls.count("using_allocator") == 1 and "scratch.free_all_blocks" in cuda.calls
     assert s.activation_peak_bytes == 3 * GIB
-    assert s.cuda_graph_bytes == 5_000 + graph_static_bytes((1, 2, 4), 13, 97)
+    assert s.cuda_graph_bytes == graph_pool_reserve(5_000) + graph_static_bytes((1, 2, 4), 13, 97)
     assert s.weights_bytes == w and s.other_live_bytes == 50 and s.pool_cached_bytes == 200
     assert s.non_pool_bytes == 10 * GIB - (w + 250)
     assert s.kv_cache_bytes == 40 * GIB - (10 * GIB + 3 * GIB + s.cuda_graph_bytes)
