@@ -16,6 +16,7 @@ from pagedserve.cupy_kernels import ops
 from pagedserve.cupy_kernels.backend import Backend, get_backend
 from pagedserve.cupy_kernels.paged_attention import paged_attention, reshape_and_cache
 
+from . import activation_check
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .device_batch import to_device
@@ -102,6 +103,9 @@ class LlamaForCausalLM:
         if self.backend.is_gpu:  # float64 on the device: cos/sin are computed there from device positions
             self.inv_freq = self.backend.asarray(self.inv_freq)
         self.scale = config.head_dim ** -0.5
+        # Debug mode (models/activation_check.py): inf/NaN in the residual stream raises, per checkpoint.
+        self.check_activations = activation_check.enabled_by_env()
+        self.activation_peaks: dict[str, float] = {}
 
     def _put(self, w: np.ndarray):
         return self.backend.asarray(np.ascontiguousarray(w, dtype=self.backend.dtype))
@@ -123,8 +127,11 @@ class LlamaForCausalLM:
         hidden = ops.embedding(self.embed_tokens, batch.input_ids)
         residual = None
         q_size, kv_size = cfg.q_size, cfg.kv_size
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        check, peaks = self.check_activations, {}
+        for n, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
+            if check:
+                activation_check.check_residual(residual, self.backend.xp, f"layer {n} input", peaks)
             qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
             q = qkv[:, :q_size].reshape(t, cfg.num_attention_heads, cfg.head_dim)
             k = qkv[:, q_size : q_size + kv_size].reshape(t, cfg.num_key_value_heads, cfg.head_dim)
@@ -136,8 +143,13 @@ class LlamaForCausalLM:
                                    batch.block_tables, self.scale)
             hidden = ops.linear(attn.reshape(t, q_size), layer.o_proj)
             x, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
+            if check:
+                activation_check.check_residual(residual, self.backend.xp, f"layer {n} after attention", peaks)
             hidden = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up)), layer.down)
         hidden = hidden[batch.logits_indices]
         residual = residual[batch.logits_indices]
-        x, _ = ops.add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
+        x, residual = ops.add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
+        if check:
+            activation_check.check_residual(residual, self.backend.xp, "final norm input", peaks)
+            self.activation_peaks = peaks
         return ops.linear(x, self.lm_head).astype(np.float32, copy=False)

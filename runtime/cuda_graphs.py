@@ -435,6 +435,9 @@ def build_decode_graphs(config: EngineConfig, model: Any, kv_caches: list[tuple[
     failed (logged; the engine then runs every step eagerly)."""
     if not config.enable_cuda_graphs or not model.backend.is_gpu:
         return None
+    if getattr(model, "check_activations", False):  # its checks read back to the host: not capturable
+        log.info("cuda_graphs.skipped", reason="activation checks are on (PAGEDSERVE_CHECK_ACTIVATIONS)")
+        return None
     if capturer is None:
         try:
             capturer = CupyGraphCapturer()

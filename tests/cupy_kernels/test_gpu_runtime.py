@@ -354,3 +354,27 @@ def test_kv_sizing_fills_gpu_memory_utilization():
     assert abs(used - target) <= 512 * 2**20, (used / 2**30, target / 2**30, s.log_fields())
     del engine
     gc.collect()
+
+
+@pytest.mark.gpu
+def test_activation_check_catches_a_float16_overflow_the_cpu_does_not_have():
+    """Weights within float16's range whose MLP output is not: float32 on the CPU is fine, float16 on
+    the GPU overflows to inf, and the debug check names where."""
+    from pagedserve.cupy_kernels.backend import get_backend
+    from pagedserve.models.activation_check import NonFiniteActivationError
+    from pagedserve.models.batch import SeqChunk, build_forward_batch
+    from pagedserve.models.kv_cache import allocate_kv_caches
+    from pagedserve.models.llama import LlamaForCausalLM
+
+    cfg, weights = T._load_tiny("tiny-llama")
+    weights = dict(weights)
+    weights["model.layers.0.mlp.down_proj.weight"] = np.full_like(weights["model.layers.0.mlp.down_proj.weight"], 6e4)
+    batch = build_forward_batch([SeqChunk([5, 6, 7, 8], 0, [0])], BS)
+    cpu = LlamaForCausalLM(cfg, weights, get_backend("cpu"))
+    cpu.check_activations = True
+    cpu.forward(batch, allocate_kv_caches(cfg, 4, BS, cpu.backend))
+    assert max(cpu.activation_peaks.values()) > 65504  # float32 holds it
+    gpu = LlamaForCausalLM(cfg, weights, get_backend("cuda"))
+    gpu.check_activations = True
+    with pytest.raises(NonFiniteActivationError, match="float16 overflows above 65504"):
+        gpu.forward(batch, allocate_kv_caches(cfg, 4, BS, gpu.backend))
