@@ -30,7 +30,9 @@ seeded request yields the same tokens whatever else is in the batch.
 
 Array backend: everything on [B, V] arrays goes through ``xp`` (the numpy API subset CuPy has);
 token-id bookkeeping (penalty and ban indices, uniforms) is built on the host with numpy and moved
-over as small index arrays. Results come back to the host as numpy.
+over as small index arrays. Results come back to the host as numpy. On a device (any ``xp`` but
+numpy) the step reads back exactly once - token ids, logprobs and top logprobs in one transfer - and
+top-k / top-p select without sorting whole rows (runtime/sampling_device.py).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import numpy as np
 
 from pagedserve.runtime.sampling_params import SamplingParams, SamplingType
 
+from . import sampling_device
 from .sampling_ops import (  # noqa: F401  (apply_penalties_and_bans is part of this module's API)
     NUCLEUS_CANDIDATES, _inverse_cdf, _logsumexp_rows, _to_host, _top_candidates, apply_penalties_and_bans,
 )
@@ -114,10 +117,20 @@ class Sampler:
             row_max = logits[xp.arange(num_rows), tokens]
         lse = _logsumexp_rows(logits, xp, row_max)
         chosen = logits[xp.arange(num_rows), tokens] - lse
-        top = self._top_logprobs(logits, lse, params, xp)
+        groups = self._top_logprob_arrays(logits, lse, params, xp)
+        # One transfer for everything the host needs (on a device: the step's only sync).
+        host = sampling_device.fetch([tokens, chosen] + [a for _, ids, lp in groups for a in (ids, lp)], xp)
+        top: list[list[tuple[int, float]] | None] = [None] * num_rows
+        for b, p in enumerate(params):
+            if p.logprobs == 0:
+                top[b] = []
+        for g, (rows, _, _) in enumerate(groups):
+            ids_h, lp_h = host[2 + 2 * g], host[3 + 2 * g]
+            for i, b in enumerate(rows):
+                top[b] = [(int(t), float(v)) for t, v in zip(ids_h[i], lp_h[i].astype(np.float32))]
         return SamplerOutput(
-            token_ids=_to_host(tokens).astype(np.int64, copy=False),
-            logprobs=_to_host(chosen).astype(np.float32, copy=False),
+            token_ids=host[0].astype(np.int64),
+            logprobs=host[1].astype(np.float32),
             top_logprobs=top,
         )
 
@@ -185,6 +198,12 @@ class Sampler:
                 tokens[rows_x] = self._sample_candidates(
                     ids, w, w.sum(axis=1), top_p, any_top_p, min_p, any_min_p, group_u, xp
                 )
+            elif xp is not np:  # a device: one bisection over whole rows, no host-side staging
+                keep, w = sampling_device.nucleus_mask(scaled, top_p, xp)
+                w = w * keep
+                if any_min_p:
+                    w = w * (w >= min_p[:, None])
+                tokens[rows_x] = _inverse_cdf(w, group_u, xp)
             else:
                 tokens[rows_x] = self._sample_nucleus(
                     scaled, top_p, min_p, any_min_p, group_u, xp
@@ -289,27 +308,21 @@ class Sampler:
         return _inverse_cdf(w, u, xp)
 
     @staticmethod
-    def _top_logprobs(
+    def _top_logprob_arrays(
         logits: Any, lse: Any, params: Sequence[SamplingParams], xp: Any
-    ) -> list[list[tuple[int, float]] | None]:
-        out: list[list[tuple[int, float]] | None] = [None] * len(params)
+    ) -> list[tuple[list[int], Any, Any]]:
+        """Per distinct `logprobs` n > 0: (rows, token ids [r, n], raw logprobs [r, n]) on xp."""
         by_n: dict[int, list[int]] = defaultdict(list)
         for b, p in enumerate(params):
-            if p.logprobs is not None:
+            if p.logprobs:
                 by_n[p.logprobs].append(b)
+        out = []
         for n, rows in by_n.items():
-            if n == 0:
-                for b in rows:
-                    out[b] = []
-                continue
             if len(rows) == len(params):
                 sub, sub_lse = logits, lse
             else:
                 rows_x = xp.asarray(np.asarray(rows, dtype=np.int64))
                 sub, sub_lse = logits[rows_x], lse[rows_x]
             ids, vals = _top_candidates(sub, n, xp)
-            lp = _to_host(vals - sub_lse[:, None])
-            ids_h = _to_host(ids)
-            for i, b in enumerate(rows):
-                out[b] = [(int(t), float(v)) for t, v in zip(ids_h[i], lp[i])]
+            out.append((rows, ids, vals - sub_lse[:, None]))
         return out

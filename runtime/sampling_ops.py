@@ -74,6 +74,10 @@ def _top_candidates(x: Any, c: int, xp: Any) -> tuple[Any, Any]:
     if c >= vocab_size:
         ids = xp.argsort(-x, axis=1)
         return ids, xp.take_along_axis(x, ids, axis=1)
+    if xp is not np:  # a device: CuPy's argpartition sorts whole rows; select without sorting V
+        from .sampling_device import top_candidates
+
+        return top_candidates(x, c, xp)
     if vocab_size % _GROUPS == 0 and c * _GROUPS * 8 <= vocab_size:
         ids = _top_ids_grouped(x, c, xp)
     else:
@@ -121,6 +125,10 @@ def _inverse_cdf(w: Any, u: Any, xp: Any) -> Any:
 
 def _first_above(cs: Any, target: Any, xp: Any) -> Any:
     """Per row, the first column where the running total cs exceeds target."""
+    if xp is not np:  # a device: the same rule without reading `over` back to the host
+        from .sampling_device import first_above
+
+        return first_above(cs, target, xp)
     pos = (cs <= target[:, None]).sum(axis=1)
     # u < 1, but rounding can put the target at or past the total: then take the last column
     # with weight, the first where the running total reaches its final value.
