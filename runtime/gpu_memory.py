@@ -163,7 +163,8 @@ def read_device_memory(cp: Any) -> DeviceMemory:
 def _profile_sampling_params():
     from .sampling_params import SamplingParams
 
-    # top_p without top_k reaches the full-row sort; logprobs the top-k; the penalty a [B, V] copy.
+    # top_p without top_k reaches the whole-row nucleus (on the GPU: bisection with [B, V] temporaries);
+    # logprobs the top-k selection; the penalty a [B, V] copy.
     return SamplingParams(temperature=1.0, top_p=0.9, logprobs=20, repetition_penalty=1.1)
 
 
