@@ -135,6 +135,7 @@ def main() -> None:
         t0 = time.perf_counter()
         graphs = capture_graphs(model, kv, args.batches, nb)
         graph_info = {"captured": graphs.enabled, "batch_sizes": list(graphs.sizes),
+                      "table_widths": list(graphs.widths), "num_graphs": len(graphs.captured),
                       "capture_s": round(time.perf_counter() - t0, 2), "disabled_reason": graphs.disabled_reason,
                       "pool_bytes": graphs.capturer.pool_bytes() if graphs.enabled else 0}
     else:
