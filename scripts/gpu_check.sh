@@ -136,12 +136,17 @@ pagedserve.cupy_kernels.cuda_ops, pagedserve.cupy_kernels.kernel_cache, structlo
   if [ "$PRE_RC" -eq 2 ]; then steps+=("preflight_without_gpu:ok"); log "preflight without a GPU: exit 2 as expected"
   else steps+=("preflight_without_gpu:FAILED"); log "preflight without a GPU: exit $PRE_RC, expected 2"; tail -n 5 "$WORK/preflight.log" >&2; fi
   mkdir -p "$OUT_DIR"
-  "$VPY" - "$OUT_DIR/gpu_dry_run.json" "$PY312" "$((SECONDS - START))" "${steps[@]}" <<'EOF'
+  "$VPY" - "$OUT_DIR/gpu_dry_run.json" "$PY312" "$((SECONDS - START))" "$WORK" "${steps[@]}" <<'EOF'
 import json, platform, sys
-out, py, seconds, *steps = sys.argv[1:]
+from pathlib import Path
+out, py, seconds, work, *steps = sys.argv[1:]
 import numpy
+steps = dict(s.split(":", 1) for s in steps)
+logs = {name: [line for line in (Path(work) / f"{name}.log").read_text(errors="replace").splitlines()
+               if "is ignored" not in line][-6:]
+        for name in steps if (Path(work) / f"{name}.log").exists()}
 result = {"python": py, "python_version": platform.python_version(), "numpy": numpy.__version__,
-          "seconds": int(seconds), "steps": dict(s.split(":", 1) for s in steps)}
+          "seconds": int(seconds), "steps": steps, "log_tails": logs}
 open(out, "w").write(json.dumps(result, indent=2) + "\n")
 print(f"gpu_check: wrote {out}", file=sys.stderr)
 EOF
