@@ -64,8 +64,9 @@ def top_candidates(x: Any, c: int, xp: Any) -> tuple[Any, Any]:
     ids[rows, slot] = cols
     ids = ids[:, :c]
     vals = xp.take_along_axis(x, ids, axis=1)
-    # Only the c candidates are sorted; stable (CuPy's argsort always is), so ties stay in token order.
-    order = xp.argsort(-vals, axis=1, kind="stable")
+    # Only the c candidates are sorted; stable, so ties stay in token order. CuPy's argsort is always
+    # stable and (in some versions) takes no `kind`.
+    order = xp.argsort(-vals, axis=1, kind="stable") if xp is np else xp.argsort(-vals, axis=1)
     return xp.take_along_axis(ids, order, axis=1), xp.take_along_axis(vals, order, axis=1)
 
 

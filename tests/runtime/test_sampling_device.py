@@ -51,6 +51,9 @@ class StrictXp:
     def asarray(self, a, dtype=None):
         return np.array(np.asarray(a), dtype=dtype).view(DeviceArray)
 
+    def argsort(self, a, axis=-1):  # CuPy's argsort is always stable and takes no `kind`
+        return np.argsort(a, axis=axis, kind="stable").view(DeviceArray)
+
 
 XP = StrictXp()
 
