@@ -18,7 +18,7 @@
 #          packages) when gguf/structlog/grpc health/reflection are not importable;
 #       3. runs every GPU test (tests/cupy_kernels -m gpu: kernels, tiny and seeded real-shape models,
 #          device metadata, CUDA graphs, sampling, KV sizing, the engine); a GPU test that SKIPS fails;
-#       4. runs bench/gpu_attention.py and bench/gpu_decode.py;
+#       4. runs bench/gpu_attention.py, bench/gpu_decode.py and bench/gpu_sampler.py;
 #       5. writes gpu_results.json to $OUT if set, else to the repository root.
 #
 # Exit status: 0 all good; 1 a test or benchmark failed, or GPU tests skipped; 2 no usable GPU;
@@ -258,12 +258,12 @@ export PAGEDSERVE_CACHE_DIR="$WORK/cache"  # the kernel cache: compiled once, sh
 : > "$PAGEDSERVE_GPU_ERRORS"
 if "$PY" -c "import pytest" 2>/dev/null; then
   RUNNER=pytest
-  (cd "$ROOT" && timeout 150 "$PY" -m pytest tests/cupy_kernels -m gpu -q -p no:cacheprovider -rs \
+  (cd "$ROOT" && timeout 140 "$PY" -m pytest tests/cupy_kernels -m gpu -q -p no:cacheprovider -rs \
       --junitxml="$WORK/junit.xml") > "$WORK/tests.log" 2>&1
   TESTS_RC=$?
 else
   RUNNER=mini
-  (cd "$ROOT" && timeout 150 "$PY" tests/cupy_kernels/_mini_runner.py tests/cupy_kernels/test_cuda_ops.py \
+  (cd "$ROOT" && timeout 140 "$PY" tests/cupy_kernels/_mini_runner.py tests/cupy_kernels/test_cuda_ops.py \
       tests/cupy_kernels/test_gpu_runtime.py --json "$WORK/tests.json") > "$WORK/tests.log" 2>&1
   TESTS_RC=$?
 fi
@@ -278,15 +278,19 @@ log "bench/gpu_attention.py: exit $ATTN_RC"
 (cd "$WORK" && timeout 75 "$PY" "$ROOT/bench/gpu_decode.py" --layers 16 --steps 5) > "$WORK/decode.json" 2> "$WORK/decode.err"
 DECODE_RC=$?
 log "bench/gpu_decode.py: exit $DECODE_RC"
+(cd "$WORK" && timeout 20 "$PY" "$ROOT/bench/gpu_sampler.py" --iters 5) > "$WORK/sampler.json" 2> "$WORK/sampler.err"
+SAMPLER_RC=$?
+log "bench/gpu_sampler.py: exit $SAMPLER_RC"
 
 # -- 5. gpu_results.json -------------------------------------------------------------------------------
 mkdir -p "$OUT_DIR"
-"$PY" - "$WORK" "$OUT_DIR/gpu_results.json" "$RUNNER" "$TESTS_RC" "$ATTN_RC" "$DECODE_RC" "$((SECONDS - START))" <<'EOF'
+"$PY" - "$WORK" "$OUT_DIR/gpu_results.json" "$RUNNER" "$TESTS_RC" "$ATTN_RC" "$DECODE_RC" "$SAMPLER_RC" \
+    "$((SECONDS - START))" <<'EOF'
 import json, sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-work, out, runner, tests_rc, attn_rc, decode_rc, seconds = sys.argv[1:]
+work, out, runner, tests_rc, attn_rc, decode_rc, sampler_rc, seconds = sys.argv[1:]
 work = Path(work)
 
 def tail(path, n=40):
@@ -334,7 +338,8 @@ def bench(name, rc):
 
 preflight = json.loads((work / "preflight.json").read_text())
 result = {"device": preflight.get("device"), "preflight": preflight, "seconds": int(seconds), "tests": tests,
-          "kernel_errors": errors, "attention": bench("attention", attn_rc), "decode": bench("decode", decode_rc)}
+          "kernel_errors": errors, "attention": bench("attention", attn_rc), "decode": bench("decode", decode_rc),
+          "sampler": bench("sampler", sampler_rc)}
 Path(out).write_text(json.dumps(result, indent=2) + "\n")
 att = result["attention"].get("headline_pct_of_peak_bandwidth")
 print(f"gpu_check: wrote {out}; attention headline {att}% of peak bandwidth", file=sys.stderr)
@@ -346,7 +351,8 @@ if [ "$SKIP_RC" -eq 10 ]; then
   log "GPU tests SKIPPED on the GPU machine (see skipped_tests in gpu_results.json): failing the run"
 fi
 log "done in $((SECONDS - START)) s"
-if [ "$TESTS_RC" -ne 0 ] || [ "$ATTN_RC" -ne 0 ] || [ "$DECODE_RC" -ne 0 ] || [ "$SKIP_RC" -ne 0 ]; then
+if [ "$TESTS_RC" -ne 0 ] || [ "$ATTN_RC" -ne 0 ] || [ "$DECODE_RC" -ne 0 ] || [ "$SAMPLER_RC" -ne 0 ] \
+   || [ "$SKIP_RC" -ne 0 ]; then
   exit 1
 fi
 exit 0

@@ -378,3 +378,43 @@ def test_activation_check_catches_a_float16_overflow_the_cpu_does_not_have():
     gpu.check_activations = True
     with pytest.raises(NonFiniteActivationError, match="float16 overflows above 65504"):
         gpu.forward(batch, allocate_kv_caches(cfg, 4, BS, gpu.backend))
+
+
+@pytest.mark.gpu
+def test_device_sampler_with_cupy_reads_back_once_and_matches_the_host_path():
+    """The sampler's device path with real CuPy arrays (its API: argsort, cumsum with dtype, scatter
+    with broadcast indices, one packed .get()): tokens as the numpy path gives them where both walk the
+    same order, top-p draws inside the nucleus."""
+    cp = _cp()
+    from pagedserve.runtime import sampling_device
+    from pagedserve.runtime.model_runner import _DeviceArrayModule
+    from pagedserve.runtime.sampler import Sampler
+
+    spec = importlib.util.spec_from_file_location(
+        "pagedserve_sampling_device_tests", Path(__file__).resolve().parents[1] / "runtime" / "test_sampling_device.py")
+    S = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(S)
+    params = S._params()
+    logits = S._logits(len(params), 8192, seed=11)
+    gets = []
+    real_fetch = sampling_device.fetch
+    sampling_device.fetch = lambda parts, xp: gets.append(len(parts)) or real_fetch(parts, xp)
+
+    def run(xp, arr):
+        gens = [np.random.default_rng(p.seed) if p.seed is not None else None for p in params]
+        return Sampler(0)(arr, params, gens, [[1, 2, 3]] * len(params), [[5, 5, 9]] * len(params), xp=xp,
+                          banned_token_ids=[[], [7], [], [], [], [], [], []])
+
+    try:
+        dev = run(_DeviceArrayModule(cp), cp.asarray(logits))
+    finally:
+        sampling_device.fetch = real_fetch
+    host = run(np, logits)
+    assert len(gets) == 2  # the device call's one transfer, and the host call's
+    same = [0, 1, 2, 4, 5, 6]
+    np.testing.assert_array_equal(dev.token_ids[same], host.token_ids[same])
+    for b in (3, 7):
+        x = logits[b] / params[b].temperature
+        keep, _ = sampling_device.nucleus_mask(x[None], np.array([params[b].top_p], np.float32), np)
+        assert keep[0, dev.token_ids[b]]
+    assert [t for t, _ in dev.top_logprobs[3]] == [t for t, _ in host.top_logprobs[3]]

@@ -31,7 +31,7 @@ def test_gpu_check_exits_2_with_the_reason_without_cupy(tmp_path):
     assert not (tmp_path / "gpu_results.json").exists()
 
 
-@pytest.mark.parametrize("bench", ["gpu_attention.py", "gpu_decode.py"])
+@pytest.mark.parametrize("bench", ["gpu_attention.py", "gpu_decode.py", "gpu_sampler.py"])
 def test_gpu_benchmarks_import_without_cupy(bench):
     """--help runs before CuPy is imported: the import chain needs only numpy and pagedserve."""
     code = ("import runpy, sys\n"

@@ -1,0 +1,76 @@
+"""The sampler on the GPU: step time of the device path (one read-back, selection by bisection) against
+CuPy's sorts, at Llama-3 vocabulary size.
+
+Prints one JSON object. Cases: batch 256 x 128,256 float32 logits with (a) greedy, (b) top_k=50,
+(c) top_k=2000 (CuPy's argpartition is a full argsort at any k), (d) top_p=0.9 without top_k, (e) a
+mixed batch. For each: ms per Sampler call (read-back included), and for top-k / top-p the ms of the
+sort the device path replaces (cupy.argsort of the whole [B, V] logits).
+
+    python bench/gpu_sampler.py [--batch 256] [--vocab 128256] [--iters 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+try:  # run from a checkout without installing: the repository's folders are pagedserve's subpackages
+    import pagedserve.runtime  # noqa: F401
+except ImportError:
+    sys.exit("bench/gpu_sampler.py: pagedserve is not importable (pip install -e . or see scripts/gpu_check.sh)")
+
+from pagedserve.runtime.sampler import Sampler  # noqa: E402
+from pagedserve.runtime.sampling_params import SamplingParams  # noqa: E402
+
+
+def _time(cp, fn, iters: int) -> float:
+    fn()  # warm-up: kernels compiled, pools grown
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    cp.cuda.Device().synchronize()
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args()
+    import cupy as cp
+
+    from pagedserve.runtime.model_runner import _DeviceArrayModule
+
+    xp = _DeviceArrayModule(cp)
+    b, v = args.batch, args.vocab
+    logits = cp.asarray((np.random.default_rng(0).standard_normal((b, v)) * 3).astype(np.float32))
+    cases = {
+        "greedy": SamplingParams(temperature=0.0),
+        "top_k_50": SamplingParams(temperature=0.8, top_k=50),
+        "top_k_2000": SamplingParams(temperature=0.8, top_k=2000),
+        "top_p_0.9": SamplingParams(temperature=0.8, top_p=0.9),
+    }
+    mixed = [cases[k] for k in cases] * (b // len(cases)) + [cases["greedy"]] * (b % len(cases))
+    sampler = Sampler(0)
+    results = []
+    for name, params in [*((k, [p] * b) for k, p in cases.items()), ("mixed", mixed)]:
+        def step(params=params):
+            sampler(logits, params, [None] * b, [[]] * b, [[]] * b, xp=xp)
+
+        results.append({"case": name, "ms_per_step": round(_time(cp, step, args.iters), 3)})
+    sort_ms = _time(cp, lambda: cp.argsort(-logits, axis=1), args.iters)
+    print(json.dumps({
+        "benchmark": "sampler_device", "batch": b, "vocab": v, "cases": results,
+        "full_row_argsort_ms": round(sort_ms, 3),
+        "note": "top-k/top-p select by bisection; full_row_argsort_ms is what CuPy's argpartition/sort would cost",
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
