@@ -38,8 +38,8 @@ What capture needs, and how it is met:
   (SingleDeviceMemoryPool._try_malloc) - blocks earlier graphs still point into - and the driver
   would then hand that same memory out again, to this pool or to anyone. Hence the private pool
   draws from an arena reserved before the first capture (`ArenaAllocator`): one cudaMalloc of the
-  measured need (a warm-up of the largest graph under a throw-away pool, plus a margin) that the
-  arena only ever hands out forwards. A block the pool lets go is never handed out again, so a
+  measured need (the warm-ups of every graph, run first under a throw-away pool that caches and
+  reuses like the private one will, plus a margin) that the arena only ever hands out forwards. A block the pool lets go is never handed out again, so a
   retry cannot alias a graph's memory; it gets fresh arena bytes or fails, and a failure drops
   every graph (below). gpu_memory.py counts the same reservation against the KV cache.
 - The ops allocate their outputs (cupy.empty) inside the forward, which the private pool covers;
@@ -168,7 +168,7 @@ GRAPH_POOL_SLACK_BYTES = 8 << 20  # ... plus this (pool rounding, splits that ca
 
 
 def graph_pool_reserve(measured_bytes: int) -> int:
-    """Bytes reserved for the graphs' private pool, from a measured warm-up of the largest graph."""
+    """Bytes reserved for the graphs' private pool, from the measured growth of a pool over warm-ups."""
     return int(measured_bytes * (1 + GRAPH_POOL_MARGIN)) + GRAPH_POOL_SLACK_BYTES
 
 
@@ -207,9 +207,9 @@ class GraphCapturer(Protocol):
     """The CUDA side of capturing, kept behind a small interface so the logic above it runs on numpy
     in the unit tests (with a fake that records the function and "replays" it by calling it)."""
 
-    def reserve(self, fn: Callable[[], None]) -> None: ...
-
     def warmup(self, fn: Callable[[], None]) -> None: ...
+
+    def reserve(self) -> None: ...
 
     def capture(self, fn: Callable[[], None]) -> Any: ...
 
@@ -236,18 +236,28 @@ class CupyGraphCapturer:
         self.pool = None
         self.arena = None
         self._arena_memory = None
+        self._probe = None  # the warm-ups' throw-away pool, until reserve()
         self._staging: PinnedStaging | None = None
 
-    def reserve(self, fn: Callable[[], None]) -> None:
-        """Measure fn (the largest graph's forward) under a throw-away pool; reserve that plus a margin."""
+    def warmup(self, fn: Callable[[], None]) -> None:
+        """Run fn once eagerly on the capture stream (kernels compiled, cuBLAS initialised) under the
+        probe pool, whose growth over all warm-ups measures what the captures will need."""
         cp = self._cp
-        probe = cp.cuda.MemoryPool()
+        if self._probe is None:
+            self._probe = cp.cuda.MemoryPool()
+        # The capture stream does not synchronise with the legacy default stream by itself.
         self.stream.wait_event(cp.cuda.get_current_stream().record())
-        with cp.cuda.using_allocator(probe.malloc), self.stream:
+        with cp.cuda.using_allocator(self._probe.malloc), self.stream:
             fn()
         self.stream.synchronize()
-        measured = int(probe.total_bytes())
-        probe.free_all_blocks()
+
+    def reserve(self) -> None:
+        """Reserve the arena for the private pool: the probe pool's size after the warm-ups, plus a margin."""
+        cp = self._cp
+        measured = int(self._probe.total_bytes()) if self._probe is not None else 0
+        if self._probe is not None:
+            self._probe.free_all_blocks()
+            self._probe = None
         capacity = graph_pool_reserve(measured)
         self._arena_memory = cp.cuda.Memory(capacity)  # its own cudaMalloc: no pool can free it
         self.arena = ArenaAllocator(int(self._arena_memory.ptr), capacity)
@@ -262,17 +272,9 @@ class CupyGraphCapturer:
         return cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(address, size, self._arena_memory), 0)
 
     def _allocator(self):
-        if self.pool is None:  # reserve() was not called: a plain private pool (tests, benchmarks)
+        if self.pool is None:  # reserve() was not called: a plain private pool
             self.pool = self._cp.cuda.MemoryPool()
         return self.pool.malloc
-
-    def warmup(self, fn: Callable[[], None]) -> None:
-        cp = self._cp
-        # The capture stream does not synchronise with the legacy default stream by itself.
-        self.stream.wait_event(cp.cuda.get_current_stream().record())
-        with cp.cuda.using_allocator(self._allocator()), self.stream:
-            fn()
-        self.stream.synchronize()
 
     def capture(self, fn: Callable[[], None]) -> Any:
         cp = self._cp
@@ -305,9 +307,10 @@ class CupyGraphCapturer:
         return int(self.arena.capacity) if self.arena is not None else int(self.pool.total_bytes()) if self.pool else 0
 
     def release(self) -> None:
-        if self.pool is not None:
-            self.pool.free_all_blocks()
-        self.pool = self.arena = self._arena_memory = None
+        for pool in (self.pool, self._probe):
+            if pool is not None:
+                pool.free_all_blocks()
+        self.pool = self.arena = self._arena_memory = self._probe = None
 
 
 @dataclass
@@ -354,38 +357,49 @@ class DecodeGraphs:
     def _step(self, size: int, width: int) -> _Captured:
         layout = PackedLayout(size, size, size, width)
         i64, i32 = self.static_i64[: layout.i64_size], self.static_i32[: layout.i32_size]
-        host_i64, host_i32, _ = pack_decode_batch(None, size, width)
-        self._upload(i64, i32, host_i64, host_i32)
         return _Captured(size, width, unpack_batch(i64, i32, layout))
+
+    def _padding(self, size: int, width: int) -> tuple[Any, Any, np.ndarray, np.ndarray]:
+        """(static i64 view, static i32 view, host i64, host i32) of a graph's padding-only batch."""
+        host_i64, host_i32, _ = pack_decode_batch(None, size, width)
+        return self.static_i64[: host_i64.size], self.static_i32[: host_i32.size], host_i64, host_i32
 
     def _upload(self, i64: Any, i32: Any, host_i64: np.ndarray, host_i32: np.ndarray) -> None:
         self.capturer.upload([(i64, host_i64), (i32, host_i32)])
         self.upload_bytes = host_i64.nbytes + host_i32.nbytes
 
     def capture_all(self) -> bool:
-        """Reserve the graph memory, then capture every (size, width), largest first; on any error drop
-        them all. True if all were captured."""
+        """Warm up every (size, width), largest first; reserve the graph memory they measured; capture
+        them in the same order. On any error drop them all. True if all were captured."""
         t0 = time.perf_counter()
         order = [(size, width) for size in reversed(self.sizes) for width in reversed(self.widths)]
-        for n, (size, width) in enumerate(order):
-            error = None
-            try:
-                step = self._step(size, width)
-                fn = self._forward_fn(step)
-                if n == 0:
-                    self.capturer.reserve(fn)  # the largest graph's need, before anything is captured
-                self.capturer.warmup(fn)
-                step.graph = self.capturer.capture(fn)
-                self.capturer.launch(step.graph)  # a test replay: a bad graph fails here, at start-up
-                self.capturer.synchronize()
-            except Exception as e:  # noqa: BLE001 - every capture error means: run eagerly
-                error, trace = f"{type(e).__name__}: {e}", traceback.format_exc(limit=8)
-            if error is not None:  # outside the except: the traceback's arrays are gone before the release
-                self.disable(f"capture of batch size {size} (table width {width}) failed: {error}")
-                log.warning("cuda_graphs.capture_failed", batch_size=size, table_width=width, error=error,
-                            traceback=trace, fallback="eager")
-                return False
-            self.captured[(size, width)] = step
+        steps = {key: self._step(*key) for key in order}
+        for phase in ("warmup", "capture"):
+            for size, width in order:
+                error = None
+                step = steps[(size, width)]
+                try:
+                    # The static buffers hold this graph's padding rows whenever it runs here (they are
+                    # shared: another graph's layout would put real slot ids where this one reads).
+                    self._upload(*self._padding(size, width))
+                    fn = self._forward_fn(step)
+                    if phase == "warmup":
+                        self.capturer.warmup(fn)
+                    else:
+                        step.graph = self.capturer.capture(fn)
+                        self.capturer.launch(step.graph)  # a test replay: a bad graph fails here, at start-up
+                        self.capturer.synchronize()
+                    if phase == "warmup" and (size, width) == order[-1]:
+                        self.capturer.reserve()  # all warm-ups measured: the arena, before any capture
+                except Exception as e:  # noqa: BLE001 - every capture error means: run eagerly
+                    error, trace = f"{type(e).__name__}: {e}", traceback.format_exc(limit=8)
+                if error is not None:  # outside the except: the traceback's arrays are gone before the release
+                    self.disable(f"{phase} of batch size {size} (table width {width}) failed: {error}")
+                    log.warning("cuda_graphs.capture_failed", batch_size=size, table_width=width, phase=phase,
+                                error=error, traceback=trace, fallback="eager")
+                    return False
+                if phase == "capture":
+                    self.captured[(size, width)] = step
         self.capture_seconds = time.perf_counter() - t0
         log.info("cuda_graphs.captured", batch_sizes=list(self.sizes), table_widths=list(self.widths),
                  num_graphs=len(self.captured), seconds=round(self.capture_seconds, 3),

@@ -16,8 +16,9 @@ passes whose activations are largest and lets the sampler work on their logits:
 The activation peak is how much CuPy's default memory pool grew over them (it keeps what it
 allocates, so its total after the runs is its high-water mark, fragmentation included). With CUDA
 graphs on, a decode forward at the largest captured size and widest table runs under a throw-away
-pool; cuda_graphs.graph_pool_reserve of its size (the arena the graphs' private pool draws from,
-reserved before capture with the same rule) plus the graphs' shared static buffers is counted.
+pool; cuda_graphs.graph_pool_reserve of its size plus the graphs' shared static buffers is counted.
+(The arena the graphs' private pool draws from is reserved at capture by the same rule, from the
+warm-ups of every graph; smaller graphs reuse the largest one's blocks, which the margin covers.)
 The attention's float32 partials are capped per launch (cuda_ops.PARTITION_SCRATCH_BYTES), so a
 long max_model_len no longer costs [max_num_seqs, heads, partitions, head_dim] here.
 

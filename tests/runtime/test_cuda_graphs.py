@@ -51,9 +51,8 @@ class FakeCapturer:
         self.events.append("capture")
         return fn
 
-    def reserve(self, fn):
+    def reserve(self):
         self.events.append("reserve")
-        fn()
 
     def upload(self, copies):
         for dst, src in copies:
@@ -155,8 +154,8 @@ def test_replays_match_eager_steps_and_write_the_same_kv():
     capturer = FakeCapturer()
     graphs = DecodeGraphs(model, kv_graph, (1, 4, 8), max_blocks=6, capturer=capturer)
     assert graphs.capture_all() and graphs.enabled
-    assert capturer.events[:4] == ["reserve", "warmup", "capture", "launch"] and capturer.events.count("capture") == 3
-    assert capturer.events.count("reserve") == 1  # once, for the largest graph, before any capture
+    # every graph warmed up (measuring the memory), one reservation, then capture + test launch each
+    assert capturer.events == ["warmup"] * 3 + ["reserve"] + ["capture", "launch"] * 3
     assert _zero(kv_graph), "capturing (padding rows only) must not write the KV cache"
     rng = np.random.default_rng(0)
     lens = [int(n) for n in rng.integers(2, 60, size=7)]
