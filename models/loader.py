@@ -56,6 +56,18 @@ def default_model_path() -> Path:
     return files[0]
 
 
+def model_not_found_message(model: str) -> str:
+    """What to say when `model` is neither a file nor a directory: usually a hub name given to vLLM."""
+    hint = ""
+    if not model.startswith((".", "/", "~")) and model.count("/") == 1:
+        local = "./" + model.split("/")[1]
+        hint = (f"; it looks like a Hugging Face hub name: fetch it once, e.g. `huggingface-cli download {model} "
+                f"--local-dir {local}` (or a .gguf file of it), then pass model={local!r}")
+    return (f"model {model!r} is neither a local file nor a directory, and pagedserve downloads nothing: give a "
+            f".gguf file or a Hugging Face model directory (config.json, *.safetensors, tokenizer.json){hint}, "
+            f"or model=None for the embedded {EMBEDDED_NAME}")
+
+
 def _tokenizer_files(tok: Tokenizer) -> dict[str, str]:
     meta = {
         "bos_token": tok.bos_token, "eos_token": tok.eos_token, "unk_token": tok.unk_token,
@@ -101,7 +113,7 @@ def load_model(model: str | Path | None = None, use_cache: bool = True) -> Loade
     t0 = time.perf_counter()
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
-        raise ValueError(f"{path}: model not found (give a .gguf file or a Hugging Face model directory)")
+        raise ValueError(model_not_found_message(str(model)))
     if path.is_dir():
         config, weights = load_hf_weights(path)
         check_weights(config, weights, str(path))

@@ -30,6 +30,12 @@ class EngineConfig:
     # else every core). On a host shared with busy processes, fewer threads are faster.
     cpu_threads: int | None = None
     use_weight_cache: bool = True
+    # Tensor parallelism (runtime/executor.py): ranks that each hold 1/N of every layer's heads and MLP.
+    tensor_parallel_size: int = 1
+    # How ranks 1..N-1 are started: "mp" = local processes (default), "ray" = Ray actors (several hosts).
+    distributed_executor_backend: str | None = None  # None = "mp"
+    # Longest wait on a collective or a rank's answer before the step fails (a dead rank never hangs us).
+    collective_timeout_s: float = 60.0
     # Request lifecycle log events (queued, scheduled, first_token, preempted, finished, aborted):
     # None = off (offline use), False = on without text, True = on with prompts and outputs.
     log_requests: bool | None = None
@@ -48,13 +54,22 @@ class EngineConfig:
         positive("kv_cache_memory_bytes", allow_none=True)
         positive("num_kv_blocks", allow_none=True)
         positive("cpu_threads", allow_none=True)
+        positive("tensor_parallel_size")
+        if self.distributed_executor_backend not in (None, "mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got "
+                             f"{self.distributed_executor_backend!r}")
+        if isinstance(self.collective_timeout_s, bool) or not isinstance(self.collective_timeout_s, (int, float)) \
+                or not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s must be a positive number of seconds, got "
+                             f"{self.collective_timeout_s!r}")
         if self.block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.device == "cuda":
             check_gpu_block_size(self.block_size)
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)) \
+                or not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.cuda_graph_batch_sizes is not None:
             sizes = self.cuda_graph_batch_sizes

@@ -12,7 +12,28 @@ from .engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
-PromptType = Union[str, Sequence[int]]
+# vLLM's prompt forms too: {"prompt": text} and {"prompt_token_ids": [...]} (TextPrompt, TokensPrompt).
+PromptType = Union[str, Sequence[int], dict]
+
+
+def _is_single_prompt(prompts) -> bool:
+    return isinstance(prompts, (str, dict)) or bool(prompts) and isinstance(prompts[0], int)
+
+
+def _unwrap_prompt(prompt: PromptType) -> str | Sequence[int]:
+    """A vLLM prompt dict -> the text or token ids the engine takes; other forms pass through."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = set(prompt)
+    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], (list, tuple)):
+        ids = prompt["prompt_token_ids"]
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"prompt_token_ids must be a list of ints, got {list(ids)[:5]!r}")
+        return list(ids)
+    raise ValueError(f"a prompt dict must be {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}, "
+                     f"got keys {sorted(prompt)}")
 
 
 class LLM:
@@ -20,7 +41,9 @@ class LLM:
 
     `model=None` serves the embedded default, SmolLM2-135M-Instruct. Keyword arguments are
     EngineConfig fields (max_model_len, max_num_batched_tokens, max_num_seqs, enable_chunked_prefill,
-    block_size, kv_cache_memory_bytes, gpu_memory_utilization, seed, device, ...).
+    block_size, kv_cache_memory_bytes, gpu_memory_utilization, tensor_parallel_size,
+    distributed_executor_backend, seed, device, ...). With tensor_parallel_size > 1 the engine starts
+    rank processes; call shutdown() (or leave a `with LLM(...)` block) to stop them early.
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs) -> None:
@@ -33,10 +56,9 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`. A single prompt may be given bare (a str or one id list)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        """Outputs in the order of `prompts`. A single prompt may be given bare (a str, one id list or one
+        vLLM prompt dict)."""
+        prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -47,7 +69,7 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 ids.append(self._next_id())
-                self.engine.add_request(ids[-1], prompt, p)
+                self.engine.add_request(ids[-1], _unwrap_prompt(prompt), p)
         except ValueError:
             self.engine.abort_request(ids)  # nothing half-queued is left behind
             raise
@@ -56,13 +78,12 @@ class LLM:
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Beam search for each prompt; each output holds params.beam_width completions, best first."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
         ids = []
         try:
             for prompt in prompts:
                 ids.append(self._next_id())
-                self.engine.add_beam_request(ids[-1], prompt, params)
+                self.engine.add_beam_request(ids[-1], _unwrap_prompt(prompt), params)
         except ValueError:
             self.engine.abort_request(ids)
             raise
