@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import numpy as np
 
 from .config import ModelConfig, load_hf_config
 from .safetensors_io import read_safetensors
+from .tensor_parallel import TPShard, check_tensor_parallel
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -32,14 +34,19 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_hf_weights(model_dir: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def load_hf_weights(model_dir: str | Path, shard: TPShard | None = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Config and float32 weights; with a tensor-parallel `shard`, only that rank's slices are read."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ValueError(f"{model_dir}: model directory not found")
     config = load_hf_config(model_dir)
+    select = None
+    if shard is not None and shard.is_sharded:
+        check_tensor_parallel(config, shard.world_size)
+        select = functools.partial(shard.index_for, config)
     weights: dict[str, np.ndarray] = {}
     for f in safetensors_files(model_dir):
-        for name, tensor in read_safetensors(f).items():
+        for name, tensor in read_safetensors(f, select=select).items():
             if name in weights:
                 raise ValueError(f"{f}: tensor {name!r} appears in more than one shard")
             weights[name] = tensor

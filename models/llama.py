@@ -14,6 +14,7 @@ import numpy as np
 
 from pagedserve.cupy_kernels import ops
 from pagedserve.cupy_kernels.backend import Backend, get_backend
+from pagedserve.cupy_kernels.collectives import SingleRank
 from pagedserve.cupy_kernels.paged_attention import paged_attention, reshape_and_cache
 
 from . import activation_check
@@ -21,6 +22,7 @@ from .batch import ForwardBatch
 from .config import ModelConfig
 from .device_batch import to_device
 from .rope import rope_inv_freq
+from .tensor_parallel import TPShard
 from .weights_check import check_float16_range
 
 
@@ -35,8 +37,9 @@ class LayerWeights:
     down: Any  # [intermediate, hidden]
 
 
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the model needs, with its shape (Hugging Face names)."""
+def expected_shapes(config: ModelConfig, shard: TPShard | None = None) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model needs, with its shape (Hugging Face names); a tensor-parallel rank's slices
+    when `shard` is given."""
     h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
     shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
     if not config.tie_word_embeddings:
@@ -57,12 +60,15 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
+    if shard is not None and shard.is_sharded:
+        shapes = {name: shard.shard_shape(config, name, shape) for name, shape in shapes.items()}
     return shapes
 
 
-def check_weights(config: ModelConfig, weights: dict[str, np.ndarray], source: str) -> None:
+def check_weights(config: ModelConfig, weights: dict[str, np.ndarray], source: str,
+                  shard: TPShard | None = None) -> None:
     """Raise ValueError naming `source` and the tensor when a weight is missing or mis-shaped."""
-    for name, shape in expected_shapes(config).items():
+    for name, shape in expected_shapes(config, shard).items():
         if name not in weights:
             raise ValueError(f"{source}: missing tensor {name!r}")
         if tuple(weights[name].shape) != shape:
@@ -71,13 +77,26 @@ def check_weights(config: ModelConfig, weights: dict[str, np.ndarray], source: s
 
 
 class LlamaForCausalLM:
+    """The whole model, or with `shard` and `comm` one tensor-parallel rank of it (tensor_parallel.py):
+    `weights` then hold that rank's slices, and the forward all-reduces after o_proj and down and
+    gathers the logits on rank 0 (the other ranks' forward returns None)."""
+
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend: Backend | None = None,
-                 source: str = "weights") -> None:
-        check_weights(config, weights, source)
+                 source: str = "weights", shard: TPShard | None = None, comm: Any = None) -> None:
+        self.shard = shard = shard or TPShard()
+        check_weights(config, weights, source, shard)
         self.config = config
         self.backend = backend or get_backend("cpu")
+        self.comm = comm if comm is not None else SingleRank()
+        if self.comm.world_size != shard.world_size:
+            raise ValueError(f"a rank of {shard.world_size} got a communicator of {self.comm.world_size}")
+        _, self.num_heads = shard.heads(config)
+        _, self.num_kv_heads = shard.kv_heads(config)
+        self.q_size, self.kv_size = self.num_heads * config.head_dim, self.num_kv_heads * config.head_dim
+        self.vocab_start, self.vocab_end = shard.vocab(config)
+        self.vocab_per_rank = shard.vocab_per_rank(config)
         if self.backend.dtype == np.float16:  # a value float16 cannot hold would become inf on the device
-            check_float16_range({name: weights[name] for name in expected_shapes(config)}, source)
+            check_float16_range({name: weights[name] for name in expected_shapes(config, shard)}, source)
         put, put_t = self._put, self._put_t
         self.embed_tokens = put(weights["model.embed_tokens.weight"])
         self.norm = put(weights["model.norm.weight"])
@@ -114,8 +133,31 @@ class LlamaForCausalLM:
         """A matmul weight, [out, in] in the checkpoint, stored as [in, out] for ops.linear."""
         return self._put(w.T)
 
+    def _embed(self, ids: Any) -> Any:
+        if not self.shard.is_sharded:
+            return ops.embedding(self.embed_tokens, ids)
+        # Vocab-parallel: rows of this rank's ids, zeros for the others'; the sum over ranks is exact.
+        xp = self.backend.xp
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.vocab_end - self.vocab_start)
+        if self.vocab_end > self.vocab_start:
+            rows = ops.embedding(self.embed_tokens, xp.where(inside, local, 0)) * inside[:, None].astype(self.backend.dtype)
+        else:
+            rows = xp.zeros((ids.shape[0], self.config.hidden_size), dtype=self.backend.dtype)
+        return self.comm.all_reduce(rows)
+
+    def _logits(self, x: Any) -> Any:
+        logits = ops.linear(x, self.lm_head).astype(np.float32, copy=False)
+        if not self.shard.is_sharded:
+            return logits
+        pad = self.vocab_per_rank - logits.shape[1]  # the last ranks may hold fewer rows than ceil(V / N)
+        if pad:
+            logits = self.backend.xp.pad(logits, ((0, 0), (0, pad)))
+        full = self.comm.gather(logits, axis=-1)
+        return None if full is None else full[:, : self.config.vocab_size]
+
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[Any, Any]]) -> Any:
-        """Run one step; returns float32 logits [len(batch.logits_indices), vocab]."""
+        """Run one step; returns float32 logits [len(batch.logits_indices), vocab] (None on ranks > 0)."""
         cfg = self.config
         if len(kv_caches) != cfg.num_hidden_layers:
             raise ValueError(f"expected {cfg.num_hidden_layers} KV cache layers, got {len(kv_caches)}")
@@ -124,32 +166,32 @@ class LlamaForCausalLM:
         batch = to_device(batch, self.backend, int(k0.shape[1]), int(k0.shape[0]), cfg.vocab_size)
         t = batch.num_tokens
         cos, sin = ops.rope_cos_sin(self.inv_freq, batch.positions)
-        hidden = ops.embedding(self.embed_tokens, batch.input_ids)
+        hidden = self._embed(batch.input_ids)
         residual = None
-        q_size, kv_size = cfg.q_size, cfg.kv_size
+        q_size, kv_size = self.q_size, self.kv_size  # this rank's heads
         check, peaks = self.check_activations, {}
         for n, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
             if check:
                 activation_check.check_residual(residual, self.backend.xp, f"layer {n} input", peaks)
             qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
-            q = qkv[:, :q_size].reshape(t, cfg.num_attention_heads, cfg.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].reshape(t, cfg.num_key_value_heads, cfg.head_dim)
-            v = qkv[:, q_size + kv_size :].reshape(t, cfg.num_key_value_heads, cfg.head_dim)
+            q = qkv[:, :q_size].reshape(t, self.num_heads, cfg.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].reshape(t, self.num_kv_heads, cfg.head_dim)
+            v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, cfg.head_dim)
             q = ops.apply_rotary(q, cos, sin)
             k = ops.apply_rotary(k, cos, sin)
             reshape_and_cache(k, v, k_cache, v_cache, batch.slot_mapping)
             attn = paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
                                    batch.block_tables, self.scale)
-            hidden = ops.linear(attn.reshape(t, q_size), layer.o_proj)
+            hidden = self.comm.all_reduce(ops.linear(attn.reshape(t, q_size), layer.o_proj))  # row-parallel
             x, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
             if check:
                 activation_check.check_residual(residual, self.backend.xp, f"layer {n} after attention", peaks)
-            hidden = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up)), layer.down)
+            hidden = self.comm.all_reduce(ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up)), layer.down))
         hidden = hidden[batch.logits_indices]
         residual = residual[batch.logits_indices]
         x, residual = ops.add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
         if check:
             activation_check.check_residual(residual, self.backend.xp, "final norm input", peaks)
             self.activation_peaks = peaks
-        return ops.linear(x, self.lm_head).astype(np.float32, copy=False)
+        return self._logits(x)

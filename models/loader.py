@@ -24,6 +24,7 @@ from .config import ModelConfig
 from .gguf_loader import load_gguf_weights, open_gguf
 from .hf_loader import load_hf_weights
 from .llama import check_weights
+from .tensor_parallel import TPShard, check_tensor_parallel, shard_weights
 from .tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
 from . import weight_cache
 
@@ -41,6 +42,7 @@ class LoadedModel:
     name: str
     load_seconds: float
     from_cache: bool
+    shard: TPShard = TPShard()  # which tensor-parallel slices `weights` hold (rank 0 of 1: all of them)
 
 
 def default_model_path() -> Path:
@@ -63,7 +65,8 @@ def model_not_found_message(model: str) -> str:
         local = "./" + model.split("/")[1]
         hint = (f"; it looks like a Hugging Face hub name: fetch it once, e.g. `huggingface-cli download {model} "
                 f"--local-dir {local}` (or a .gguf file of it), then pass model={local!r}")
-    return (f"model {model!r} is neither a local file nor a directory, and pagedserve downloads nothing: give a "
+    return (f"model {model!r} not found: it is neither a local file nor a directory, and pagedserve downloads "
+            f"nothing: give a "
             f".gguf file or a Hugging Face model directory (config.json, *.safetensors, tokenizer.json){hint}, "
             f"or model=None for the embedded {EMBEDDED_NAME}")
 
@@ -85,11 +88,14 @@ def _tokenizer_from_files(d: Path) -> Tokenizer:
     return Tokenizer(backend, **meta)
 
 
-def _load_gguf(path: Path, use_cache: bool) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer, bool]:
+def _load_gguf(path: Path, use_cache: bool, shard: TPShard
+               ) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer, bool]:
+    """A tensor-parallel rank reads its slices from the conversion cache (safetensors, memory-mapped); on a
+    cache miss (or with the cache off) the whole file is dequantized once and then sliced."""
     root = weight_cache.cache_root()
     digest = weight_cache.file_sha256(path) if use_cache else ""
     if use_cache:
-        hit = weight_cache.load_entry(root, digest)
+        hit = weight_cache.load_entry(root, digest, shard)
         if hit is not None and (hit[2] / "tokenizer_meta.json").is_file():
             config, weights, d = hit
             try:
@@ -105,26 +111,33 @@ def _load_gguf(path: Path, use_cache: bool) -> tuple[ModelConfig, dict[str, np.n
             weight_cache.save_entry(root, digest, config, weights, _tokenizer_files(tokenizer))
         except OSError:
             pass  # an unwritable cache only costs time on the next start
+    if shard.is_sharded:
+        check_tensor_parallel(config, shard.world_size)
+        weights = {k: np.ascontiguousarray(v) for k, v in shard_weights(config, weights, shard).items()}
     return config, weights, tokenizer, False
 
 
-def load_model(model: str | Path | None = None, use_cache: bool = True) -> LoadedModel:
-    """Load config, float32 weights and tokenizer from `model` (None = the embedded default)."""
+def load_model(model: str | Path | None = None, use_cache: bool = True, shard: TPShard | None = None) -> LoadedModel:
+    """Load config, float32 weights and tokenizer from `model` (None = the embedded default).
+
+    With a tensor-parallel `shard`, only that rank's slices of the weights are read (see tensor_parallel.py).
+    """
+    shard = shard or TPShard()
     t0 = time.perf_counter()
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise ValueError(model_not_found_message(str(model)))
     if path.is_dir():
-        config, weights = load_hf_weights(path)
-        check_weights(config, weights, str(path))
+        config, weights = load_hf_weights(path, shard)
+        check_weights(config, weights, str(path), shard)
         tokenizer = load_hf_tokenizer(path)
         from_cache = False
     elif path.suffix == ".gguf":
-        config, weights, tokenizer, from_cache = _load_gguf(path, use_cache)
+        config, weights, tokenizer, from_cache = _load_gguf(path, use_cache, shard)
     else:
         raise ValueError(f"{path}: not a model (expected a .gguf file or a Hugging Face model directory)")
     eos = tuple(dict.fromkeys(config.eos_token_ids + tokenizer.eos_token_ids))  # union, order kept
     if eos != config.eos_token_ids:
         config = ModelConfig(**{**config.__dict__, "eos_token_ids": eos})
     name = EMBEDDED_NAME if model is None else (config.name or path.name)
-    return LoadedModel(config, weights, tokenizer, path, name, time.perf_counter() - t0, from_cache)
+    return LoadedModel(config, weights, tokenizer, path, name, time.perf_counter() - t0, from_cache, shard)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -24,8 +25,13 @@ def bf16_to_float32(raw: np.ndarray) -> np.ndarray:
     return (raw.astype(np.uint32) << 16).view(np.float32)
 
 
-def read_safetensors(path: str | Path, float_dtype: np.dtype = np.float32) -> dict[str, np.ndarray]:
-    """All tensors of one file; floating tensors converted to `float_dtype`."""
+def read_safetensors(path: str | Path, float_dtype: np.dtype = np.float32,
+                     select: Callable[[str], tuple[slice, ...] | None] | None = None) -> dict[str, np.ndarray]:
+    """All tensors of one file; floating tensors converted to `float_dtype`.
+
+    `select(name)` may name a slice of a tensor (a tensor-parallel shard): only that slice of the
+    memory-mapped file is read and converted.
+    """
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: safetensors file not found")
@@ -56,6 +62,9 @@ def read_safetensors(path: str | Path, float_dtype: np.dtype = np.float32) -> di
             raise ValueError(f"{path}: tensor {name!r} has byte range [{begin}, {end}) that does not match "
                              f"shape {shape} x {dtype_name} or runs past the end of the file")
         arr = data[base + begin : base + end].view(np_dtype).reshape(shape)
+        index = select(name) if select is not None else None
+        if index is not None:
+            arr = arr[index]
         if dtype_name == "BF16":
             arr = bf16_to_float32(arr)
         if np.issubdtype(arr.dtype, np.floating):

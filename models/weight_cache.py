@@ -9,6 +9,7 @@ temporary directory and renamed into place, so a crash mid-write leaves no half 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .safetensors_io import read_safetensors
+from .tensor_parallel import TPShard, check_tensor_parallel
 
 CACHE_FORMAT = 1
 
@@ -67,8 +69,10 @@ def save_entry(root: Path, digest: str, config: ModelConfig, weights: dict[str, 
     return final
 
 
-def load_entry(root: Path, digest: str) -> tuple[ModelConfig, dict[str, np.ndarray], Path] | None:
-    """The cached config and weights, or None when there is no complete entry."""
+def load_entry(root: Path, digest: str, shard: TPShard | None = None
+               ) -> tuple[ModelConfig, dict[str, np.ndarray], Path] | None:
+    """The cached config and weights (only `shard`'s slices, read from the memory-mapped file), or None
+    when there is no complete entry."""
     d = entry_dir(root, digest)
     if not (d / "model.safetensors").is_file() or not (d / "config.json").is_file():
         return None
@@ -76,7 +80,14 @@ def load_entry(root: Path, digest: str) -> tuple[ModelConfig, dict[str, np.ndarr
         cfg = json.loads((d / "config.json").read_text())
         cfg["eos_token_ids"] = tuple(cfg.get("eos_token_ids") or ())
         config = ModelConfig(**cfg)
-        weights = read_safetensors(d / "model.safetensors")
+    except (ValueError, TypeError, OSError):
+        return None  # a damaged entry is rebuilt, never trusted
+    select = None
+    if shard is not None and shard.is_sharded:
+        check_tensor_parallel(config, shard.world_size)  # a ValueError naming the numbers, not a cache miss
+        select = functools.partial(shard.index_for, config)
+    try:
+        weights = read_safetensors(d / "model.safetensors", select=select)
     except (ValueError, TypeError, OSError):
         return None  # a damaged entry is rebuilt, never trusted
     return config, weights, d

@@ -24,6 +24,7 @@ import anyio
 import structlog
 
 from .engine import LLMEngine
+from .executor import WorkerFailedError
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -158,6 +159,11 @@ class AsyncEngine:
             if self.engine.has_unfinished_requests():
                 try:
                     outputs = self.engine.step()
+                except WorkerFailedError as e:  # a rank died: the engine cannot go on; the server exits
+                    log.error("engine.workers_failed", error=str(e))
+                    self.failure = e
+                    self._fail_all_in_flight(e)
+                    return
                 except Exception as e:  # a bug, not bad input: fail in-flight requests, keep serving
                     log.error("engine.step_failed", error=repr(e))
                     self._abort_all_after_failure(e)
@@ -211,6 +217,14 @@ class AsyncEngine:
         if self._loop is not None:
             for rid in ids:
                 self._loop.call_soon_threadsafe(self._fail, rid, RuntimeError(f"engine step failed: {error!r}"))
+
+    def _fail_all_in_flight(self, error: WorkerFailedError) -> None:
+        ids = list(self.engine.groups)
+        self.engine.abort_request(ids)
+        if self._loop is not None:
+            fail = EngineStoppedError(f"the engine failed and the server is stopping: {error}")
+            for rid in set(ids) | set(self._streams):
+                self._loop.call_soon_threadsafe(self._fail, rid, fail)
 
     def _log_stats(self) -> None:
         s = self.stats

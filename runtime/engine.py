@@ -9,18 +9,15 @@ from typing import Iterable, Sequence
 
 import structlog
 
-from pagedserve.cupy_kernels.backend import get_backend
-from pagedserve.cupy_kernels.blas_threads import blas_threads, set_blas_threads
-from pagedserve.models.kv_cache import allocate_kv_caches, kv_bytes_per_block
-from pagedserve.models.llama import LlamaForCausalLM
-from pagedserve.models.loader import LoadedModel, load_model
+from pagedserve.cupy_kernels.blas_threads import blas_threads
+from pagedserve.models.kv_cache import kv_bytes_per_block
+from pagedserve.models.loader import LoadedModel
 
-from .config import DEFAULT_CPU_KV_BYTES, EngineConfig, check_gpu_block_size
+from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .executor import make_executor
 from .kv_cache_manager import KVCacheManager
 from .beam_search import BeamSearchParams, Proposal, select
-from .cuda_graphs import build_decode_graphs
-from .gpu_memory import profile_kv_cache
 from .model_runner import ModelRunner, SampledToken, StepResult
 from .outputs import CompletionOutput, EngineStats, RequestOutput
 from .request import Request, RequestStatus
@@ -36,31 +33,34 @@ log = structlog.get_logger("pagedserve.engine")
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        if config.cpu_threads is not None:
-            set_blas_threads(config.cpu_threads)
-        loaded = loaded or load_model(config.model, use_cache=config.use_weight_cache)
-        self.model_name = loaded.name
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.backend = get_backend(config.device)
-        if self.backend.is_gpu:  # device "auto" resolved to the GPU
-            check_gpu_block_size(config.block_size)
-        self.model = LlamaForCausalLM(loaded.config, loaded.weights, self.backend, source=str(loaded.path))
-        self.max_model_len = config.max_model_len or loaded.config.max_position_embeddings
-        if self.max_model_len > loaded.config.max_position_embeddings:
+        # The workers (one per tensor-parallel rank) load the model, pick the backend and hold the KV pool.
+        self.executor = make_executor(config, loaded)
+        try:
+            self._init_after_workers(config)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+
+    def _init_after_workers(self, config: EngineConfig) -> None:
+        worker = self.executor.driver_worker
+        self.model_name = worker.model_name
+        self.model_config = worker.model_config
+        self.tokenizer = worker.tokenizer
+        self.backend = worker.backend
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
-                             f"max_position_embeddings ({loaded.config.max_position_embeddings})")
+                             f"max_position_embeddings ({self.model_config.max_position_embeddings})")
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"with chunked prefill off, max_num_batched_tokens ({config.max_num_batched_tokens}) "
                              f"must be >= max_model_len ({self.max_model_len}) or long prompts could never run")
         self.block_size = config.block_size
-        num_blocks = self._num_kv_blocks()
+        num_blocks = config.num_kv_blocks or self.executor.determine_num_kv_blocks(self.max_model_len)
         self.num_kv_blocks = num_blocks
+        # GPU: decode CUDA graphs are captured now, against these very KV caches.
+        self.executor.initialize_cache(num_blocks, self.max_model_len)
         self.kv_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
-        kv_caches = allocate_kv_caches(loaded.config, num_blocks, self.block_size, self.backend)
-        # GPU: decode steps replay CUDA graphs captured now, against these very KV caches (None: eager).
-        graphs = build_decode_graphs(config, self.model, kv_caches, self.max_model_len)
-        self.runner = ModelRunner(self.model, kv_caches, self.kv_manager, Sampler(config.seed), graphs=graphs)
+        self.runner = ModelRunner(self.executor, self.kv_manager, Sampler(config.seed))
         self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_chunked_prefill)
         self.groups: dict[str, SequenceGroup] = {}
@@ -69,24 +69,22 @@ class LLMEngine:
         self.num_preemptions = 0
         log.info("engine.kv_pool", num_blocks=num_blocks, block_size=self.block_size,
                  num_token_slots=num_blocks * self.block_size, backend=self.backend.name,
-                 model=self.model_name, blas_threads=blas_threads())
+                 model=self.model_name, blas_threads=blas_threads(),
+                 tensor_parallel_size=self.executor.world_size)
 
-    def _num_kv_blocks(self) -> int:
-        self.kv_sizing = None  # GPU: the gpu_memory.KVCacheSizing behind the pool's size
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.backend.dtype.itemsize)
-        if self.backend.is_gpu:
-            # A profile forward measures the activation peak; the arithmetic is gpu_memory.size_kv_cache.
-            sizing = profile_kv_cache(self.model, self.config, self.max_model_len, self.block_size, per_block)
-            log.info("engine.kv_sizing", model=self.model_name, **sizing.log_fields())
-            self.kv_sizing = sizing
-            return sizing.num_blocks
-        budget = self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(f"the KV cache budget of {budget} bytes holds no block of {per_block} bytes")
-        return int(num_blocks)
+    @property
+    def model(self):
+        """The driver worker's model (rank 0's shard under tensor parallelism)."""
+        return self.executor.driver_worker.model
+
+    @property
+    def kv_sizing(self):
+        """GPU: the gpu_memory.KVCacheSizing behind the pool's size (rank 0's); None on the CPU."""
+        return self.executor.driver_worker.kv_sizing
+
+    def shutdown(self) -> None:
+        """Stop the rank processes (tensor parallelism); a no-op for a single rank."""
+        self.executor.shutdown()
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -182,7 +182,7 @@ def profile_kv_cache(model: Any, config: EngineConfig, max_model_len: int, block
     chunks, num_blocks = profile_chunks(config.max_num_batched_tokens, config.max_num_seqs, max_model_len, block_size)
     decode_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
     graph_sizes = resolve_batch_sizes(config) if config.enable_cuda_graphs else ()
-    kv = allocate_kv_caches(model.config, num_blocks, block_size, model.backend)
+    kv = allocate_kv_caches(model.config, num_blocks, block_size, model.backend, model.shard)
     device.synchronize()
     before = read_device_memory(cp)
     what = (f"max_num_batched_tokens={config.max_num_batched_tokens}, {len(chunks)} sequences, decode batch of "

@@ -50,6 +50,16 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
         self._counter = 0
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel rank processes now (they also stop when this process exits)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -12,14 +12,13 @@ from typing import Any
 import numpy as np
 
 from pagedserve.cupy_kernels import cuda_ops
-from pagedserve.cupy_kernels.paged_attention import copy_blocks
 from pagedserve.models.batch import SeqChunk, build_forward_batch
-from pagedserve.models.llama import LlamaForCausalLM
 
-from .cuda_graphs import DecodeGraphs
+from .executor import Executor
 from .kv_cache_manager import KVCacheManager
 from .sampler import Sampler
 from .scheduler import SchedulerOutput
+from .worker import ExecuteModelRequest
 
 
 @dataclass
@@ -38,21 +37,39 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[Any, Any]], kv_manager: KVCacheManager,
-                 sampler: Sampler, graphs: DecodeGraphs | None = None) -> None:
-        self.model = model
-        self.kv_caches = kv_caches
+    """The driver's half of a step: scheduled sequences -> one flat batch -> the executor (its workers run
+    the forward) -> logits -> samples. The sampler runs once, here, whatever the number of ranks."""
+
+    def __init__(self, executor: Executor, kv_manager: KVCacheManager, sampler: Sampler) -> None:
+        self.executor = executor
         self.kv = kv_manager
         self.sampler = sampler
-        self.graphs = graphs  # GPU: decode steps replay CUDA graphs when they can (None: always eager)
+        backend = executor.driver_worker.backend
         # The sampler's array module: numpy as before, or CuPy with greedy rows through argmax_rows.
-        self.xp = _DeviceArrayModule(model.backend.xp) if model.backend.is_gpu else np
+        self.xp = _DeviceArrayModule(backend.xp) if backend.is_gpu else np
+
+    # The driver worker's model, KV pool and decode graphs (tests and benchmarks look at them).
+    @property
+    def model(self) -> Any:
+        return self.executor.driver_worker.model
+
+    @property
+    def kv_caches(self) -> list[tuple[Any, Any]]:
+        return self.executor.driver_worker.kv_caches
+
+    @property
+    def graphs(self) -> Any:
+        return self.executor.driver_worker.graphs
+
+    @graphs.setter
+    def graphs(self, graphs: Any) -> None:
+        self.executor.driver_worker.graphs = graphs
 
     def execute(self, sched: SchedulerOutput, forks: dict[int, list] | None = None) -> list[StepResult | None]:
         """One forward pass. Entry i is for sched.scheduled[i]: None mid-prefill, else its samples
         (its own and those of `forks[i]`, the samples about to fork from it) or beam proposals."""
         forks = forks or {}
-        copy_blocks(self.kv_caches, self.kv.take_pending_copies())
+        copies = self.kv.take_pending_copies()
         chunks, completing = [], []
         for i, s in enumerate(sched.scheduled):
             r = s.request
@@ -63,9 +80,7 @@ class ModelRunner:
             if completes:
                 completing.append(i)
         batch = build_forward_batch(chunks, self.kv.block_size)
-        logits = self.graphs.run(batch) if self.graphs is not None else None
-        if logits is None:  # no graph for this step (CPU, graphs off, prefill in the batch, too many rows)
-            logits = self.model.forward(batch, self.kv_caches)
+        logits = self.executor.execute_model(ExecuteModelRequest(batch, copies))
         results: list[StepResult | None] = [None] * len(sched.scheduled)
         rows, seqs, owners = [], [], []  # sampler rows: logits row, sequence, scheduled index
         for row, i in enumerate(completing):

@@ -133,7 +133,7 @@ class SidecarServer:
                 await self.server.stop(None)
                 raise
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self.engine.run)
+                tg.start_soon(self._run_engine, tg.cancel_scope)
                 if self.notifier.watchdog_interval():
                     tg.start_soon(watchdog_loop, self.notifier)
                 await self._set_health(True)
@@ -144,9 +144,26 @@ class SidecarServer:
                     break
                 await self.drain()
                 tg.cancel_scope.cancel()
+        if self.engine.failure is not None:
+            return
         # Drained: a repeated SIGTERM during the last moments of shutdown must not turn exit 0 into a kill.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    async def _run_engine(self, scope: anyio.CancelScope) -> None:
+        """Step the engine; if it fails for good (a tensor-parallel rank died), go NOT_SERVING and stop so
+        the process exits non-zero and systemd restarts it."""
+        await self.engine.run()
+        if self.engine.failure is None:
+            return
+        await self._set_health(False)
+        log.error("server.engine_failed", error=str(self.engine.failure), health="NOT_SERVING")
+        self.notifier.stopping("engine failed")
+        await self.server.stop(grace=1.0)
+        self.engine.engine.shutdown()
+        if self.settings.socket:
+            Path(self.settings.socket).unlink(missing_ok=True)
+        scope.cancel()
 
     async def drain(self) -> None:
         timeout = self.settings.drain_timeout
@@ -157,11 +174,19 @@ class SidecarServer:
         aborted = await self.engine.drain(timeout)
         await self.server.stop(grace=2.0)
         self.engine.stop()
+        self.engine.engine.shutdown()  # tensor-parallel rank processes
         if self.settings.socket:
             Path(self.settings.socket).unlink(missing_ok=True)
         log.info("server.stopped", finished=in_flight - aborted, aborted=aborted)
 
 
+EXIT_ENGINE_FAILED = 3
+
+
 def run_server(settings: Settings) -> int:
-    anyio.run(SidecarServer(settings).serve, backend="asyncio")
+    """0 after a drain; EXIT_ENGINE_FAILED when the engine failed for good (a rank died)."""
+    server = SidecarServer(settings)
+    anyio.run(server.serve, backend="asyncio")
+    if server.engine is not None and server.engine.failure is not None:
+        return EXIT_ENGINE_FAILED
     return 0

@@ -34,6 +34,8 @@ class Settings:
     cuda_graph_batch_sizes: str | None = None  # "1,2,4,8"; None = runtime.cuda_graphs' defaults
     cpu_threads: int | None = None  # numpy's BLAS threads; None = OPENBLAS_NUM_THREADS, else every core
     seed: int | None = 0
+    tensor_parallel_size: int = 1  # ranks that split every layer (one process each; one GPU each on GPUs)
+    distributed_executor: str = "mp"  # how ranks start: "mp" (local processes) or "ray" (Ray actors, several hosts)
     # -- server --
     socket: str = DEFAULT_SOCKET  # unix domain socket path; "" turns the socket off
     tcp: str | None = None  # "host:port" or ":port" (host defaults to 127.0.0.1)
@@ -48,6 +50,7 @@ class Settings:
         kwargs = {k: v for k, v in dataclasses.asdict(self).items() if k in names}
         kwargs["log_requests"] = self.log_requests  # False: lifecycle events on, prompts and outputs off
         kwargs["cuda_graph_batch_sizes"] = parse_batch_sizes(self.cuda_graph_batch_sizes)
+        kwargs["distributed_executor_backend"] = self.distributed_executor
         return EngineConfig(**kwargs)
 
     def tcp_address(self) -> str | None:
