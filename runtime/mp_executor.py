@@ -56,11 +56,12 @@ def comm_spec(config: EngineConfig, is_gpu: bool) -> tuple:
     return ("shm", None, DEFAULT_SLOT_BYTES, float(config.collective_timeout_s))
 
 
-def make_comm(spec: tuple, rank: int, world_size: int, create: bool = False, liveness=None) -> Any:
+def make_comm(spec: tuple, rank: int, world_size: int, create: bool = False, liveness=None, wake=None) -> Any:
     if spec[0] == "nccl":
         return NcclCommunicator(spec[1], rank, world_size)
     _, name, slot, timeout = spec
-    return ShmCommunicator(name, rank, world_size, create=create, slot_bytes=slot, timeout_s=timeout, liveness=liveness)
+    return ShmCommunicator(name, rank, world_size, create=create, slot_bytes=slot, timeout_s=timeout,
+                           liveness=liveness, wake=wake)
 
 
 def check_world_size(config: EngineConfig, backend: Any, executor: str) -> None:
@@ -84,7 +85,9 @@ class MultiprocExecutor(Executor):
         # Rank 0 first: it validates the split (ValueError naming the numbers) and fills the GGUF conversion
         # cache once, which the other ranks then read their slices from.
         spec = comm_spec(config, backend.is_gpu)
-        self.comm = make_comm(spec, 0, n, create=True, liveness=self.check_health)
+        ctx = mp.get_context("spawn")  # never fork: the driver may hold threads, gRPC or a CUDA context
+        wake = [ctx.Semaphore(0) for _ in range(n)] if spec[0] == "shm" else None  # see collectives.py
+        self.comm = make_comm(spec, 0, n, create=True, liveness=self.check_health, wake=wake)
         try:
             self.driver_worker = Worker(config, 0, n, self.comm, loaded)
         except BaseException:
@@ -93,10 +96,9 @@ class MultiprocExecutor(Executor):
         if spec[0] == "shm":
             spec = ("shm", self.comm.name, *spec[2:])
         rank_config = dataclasses.replace(config, model=str(self.driver_worker.model_path))
-        ctx = mp.get_context("spawn")  # never fork: the driver may hold threads, gRPC or a CUDA context
         for rank in range(1, n):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_rank_main, args=(child, rank_config, rank, n, spec, os.getpid()),
+            p = ctx.Process(target=_rank_main, args=(child, rank_config, rank, n, spec, wake, os.getpid()),
                             name=f"pagedserve-rank{rank}", daemon=True)
             p.start()
             child.close()
@@ -231,7 +233,7 @@ def _stop_ranks(procs: list[mp.Process], conns: list[Connection], comm: Any) -> 
     comm.close()
 
 
-def _rank_main(conn: Connection, config: EngineConfig, rank: int, world_size: int, spec: tuple,
+def _rank_main(conn: Connection, config: EngineConfig, rank: int, world_size: int, spec: tuple, wake: Any,
                parent_pid: int) -> None:
     """A rank process: load the shard, then run what the driver sends until it says stop or goes away."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -243,7 +245,7 @@ def _rank_main(conn: Connection, config: EngineConfig, rank: int, world_size: in
 
     comm = None
     try:
-        comm = make_comm(spec, rank, world_size, liveness=driver_alive)
+        comm = make_comm(spec, rank, world_size, liveness=driver_alive, wake=wake)
         worker = Worker(config, rank, world_size, comm)
         conn.send(("ok", None))
         while True:

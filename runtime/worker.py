@@ -46,7 +46,8 @@ class ExecuteModelRequest:
 
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1, comm: Any = None,
-                 loaded: LoadedModel | None = None) -> None:
+                 loaded: LoadedModel | None = None, local_device: int | None = None) -> None:
+        """`local_device`: the GPU index this rank uses (default: its rank; Ray actors see only theirs, 0)."""
         self.config = config
         self.rank, self.world_size = rank, world_size
         if config.cpu_threads is not None:
@@ -55,7 +56,8 @@ class Worker:
         if self.backend.is_gpu:  # device "auto" resolved to the GPU
             check_gpu_block_size(config.block_size)
             if world_size > 1:
-                self.backend.xp.cuda.Device(rank).use()  # one GPU per rank (the executor checked the count)
+                # One GPU per rank (the executor checked the count).
+                self.backend.xp.cuda.Device(rank if local_device is None else local_device).use()
         self.shard = shard = TPShard(rank, world_size)
         loaded = loaded or load_model(config.model, use_cache=config.use_weight_cache, shard=shard)
         weights = loaded.weights

@@ -17,8 +17,8 @@ def _inputs(rank: int) -> list[np.ndarray]:
     return [rng.standard_normal(s).astype(np.float32) for s in [(3, 5), (7, 40), (1,), (2, 300)]]
 
 
-def _rank_main(name: str, rank: int, world: int, slot_bytes: int, out: mp.Queue) -> None:
-    comm = ShmCommunicator(name, rank, world, slot_bytes=slot_bytes, timeout_s=30.0)
+def _rank_main(name: str, rank: int, world: int, slot_bytes: int, out: mp.Queue, wake) -> None:
+    comm = ShmCommunicator(name, rank, world, slot_bytes=slot_bytes, timeout_s=30.0, wake=wake)
     results = []
     for _ in range(3):  # repeated ops cycle through both buffer sets
         for x in _inputs(rank):
@@ -28,13 +28,14 @@ def _rank_main(name: str, rank: int, world: int, slot_bytes: int, out: mp.Queue)
     comm.close()
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_all_reduce_and_gather_among_processes_match_numpy(world):
+@pytest.mark.parametrize("world, wake", [(2, True), (3, True), (2, False)])
+def test_all_reduce_and_gather_among_processes_match_numpy(world, wake):
     ctx = mp.get_context("spawn")
     slot_bytes = 64 * 4
-    root = ShmCommunicator(None, 0, world, create=True, slot_bytes=slot_bytes, timeout_s=30.0)
+    sems = [ctx.Semaphore(0) for _ in range(world)] if wake else None  # sleep on semaphores, or poll
+    root = ShmCommunicator(None, 0, world, create=True, slot_bytes=slot_bytes, timeout_s=30.0, wake=sems)
     q = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(root.name, r, world, slot_bytes, q)) for r in range(1, world)]
+    procs = [ctx.Process(target=_rank_main, args=(root.name, r, world, slot_bytes, q, sems)) for r in range(1, world)]
     for p in procs:
         p.start()
     try:
