@@ -19,6 +19,9 @@
 #       3. runs every GPU test (tests/cupy_kernels -m gpu: kernels, tiny and seeded real-shape models,
 #          device metadata, CUDA graphs, sampling, KV sizing, the engine); a GPU test that SKIPS fails;
 #       4. runs bench/gpu_attention.py, bench/gpu_decode.py and bench/gpu_sampler.py;
+#       4b. tensor parallelism over NCCL (tests/cupy_kernels/test_nccl.py, kept out of step 3): a
+#          single-rank NCCL check on any device, TP=2 against TP=1 where there are >= 2 GPUs (with one
+#          GPU that test's skip is expected and recorded in gpu_results.json with its reason);
 #       5. writes gpu_results.json to $OUT if set, else to the repository root.
 #
 # Exit status: 0 all good; 1 a test or benchmark failed, or GPU tests skipped; 2 no usable GPU;
@@ -259,7 +262,7 @@ export PAGEDSERVE_CACHE_DIR="$WORK/cache"  # the kernel cache: compiled once, sh
 if "$PY" -c "import pytest" 2>/dev/null; then
   RUNNER=pytest
   (cd "$ROOT" && timeout 140 "$PY" -m pytest tests/cupy_kernels -m gpu -q -p no:cacheprovider -rs \
-      --junitxml="$WORK/junit.xml") > "$WORK/tests.log" 2>&1
+      --ignore=tests/cupy_kernels/test_nccl.py --junitxml="$WORK/junit.xml") > "$WORK/tests.log" 2>&1
   TESTS_RC=$?
 else
   RUNNER=mini
@@ -282,15 +285,33 @@ log "bench/gpu_decode.py: exit $DECODE_RC"
 SAMPLER_RC=$?
 log "bench/gpu_sampler.py: exit $SAMPLER_RC"
 
+# -- 4b. tensor parallelism (NCCL) ----------------------------------------------------------------------
+NGPU="$("$PY" -c 'import cupy; print(cupy.cuda.runtime.getDeviceCount())' 2>/dev/null || echo 0)"
+if [ "$RUNNER" = pytest ]; then
+  (cd "$ROOT" && timeout 90 "$PY" -m pytest tests/cupy_kernels/test_nccl.py -m gpu -q -rs -p no:cacheprovider) \
+      > "$WORK/tp.log" 2>&1
+else
+  (cd "$ROOT" && timeout 90 "$PY" tests/cupy_kernels/_mini_runner.py tests/cupy_kernels/test_nccl.py) \
+      > "$WORK/tp.log" 2>&1
+fi
+TP_RC=$?
+if [ "$NGPU" -ge 2 ]; then
+  TP_STATUS="ran TP=2 against TP=1 on $NGPU GPUs"
+else
+  TP_STATUS="TP=2 skipped: tensor parallelism needs >= 2 GPUs and this device has $NGPU (single-rank NCCL check only)"
+fi
+tail -n 8 "$WORK/tp.log" >&2
+log "tensor parallelism: $TP_STATUS; exit $TP_RC"
+
 # -- 5. gpu_results.json -------------------------------------------------------------------------------
 mkdir -p "$OUT_DIR"
 "$PY" - "$WORK" "$OUT_DIR/gpu_results.json" "$RUNNER" "$TESTS_RC" "$ATTN_RC" "$DECODE_RC" "$SAMPLER_RC" \
-    "$((SECONDS - START))" <<'EOF'
+    "$((SECONDS - START))" "$TP_RC" "$TP_STATUS" "$NGPU" <<'EOF'
 import json, sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-work, out, runner, tests_rc, attn_rc, decode_rc, sampler_rc, seconds = sys.argv[1:]
+work, out, runner, tests_rc, attn_rc, decode_rc, sampler_rc, seconds, tp_rc, tp_status, ngpu = sys.argv[1:]
 work = Path(work)
 
 def tail(path, n=40):
@@ -339,7 +360,9 @@ def bench(name, rc):
 preflight = json.loads((work / "preflight.json").read_text())
 result = {"device": preflight.get("device"), "preflight": preflight, "seconds": int(seconds), "tests": tests,
           "kernel_errors": errors, "attention": bench("attention", attn_rc), "decode": bench("decode", decode_rc),
-          "sampler": bench("sampler", sampler_rc)}
+          "sampler": bench("sampler", sampler_rc),
+          "tensor_parallel": {"gpus": int(ngpu), "status": tp_status, "exit_code": int(tp_rc),
+                              "log_tail": tail("tp.log", 12)}}
 Path(out).write_text(json.dumps(result, indent=2) + "\n")
 att = result["attention"].get("headline_pct_of_peak_bandwidth")
 print(f"gpu_check: wrote {out}; attention headline {att}% of peak bandwidth", file=sys.stderr)
@@ -352,7 +375,7 @@ if [ "$SKIP_RC" -eq 10 ]; then
 fi
 log "done in $((SECONDS - START)) s"
 if [ "$TESTS_RC" -ne 0 ] || [ "$ATTN_RC" -ne 0 ] || [ "$DECODE_RC" -ne 0 ] || [ "$SAMPLER_RC" -ne 0 ] \
-   || [ "$SKIP_RC" -ne 0 ]; then
+   || [ "$SKIP_RC" -ne 0 ] || [ "$TP_RC" -ne 0 ]; then
   exit 1
 fi
 exit 0
