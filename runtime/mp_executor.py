@@ -244,9 +244,14 @@ def _rank_main(conn: Connection, config: EngineConfig, rank: int, world_size: in
             raise CollectiveError(f"rank {rank}: the driver process {parent_pid} is gone")
 
     comm = None
+    local_device = None
+    if spec[0] == "nccl":  # before CuPy loads: this process sees only its own GPU, as device 0
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[rank] if visible else str(rank)
+        local_device = 0
     try:
         comm = make_comm(spec, rank, world_size, liveness=driver_alive, wake=wake)
-        worker = Worker(config, rank, world_size, comm)
+        worker = Worker(config, rank, world_size, comm, local_device=local_device)
         conn.send(("ok", None))
         while True:
             try:

@@ -36,6 +36,7 @@ class Settings:
     seed: int | None = 0
     tensor_parallel_size: int = 1  # ranks that split every layer (one process each; one GPU each on GPUs)
     distributed_executor: str = "mp"  # how ranks start: "mp" (local processes) or "ray" (Ray actors, several hosts)
+    collective_timeout_s: float = 60.0  # longest wait on another rank before the step fails
     # -- server --
     socket: str = DEFAULT_SOCKET  # unix domain socket path; "" turns the socket off
     tcp: str | None = None  # "host:port" or ":port" (host defaults to 127.0.0.1)

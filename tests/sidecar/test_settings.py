@@ -22,7 +22,18 @@ def test_every_engine_knob_a_server_needs_is_a_setting():
     # Left to the offline API: tests force pool sizes with num_kv_blocks; the server always uses the
     # weight cache; log_requests is a setting but with the server's own meaning (False = events, no text).
     offline_only = {"num_kv_blocks", "use_weight_cache"}
-    assert engine - offline_only <= {f.name for f in dataclasses.fields(Settings)}
+    renamed = {"distributed_executor_backend": "distributed_executor"}  # the flag is --distributed-executor
+    assert {renamed.get(n, n) for n in engine - offline_only} <= {f.name for f in dataclasses.fields(Settings)}
+
+
+def test_tensor_parallel_settings_from_flags_and_environment():
+    config = parse("--tensor-parallel-size", "2", "--distributed-executor", "ray").engine_config()
+    assert config.tensor_parallel_size == 2 and config.distributed_executor_backend == "ray"
+    config = parse(env={"PAGEDSERVE_TENSOR_PARALLEL_SIZE": "3", "PAGEDSERVE_COLLECTIVE_TIMEOUT_S": "5"}).engine_config()
+    assert config.tensor_parallel_size == 3 and config.collective_timeout_s == 5.0
+    assert parse().engine_config().distributed_executor_backend == "mp"
+    with pytest.raises(ValueError, match="distributed_executor_backend must be 'mp' or 'ray'"):
+        parse("--distributed-executor", "slurm")
 
 
 def test_engine_switches_from_flags_and_environment():
