@@ -150,8 +150,12 @@ class MultiprocExecutor(Executor):
             self._broadcast(method, *args)
             mine = getattr(self.driver_worker, method)(*args)
             return [mine, *self._collect(method, timeout_s)]
-        except (CollectiveError, WorkerFailedError, OSError) as e:
-            raise self._fail(e) from e
+        except BaseException as e:
+            # Any error mid-call leaves the ranks' collectives out of step: the group is finished.
+            failure = self._fail(e)
+            if isinstance(e, (CollectiveError, WorkerFailedError, OSError)):
+                raise failure from e
+            raise
 
     def determine_num_kv_blocks(self, max_model_len: int) -> int:
         return min(self._call("determine_num_kv_blocks", max_model_len, timeout_s=_INIT_TIMEOUT_S))
@@ -165,8 +169,12 @@ class MultiprocExecutor(Executor):
         try:
             self._broadcast("execute_model", request)
             return self.driver_worker.execute_model(request)
-        except (CollectiveError, WorkerFailedError, OSError) as e:
-            raise self._fail(e) from e
+        except BaseException as e:
+            # Any error mid-call leaves the ranks' collectives out of step: the group is finished.
+            failure = self._fail(e)
+            if isinstance(e, (CollectiveError, WorkerFailedError, OSError)):
+                raise failure from e
+            raise
 
     # -- faults ------------------------------------------------------------------------------------
 

@@ -183,3 +183,18 @@ def test_throughput_breakdown() -> None:
     total = parts["seconds_matmuls"] + parts["seconds_attention"] + parts["seconds_rest_of_forward"]
     assert total + parts["seconds_outside_forward"] == pytest.approx(r["seconds"], abs=0.05)
     assert parts["output_tokens_per_s_if_matmuls_were_all"] >= r["output_tokens_per_s"]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_bench_on_the_tiny_model() -> None:
+    cmd = [sys.executable, str(BENCH / "tensor_parallel.py"), "--model", TINY, "--requests", "2",
+           "--prompt-len", "8", "--output-len", "3", "--allreduce-iters", "40"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert lines[0]["bench"] == "machine" and lines[0]["sgemm_gflops"] > 0
+    runs = [r for r in lines if r["bench"] == "tensor_parallel"]
+    assert [(r["tensor_parallel_size"], r["blas_threads_per_rank"]) for r in runs] == [(1, 1), (1, 2), (2, 1)]
+    assert all(r["output_tokens_per_s"] > 0 and r["single_stream_ms_per_output_token"] > 0 for r in runs)
+    (ar,) = [r for r in lines if r["bench"] == "allreduce_shm"]
+    assert ar["hidden"] == 128 and set(ar["us_per_call"]) == {"rows_1", "rows_64"}

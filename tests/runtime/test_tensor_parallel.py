@@ -98,6 +98,11 @@ def test_a_split_that_does_not_divide_the_heads_is_refused_at_start(data_dir, mo
         _engine(data_dir / model, tp)
 
 
+def test_tp2_on_the_embedded_smollm2_is_refused_naming_its_9_heads(smollm2_path):
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 must divide the model's 9 attention heads"):
+        _engine(smollm2_path, 2)
+
+
 def test_more_gpu_ranks_than_local_gpus_is_refused_without_ray():
     class Runtime:
         @staticmethod
