@@ -175,6 +175,17 @@ def test_tp2_under_a_local_ray_cluster_gives_the_tp1_tokens(data_dir):
         try:
             assert type(many.executor).__name__ == "RayExecutor"
             assert _generate(many) == _generate(_engine(data_dir / "tiny-llama", 1))
+            # A rank actor that dies mid-generation fails the next step, promptly and for good.
+            many.add_request("long", "hello", SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+            many.step()
+            ray.kill(many.executor.actors[0])
+            t0 = time.monotonic()
+            with pytest.raises(WorkerFailedError, match="rank"):
+                for _ in range(3):  # the kill lands asynchronously: within a step or two
+                    many.step()
+            assert time.monotonic() - t0 < 30
+            with pytest.raises(WorkerFailedError, match="failed earlier"):
+                many.step()
         finally:
             many.shutdown()
     finally:
