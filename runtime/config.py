@@ -27,7 +27,8 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] | None = None  # None = cuda_graphs.default_batch_sizes
     seed: int | None = 0
     # Threads of numpy's BLAS (OpenBLAS) for the whole process; None = as started (OPENBLAS_NUM_THREADS,
-    # else every core). On a host shared with busy processes, fewer threads are faster.
+    # else every core; with tensor_parallel_size N, cores / N per rank). On a host shared with busy
+    # processes, fewer threads are faster.
     cpu_threads: int | None = None
     use_weight_cache: bool = True
     # Tensor parallelism (runtime/executor.py): ranks that each hold 1/N of every layer's heads and MLP.

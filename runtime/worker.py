@@ -15,6 +15,7 @@ ranks stay in step; a single-rank engine runs the very same Worker in-process.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,9 @@ class Worker:
         self.rank, self.world_size = rank, world_size
         if config.cpu_threads is not None:
             set_blas_threads(config.cpu_threads)
+        elif world_size > 1 and not os.environ.get("OPENBLAS_NUM_THREADS"):
+            # N ranks on one host: split the cores rather than let every rank's OpenBLAS take them all.
+            set_blas_threads(max(1, (os.cpu_count() or 1) // world_size))
         self.backend = get_backend(config.device)
         if self.backend.is_gpu:  # device "auto" resolved to the GPU
             check_gpu_block_size(config.block_size)
