@@ -190,8 +190,9 @@ def profile_kv_cache(model: Any, config: EngineConfig, max_model_len: int, block
     try:
         batch = build_forward_batch(chunks, block_size)
         logits = model.forward(batch, kv)
-        params = [_profile_sampling_params()] * len(chunks)
-        Sampler(0)(logits, params, [None] * len(chunks), [[]] * len(chunks), [[]] * len(chunks), xp=cp)
+        if logits is not None:  # tensor parallelism: only rank 0 gets logits (and samples)
+            params = [_profile_sampling_params()] * len(chunks)
+            Sampler(0)(logits, params, [None] * len(chunks), [[]] * len(chunks), [[]] * len(chunks), xp=cp)
         del logits
         i64, i32, layout = decode_profile_batch(decode_seqs, max_model_len, block_size)
         model.forward(unpack_batch(cp.asarray(i64), cp.asarray(i32), layout), kv)

@@ -15,6 +15,7 @@ ranks stay in step; a single-rank engine runs the very same Worker in-process.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,10 @@ class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1, comm: Any = None,
                  loaded: LoadedModel | None = None, local_device: int | None = None) -> None:
         """`local_device`: the GPU index this rank uses (default: its rank; Ray actors see only theirs, 0)."""
+        if world_size > 1 and config.enable_cuda_graphs:
+            # Collectives inside captured graphs are not supported here: tensor-parallel ranks run eagerly
+            # (and the GPU KV sizing then reserves no graph memory).
+            config = dataclasses.replace(config, enable_cuda_graphs=False)
         self.config = config
         self.rank, self.world_size = rank, world_size
         if config.cpu_threads is not None:
@@ -103,8 +108,7 @@ class Worker:
         """Allocate the KV pool; on a single GPU, capture the decode graphs against it (None: eager)."""
         self.kv_caches = allocate_kv_caches(self.model_config, num_blocks, self.config.block_size, self.backend,
                                             self.shard)
-        if self.world_size == 1:  # collectives inside a captured graph are not supported here: TP runs eagerly
-            self.graphs = build_decode_graphs(self.config, self.model, self.kv_caches, max_model_len)
+        self.graphs = build_decode_graphs(self.config, self.model, self.kv_caches, max_model_len)
 
     def execute_model(self, request: ExecuteModelRequest) -> Any:
         """Block copies, then one forward; float32 logits of the batch's logits rows on rank 0, None elsewhere."""
