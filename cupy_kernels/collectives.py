@@ -221,9 +221,12 @@ def _attach(name: str) -> shared_memory.SharedMemory:
 class NcclCommunicator:
     """CUDA ranks through NCCL (cupy.cuda.nccl); one process and one GPU per rank.
 
-    Rank 0 makes the id with `nccl_unique_id()` and the executor hands it to every rank. NCCL's own
-    waits are not bounded, so a dead peer is caught by the executor's liveness checks and turned into
-    `abort()`, which aborts the communicator (ncclCommAbort) and so frees a rank blocked inside NCCL.
+    Rank 0 makes the id with `nccl_unique_id()` and the executor hands it to every rank. Joining the
+    group (ncclCommInitRank) blocks until every rank joins, so it happens at the first collective, which
+    all ranks reach together (the first step or the KV-sizing profile), on the device the rank uses by
+    then. NCCL's own waits are not bounded, so a dead peer is caught by the executor's liveness checks and
+    turned into `abort()`, which aborts the communicator (ncclCommAbort) and so frees a rank blocked inside
+    NCCL.
     """
 
     def __init__(self, unique_id: tuple, rank: int, world_size: int) -> None:
@@ -231,7 +234,14 @@ class NcclCommunicator:
 
         self._nccl = nccl
         self.rank, self.world_size = rank, world_size
-        self.comm = nccl.NcclCommunicator(world_size, unique_id, rank)
+        self._unique_id = unique_id
+        self._comm = None
+
+    @property
+    def comm(self) -> Any:
+        if self._comm is None:
+            self._comm = self._nccl.NcclCommunicator(self.world_size, self._unique_id, self.rank)
+        return self._comm
 
     def _dtype(self, x: Any) -> int:
         nccl = self._nccl
@@ -263,13 +273,15 @@ class NcclCommunicator:
 
     def abort(self) -> None:
         try:
-            self.comm.abort()
+            if self._comm is not None:
+                self._comm.abort()
         except Exception:  # noqa: BLE001 - already aborted or destroyed
             pass
 
     def close(self) -> None:
         try:
-            self.comm.destroy()
+            if self._comm is not None:
+                self._comm.destroy()
         except Exception:  # noqa: BLE001
             pass
 
