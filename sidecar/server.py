@@ -113,7 +113,8 @@ class SidecarServer:
         self.model_name = engine.model_name
         self.engine = AsyncEngine(engine, self.settings.max_waiting_requests)
         log.info("server.model_loaded", model=engine.model_name, seconds=round(time.monotonic() - t0, 2),
-                 num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size, backend=engine.backend.name)
+                 num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size, backend=engine.backend.name,
+                 tensor_parallel_size=engine.executor.world_size)
 
     @staticmethod
     def _warm_up(engine: LLMEngine) -> None:

@@ -135,6 +135,23 @@ def test_each_rank_reads_only_its_slices(data_dir):
     assert part_bytes < 0.6 * full_bytes  # norms and the replicated KV head are all that is not halved
 
 
+def test_a_rank_reads_its_slices_of_the_gguf_conversion_cache(smollm2_path, smollm2_loaded):
+    # The embedded GGUF's conversion cache is float32 safetensors: rank 2 of 3 memory-maps it and copies
+    # out only its slices (heads 6-8, KV head 2, MLP columns 1024-1535, vocabulary rows 32768-49151).
+    part = load_model(smollm2_path, shard=TPShard(2, 3))
+    full, cfg = smollm2_loaded.weights, smollm2_loaded.config
+    assert part.from_cache and part.shard == TPShard(2, 3)
+    hd = cfg.head_dim
+    for name, index in [("model.layers.5.self_attn.q_proj.weight", np.s_[6 * hd : 9 * hd]),
+                        ("model.layers.5.self_attn.k_proj.weight", np.s_[2 * hd : 3 * hd]),
+                        ("model.layers.5.self_attn.o_proj.weight", np.s_[:, 6 * hd : 9 * hd]),
+                        ("model.layers.5.mlp.up_proj.weight", np.s_[1024:1536]),
+                        ("model.layers.5.mlp.down_proj.weight", np.s_[:, 1024:1536]),
+                        ("model.embed_tokens.weight", np.s_[32768:49152]),
+                        ("model.norm.weight", np.s_[:])]:
+        np.testing.assert_array_equal(part.weights[name], full[name][index], err_msg=name)
+
+
 def test_a_rank_killed_mid_generation_fails_the_step_at_once_and_for_good(data_dir):
     engine = _engine(data_dir / "tiny-llama", 2)
     try:
