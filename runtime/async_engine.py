@@ -25,6 +25,7 @@ import structlog
 
 from .engine import LLMEngine
 from .executor import WorkerFailedError
+from .kv_connector import KVExport
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -98,7 +99,7 @@ class AsyncEngine:
     # -- requests ---------------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, kv_export: KVExport | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step. Leaving early (cancel, break) aborts it."""
         if not self.accepting or self._stop:
             raise EngineStoppedError("server is shutting down and accepts no new requests")
@@ -110,6 +111,7 @@ class AsyncEngine:
             raise QueueFullError(f"{self.num_waiting} requests are already waiting "
                                  f"(max_waiting_requests={self.max_waiting_requests}); retry later")
         request = self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt)
+        request.seqs[0].kv_export = kv_export  # a prefill instance's request: its blocks are sent on
         send, receive = anyio.create_memory_object_stream[object](math.inf)
         self._streams[request_id] = send
         self._submit("add", request)
@@ -169,6 +171,8 @@ class AsyncEngine:
                     self._abort_all_after_failure(e)
                     continue
                 self._post(outputs)
+                for rid, error in self.engine.take_failed_requests():  # remote prefill failed, no fallback
+                    self._loop.call_soon_threadsafe(self._fail, rid, error)
             else:
                 self._snapshot_stats(force=True)
                 self._wake.wait(timeout=0.5)
@@ -232,4 +236,15 @@ class AsyncEngine:
                  kv_blocks_total=s.num_kv_blocks_total, kv_block_usage=round(s.kv_block_usage, 4),
                  kv_token_slot_utilization=round(s.kv_token_slot_utilization, 4),
                  output_tokens_per_s=round(s.output_tokens_per_s, 1),
-                 total_tokens_per_s=round(s.total_tokens_per_s, 1), preemptions=s.num_preemptions)
+                 total_tokens_per_s=round(s.total_tokens_per_s, 1), preemptions=s.num_preemptions,
+                 **_kv_fields(s.kv_transfer))
+
+
+def _kv_fields(k) -> dict:
+    """Disaggregated serving counters, only once there is something to say."""
+    if k is None or not (k.kv_blocks_sent or k.kv_blocks_received or k.local_prefill_fallbacks):
+        return {}
+    return {"kv_blocks_sent": k.kv_blocks_sent, "kv_blocks_received": k.kv_blocks_received,
+            "remote_prefills": k.remote_prefills, "local_prefill_fallbacks": k.local_prefill_fallbacks,
+            "kv_bytes_sent": k.kv_bytes_sent, "kv_bytes_received": k.kv_bytes_received,
+            "kv_transfer_s": round(k.kv_transfer_s, 4)}

@@ -7,6 +7,7 @@ import time
 from collections import deque
 from typing import Iterable, Sequence
 
+import numpy as np
 import structlog
 
 from pagedserve.cupy_kernels.blas_threads import blas_threads
@@ -18,9 +19,11 @@ from .detokenizer import IncrementalDetokenizer
 from .executor import make_executor
 from .kv_cache_manager import KVCacheManager
 from .beam_search import BeamSearchParams, Proposal, select
+from .kv_connector import KVBlockIO, KVConnector, KVTransferSpec, KVTransferStats, model_fingerprint
 from .model_runner import ModelRunner, SampledToken, StepResult
 from .outputs import CompletionOutput, EngineStats, RequestOutput
 from .request import Request, RequestStatus
+from .remote_prefill import RemotePrefill, export_blocks
 from .request_events import RequestEvents
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -67,6 +70,13 @@ class LLMEngine:
         self.events = RequestEvents(config.log_requests)
         self._throughput: deque[tuple[float, int, int]] = deque()  # (time, output tokens, all tokens)
         self.num_preemptions = 0
+        # Disaggregated serving (kv_connector.py): blocks in and out of the pool in the wire layout. Under
+        # tensor parallelism each rank holds a slice of the heads, so whole blocks are not in one place: off.
+        worker = self.executor.driver_worker
+        self.block_io = KVBlockIO(worker.kv_caches, self.backend) if self.executor.world_size == 1 else None
+        self.kv_stats = KVTransferStats()
+        self.remote_prefill: RemotePrefill | None = None  # set on a decode instance
+        self.failed_requests: list[tuple[str, Exception]] = []  # taken by the caller after each step
         log.info("engine.kv_pool", num_blocks=num_blocks, block_size=self.block_size,
                  num_token_slots=num_blocks * self.block_size, backend=self.backend.name,
                  model=self.model_name, blas_threads=blas_threads(),
@@ -156,7 +166,8 @@ class LLMEngine:
         if group.request_id in self.groups:
             raise ValueError(f"request_id {group.request_id!r} is already in use")
         self.groups[group.request_id] = group
-        self.scheduler.add_request(group.seqs[0])
+        if self.remote_prefill is None or not self.remote_prefill.try_start(group.seqs[0]):
+            self.scheduler.add_request(group.seqs[0])
         self.events.queued(group.seqs[0])
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -167,6 +178,8 @@ class LLMEngine:
                 continue
             group.aborted = True
             for seq in group.live:
+                if self.remote_prefill is not None:
+                    self.remote_prefill.abort(seq.request_id)
                 self.scheduler.finish_request(seq, RequestStatus.FINISHED_ABORTED)
             self.events.ended("request.aborted", group.first, rid)
 
@@ -176,10 +189,14 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.remote_prefill is not None:
+            self._land_remote_kv()
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         self.events.scheduled(sched)
         if sched.is_empty:
+            if self.scheduler.waiting_for_kv:  # only transfers in flight: wait for one, do not spin
+                self.remote_prefill.connector.wait(0.02)
             return []
         forks = self._plan_forks(sched)
         results = self.runner.execute(sched, forks)
@@ -204,6 +221,8 @@ class LLMEngine:
             r = s.request
             r.num_computed_tokens += s.num_new_tokens
             self.kv_manager.cache_full_blocks(r.request_id, r.all_token_ids, r.num_computed_tokens, r.cache_salt)
+            if r.kv_export is not None and r.num_computed_tokens >= r.num_prompt_tokens:
+                export_blocks(r, self.kv_manager, self.block_io, self.kv_stats)  # before it finishes
             if result is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
             group = r.group
@@ -328,6 +347,32 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    # -- disaggregated prefill -------------------------------------------------------------------
+
+    def enable_remote_prefill(self, connector: KVConnector, fallback: str = "local") -> None:
+        """Decode role: prompts' full blocks come from a prefill instance through `connector`."""
+        if self.block_io is None:
+            raise ValueError("disaggregated prefill/decode needs tensor_parallel_size 1")
+        self.remote_prefill = RemotePrefill(connector, self.kv_manager, self.scheduler, self.block_io,
+                                            self.kv_stats, fallback)
+
+    def _land_remote_kv(self) -> None:
+        for rid, error in self.remote_prefill.poll():
+            self.abort_request(rid)
+            self.failed_requests.append((rid, error))
+
+    def take_failed_requests(self) -> list[tuple[str, Exception]]:
+        failed, self.failed_requests = self.failed_requests, []
+        return failed
+
+    def kv_transfer_spec(self, role: str, host_id: str = "") -> KVTransferSpec:
+        """What a handshake tells the other instance about this one."""
+        c = self.model_config
+        embed = self.backend.to_numpy(self.model.embed_tokens[:4])
+        return KVTransferSpec(role, self.model_name, model_fingerprint(self.model_name, c, embed), self.block_size,
+                              str(np.dtype(self.backend.dtype)), c.num_hidden_layers, c.num_key_value_heads,
+                              c.head_dim, self.max_model_len, host_id)
+
     # -- observability ---------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
@@ -353,4 +398,5 @@ class LLMEngine:
             prefix_cache_hit_rate=sched.num_cached_prompt_tokens / sched.num_prompt_tokens if sched.num_prompt_tokens else 0.0,
             prefix_cache_request_hit_rate=sched.num_admitted_with_hit / sched.num_admitted if sched.num_admitted else 0.0,
             num_shared_blocks=usage.num_shared_blocks, num_exclusive_blocks=usage.num_exclusive_blocks,
-            kv_bytes_used=usage.num_used_blocks * per_block, kv_bytes_without_sharing=table_blocks * per_block)
+            kv_bytes_used=usage.num_used_blocks * per_block, kv_bytes_without_sharing=table_blocks * per_block,
+            kv_transfer=self.kv_stats.snapshot())

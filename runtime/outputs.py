@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -67,6 +68,7 @@ class EngineStats:
     num_exclusive_blocks: int = 0  # referenced by exactly one sequence
     kv_bytes_used: int = 0  # bytes of the blocks in use
     kv_bytes_without_sharing: int = 0  # what the live block tables would take if nothing were shared
+    kv_transfer: Any = None  # runtime.kv_connector.KVTransferStats (disaggregated prefill/decode)
 
     @property
     def kv_block_usage(self) -> float:

@@ -17,6 +17,7 @@ from .sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # its prompt's blocks are coming from a prefill instance
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
@@ -59,6 +60,7 @@ class Request:
     timings: RequestTimings | None = None
     sample_index: int = 0  # which of the group's samples this sequence is
     group: Any = None  # the runtime.sequence_group.SequenceGroup it belongs to
+    kv_export: Any = None  # runtime.kv_connector.KVExport: a prefill instance sends its blocks on
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

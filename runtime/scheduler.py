@@ -54,6 +54,9 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Requests whose prompt blocks are being computed by a prefill instance (disaggregated
+        # serving): they hold their destination blocks but are not scheduled until the KV arrives.
+        self.waiting_for_kv: dict[str, Request] = {}
         # Prefix cache hit counters (first admissions only).
         self.num_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0
@@ -69,6 +72,8 @@ class Scheduler:
         request.timings.finished = time.monotonic()
         if request in self.running:
             self.running.remove(request)
+        elif self.waiting_for_kv.pop(request.request_id, None) is not None:
+            pass
         else:
             try:
                 self.waiting.remove(request)
@@ -81,9 +86,26 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
+    def add_waiting_for_kv(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_kv[request.request_id] = request
+
+    def kv_arrived(self, request: Request) -> None:
+        """Its blocks are in place and num_computed_tokens counts them: schedule the rest like a running prefill."""
+        del self.waiting_for_kv[request.request_id]
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def kv_failed(self, request: Request) -> None:
+        """The transfer failed and its blocks are freed: prefill it here, ahead of newer arrivals."""
+        del self.waiting_for_kv[request.request_id]
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> list[Request]:
         """Preempt `request` and, for a beam, its running sibling beams: beams move together, because a

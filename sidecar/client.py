@@ -157,6 +157,14 @@ class ServerStats:
     total_tokens_per_s: float
     num_preemptions: int
     uptime_s: float
+    # Disaggregated prefill/decode counters (0 on a colocated instance that nobody uses as a target).
+    kv_blocks_sent: int = 0
+    kv_blocks_received: int = 0
+    remote_prefills: int = 0
+    local_prefill_fallbacks: int = 0
+    kv_bytes_sent: int = 0
+    kv_bytes_received: int = 0
+    kv_transfer_s: float = 0.0
 
 
 _D = TypeVar("_D")

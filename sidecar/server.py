@@ -28,12 +28,16 @@ from pagedserve.runtime.sampling_params import SamplingParams
 from .pb import generation_pb2 as pb
 from .pb import generation_pb2_grpc as pb_grpc
 from .sd_notify import SystemdNotifier, watchdog_loop
+from .kv_transfer_servicer import KVTransferServicer
+from .pb import kv_transfer_pb2 as kv_pb
+from .pb import kv_transfer_pb2_grpc as kv_pb_grpc
 from .servicer import GenerationServicer
 from .settings import Settings
 
 log = structlog.get_logger("pagedserve.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+KV_SERVICE_NAME = kv_pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 SOCKET_MODE = 0o660
 MAX_MESSAGE_BYTES = 64 << 20
 
@@ -71,6 +75,8 @@ class SidecarServer:
         self.health = health_aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.addresses: list[str] = []
+        self.kv_spec = None  # runtime.kv_connector.KVTransferSpec once loaded (the handshake's answer)
+        self.kv_connector = None  # decode role: the GrpcKVConnector to the prefill instance
 
     async def _set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -84,9 +90,11 @@ class SidecarServer:
                                           ("grpc.so_reuseport", 0)])
         servicer = GenerationServicer(lambda: self.engine, lambda: self.model_name, s.max_prompt_chars)
         pb_grpc.add_GenerationServicer_to_server(servicer, server)
+        kv_pb_grpc.add_KVTransferServicer_to_server(
+            KVTransferServicer(lambda: self.engine, lambda: self.kv_spec, s.kv_test_fault), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            [SERVICE_NAME, KV_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             server)
         await self._set_health(False)
         if s.socket:
@@ -111,10 +119,24 @@ class SidecarServer:
         engine = await anyio.to_thread.run_sync(LLMEngine, config)
         await anyio.to_thread.run_sync(self._warm_up, engine)
         self.model_name = engine.model_name
+        await anyio.to_thread.run_sync(self._setup_disaggregation, engine)
         self.engine = AsyncEngine(engine, self.settings.max_waiting_requests)
         log.info("server.model_loaded", model=engine.model_name, seconds=round(time.monotonic() - t0, 2),
                  num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size, backend=engine.backend.name,
                  tensor_parallel_size=engine.executor.world_size)
+
+    def _setup_disaggregation(self, engine: LLMEngine) -> None:
+        """Every role answers handshakes; a decode instance connects to its prefill target (may raise)."""
+        from pagedserve.runtime.kv_shm import host_id
+
+        s = self.settings
+        spec = engine.kv_transfer_spec(s.role, host_id())
+        if s.role == "decode":
+            from .kv_transfer_client import connect_decode
+
+            self.kv_connector = connect_decode(s, spec)
+            engine.enable_remote_prefill(self.kv_connector, s.prefill_fallback)
+        self.kv_spec = spec
 
     @staticmethod
     def _warm_up(engine: LLMEngine) -> None:
@@ -176,6 +198,8 @@ class SidecarServer:
         await self.server.stop(grace=2.0)
         self.engine.stop()
         self.engine.engine.shutdown()  # tensor-parallel rank processes
+        if self.kv_connector is not None:
+            self.kv_connector.close()
         if self.settings.socket:
             Path(self.settings.socket).unlink(missing_ok=True)
         log.info("server.stopped", finished=in_flight - aborted, aborted=aborted)

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import grpc
 
 from pagedserve.runtime.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
+from pagedserve.runtime.kv_connector import KVTransferError
 from pagedserve.runtime.outputs import RequestOutput
 from pagedserve.runtime.sampling_params import SamplingParams
 
@@ -95,7 +96,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFullError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except EngineStoppedError as e:
+        except (EngineStoppedError, KVTransferError) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except RuntimeError as e:  # the engine step failed: a bug, reported as such
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
@@ -171,8 +172,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                               kv_blocks_total=s.num_kv_blocks_total, kv_utilization=s.kv_token_slot_utilization,
                               prefix_cache_hit_rate=s.prefix_cache_hit_rate, output_tokens_per_s=s.output_tokens_per_s,
                               total_tokens_per_s=s.total_tokens_per_s, num_preemptions=s.num_preemptions,
-                              uptime_s=time.monotonic() - engine.started_at)
+                              uptime_s=time.monotonic() - engine.started_at, **kv_stats_fields(s.kv_transfer))
 
     async def Abort(self, request: pb.AbortRequest, context):
         engine = await self._engine(context)
         return pb.AbortResponse(found=engine.abort(request.request_id))
+
+
+def kv_stats_fields(k) -> dict:
+    if k is None:
+        return {}
+    return dict(kv_blocks_sent=k.kv_blocks_sent, kv_blocks_received=k.kv_blocks_received,
+                remote_prefills=k.remote_prefills, local_prefill_fallbacks=k.local_prefill_fallbacks,
+                kv_bytes_sent=k.kv_bytes_sent, kv_bytes_received=k.kv_bytes_received, kv_transfer_s=k.kv_transfer_s)

@@ -45,6 +45,13 @@ class Settings:
     max_prompt_chars: int = 1_000_000  # per text prompt or chat message
     log_level: str = "info"
     log_requests: bool = False  # put prompts and outputs in the logs
+    # -- disaggregated prefill and decode (docs/disaggregation.md) --
+    role: str = "both"  # both | prefill | decode
+    prefill_target: str | None = None  # decode: the prefill instance, "unix:PATH" or "HOST:PORT"
+    prefill_fallback: str = "local"  # decode, when the target is down or late: local | fail
+    prefill_timeout: float = 60.0  # decode: seconds a remote prefill (compute + transfer) may take
+    kv_transport: str = "auto"  # decode: auto (shared memory on one host, else gRPC) | shm | grpc
+    kv_test_fault: str | None = None  # prefill, testing only: corrupt | cut | delay:SECONDS
 
     def engine_config(self) -> EngineConfig:
         names = {f.name for f in fields(EngineConfig)}
@@ -71,6 +78,48 @@ class Settings:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if not self.socket and not self.tcp:
             raise ValueError("nothing to listen on: set a unix socket path or a tcp address")
+        self._validate_disaggregation()
+
+    def _validate_disaggregation(self) -> None:
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
+        if self.role == "decode" and not self.prefill_target:
+            raise ValueError("role decode needs --prefill-target (PAGEDSERVE_PREFILL_TARGET): the prefill "
+                             "instance's address, unix:PATH or HOST:PORT")
+        if self.prefill_target:
+            if self.role != "decode":
+                raise ValueError(f"prefill_target is only for role decode (this instance's role is {self.role})")
+            prefill_target_address(self.prefill_target)
+        if self.prefill_fallback not in ("local", "fail"):
+            raise ValueError(f"prefill_fallback must be local or fail, got {self.prefill_fallback!r}")
+        if self.prefill_timeout <= 0:
+            raise ValueError(f"prefill_timeout must be > 0 seconds, got {self.prefill_timeout}")
+        if self.kv_transport not in ("auto", "shm", "grpc"):
+            raise ValueError(f"kv_transport must be auto, shm or grpc, got {self.kv_transport!r}")
+        if self.kv_test_fault is not None:
+            kind, _, arg = self.kv_test_fault.partition(":")
+            if kind not in ("corrupt", "cut", "delay") or (kind == "delay" and not _is_float(arg)):
+                raise ValueError(f"kv_test_fault must be corrupt, cut or delay:SECONDS, got {self.kv_test_fault!r}")
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def prefill_target_address(target: str) -> str:
+    """'unix:/run/p.sock' or 'host:port' -> a gRPC target; ValueError for anything else."""
+    if target.startswith("unix:"):
+        if len(target) <= len("unix:"):
+            raise ValueError(f"prefill_target {target!r}: the unix socket path is missing")
+        return target
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"prefill_target must be unix:PATH or HOST:PORT, got {target!r}")
+    return target
 
 
 def parse_batch_sizes(text: str | None) -> tuple[int, ...] | None:

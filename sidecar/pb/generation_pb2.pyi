@@ -207,7 +207,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "kv_utilization", "prefix_cache_hit_rate", "output_tokens_per_s", "total_tokens_per_s", "num_preemptions", "uptime_s")
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "kv_utilization", "prefix_cache_hit_rate", "output_tokens_per_s", "total_tokens_per_s", "num_preemptions", "uptime_s", "kv_blocks_sent", "kv_blocks_received", "remote_prefills", "local_prefill_fallbacks", "kv_bytes_sent", "kv_bytes_received", "kv_transfer_s")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +218,13 @@ class ServerStats(_message.Message):
     TOTAL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_blocks_used: int
@@ -228,7 +235,14 @@ class ServerStats(_message.Message):
     total_tokens_per_s: float
     num_preemptions: int
     uptime_s: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., output_tokens_per_s: _Optional[float] = ..., total_tokens_per_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    kv_blocks_sent: int
+    kv_blocks_received: int
+    remote_prefills: int
+    local_prefill_fallbacks: int
+    kv_bytes_sent: int
+    kv_bytes_received: int
+    kv_transfer_s: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., output_tokens_per_s: _Optional[float] = ..., total_tokens_per_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., kv_blocks_sent: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., local_prefill_fallbacks: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -1,0 +1,181 @@
+"""Disaggregated prefill inside one process: two engines, a connector that runs the prefill engine inline.
+
+The sidecar tests run real processes and transports; these pin the engine's side of the contract:
+outputs equal a colocated engine's, only missing blocks move, faults free every block and fall back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedserve.models.loader import load_model
+from pagedserve.runtime.config import EngineConfig
+from pagedserve.runtime.engine import LLMEngine
+from pagedserve.runtime.kv_connector import (KVConnector, KVExport, KVHandshakeError, KVLoadResult, KVTransferError,
+                                             check_compatible, chunk_checksums)
+from pagedserve.runtime.request import RequestStatus
+from pagedserve.runtime.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny(data_dir):
+    return load_model(data_dir / "tiny-llama")
+
+
+def make_engine(tiny, **kw):
+    cfg = dict(device="cpu", max_num_batched_tokens=64, num_kv_blocks=256, seed=0, block_size=8)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg), loaded=tiny)
+
+
+class InlineConnector(KVConnector):
+    """Runs the prefill engine to completion inside start_load; delivers what it exported."""
+
+    transport_name = "inline"
+
+    def __init__(self, prefill: LLMEngine, fault: str | None = None) -> None:
+        super().__init__()
+        self.prefill = prefill
+        self.fault = fault
+        self.specs = []
+
+    def start_load(self, spec) -> None:
+        self.specs.append(spec)
+        if self.fault == "down":
+            self._deliver(KVLoadResult(spec.request_id, error="UNAVAILABLE: connection refused"))
+            return
+        shape = (len(spec.dst_block_ids), *self.prefill.kv_transfer_spec("prefill").block_shape)
+
+        def sink(io, block_ids):
+            out = np.empty(shape, np.float32)
+            io.read_into(block_ids, out)
+            return out
+
+        export = KVExport(spec.first_block, sink)
+        group = self.prefill.make_request("p-" + spec.request_id, spec.token_ids,
+                                          SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                                          cache_salt=spec.cache_salt)
+        group.seqs[0].kv_export = export
+        self.prefill.add_prepared(group)
+        while self.prefill.has_unfinished_requests():
+            self.prefill.step()
+        if self.fault == "corrupt":
+            self._deliver(KVLoadResult(spec.request_id, error="transfer broken: checksum mismatch", broken=True))
+            return
+        self._deliver(KVLoadResult(spec.request_id, data=export.result, num_bytes=export.result.nbytes))
+
+
+def run(engine, requests):
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [c.token_ids for c in out.outputs]
+        engine.check_integrity()
+    return done
+
+
+def workload():
+    rng = np.random.default_rng(3)
+    long = [int(t) for t in rng.integers(3, 500, 90)]
+    return [
+        ("greedy", long, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)),
+        ("seeded", long[:41], SamplingParams(temperature=0.9, seed=7, max_tokens=10, ignore_eos=True)),
+        ("n3", long[:33], SamplingParams(temperature=1.0, n=3, seed=11, max_tokens=8, ignore_eos=True)),
+        ("short", long[:5], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)),
+    ]
+
+
+def test_outputs_equal_colocated_and_every_block_is_freed(tiny):
+    expected = run(make_engine(tiny), workload())
+    prefill = make_engine(tiny, max_num_batched_tokens=24)  # chunked prefill on the prefill side
+    decode = make_engine(tiny)
+    conn = InlineConnector(prefill)
+    decode.enable_remote_prefill(conn)
+    assert run(decode, workload()) == expected
+    k = decode.kv_stats
+    assert k.remote_prefills == 3  # "short" has no full block before its last token: computed locally
+    assert k.kv_blocks_received == sum(len(s.dst_block_ids) for s in conn.specs) > 0
+    assert k.local_prefill_fallbacks == 0
+    assert decode.kv_manager.usage().num_used_blocks == 0 and prefill.kv_manager.usage().num_used_blocks == 0
+
+
+def test_only_missing_blocks_transfer(tiny):
+    decode = make_engine(tiny)
+    conn = InlineConnector(make_engine(tiny))
+    decode.enable_remote_prefill(conn)
+    prompt = list(range(3, 3 + 70))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first = run(decode, [("a", prompt, params)])
+    run(decode, [("b", prompt[:40] + [9] * 30, params)])  # shares 5 full blocks of 8 with "a"
+    assert [s.first_block for s in conn.specs] == [0, 5]
+    assert len(conn.specs[1].dst_block_ids) == (70 - 1) // 8 - 5
+    assert run(decode, [("c", prompt, params)]) == {"c": first["a"]}  # all here: no third transfer
+    assert len(conn.specs) == 2
+
+
+@pytest.mark.parametrize("fault", ["down", "corrupt"])
+def test_faults_fall_back_to_a_local_prefill(tiny, fault):
+    expected = run(make_engine(tiny), workload())
+    decode = make_engine(tiny)
+    prefill = make_engine(tiny)
+    decode.enable_remote_prefill(InlineConnector(prefill, fault=fault), fallback="local")
+    assert run(decode, workload()) == expected
+    assert decode.kv_stats.local_prefill_fallbacks == 3 and decode.kv_stats.remote_prefills == 0
+    assert decode.kv_manager.usage().num_used_blocks == 0 and prefill.kv_manager.usage().num_used_blocks == 0
+
+
+def test_fallback_fail_fails_the_request_and_frees_its_blocks(tiny):
+    decode = make_engine(tiny)
+    decode.enable_remote_prefill(InlineConnector(make_engine(tiny), fault="down"), fallback="fail")
+    decode.add_request("x", list(range(3, 40)), SamplingParams(temperature=0.0, max_tokens=4))
+    assert decode.scheduler.waiting_for_kv["x"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    decode.step()
+    failed = decode.take_failed_requests()
+    assert [rid for rid, _ in failed] == ["x"] and isinstance(failed[0][1], KVTransferError)
+    assert not decode.has_unfinished_requests() and decode.kv_manager.usage().num_used_blocks == 0
+
+
+def test_abort_while_kv_arrives_frees_its_blocks(tiny):
+    decode = make_engine(tiny)
+
+    class Never(KVConnector):
+        def __init__(self):
+            super().__init__()
+            self.aborted = []
+
+        def start_load(self, spec):
+            pass
+
+        def abort(self, request_id):
+            self.aborted.append(request_id)
+
+    conn = Never()
+    decode.enable_remote_prefill(conn)
+    decode.add_request("x", list(range(3, 40)), SamplingParams(max_tokens=4))
+    assert decode.kv_manager.usage().num_used_blocks == (40 - 3 - 1) // 8
+    decode.abort_request("x")
+    assert conn.aborted == ["x"] and decode.kv_manager.usage().num_used_blocks == 0
+    decode.check_integrity()
+
+
+def test_handshake_names_the_mismatch(tiny):
+    spec = make_engine(tiny).kv_transfer_spec("decode")
+    ok = make_engine(tiny).kv_transfer_spec("prefill")
+    check_compatible(spec, ok, "unix:/p")
+    with pytest.raises(KVHandshakeError, match="block_size is 16 there and 8 here"):
+        check_compatible(spec, make_engine(tiny, block_size=16).kv_transfer_spec("prefill"), "unix:/p")
+    with pytest.raises(KVHandshakeError, match="itself a decode instance"):
+        check_compatible(spec, spec, "unix:/p")
+
+
+def test_chunk_checksums_cover_every_byte():
+    data = bytes(range(256)) * 40
+    assert len(chunk_checksums(data, 4096)) == 3
+    flipped = bytearray(data)
+    flipped[-1] ^= 1
+    assert chunk_checksums(data, 4096)[:2] == chunk_checksums(bytes(flipped), 4096)[:2]
+    assert chunk_checksums(data, 4096)[2] != chunk_checksums(bytes(flipped), 4096)[2]
