@@ -22,7 +22,7 @@ import numpy as np
 import structlog
 
 from pagedserve.runtime.kv_connector import (KVConnector, KVHandshakeError, KVLoadResult, KVLoadSpec, KVTransferSpec,
-                                             chunk_checksums, check_compatible)
+                                             check_compatible)
 from pagedserve.runtime.kv_shm import ShmSegment, host_id
 
 from .kv_transfer_servicer import spec_from_proto, spec_to_proto
@@ -119,19 +119,17 @@ class GrpcKVConnector(KVConnector):
                     done = msg.done
                     break
                 c = msg.chunk
-                if zlib.crc32(c.data) != c.crc32:
-                    raise _Broken(f"checksum mismatch in the chunk at byte {c.offset}")
-                if c.offset != received or received + len(c.data) > len(view):
+                size = len(c.data) if segment is None else c.length
+                if c.offset != received or received + size > len(view):
                     raise _Broken(f"chunk at byte {c.offset} out of order ({received} received of {len(view)})")
-                view[received : received + len(c.data)] = c.data
-                received += len(c.data)
+                if segment is None:
+                    view[received : received + size] = c.data
+                if zlib.crc32(view[received : received + size]) != c.crc32:
+                    raise _Broken(f"checksum mismatch in the chunk at byte {c.offset}")
+                received += size
             if done is None:
                 raise _Broken("the stream ended before the transfer was done (cut)")
-            if segment is not None:
-                received = len(view)
-                if list(done.shm_crc32) != chunk_checksums(view):
-                    raise _Broken("checksum mismatch in the shared-memory segment")
-            elif received != len(view):
+            if received != len(view):
                 raise _Broken(f"the stream ended after {received} of {len(view)} bytes (cut)")
             seg, segment = segment, None  # the engine releases it once the blocks are in its pool
             self._deliver(KVLoadResult(rid, data=buf, num_bytes=len(view), transport=self.transport_name,
@@ -148,7 +146,8 @@ class GrpcKVConnector(KVConnector):
                     return  # we cancelled it: the request is gone
             code = e.code().name if hasattr(e, "code") else "UNKNOWN"
             details = e.details() if hasattr(e, "details") else str(e)
-            self._deliver(KVLoadResult(rid, error=f"{code}: {details}", broken=received > 0))
+            cut = f"transfer broken after {received} bytes: " if received else ""
+            self._deliver(KVLoadResult(rid, error=f"{cut}{code}: {details}", broken=received > 0))
         except Exception as e:  # a local failure (no room in /dev/shm...): prefill here instead
             log.error("kv.fetch_failed", request_id=rid, error=repr(e))
             self._deliver(KVLoadResult(rid, error=f"local error: {e!r}"))

@@ -110,29 +110,29 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         data: np.ndarray = export.result
         nbytes = data.nbytes
         done = pb.PrefillDone(num_blocks=shape[0], num_bytes=nbytes, export_s=export.export_s, prefill_s=prefill_s)
+        crcs: list[int] = []
+        view = memoryview(data).cast("B")
         if segment is not None:
-            crcs = await anyio.to_thread.run_sync(chunk_checksums, data)
-            if fault == "corrupt":
-                crcs[0] ^= 1
-            if fault == "cut":
+            crcs = await anyio.to_thread.run_sync(chunk_checksums, view)
+        for i, offset in enumerate(range(0, nbytes, CHUNK_BYTES)):
+            piece = view[offset : offset + CHUNK_BYTES]
+            crc = crcs[i] if segment is not None else zlib.crc32(piece)
+            payload = b"" if segment is not None else bytes(piece)
+            if fault == "cut":  # the first chunk's first half arrives, then the stream breaks
+                half = len(piece) // 2
+                yield pb.PrefillResponse(chunk=pb.KVChunk(offset=offset, data=payload[:half], length=half,
+                                                          crc32=zlib.crc32(piece[:half])))
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "test fault: transfer cut")
-            done.shm_crc32.extend(crcs)
-        else:
-            view = memoryview(data).cast("B")
-            for offset in range(0, nbytes, CHUNK_BYTES):
-                piece = bytes(view[offset : offset + CHUNK_BYTES])
-                crc = zlib.crc32(piece)
-                if fault == "cut":  # half of the first chunk arrives, then the stream breaks
-                    yield pb.PrefillResponse(chunk=pb.KVChunk(offset=offset, data=piece[: len(piece) // 2],
-                                                              crc32=zlib.crc32(piece[: len(piece) // 2])))
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "test fault: transfer cut")
-                if fault == "corrupt":
-                    piece = bytes([piece[0] ^ 0xFF]) + piece[1:]
-                yield pb.PrefillResponse(chunk=pb.KVChunk(offset=offset, data=piece, crc32=crc))
-        yield pb.PrefillResponse(done=done)
-        stats = engine.engine.kv_stats
+            if fault == "corrupt":  # one byte flips after its checksum was taken
+                if segment is None:
+                    payload = bytes([payload[0] ^ 0xFF]) + payload[1:]
+                else:
+                    view[offset] ^= 0xFF
+            yield pb.PrefillResponse(chunk=pb.KVChunk(offset=offset, data=payload, length=len(piece), crc32=crc))
+        stats = engine.engine.kv_stats  # counted before the last message, so a reader never sees it late
         stats.kv_blocks_sent += shape[0]
         stats.kv_bytes_sent += nbytes
+        yield pb.PrefillResponse(done=done)
         log.info("kv.sent", request_id=request.request_id, blocks=shape[0], cached_blocks=request.first_block,
                  bytes=nbytes, prefill_s=round(prefill_s, 4), export_s=round(export.export_s, 6),
                  transport="shm" if segment is not None else "grpc")

@@ -172,7 +172,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                               kv_blocks_total=s.num_kv_blocks_total, kv_utilization=s.kv_token_slot_utilization,
                               prefix_cache_hit_rate=s.prefix_cache_hit_rate, output_tokens_per_s=s.output_tokens_per_s,
                               total_tokens_per_s=s.total_tokens_per_s, num_preemptions=s.num_preemptions,
-                              uptime_s=time.monotonic() - engine.started_at, **kv_stats_fields(s.kv_transfer))
+                              uptime_s=time.monotonic() - engine.started_at, **kv_stats_fields(engine.engine.kv_stats))
 
     async def Abort(self, request: pb.AbortRequest, context):
         engine = await self._engine(context)
@@ -180,8 +180,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 
 def kv_stats_fields(k) -> dict:
-    if k is None:
-        return {}
+    """Plain counters, read live: a decode instance's are bumped before the stream that used them moves on."""
     return dict(kv_blocks_sent=k.kv_blocks_sent, kv_blocks_received=k.kv_blocks_received,
                 remote_prefills=k.remote_prefills, local_prefill_fallbacks=k.local_prefill_fallbacks,
                 kv_bytes_sent=k.kv_bytes_sent, kv_bytes_received=k.kv_bytes_received, kv_transfer_s=k.kv_transfer_s)

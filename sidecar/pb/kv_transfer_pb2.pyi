@@ -53,25 +53,25 @@ class PrefillResponse(_message.Message):
     def __init__(self, chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("offset", "data", "crc32")
+    __slots__ = ("offset", "data", "crc32", "length")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
     offset: int
     data: bytes
     crc32: int
-    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("num_blocks", "num_bytes", "shm_crc32", "export_s", "prefill_s")
+    __slots__ = ("num_blocks", "num_bytes", "export_s", "prefill_s")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
-    SHM_CRC32_FIELD_NUMBER: _ClassVar[int]
     EXPORT_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_bytes: int
-    shm_crc32: _containers.RepeatedScalarFieldContainer[int]
     export_s: float
     prefill_s: float
-    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., shm_crc32: _Optional[_Iterable[int]] = ..., export_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., export_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...

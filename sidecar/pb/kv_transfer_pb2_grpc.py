@@ -58,8 +58,9 @@ class KVTransferServicer:
 
     def Prefill(self, request, context):
         """Compute the KV of `token_ids` and send blocks [first_block, len(token_ids) / block_size).
-        The stream is zero or more `chunk` messages (gRPC transport), then exactly one `done`. A stream
-        that ends without `done`, or a chunk whose crc32 does not match, means the transfer failed.
+        The stream is one `chunk` message per (at most) 4 MiB of the blocks' bytes, in order, then
+        exactly one `done`. A stream that ends without `done`, or a chunk whose crc32 does not match,
+        means the transfer failed.
         Cancelling the call aborts the prefill and frees its blocks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
