@@ -185,7 +185,7 @@ def emit(name: str, record: dict, out_dir: str | Path | None, draw: Callable[[di
 
 # -- the doc's figures table ----------------------------------------------------------------------
 
-BENCHMARKS = ("memory", "batching", "jitter", "parallel", "serve")
+BENCHMARKS = ("memory", "batching", "jitter", "parallel", "serve", "disagg")
 
 
 def _fmt(v: Any, unit: str = "", digits: int = 1) -> str:
@@ -237,6 +237,11 @@ def headline(record: dict) -> tuple[str, str]:
                f"{s.get('prefix_slo_violation_pct_by_rate')} %); TTFT p50 {s.get('unique_ttft_p50_ms_by_rate')} ms "
                f"(shared prefix {s.get('prefix_ttft_p50_ms_by_rate')} ms, up to "
                f"{s.get('prefix_mean_cached_tokens')} prompt tokens cached per request)")
+    elif name == "disagg":
+        p99, ttft = s.get("p99_itl_ms_by_config", {}), s.get("long_prompt_ttft_s_mean_by_config", {})
+        got = ("p99 ITL " + ", ".join(f"{k}: {_fmt(v, ' ms', 0)}" for k, v in p99.items())
+               + "; long prompts' TTFT " + ", ".join(f"{k}: {_fmt(v, ' s', 2)}" for k, v in ttft.items())
+               + "; KV transfer " + ", ".join(f"{k}: {v} GB/s" for k, v in s.get("transfer_gb_per_s", {}).items()))
     else:
         got = json.dumps(s)[:200]
     return claim, got

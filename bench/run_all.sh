@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the five benchmarks at full size, one after the other, then rebuild docs/benchmarks.md's figures
+# Run the benchmarks at full size, one after the other, then rebuild docs/benchmarks.md's figures
 # table and docs/img/*.png from bench/results. Run it on a quiet machine (nothing else using the CPUs):
 #
 #   bash bench/run_all.sh                      # label: "quiet machine"
@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
 OUT="${OUT:-bench/results}"
 LABEL="${LABEL:-quiet machine}"
-BENCHES="${BENCHES:-memory batching jitter parallel serve}"
+BENCHES="${BENCHES:-memory batching jitter parallel serve disagg}"
 mkdir -p "$OUT"
 for name in $BENCHES; do
     echo "== $name ==" >&2

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "jitter": "inter-token latency of running streams when a long prompt arrives, chunked prefill on/off",
     "parallel": "peak KV blocks of n samples sharing a prompt vs n independent requests",
     "serve": "the sidecar under Poisson load: TTFT, TPOT, ITL, SLO violations, prefix case",
+    "disagg": "prefill and decode instances on one core each vs one colocated instance: ITL, TTFT, KV transfer",
 }
 
 

@@ -133,6 +133,26 @@ def test_serve(tmp_path: Path) -> None:
     assert all(row["mean_cached_tokens"] in (0, None) for row in r["results"]["unique"])
 
 
+@pytest.mark.slow
+def test_disagg(tmp_path: Path) -> None:
+    r = run_bench("disagg", tmp_path, "--model", TINY, timeout=240)
+    res = r["results"]
+    assert set(res) == {"colocated_chunked", "disagg_shm_chunked", "disagg_grpc_chunked", "colocated_unchunked",
+                        "disagg_shm_unchunked"}
+    for key, row in res.items():
+        assert row["exit_codes"] == [0] * (1 if row["kind"] == "colocated" else 2), key
+        assert row["num_itl_samples"] > 0 and 0 < row["itl_ms"]["p50"] <= row["itl_ms"]["p99"]
+        assert len(row["long_prompt_ttft_s"]) == 2 and min(row["long_prompt_ttft_s"]) > 0
+        if row["kind"] == "colocated":
+            assert row["remote_prefills"] == 0 and row["transfer_gb_per_s"] is None
+        else:  # every long prompt's blocks came from the prefill instance: 299 // 16 full blocks each
+            assert row["remote_prefills"] == 2 and row["local_prefill_fallbacks"] == 0
+            assert row["kv_blocks_received"] == 2 * (299 // 16) and row["transfer_gb_per_s"] > 0
+    leak = r["leak_check"]
+    assert leak["requests"] == 20 and leak["kv_blocks_used_after"] == {"prefill": 0, "decode": 0}
+    assert leak["kv_blocks_sent"] == leak["kv_blocks_received"] > 0
+
+
 def test_cli_entry_point(tmp_path: Path) -> None:
     from pagedserve.sidecar.bench_cli import BENCHMARKS, add_bench_parser, bench_dir
 
