@@ -92,6 +92,10 @@ def check_compatible(local: KVTransferSpec, remote: KVTransferSpec, target: str)
             raise KVHandshakeError(f"prefill target {target} does not match this instance: {name} is {b!r} there "
                                    f"and {a!r} here; both instances must serve the same model with the same "
                                    f"block size and dtype")
+    if remote.max_model_len < local.max_model_len:
+        raise KVHandshakeError(f"prefill target {target} accepts sequences of up to {remote.max_model_len} tokens, "
+                               f"this instance up to {local.max_model_len}; give the prefill instance a "
+                               f"--max-model-len at least as large")
 
 
 def model_fingerprint(model_name: str, model_config: Any, embed_rows: np.ndarray) -> str:

@@ -14,6 +14,7 @@ from pagedserve.runtime.config import EngineConfig
 from pagedserve.runtime.engine import LLMEngine
 from pagedserve.runtime.kv_connector import (KVConnector, KVExport, KVHandshakeError, KVLoadResult, KVTransferError,
                                              check_compatible, chunk_checksums)
+from pagedserve.runtime.kv_shm import ShmSegment
 from pagedserve.runtime.request import RequestStatus
 from pagedserve.runtime.sampling_params import SamplingParams
 
@@ -170,6 +171,29 @@ def test_handshake_names_the_mismatch(tiny):
         check_compatible(spec, make_engine(tiny, block_size=16).kv_transfer_spec("prefill"), "unix:/p")
     with pytest.raises(KVHandshakeError, match="itself a decode instance"):
         check_compatible(spec, spec, "unix:/p")
+    with pytest.raises(KVHandshakeError, match="accepts sequences of up to 64 tokens"):
+        check_compatible(spec, make_engine(tiny, max_model_len=64).kv_transfer_spec("prefill"), "unix:/p")
+
+
+def test_shm_segment_is_ours_only_and_unlinked_by_its_owner(tmp_path):
+    shape, dtype = (2, 3, 4), "float32"
+    seg = ShmSegment.create(shape, dtype)
+    try:
+        other = ShmSegment.open(str(seg.path), shape, dtype)
+        other.array[:] = 7.0
+        other.close()
+        assert seg.path.exists() and (seg.array == 7.0).all()  # the sender's close never unlinks
+        with pytest.raises(ValueError, match="holds 96 bytes; 192 expected"):
+            ShmSegment.open(str(seg.path), (4, 3, 4), dtype)
+        stray = tmp_path / seg.path.name
+        stray.write_bytes(b"x" * 96)
+        with pytest.raises(ValueError, match="is not a pagedserve KV segment"):
+            ShmSegment.open(str(stray), shape, dtype)
+        with pytest.raises(ValueError, match="is not a pagedserve KV segment"):
+            ShmSegment.open(str(seg.path.parent / "passwd"), shape, dtype)
+    finally:
+        seg.close()
+    assert not seg.path.exists()
 
 
 def test_chunk_checksums_cover_every_byte():
