@@ -34,6 +34,7 @@ log = structlog.get_logger("pagedserve.kv")
 
 MAX_MESSAGE_BYTES = 8 << 20  # one 4 MiB chunk plus framing
 HANDSHAKE_TIMEOUT_S = 5.0
+RECONNECT_MAX_MS = 2000
 
 
 class _Broken(Exception):
@@ -49,8 +50,12 @@ class GrpcKVConnector(KVConnector):
         self.transport = transport
         self.timeout_s = timeout_s
         self.remote: KVTransferSpec | None = None
+        # Calls fail fast while the target is down (the request falls back at once), and the channel retries
+        # the connection at least every RECONNECT_MAX_MS, so a target started later is found within seconds.
         self._channel = grpc.insecure_channel(prefill_target_address(target), options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS)])
         self._stub = pb_grpc.KVTransferStub(self._channel)
         self._pool = ThreadPoolExecutor(max_concurrent, thread_name_prefix="kv-fetch")
         self._calls: dict[str, grpc.Call] = {}
