@@ -393,7 +393,8 @@ class LLMEngine:
         per_block = kv_bytes_per_block(self.model_config, self.block_size, self.backend.dtype.itemsize)
         table_blocks = sum(len(self.kv_manager.block_table(r.request_id)) for r in sched.running)
         return EngineStats(
-            len(sched.running), len(sched.waiting) + len(sched.waiting_for_kv), usage.num_used_blocks, usage.num_blocks,
+            len(sched.running), len(sched.waiting) + len(sched.waiting_for_kv),  # waiting: queued or receiving KV
+            usage.num_used_blocks, usage.num_blocks,
             min(held / slots, 1.0) if slots else 0.0, out_tps, all_tps, self.num_preemptions,
             prefix_cache_hit_rate=sched.num_cached_prompt_tokens / sched.num_prompt_tokens if sched.num_prompt_tokens else 0.0,
             prefix_cache_request_hit_rate=sched.num_admitted_with_hit / sched.num_admitted if sched.num_admitted else 0.0,

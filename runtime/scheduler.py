@@ -72,9 +72,7 @@ class Scheduler:
         request.timings.finished = time.monotonic()
         if request in self.running:
             self.running.remove(request)
-        elif self.waiting_for_kv.pop(request.request_id, None) is not None:
-            pass
-        else:
+        elif self.waiting_for_kv.pop(request.request_id, None) is None:  # not receiving its KV either
             try:
                 self.waiting.remove(request)
             except ValueError:

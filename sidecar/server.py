@@ -25,12 +25,12 @@ from pagedserve.runtime.async_engine import AsyncEngine
 from pagedserve.runtime.engine import LLMEngine
 from pagedserve.runtime.sampling_params import SamplingParams
 
+from .kv_transfer_servicer import KVTransferServicer
 from .pb import generation_pb2 as pb
 from .pb import generation_pb2_grpc as pb_grpc
-from .sd_notify import SystemdNotifier, watchdog_loop
-from .kv_transfer_servicer import KVTransferServicer
 from .pb import kv_transfer_pb2 as kv_pb
 from .pb import kv_transfer_pb2_grpc as kv_pb_grpc
+from .sd_notify import SystemdNotifier, watchdog_loop
 from .servicer import GenerationServicer
 from .settings import Settings
 
@@ -94,7 +94,8 @@ class SidecarServer:
             KVTransferServicer(lambda: self.engine, lambda: self.kv_spec, s.kv_test_fault), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            [SERVICE_NAME, KV_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            [SERVICE_NAME, KV_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME],
             server)
         await self._set_health(False)
         if s.socket:
