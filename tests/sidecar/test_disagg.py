@@ -160,6 +160,30 @@ def test_broken_transfer_is_recomputed_locally_once(tmp_path_factory, expected, 
     assert segments() <= before_segments
 
 
+@pytest.mark.slow
+def test_smollm2_blocks_cross_grpc_in_several_checksummed_chunks(tmp_path_factory, smollm2_path):
+    """SmolLM2's blocks are 720 KiB: a 150-token prompt's 9 blocks take two 4 MiB chunks."""
+    from pagedserve.runtime import LLM, SamplingParams
+
+    model = str(smollm2_path)
+    prefill = ServerProcess(tmp_path_factory.mktemp("p2"), "--role", "prefill", model=model)
+    prefill.wait_serving()
+    decode = ServerProcess(tmp_path_factory.mktemp("d2"), *decode_args(prefill, "--kv-transport", "grpc"), model=model)
+    try:
+        decode.wait_serving()
+        prompt = LONG[:150]
+        with client_for(decode) as c:
+            got = tokens(c, prompt, temperature=0.0, max_tokens=8, ignore_eos=True)[0]
+            s = c.server_stats()
+        assert s.remote_prefills == 1 and s.kv_blocks_received == 149 // 16
+        assert s.kv_bytes_received == 9 * 30 * 2 * 16 * 3 * 64 * 4 > 4 << 20
+        llm = LLM(model, device="cpu", seed=0, kv_cache_memory_bytes=64 << 20)
+        want = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        assert got == want[0].outputs[0].token_ids
+    finally:
+        assert decode.stop() == 0 and prefill.stop() == 0
+
+
 def _stream_outcome(srv: ServerProcess, i: int) -> str:
     try:
         with client_for(srv, timeout=60) as c:
@@ -217,6 +241,7 @@ def test_cancels_during_transfers_leave_no_blocks_on_either_side(tmp_path_factor
             p = wait_idle(pc)
             assert p.kv_blocks_used == 0 and p.num_running == 0
         assert decode_stats.remote_prefills >= 8
+        assert '"transport": "shm"' in decode.log()  # kv_transport auto, one host: shared memory
     finally:
         assert decode.stop() == 0 and slowish.stop() == 0
 
