@@ -23,7 +23,7 @@ import structlog
 
 from .kv_cache_manager import KVCacheManager
 from .kv_connector import KVBlockIO, KVConnector, KVLoadResult, KVLoadSpec, KVTransferError, KVTransferStats
-from .request import Request, RequestStatus
+from .request import Request
 from .scheduler import Scheduler
 
 log = structlog.get_logger("pagedserve.kv")

@@ -23,7 +23,7 @@ import structlog
 
 from pagedserve.runtime.kv_connector import (KVConnector, KVHandshakeError, KVLoadResult, KVLoadSpec, KVTransferSpec,
                                              check_compatible)
-from pagedserve.runtime.kv_shm import ShmSegment, host_id
+from pagedserve.runtime.kv_shm import ShmSegment
 
 from .kv_transfer_servicer import spec_from_proto, spec_to_proto
 from .pb import kv_transfer_pb2 as pb
@@ -182,4 +182,4 @@ def connect_decode(settings: Settings, local: KVTransferSpec) -> GrpcKVConnector
     return connector
 
 
-__all__ = ["GrpcKVConnector", "connect_decode", "host_id"]
+__all__ = ["GrpcKVConnector", "connect_decode"]

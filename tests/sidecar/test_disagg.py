@@ -5,8 +5,6 @@ Every instance uses block size 8 and a 32-token budget, so the long prompts pref
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -79,28 +77,36 @@ def prefill(tmp_path_factory):
     assert srv.stop() == 0, srv.log()
 
 
-@pytest.mark.parametrize("transport", ["shm", "grpc"])
-def test_outputs_identical_to_one_both_instance(tmp_path_factory, prefill, expected, transport):
+def test_outputs_identical_to_one_both_instance(tmp_path_factory, prefill, expected):
+    """Two decode instances, one per transport, share the prefill instance and run at the same time."""
     before_segments = segments()
-    decode = start(tmp_path_factory, *decode_args(prefill, "--kv-transport", transport), name="decode")
+    decodes = {t: start(tmp_path_factory, *decode_args(prefill, "--kv-transport", t), name=f"decode-{t}")
+               for t in ("shm", "grpc")}
     try:
         with client_for(prefill) as pc:
             sent0 = pc.server_stats().kv_blocks_sent
-        assert run_workload(decode) == expected
-        with client_for(decode) as dc, client_for(prefill) as pc:
-            d, p = wait_idle(dc), wait_idle(pc)
-            assert d.kv_blocks_used == 0 and p.kv_blocks_used == 0
-            assert d.remote_prefills == 4 and d.local_prefill_fallbacks == 0
-            # The 4th prompt's first 7 blocks were already here (prefix cache): only 12 - 7 moved.
-            assert d.kv_blocks_received == 24 + 9 + 6 + (12 - 7)
-            assert p.kv_blocks_sent - sent0 == d.kv_blocks_received
-            assert d.kv_bytes_received == d.kv_blocks_received * 2 * 2 * 8 * 1 * 64 * 4 and d.kv_transfer_s > 0
-            # Asking again transfers nothing: every full block is in the decode side's prefix cache.
-            assert tokens(dc, LONG, **WORKLOAD[0][1]) == expected[0]
-            assert dc.server_stats().kv_blocks_received == d.kv_blocks_received
-        assert f"\"transport\": \"{transport}\"" in decode.log()
+        with ThreadPoolExecutor(2) as pool:
+            outputs = dict(zip(decodes, pool.map(run_workload, decodes.values())))
+        assert outputs == {"shm": expected, "grpc": expected}
+        received = 0
+        for transport, decode in decodes.items():
+            with client_for(decode) as dc:
+                d = wait_idle(dc)
+                assert d.kv_blocks_used == 0 and d.remote_prefills == 4 and d.local_prefill_fallbacks == 0
+                # The 4th prompt's first 7 blocks were already here (prefix cache): only 12 - 7 moved.
+                assert d.kv_blocks_received == 24 + 9 + 6 + (12 - 7)
+                assert d.kv_bytes_received == d.kv_blocks_received * 2 * 2 * 8 * 1 * 64 * 4 and d.kv_transfer_s > 0
+                # Asking again transfers nothing: every full block is in the decode side's prefix cache.
+                assert tokens(dc, LONG, **WORKLOAD[0][1]) == expected[0]
+                assert dc.server_stats().kv_blocks_received == d.kv_blocks_received
+                received += d.kv_blocks_received
+            assert f"\"transport\": \"{transport}\"" in decode.log()
+        with client_for(prefill) as pc:
+            p = wait_idle(pc)
+            assert p.kv_blocks_used == 0 and p.kv_blocks_sent - sent0 == received
     finally:
-        assert decode.stop() == 0, decode.log()
+        for decode in decodes.values():
+            assert decode.stop() == 0, decode.log()
     assert segments() <= before_segments  # every shared segment was unlinked
 
 
