@@ -45,7 +45,8 @@ class RemotePrefill:
         self._specs: dict[str, KVLoadSpec] = {}
 
     def try_start(self, request: Request) -> bool:
-        """Start fetching the request's missing full prompt blocks; False: prefill it here as usual."""
+        """Start fetching the request's missing full prompt blocks. True: the request is queued (waiting for
+        its KV, or for a local prefill if the transport could not start); False: queue it as usual."""
         bs = self.kv.block_size
         n = (request.num_prompt_tokens - 1) // bs
         cached = self.kv.find_cached_prefix(request.prompt_token_ids, request.cache_salt)
@@ -60,7 +61,13 @@ class RemotePrefill:
         request.num_cached_tokens = len(cached) * bs
         request.timings.first_scheduled = time.monotonic()
         self.scheduler.add_waiting_for_kv(request)
-        self.connector.start_load(spec)
+        try:
+            self.connector.start_load(spec)
+        except Exception as e:  # a transport that cannot even start (shut down, out of threads): prefill here
+            del self._specs[request.request_id]
+            self.kv.free(request.request_id)
+            self._fell_back(request, f"local error: {e!r}")
+            self.scheduler.kv_failed(request)  # queued for a local prefill
         return True
 
     def abort(self, request_id: str) -> None:

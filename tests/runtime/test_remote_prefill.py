@@ -163,6 +163,18 @@ def test_abort_while_kv_arrives_frees_its_blocks(tiny):
     decode.check_integrity()
 
 
+def test_a_transport_that_cannot_start_falls_back_at_once(tiny):
+    class Broken(KVConnector):
+        def start_load(self, spec):
+            raise RuntimeError("cannot schedule new futures after shutdown")
+
+    expected = run(make_engine(tiny), workload())
+    decode = make_engine(tiny)
+    decode.enable_remote_prefill(Broken())
+    assert run(decode, workload()) == expected
+    assert decode.kv_stats.local_prefill_fallbacks == 3 and decode.kv_manager.usage().num_used_blocks == 0
+
+
 def test_handshake_names_the_mismatch(tiny):
     spec = make_engine(tiny).kv_transfer_spec("decode")
     ok = make_engine(tiny).kv_transfer_spec("prefill")
