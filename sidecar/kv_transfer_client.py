@@ -65,7 +65,12 @@ class GrpcKVConnector(KVConnector):
 
     def handshake(self, timeout: float = HANDSHAKE_TIMEOUT_S) -> KVTransferSpec:
         """Exchange specs; KVHandshakeError if the blocks would not fit, grpc.RpcError if unreachable."""
-        remote = spec_from_proto(self._stub.Handshake(spec_to_proto(self.local), timeout=timeout))
+        try:
+            remote = spec_from_proto(self._stub.Handshake(spec_to_proto(self.local), timeout=timeout))
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # it answered, and said no
+                raise KVHandshakeError(f"prefill target {self.target} refused the handshake: {e.details()}") from None
+            raise
         check_compatible(self.local, remote, self.target)
         same_host = remote.host_id == self.local.host_id
         self.transport_name = "shm" if self.transport == "shm" or (self.transport == "auto" and same_host) else "grpc"

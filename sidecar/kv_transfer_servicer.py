@@ -27,6 +27,7 @@ from .pb import kv_transfer_pb2 as pb
 from .pb import kv_transfer_pb2_grpc as pb_grpc
 
 log = structlog.get_logger("pagedserve.kv")
+TP_REFUSAL = "this instance runs tensor parallel (each rank holds a slice of every block) and sends no KV blocks"
 
 
 def spec_to_proto(s: KVTransferSpec) -> pb.KVHandshake:
@@ -52,6 +53,9 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         spec = self._get_spec()
         if spec is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
+        engine = self._get_engine()
+        if engine is not None and engine.engine.block_io is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, TP_REFUSAL)
         return spec_to_proto(spec)
 
     async def Prefill(self, request: pb.PrefillRequest, context):
@@ -61,6 +65,8 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         if spec.role == "decode":
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this instance has role decode and computes no prefills for others")
+        if engine.engine.block_io is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, TP_REFUSAL)
         ids, bs = list(request.token_ids), spec.block_size
         if not ids or len(ids) % bs or request.first_block >= len(ids) // bs:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,

@@ -83,6 +83,9 @@ class Settings:
     def _validate_disaggregation(self) -> None:
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
+        if self.role != "both" and self.tensor_parallel_size != 1:
+            raise ValueError(f"role {self.role} needs tensor_parallel_size 1: under tensor parallelism each rank "
+                             f"holds a slice of every KV block, and blocks are handed over whole")
         if self.role == "decode" and not self.prefill_target:
             raise ValueError("role decode needs --prefill-target (PAGEDSERVE_PREFILL_TARGET): the prefill "
                              "instance's address, unix:PATH or HOST:PORT")

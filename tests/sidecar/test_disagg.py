@@ -302,11 +302,21 @@ def test_a_target_that_comes_up_later_is_checked_at_the_first_transfer(tmp_path_
         assert decode.stop() == 0 and wrong.stop() == 0
 
 
+def test_a_tensor_parallel_target_is_refused_at_start(tmp_path_factory):
+    tp = start(tmp_path_factory, "--tensor-parallel-size", "2", name="tp")
+    try:
+        log = refused_start(tmp_path_factory, *COMMON, *decode_args(tp))
+        assert "refused the handshake" in log and "tensor parallel" in log
+    finally:
+        assert tp.stop() == 0, tp.log()
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(role="decode"), "role decode needs --prefill-target"),
     (dict(role="decode", prefill_target="nohost"), "unix:PATH or HOST:PORT"),
     (dict(role="prefill", prefill_target="unix:/x"), "only for role decode"),
     (dict(role="middle"), "role must be both, prefill or decode"),
+    (dict(role="prefill", tensor_parallel_size=2), "needs tensor_parallel_size 1"),
     (dict(prefill_fallback="retry"), "prefill_fallback must be local or fail"),
     (dict(kv_transport="rdma"), "kv_transport must be auto, shm or grpc"),
     (dict(kv_test_fault="delay:soon"), "kv_test_fault must be"),
