@@ -152,7 +152,8 @@ def test_disagg(tmp_path: Path) -> None:
     assert leak["requests"] == 20 and leak["kv_blocks_used_after"] == {"prefill": 0, "decode": 0}
     assert leak["completed"] >= 10 and sum(leak[k] for k in ("completed", "cancelled_before_first_token",
                                                               "cancelled_later")) == 20
-    assert leak["kv_blocks_sent"] == leak["kv_blocks_received"] > 0
+    # A request cancelled after the prefill side sent its blocks but before they landed counts as sent only.
+    assert leak["kv_blocks_sent"] >= leak["kv_blocks_received"] > 0
 
 
 def test_cli_entry_point(tmp_path: Path) -> None:
