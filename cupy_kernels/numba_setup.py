@@ -16,6 +16,12 @@ from .blas_threads import cpu_threads
 from .cache_dir import cache_root
 
 os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_root() / "numba"))
+# numba's parallel loops run on GNU OpenMP threads, which by default spin after each loop waiting for
+# the next one. Between two kernels come numpy's matmuls, whose OpenBLAS threads then find their cores
+# taken: on 2 cores every matmul after the first numba loop ran several times slower (bench/throughput.py,
+# 16 requests: 12.2 s against 3.6 s with the numpy kernels). PASSIVE makes idle OpenMP threads sleep at
+# once; waking them costs microseconds per kernel. Read by libgomp when numba first starts its threads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numba  # noqa: E402  (after NUMBA_CACHE_DIR: numba reads its config at import)
 

@@ -20,6 +20,8 @@ def test_every_set_has_every_op():
 
 def test_cpu_choice():
     assert get_backend("cpu", "numpy").ops is kernel_set.numpy_kernels()
+    assert get_backend("cpu").ops is kernel_set.numpy_kernels()  # "auto": the reference, for now
+    assert get_backend("cpu", "numba").ops is kernel_set.numba_kernels()
     with pytest.raises(ValueError, match="cpu_kernels must be one of"):
         get_backend("cpu", "fast")
     with pytest.raises(ValueError, match="cpu_kernels must be one of"):
