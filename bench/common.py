@@ -32,9 +32,26 @@ def sgemm_gflops(n: int = 1024, seconds: float = 1.0) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
 
 
+def blas_kernel() -> str | None:
+    """The kernel numpy's BLAS runs (threadpoolctl's `architecture`: SkylakeX, Zen, Haswell, ...)."""
+    from pagedserve.cupy_kernels.blas_threads import blas_info
+
+    info = blas_info()
+    return info["architecture"] if info else None
+
+
+def loadavg() -> list[float] | None:
+    """1, 5 and 15 minute load averages (Linux): how busy the machine was while a figure was measured."""
+    try:
+        return [float(x) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def machine() -> dict:
     return {"cpu_count": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
-            "numpy": np.__version__, "blas_threads": blas_threads()}
+            "numpy": np.__version__, "blas_threads": blas_threads(), "blas_kernel": blas_kernel(),
+            "openblas_coretype_env": os.environ.get("OPENBLAS_CORETYPE")}
 
 
 def model_flops_per_token(cfg, context_len: float, with_logits: bool) -> float:

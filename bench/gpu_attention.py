@@ -24,7 +24,9 @@ except ImportError:
     sys.exit("bench/gpu_attention.py: pagedserve is not importable (pip install -e . or see scripts/gpu_check.sh)")
 
 from pagedserve.cupy_kernels import cuda_ops  # noqa: E402
-from pagedserve.cupy_kernels.paged_attention import paged_attention  # noqa: E402
+from pagedserve.cupy_kernels.kernel_set import cuda_kernels  # noqa: E402
+
+paged_attention = cuda_kernels().paged_attention  # the CUDA op table: device arrays only
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import blas_threads, machine, sgemm_gflops  # noqa: E402
+from common import blas_kernel, blas_threads, loadavg, machine, sgemm_gflops  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT_DIR = BENCH_DIR / "results"
@@ -84,9 +84,11 @@ def run_script(main: Callable[[], int]) -> None:
 
 
 def environment(quick: bool) -> dict[str, Any]:
-    """The header every record carries: the machine, its sgemm rate measured now, the BLAS threads."""
+    """The header every record carries: the machine (with the BLAS kernel), its sgemm rate measured now,
+    the BLAS threads, the load average."""
     gflops = sgemm_gflops(n=256, seconds=0.1) if quick else sgemm_gflops()
     return {"machine": machine(), "sgemm_gflops": round(gflops, 1), "blas_threads": blas_threads(),
+            "blas_kernel": blas_kernel(), "loadavg": loadavg(),
             "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "git_commit": _git_commit()}
 
@@ -277,7 +279,8 @@ def doc_table(results: Path, img_rel: str, label: str) -> str:
     if env:
         m = env.get("machine", {})
         lines += [f"Machine: {m.get('cpu_count')} CPUs ({m.get('machine')}), Python {m.get('python')}, "
-                  f"numpy {m.get('numpy')}, BLAS threads {env.get('blas_threads')}; first run "
+                  f"numpy {m.get('numpy')}, BLAS threads {env.get('blas_threads')}, BLAS kernel "
+                  f"{env.get('blas_kernel') or m.get('blas_kernel')}; first run "
                   f"{env.get('date_utc')}, commit {env.get('git_commit')}. The sgemm column is the float32 "
                   "matmul rate each run measured at its start (lower = a busier machine).", ""]
     return "\n".join(lines + rows + [""] + figures).rstrip() + "\n"

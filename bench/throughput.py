@@ -11,6 +11,7 @@ the output rate would be if the matmuls were the only cost. Usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -21,9 +22,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, model_flops_per_token, sgemm_gflops  # noqa: E402
+from common import loadavg, machine, model_flops_per_token, sgemm_gflops  # noqa: E402
 
-from pagedserve.models import llama  # noqa: E402
 from pagedserve.models.loader import load_model  # noqa: E402
 from pagedserve.sidecar.logging_setup import configure_logging  # noqa: E402
 from pagedserve.runtime.config import EngineConfig  # noqa: E402
@@ -32,8 +32,9 @@ from pagedserve.runtime.sampling_params import SamplingParams  # noqa: E402
 
 
 @contextmanager
-def timed_parts(seconds: dict[str, float]):
-    """Time every call of the forward pass and of its matmul and attention ops (the bench's own wrappers)."""
+def timed_parts(model, seconds: dict[str, float]):
+    """Time every call of the forward pass and of its matmul and attention ops (the bench's own wrappers,
+    put into a copy of the model's op table)."""
     def timer(fn, key):
         def wrapped(*args, **kwargs):
             t0 = time.perf_counter()
@@ -43,20 +44,21 @@ def timed_parts(seconds: dict[str, float]):
                 seconds[key] += time.perf_counter() - t0
         return wrapped
 
-    saved = (llama.ops.linear, llama.paged_attention, llama.LlamaForCausalLM.forward)
-    llama.ops.linear = timer(saved[0], "linear")
-    llama.paged_attention = timer(saved[1], "attention")
-    llama.LlamaForCausalLM.forward = timer(saved[2], "forward")
+    backend, forward = model.backend, model.forward
+    ops = backend.ops
+    model.backend = dataclasses.replace(backend, ops=dataclasses.replace(
+        ops, linear=timer(ops.linear, "linear"), paged_attention=timer(ops.paged_attention, "attention")))
+    model.forward = timer(forward, "forward")
     try:
         yield
     finally:
-        llama.ops.linear, llama.paged_attention, llama.LlamaForCausalLM.forward = saved
+        model.backend, model.forward = backend, forward
 
 
 def run(loaded, num_requests: int, prompt_len: int, output_len: int, max_num_batched_tokens: int,
-        breakdown: bool = False) -> dict:
+        breakdown: bool = False, cpu_kernels: str = "auto") -> dict:
     engine = LLMEngine(EngineConfig(device="cpu", max_num_batched_tokens=max_num_batched_tokens,
-                                    max_num_seqs=256, seed=0), loaded=loaded)
+                                    max_num_seqs=256, seed=0, cpu_kernels=cpu_kernels), loaded=loaded)
     rng = np.random.default_rng(0)
     vocab = loaded.config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -64,7 +66,7 @@ def run(loaded, num_requests: int, prompt_len: int, output_len: int, max_num_bat
         engine.add_request(str(i), rng.integers(100, vocab, size=prompt_len).tolist(), params)
     utilisation, steps = [], 0
     seconds: dict[str, float] = defaultdict(float)
-    with timed_parts(seconds) if breakdown else nullcontext():
+    with timed_parts(engine.model, seconds) if breakdown else nullcontext():
         t0 = time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
@@ -76,7 +78,7 @@ def run(loaded, num_requests: int, prompt_len: int, output_len: int, max_num_bat
     mean_ctx = prompt_len + output_len / 2
     flops = num_requests * (prompt_len * model_flops_per_token(cfg, prompt_len / 2, False)
                             + output_len * model_flops_per_token(cfg, mean_ctx, True))
-    return {"requests": num_requests, "prompt_len": prompt_len, "output_len": output_len,
+    return {"requests": num_requests, "cpu_kernels": engine.backend.ops.name, "prompt_len": prompt_len, "output_len": output_len,
             "max_num_batched_tokens": max_num_batched_tokens, "steps": steps, "seconds": round(elapsed, 2),
             "output_tokens_per_s": round(out_tokens / elapsed, 1),
             "total_tokens_per_s": round(num_requests * (prompt_len + output_len) / elapsed, 1),
@@ -101,16 +103,21 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--breakdown", action="store_true", help="time matmuls, attention and the rest separately")
+    ap.add_argument("--cpu-kernels", nargs="+", default=["auto"], choices=["auto", "numba", "numpy"],
+                    help="kernel sets to run, one after the other for each N (A/B in one run)")
     args = ap.parse_args()
     configure_logging(level="warning", stream=sys.stderr)
     loaded = load_model(None)
     gflops = sgemm_gflops()
     for n in args.requests:
-        result = run(loaded, n, args.prompt_len, args.output_len, args.max_num_batched_tokens, args.breakdown)
-        result["sgemm_gflops"] = round(gflops, 1)
-        result["mfu"] = round(result["model_gflops_per_s"] / gflops, 3)
-        result["machine"] = machine()
-        print(json.dumps(result), flush=True)
+        for kernels in args.cpu_kernels:
+            result = run(loaded, n, args.prompt_len, args.output_len, args.max_num_batched_tokens, args.breakdown,
+                         kernels)
+            result["sgemm_gflops"] = round(gflops, 1)
+            result["mfu"] = round(result["model_gflops_per_s"] / gflops, 3)
+            result["machine"] = machine()
+            result["loadavg"] = loadavg()
+            print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

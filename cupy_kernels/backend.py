@@ -1,6 +1,7 @@
 """Array backends: numpy on the CPU (the reference, runs everywhere) and CuPy on a GPU.
 
-Everything above this package asks for a `Backend` and uses `backend.xp` as its array module, so the
+Everything above this package asks for a `Backend` and uses `backend.xp` as its array module and
+`backend.ops` as its kernels (kernel_set.py: numpy reference, numba, or CUDA, chosen here once), so the
 same model code runs on either. CuPy is imported lazily: a CPU-only install never touches it.
 """
 
@@ -8,8 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import numpy as np
+
+from .kernel_set import KernelSet, cpu_kernels, cuda_kernels
 
 VALID_DEVICES = ("auto", "cpu", "cuda")
 
@@ -21,6 +25,11 @@ class Backend:
     name: str  # "numpy" or "cupy"
     xp: ModuleType
     dtype: np.dtype
+    ops: KernelSet | None = None  # None: the default set for `name` (CUDA on cupy, numba-or-numpy on numpy)
+
+    def __post_init__(self) -> None:
+        if self.ops is None:
+            object.__setattr__(self, "ops", cuda_kernels() if self.name == "cupy" else cpu_kernels("auto"))
 
     @property
     def is_gpu(self) -> bool:
@@ -29,10 +38,12 @@ class Backend:
     def asarray(self, a, dtype=None):
         return self.xp.asarray(a, dtype=dtype)
 
-    def to_numpy(self, a) -> np.ndarray:
-        if self.is_gpu:
-            return a.get()
-        return np.asarray(a)
+
+
+def to_host(a: Any) -> np.ndarray:
+    """A numpy array with the contents of `a`: CuPy arrays are copied from the device (they have .get()),
+    anything else goes through np.asarray (no copy for a numpy array). The one device->host copy helper."""
+    return a.get() if hasattr(a, "get") else np.asarray(a)
 
 
 def cuda_available() -> bool:
@@ -45,19 +56,20 @@ def cuda_available() -> bool:
         return False
 
 
-def get_backend(device: str = "auto") -> Backend:
+def get_backend(device: str = "auto", cpu_kernels_choice: str = "auto") -> Backend:
     """Return the backend for `device` ("auto", "cpu" or "cuda").
 
-    "auto" picks cuda when CuPy sees a GPU and numpy otherwise. CPU numerics are float32.
+    "auto" picks cuda when CuPy sees a GPU and numpy otherwise. CPU numerics are float32; the CPU
+    kernels are numba's when it imports (`cpu_kernels_choice` "auto" or "numba") or the numpy reference.
     """
     if device not in VALID_DEVICES:
         raise ValueError(f"device must be one of {VALID_DEVICES}, got {device!r}")
     if device == "auto":
         device = "cuda" if cuda_available() else "cpu"
     if device == "cpu":
-        return Backend("numpy", np, np.dtype(np.float32))
+        return Backend("numpy", np, np.dtype(np.float32), cpu_kernels(cpu_kernels_choice))
     if not cuda_available():
         raise ValueError("device='cuda' was asked for, but CuPy is not installed or sees no CUDA device")
     import cupy
 
-    return Backend("cupy", cupy, np.dtype(np.float16))
+    return Backend("cupy", cupy, np.dtype(np.float16), cuda_kernels())

@@ -1,65 +1,71 @@
-"""How many threads numpy's BLAS (OpenBLAS) uses, read and set at run time.
+"""How many threads the CPU backend uses (numpy's BLAS and numba's parallel loops), and which BLAS kernel
+runs the matmuls.
 
 OpenBLAS reads OPENBLAS_NUM_THREADS / OMP_NUM_THREADS once, when numpy is imported, and otherwise uses
 every core. On a host where other processes are busy, its threads wait on each other and small matmuls
 get many times slower (docs/benchmarks.md: 2 threads beside one busy process run a decode-heavy load at
-32 tok/s, 1 thread at 58). A server that shares its cores sets its own count here, after numpy is loaded,
-through the library's set_num_threads entry point, found by name in the process (numpy's wheels bundle
-OpenBLAS as libscipy_openblas64_; distribution builds export the plain names). Linux only.
+32 tok/s, 1 thread at 58). A server that shares its cores sets its own count here (`cpu_threads`), after
+numpy is loaded. threadpoolctl finds the BLAS library numpy loaded and calls its own set_num_threads.
+
+The kernel OpenBLAS picked for this CPU (`architecture`: SkylakeX, Zen, Haswell, ...) decides the matmul
+rate: a host that sets OPENBLAS_CORETYPE=Haswell runs AVX2 kernels on an AVX-512 CPU at about half the
+speed. `blas_info()` reports it for the logs, `pagedserve stats` and the benchmarks' environment header.
 """
 
 from __future__ import annotations
 
-import ctypes
 from functools import lru_cache
 
 import numpy as np  # noqa: F401  (loads the BLAS library whose threads this module controls)
-
-# (setter, getter) pairs, as the OpenBLAS builds numpy ships with or links against name them.
-_SYMBOLS = (
-    ("scipy_openblas_set_num_threads64_", "scipy_openblas_get_num_threads64_"),
-    ("scipy_openblas_set_num_threads", "scipy_openblas_get_num_threads"),
-    ("openblas_set_num_threads64_", "openblas_get_num_threads64_"),
-    ("openblas_set_num_threads", "openblas_get_num_threads"),
-)
+from threadpoolctl import ThreadpoolController
 
 
 @lru_cache(maxsize=1)
-def _openblas() -> tuple[object, object] | None:
-    """(set, get) functions of the OpenBLAS loaded in this process, or None when there is none."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = sorted({line.split()[-1] for line in maps
-                            if "openblas" in line.lower() and line.split()[-1].startswith("/")})
-    except OSError:
+def _controller() -> ThreadpoolController | None:
+    """threadpoolctl's handle on the BLAS libraries in this process (OpenBLAS first), or None."""
+    blas = ThreadpoolController().select(user_api="blas")
+    return blas if blas.lib_controllers else None
+
+
+def blas_info() -> dict | None:
+    """numpy's BLAS: {"internal_api", "version", "architecture", "num_threads"}; None when none is found."""
+    c = _controller()
+    if c is None:
         return None
-    for path in paths:
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for setter, getter in _SYMBOLS:
-            if hasattr(lib, setter) and hasattr(lib, getter):
-                set_fn, get_fn = getattr(lib, setter), getattr(lib, getter)
-                set_fn.argtypes, set_fn.restype = [ctypes.c_int], None
-                get_fn.argtypes, get_fn.restype = [], ctypes.c_int
-                return set_fn, get_fn
-    return None
+    lib = c.lib_controllers[0].info()
+    return {"internal_api": lib.get("internal_api"), "version": lib.get("version"),
+            "architecture": lib.get("architecture"), "num_threads": lib.get("num_threads")}
 
 
 def blas_threads() -> int | None:
-    """Threads numpy's OpenBLAS uses now; None when numpy's BLAS is not an OpenBLAS found here."""
-    fns = _openblas()
-    return int(fns[1]()) if fns else None
+    """Threads numpy's BLAS uses now; None when no BLAS library is found in this process."""
+    c = _controller()
+    return int(c.lib_controllers[0].num_threads) if c is not None else None
 
 
 def set_blas_threads(count: int) -> None:
-    """Make numpy's OpenBLAS use `count` threads from now on, for the whole process."""
+    """Make numpy's BLAS use `count` threads from now on, for the whole process."""
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"cpu_threads must be a positive integer, got {count!r}")
-    fns = _openblas()
-    if fns is None:
-        raise ValueError("cpu_threads: cannot set the BLAS thread count: no OpenBLAS is loaded in this process "
-                         "(numpy uses another BLAS); set OMP_NUM_THREADS or that library's own variable "
-                         "before starting instead")
-    fns[0](count)
+    c = _controller()
+    if c is None:
+        raise ValueError("cpu_threads: cannot set the BLAS thread count: threadpoolctl finds no BLAS library "
+                         "in this process; set OMP_NUM_THREADS or that library's own variable before starting "
+                         "instead")
+    for lib in c.lib_controllers:
+        lib.set_num_threads(count)
+
+
+_cpu_threads: int | None = None  # the last cpu_threads setting; numba_setup.apply_threads follows it
+
+
+def set_cpu_threads(count: int) -> None:
+    """`cpu_threads`: numpy's BLAS threads now, and numba's parallel-loop threads from the next kernel call
+    (numba's count is per calling thread, and the engine steps in a worker thread of its own)."""
+    global _cpu_threads
+    set_blas_threads(count)
+    _cpu_threads = count
+
+
+def cpu_threads() -> int | None:
+    return _cpu_threads

@@ -1,7 +1,7 @@
 """CUDA implementations of the op layer, for CuPy arrays.
 
-Every function here has the signature of its numpy reference in ops.py / paged_attention.py, which
-dispatch to it when handed a CuPy array. CuPy is imported inside the functions only, so importing
+Every function here has the signature of its numpy reference in ops.py / paged_attention.py; the CUDA
+backend's op table (kernel_set.cuda_kernels) holds them. CuPy is imported inside the functions only, so importing
 this module (and with it pagedserve.cupy_kernels) never needs CuPy or a GPU.
 
 Kernels live in the .cu files next to this module, one per family. MODULES below is the single table

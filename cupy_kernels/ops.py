@@ -1,8 +1,9 @@
 """The op layer: every piece of math the model does, as one function each.
 
-These numpy functions are the reference. A CuPy implementation of an op takes the same arguments and
-returns the same result (within float16 tolerance) so models/ never changes when the backend does; each
-CUDA kernel is tested against the function here. Shapes use T = tokens in the flat batch, H = query
+These numpy functions are the reference. The numba (numba_ops.py) and CUDA (cuda_ops.py) versions of an
+op take the same arguments and return the same result (within float32 / float16 rounding), and models/
+reaches whichever the backend chose through `backend.ops` (kernel_set.py), so it never changes when the
+backend does; each compiled kernel is tested against the function here. Shapes use T = tokens in the flat batch, H = query
 heads, KV = key/value heads, D = head dim.
 """
 
@@ -10,13 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import cuda_ops
-
 
 def embedding(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Rows of `table` [V, hidden] for `ids` [T] -> [T, hidden]."""
-    if cuda_ops.is_cupy_array(table):
-        return cuda_ops.embedding(table, ids)
     return table[ids]
 
 
@@ -26,8 +23,6 @@ def linear(x: np.ndarray, weight_t: np.ndarray, bias: np.ndarray | None = None) 
     Weights are stored transposed from the Hugging Face [out, in] layout, once at load: on the CPU,
     OpenBLAS runs the small-M matmuls of decode steps 10-30% faster on an [in, out] operand.
     """
-    if cuda_ops.is_cupy_array(x):
-        return cuda_ops.linear(x, weight_t, bias)
     out = x @ weight_t
     if bias is not None:
         out += bias
@@ -36,8 +31,6 @@ def linear(x: np.ndarray, weight_t: np.ndarray, bias: np.ndarray | None = None) 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """Root-mean-square norm over the last axis, computed in float32."""
-    if cuda_ops.is_cupy_array(x):
-        return cuda_ops.rms_norm(x, weight, eps)
     x32 = x.astype(np.float32, copy=False)
     # einsum gives the row sums of squares without a [T, hidden] temporary.
     scale = np.einsum("ij,ij->i", x32, x32)[:, None]
@@ -57,8 +50,6 @@ def add_rms_norm(
     Fusing the add with the norm saves one pass over the activations on the GPU; with no residual yet
     (the first layer) `x` itself becomes the residual.
     """
-    if cuda_ops.is_cupy_array(x):
-        return cuda_ops.add_rms_norm(x, residual, weight, eps)
     if residual is None:
         residual = x
     else:
@@ -68,8 +59,6 @@ def add_rms_norm(
 
 def rope_cos_sin(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin [T, D/2] of positions x inv_freq, computed in float64 for accuracy at long positions."""
-    if cuda_ops.is_cupy_array(positions):
-        return cuda_ops.rope_cos_sin(inv_freq, positions)
     freqs = positions.astype(np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]
     return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
 
@@ -79,8 +68,6 @@ def apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
     The first and second halves of each head form the (real, imaginary) pairs.
     """
-    if cuda_ops.is_cupy_array(x):
-        return cuda_ops.apply_rotary(x, cos, sin)
     half = x.shape[-1] // 2
     c = cos[:, None, :]
     s = sin[:, None, :]
@@ -97,8 +84,6 @@ def apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 def silu_and_mul(x: np.ndarray) -> np.ndarray:
     """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
-    if cuda_ops.is_cupy_array(x):
-        return cuda_ops.silu_and_mul(x)
     half = x.shape[-1] // 2
     gate = x[:, :half]
     up = x[:, half:]

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import cuda_ops
-
 
 def reshape_and_cache(
     key: np.ndarray,
@@ -31,8 +29,6 @@ def reshape_and_cache(
     slot_mapping: np.ndarray,
 ) -> None:
     """Write key/value [T, KV, D] into the caches at `slot_mapping` [T]; slot -1 means skip."""
-    if cuda_ops.is_cupy_array(key):
-        return cuda_ops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
     num_blocks, block_size = k_cache.shape[:2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
@@ -46,8 +42,6 @@ def reshape_and_cache(
 
 def copy_blocks(kv_caches: list[tuple[np.ndarray, np.ndarray]], block_mapping: list[tuple[int, int]]) -> None:
     """Copy whole blocks src -> dst in every layer's K and V (copy-on-write of a shared block)."""
-    if cuda_ops.is_cupy_array(kv_caches[0][0] if kv_caches else None):
-        return cuda_ops.copy_blocks(kv_caches, block_mapping)
     if not block_mapping:
         return
     src = np.array([s for s, _ in block_mapping], dtype=np.int64)
@@ -132,8 +126,6 @@ def paged_attention(
     sequence at a time; decodes (one query token) are batched by block count. Either way a sequence's
     result depends only on itself, never on what else is in the batch.
     """
-    if cuda_ops.is_cupy_array(query):
-        return cuda_ops.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
     num_tokens, num_heads, head_dim = query.shape
     block_size = k_cache.shape[1]
     out = np.empty((num_tokens, num_heads, head_dim), dtype=np.float32)

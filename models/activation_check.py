@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from pagedserve.cupy_kernels.backend import to_host
+
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 
 
@@ -32,14 +34,10 @@ def enabled_by_env() -> bool:
     return os.environ.get("PAGEDSERVE_CHECK_ACTIVATIONS", "0") not in ("", "0", "false", "no", "off")
 
 
-def _host(a: Any) -> np.ndarray:
-    return a.get() if hasattr(a, "get") else np.asarray(a)
-
-
 def check_residual(residual: Any, xp: Any, checkpoint: str, peaks: dict[str, float]) -> None:
     """Raise NonFiniteActivationError unless every value of `residual` [T, hidden] is finite; record its
     largest magnitude under `checkpoint`."""
-    finite_rows = _host(xp.isfinite(residual).all(axis=-1))
+    finite_rows = to_host(xp.isfinite(residual).all(axis=-1))
     if not finite_rows.all():
         bad = np.flatnonzero(~finite_rows)
         worst = max(peaks.values(), default=0.0)
@@ -50,4 +48,4 @@ def check_residual(residual: Any, xp: Any, checkpoint: str, peaks: dict[str, flo
         raise NonFiniteActivationError(
             f"{checkpoint}: the residual stream holds inf/NaN in {bad.size} token row(s), first {bad[:8].tolist()}; "
             f"largest finite |residual| before it: {worst:g} ({dtype}).{hint}")
-    peaks[checkpoint] = float(_host(xp.abs(residual).max())) if residual.size else 0.0
+    peaks[checkpoint] = float(to_host(xp.abs(residual).max())) if residual.size else 0.0

@@ -12,10 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from pagedserve.cupy_kernels import ops
 from pagedserve.cupy_kernels.backend import Backend, get_backend
 from pagedserve.cupy_kernels.collectives import SingleRank
-from pagedserve.cupy_kernels.paged_attention import paged_attention, reshape_and_cache
 
 from . import activation_check
 from .batch import ForwardBatch
@@ -134,6 +132,7 @@ class LlamaForCausalLM:
         return self._put(w.T)
 
     def _embed(self, ids: Any) -> Any:
+        ops = self.backend.ops
         if not self.shard.is_sharded:
             return ops.embedding(self.embed_tokens, ids)
         # Vocab-parallel: rows of this rank's ids, zeros for the others'; the sum over ranks is exact.
@@ -147,7 +146,7 @@ class LlamaForCausalLM:
         return self.comm.all_reduce(rows)
 
     def _logits(self, x: Any) -> Any:
-        logits = ops.linear(x, self.lm_head).astype(np.float32, copy=False)
+        logits = self.backend.ops.linear(x, self.lm_head).astype(np.float32, copy=False)
         if not self.shard.is_sharded:
             return logits
         pad = self.vocab_per_rank - logits.shape[1]  # the last ranks may hold fewer rows than ceil(V / N)
@@ -158,7 +157,7 @@ class LlamaForCausalLM:
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[Any, Any]]) -> Any:
         """Run one step; returns float32 logits [len(batch.logits_indices), vocab] (None on ranks > 0)."""
-        cfg = self.config
+        cfg, ops = self.config, self.backend.ops
         if len(kv_caches) != cfg.num_hidden_layers:
             raise ValueError(f"expected {cfg.num_hidden_layers} KV cache layers, got {len(kv_caches)}")
         # GPU: the step's metadata is checked and uploaded here, once (numpy: the batch as it is).
@@ -180,9 +179,9 @@ class LlamaForCausalLM:
             v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, cfg.head_dim)
             q = ops.apply_rotary(q, cos, sin)
             k = ops.apply_rotary(k, cos, sin)
-            reshape_and_cache(k, v, k_cache, v_cache, batch.slot_mapping)
-            attn = paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
-                                   batch.block_tables, self.scale)
+            ops.reshape_and_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+            attn = ops.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
+                                       batch.block_tables, self.scale)
             hidden = self.comm.all_reduce(ops.linear(attn.reshape(t, q_size), layer.o_proj))  # row-parallel
             x, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
             if check:

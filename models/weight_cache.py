@@ -19,19 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
+from pagedserve.cupy_kernels.cache_dir import cache_root  # noqa: F401  (re-exported: loader.py asks here)
+
 from .config import ModelConfig
 from .safetensors_io import read_safetensors
 from .tensor_parallel import TPShard, check_tensor_parallel
 
 CACHE_FORMAT = 1
-
-
-def cache_root() -> Path:
-    """$PAGEDSERVE_CACHE_DIR, else $XDG_CACHE_HOME/pagedserve, else ~/.cache/pagedserve."""
-    if env := os.environ.get("PAGEDSERVE_CACHE_DIR"):
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "pagedserve"
 
 
 def file_sha256(path: str | Path) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve.cupy_kernels.cuda_ops import ATTN_BLOCK_SIZES
+from pagedserve.cupy_kernels.kernel_set import CPU_KERNEL_SETS
 
 DEFAULT_CPU_KV_BYTES = 2 << 30  # 2 GiB of KV cache on the CPU backend
 
@@ -30,6 +31,9 @@ class EngineConfig:
     # else every core; with tensor_parallel_size N, cores / N per rank). On a host shared with busy
     # processes, fewer threads are faster.
     cpu_threads: int | None = None
+    # CPU kernels: "numba" (compiled, opt-in for now) or "numpy" (the reference); "auto" = numpy for now
+    # (cupy_kernels/kernel_set.cpu_kernels says why).
+    cpu_kernels: str = "auto"
     use_weight_cache: bool = True
     # Tensor parallelism (runtime/executor.py): ranks that each hold 1/N of every layer's heads and MLP.
     tensor_parallel_size: int = 1
@@ -67,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.cpu_kernels not in CPU_KERNEL_SETS:
+            raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_SETS}, got {self.cpu_kernels!r}")
         if self.device == "cuda":
             check_gpu_block_size(self.block_size)
         if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)) \

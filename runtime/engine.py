@@ -10,7 +10,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import structlog
 
-from pagedserve.cupy_kernels.blas_threads import blas_threads
+from pagedserve.cupy_kernels.blas_threads import blas_info
 from pagedserve.models.kv_cache import kv_bytes_per_block
 from pagedserve.models.loader import LoadedModel
 
@@ -77,9 +77,11 @@ class LLMEngine:
         self.kv_stats = KVTransferStats()
         self.remote_prefill: RemotePrefill | None = None  # set on a decode instance
         self.failed_requests: list[tuple[str, Exception]] = []  # taken by the caller after each step
+        self.blas = blas_info()  # numpy's BLAS: its kernel ("architecture") and threads, for logs and stats
         log.info("engine.kv_pool", num_blocks=num_blocks, block_size=self.block_size,
                  num_token_slots=num_blocks * self.block_size, backend=self.backend.name,
-                 model=self.model_name, blas_threads=blas_threads(),
+                 kernels=self.backend.ops.name, model=self.model_name,
+                 blas_threads=(self.blas or {}).get("num_threads"), blas_kernel=(self.blas or {}).get("architecture"),
                  tensor_parallel_size=self.executor.world_size)
 
     @property

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from pagedserve.cupy_kernels import cuda_ops
+from pagedserve.cupy_kernels.backend import to_host
 from pagedserve.models.batch import SeqChunk, build_forward_batch
 
 from .executor import Executor
@@ -115,7 +116,7 @@ class ModelRunner:
 
     @staticmethod
     def _beam_topk(logits_row, k: int) -> tuple[np.ndarray, np.ndarray]:
-        row = np.asarray(logits_row.get() if hasattr(logits_row, "get") else logits_row, dtype=np.float64)
+        row = to_host(logits_row).astype(np.float64)
         logprobs = row - (row.max() + np.log(np.exp(row - row.max()).sum()))
         k = min(k, row.shape[0])
         top = np.argpartition(-logprobs, k - 1)[:k]

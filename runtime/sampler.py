@@ -43,11 +43,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from pagedserve.cupy_kernels.backend import to_host
 from pagedserve.runtime.sampling_params import SamplingParams, SamplingType
 
 from . import sampling_device
 from .sampling_ops import (  # noqa: F401  (apply_penalties_and_bans is part of this module's API)
-    NUCLEUS_CANDIDATES, _inverse_cdf, _logsumexp_rows, _to_host, _top_candidates, apply_penalties_and_bans,
+    NUCLEUS_CANDIDATES, _inverse_cdf, _logsumexp_rows, _top_candidates, apply_penalties_and_bans,
 )
 
 @dataclass
@@ -267,7 +268,7 @@ class Sampler:
             sub = scaled if todo.size == scaled.shape[0] else scaled[t]
             ids, vals = _top_candidates(sub, c, xp)
             w = xp.exp(vals - vals[:, :1])
-            covered = _to_host(w.sum(axis=1) >= top_p[t] * total[t])
+            covered = to_host(w.sum(axis=1) >= top_p[t] * total[t])
             if covered.any():
                 k = xp.asarray(np.flatnonzero(covered))
                 out[t[k]] = self._sample_candidates(

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from pagedserve.cupy_kernels.backend import to_host
+
 _BISECTION_STEPS = 33  # a float32 key range spans < 2**33 integers: 33 halvings reach one value
 
 
@@ -104,7 +106,7 @@ def fetch(parts: list[Any], xp: Any) -> list[np.ndarray]:
     if not parts:
         return []
     flat = xp.concatenate([xp.ravel(p).astype(xp.float64) for p in parts])
-    host = flat.get() if hasattr(flat, "get") else np.asarray(flat)
+    host = to_host(flat)
     out, at = [], 0
     for p in parts:
         n = int(np.prod(p.shape))

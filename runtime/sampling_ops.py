@@ -27,11 +27,6 @@ _CPU_ROW_CHUNK = 4
 _GROUPS = 16
 
 
-def _to_host(a: Any) -> np.ndarray:
-    # CuPy arrays have .get(); numpy arrays do not.
-    return a.get() if hasattr(a, "get") else np.asarray(a)
-
-
 def _flat_keys(
     rows: Sequence[int], seqs: Sequence[Sequence[int]], vocab_size: int, what: str
 ) -> np.ndarray:

@@ -23,8 +23,7 @@ from typing import Any
 import structlog
 
 from pagedserve.cupy_kernels.backend import get_backend
-from pagedserve.cupy_kernels.blas_threads import set_blas_threads
-from pagedserve.cupy_kernels.paged_attention import copy_blocks
+from pagedserve.cupy_kernels.blas_threads import set_blas_threads, set_cpu_threads
 from pagedserve.models.batch import ForwardBatch
 from pagedserve.models.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from pagedserve.models.llama import LlamaForCausalLM
@@ -57,11 +56,11 @@ class Worker:
         self.config = config
         self.rank, self.world_size = rank, world_size
         if config.cpu_threads is not None:
-            set_blas_threads(config.cpu_threads)
+            set_cpu_threads(config.cpu_threads)  # BLAS threads, and numba's when that kernel set runs
         elif world_size > 1 and not os.environ.get("OPENBLAS_NUM_THREADS"):
             # N ranks on one host: split the cores rather than let every rank's OpenBLAS take them all.
             set_blas_threads(max(1, (os.cpu_count() or 1) // world_size))
-        self.backend = get_backend(config.device)
+        self.backend = get_backend(config.device, config.cpu_kernels)
         if self.backend.is_gpu:  # device "auto" resolved to the GPU
             check_gpu_block_size(config.block_size)
             if world_size > 1:
@@ -112,7 +111,7 @@ class Worker:
 
     def execute_model(self, request: ExecuteModelRequest) -> Any:
         """Block copies, then one forward; float32 logits of the batch's logits rows on rank 0, None elsewhere."""
-        copy_blocks(self.kv_caches, request.block_copies)
+        self.backend.ops.copy_blocks(self.kv_caches, request.block_copies)
         logits = self.graphs.run(request.batch) if self.graphs is not None else None
         if logits is None:  # no graph for this step (CPU, graphs off, prefill in the batch, too many rows)
             logits = self.model.forward(request.batch, self.kv_caches)

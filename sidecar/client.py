@@ -143,6 +143,9 @@ class ModelInfo:
     dtype: str
     backend: str
     num_kv_blocks: int
+    kernels: str
+    blas_kernel: str
+    blas_threads: int
 
 
 @dataclass(frozen=True)

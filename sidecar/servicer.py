@@ -163,7 +163,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return pb.ModelInfo(name=self._model_name(), architecture=e.model_config.architecture,
                             max_model_len=e.max_model_len, vocab_size=e.model_config.vocab_size,
                             block_size=e.block_size, dtype=str(e.backend.dtype), backend=e.backend.name,
-                            num_kv_blocks=e.num_kv_blocks)
+                            num_kv_blocks=e.num_kv_blocks, kernels=e.backend.ops.name,
+                            blas_kernel=(e.blas or {}).get("architecture") or "",
+                            blas_threads=(e.blas or {}).get("num_threads") or 0)
 
     async def GetServerStats(self, request, context):
         engine = await self._engine(context)

@@ -183,7 +183,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "max_model_len", "vocab_size", "block_size", "dtype", "backend", "num_kv_blocks")
+    __slots__ = ("name", "architecture", "max_model_len", "vocab_size", "block_size", "dtype", "backend", "num_kv_blocks", "kernels", "blas_kernel", "blas_threads")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +192,9 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
+    BLAS_KERNEL_FIELD_NUMBER: _ClassVar[int]
+    BLAS_THREADS_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     max_model_len: int
@@ -200,7 +203,10 @@ class ModelInfo(_message.Message):
     dtype: str
     backend: str
     num_kv_blocks: int
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
+    kernels: str
+    blas_kernel: str
+    blas_threads: int
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., kernels: _Optional[str] = ..., blas_kernel: _Optional[str] = ..., blas_threads: _Optional[int] = ...) -> None: ...
 
 class GetServerStatsRequest(_message.Message):
     __slots__ = ()

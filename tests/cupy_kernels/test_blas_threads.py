@@ -35,11 +35,37 @@ def test_bad_counts_name_the_setting(bad, restore_threads):
     assert bt.blas_threads() == restore_threads  # nothing changed
 
 
-def test_without_openblas_the_error_says_what_to_do(monkeypatch):
-    monkeypatch.setattr(bt, "_openblas", lambda: None)
-    assert bt.blas_threads() is None
-    with pytest.raises(ValueError, match="no OpenBLAS is loaded in this process"):
+def test_without_a_blas_the_error_says_what_to_do(monkeypatch):
+    monkeypatch.setattr(bt, "_controller", lambda: None)
+    assert bt.blas_threads() is None and bt.blas_info() is None
+    with pytest.raises(ValueError, match="finds no BLAS library in this process"):
         bt.set_blas_threads(1)
+
+
+def test_blas_info_names_the_kernel(restore_threads):
+    info = bt.blas_info()
+    assert info["num_threads"] == restore_threads
+    assert info["internal_api"] == "openblas" and info["architecture"]  # e.g. "SkylakeX", "Zen", "Haswell"
+
+
+def test_numba_threads_follow_cpu_threads(restore_threads, monkeypatch):
+    """numba's count is per calling thread: apply_threads sets it in whichever thread runs the kernels."""
+    import threading
+
+    from pagedserve.cupy_kernels import numba_setup
+
+    monkeypatch.setattr(bt, "_cpu_threads", None)
+    bt.set_cpu_threads(1)
+    seen = []
+
+    def worker():
+        numba_setup.apply_threads()
+        seen.append(numba_setup.numba.get_num_threads())
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == [1] and bt.blas_threads() == 1
 
 
 def test_engine_applies_cpu_threads(restore_threads):

@@ -30,10 +30,12 @@ import pytest
 
 from pagedserve.cupy_kernels import cuda_ops, ops
 from pagedserve.cupy_kernels import paged_attention as pa
+from pagedserve.cupy_kernels.kernel_set import cuda_kernels
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 ERRORS_ENV = "PAGEDSERVE_GPU_ERRORS"
 f16 = np.float16
+cuda = cuda_kernels()  # the CUDA op table: refuses host arrays, so every call below is a device call
 
 
 def _cp():
@@ -113,7 +115,7 @@ def gpu_attention(query, k, v, qsl, lens, tables, scale, device_metadata=False):
     meta = (qsl, lens, tables)
     if device_metadata:
         meta = tuple(cp.asarray(m) for m in meta)
-    out = pa.paged_attention(cp.asarray(query), cp.asarray(k), cp.asarray(v), *meta, scale)
+    out = cuda.paged_attention(cp.asarray(query), cp.asarray(k), cp.asarray(v), *meta, scale)
     return to_host(out)
 
 
@@ -162,7 +164,7 @@ def test_paged_attention_strided_query_view():
     query = qkv[:, : 8 * 64].reshape(21, 8, 64)
     ref = reference_attention(query, k, v, qsl, lens, tables, 0.125)
     q_dev = cp.asarray(qkv)[:, : 8 * 64].reshape(21, 8, 64)
-    got = to_host(pa.paged_attention(q_dev, cp.asarray(k), cp.asarray(v), qsl, lens, tables, 0.125))
+    got = to_host(cuda.paged_attention(q_dev, cp.asarray(k), cp.asarray(v), qsl, lens, tables, 0.125))
     check_attention(got, ref, "paged_attention/strided_query")
 
 
@@ -214,13 +216,13 @@ def test_paged_attention_rejects_unsupported_shapes():
     q = cp.zeros((1, 2, 80), dtype=cp.float16)
     cache = cp.zeros((4, 16, 1, 80), dtype=cp.float16)
     with pytest.raises(ValueError, match="head_dim 80"):
-        pa.paged_attention(q, cache, cache, np.array([0, 1]), np.array([1]), np.zeros((1, 1), np.int32), 1.0)
+        cuda.paged_attention(q, cache, cache, np.array([0, 1]), np.array([1]), np.zeros((1, 1), np.int32), 1.0)
     cache = cp.zeros((4, 8, 1, 64), dtype=cp.float16)
     with pytest.raises(ValueError, match="block_size 8"):
-        pa.paged_attention(q[:, :, :64], cache, cache, np.array([0, 1]), np.array([1]), np.zeros((1, 1), np.int32), 1.0)
+        cuda.paged_attention(q[:, :, :64], cache, cache, np.array([0, 1]), np.array([1]), np.zeros((1, 1), np.int32), 1.0)
     cache = cp.zeros((4, 16, 1, 64), dtype=cp.float16)
     with pytest.raises(IndexError, match="block id"):
-        pa.paged_attention(q[:, :, :64], cache, cache, np.array([0, 1]), np.array([1]), np.full((1, 1), 9, np.int32),
+        cuda.paged_attention(q[:, :, :64], cache, cache, np.array([0, 1]), np.array([1]), np.full((1, 1), 9, np.int32),
                            1.0)
 
 
@@ -246,16 +248,16 @@ def test_reshape_and_cache(dtype):
     pa.reshape_and_cache(key, value, ref_k, ref_v, slots)
     qkv_d = cp.asarray(qkv)
     got_k, got_v = cp.asarray(k_cache), cp.asarray(v_cache)
-    pa.reshape_and_cache(qkv_d[:, 4 * d: 4 * d + kv * d].reshape(t, kv, d), qkv_d[:, 4 * d + kv * d:].reshape(t, kv, d),
+    cuda.reshape_and_cache(qkv_d[:, 4 * d: 4 * d + kv * d].reshape(t, kv, d), qkv_d[:, 4 * d + kv * d:].reshape(t, kv, d),
                          got_k, got_v, slots)
     np.testing.assert_array_equal(to_host(got_k), ref_k)
     np.testing.assert_array_equal(to_host(got_v), ref_v)
     # Device slot_mapping takes the same path without host checks.
     got_k2, got_v2 = cp.asarray(k_cache), cp.asarray(v_cache)
-    pa.reshape_and_cache(cp.asarray(key), cp.asarray(value), got_k2, got_v2, cp.asarray(slots))
+    cuda.reshape_and_cache(cp.asarray(key), cp.asarray(value), got_k2, got_v2, cp.asarray(slots))
     np.testing.assert_array_equal(to_host(got_k2), ref_k)
     with pytest.raises(IndexError, match="outside a cache"):
-        pa.reshape_and_cache(cp.asarray(key), cp.asarray(value), got_k2, got_v2, np.full(t, num_blocks * bs))
+        cuda.reshape_and_cache(cp.asarray(key), cp.asarray(value), got_k2, got_v2, np.full(t, num_blocks * bs))
 
 
 @pytest.mark.gpu
@@ -268,15 +270,15 @@ def test_copy_blocks_all_layers_one_launch():
     ref = [(k.copy(), v.copy()) for k, v in layers]
     pa.copy_blocks(ref, mapping)
     dev = [(cp.asarray(k), cp.asarray(v)) for k, v in layers]
-    pa.copy_blocks(dev, mapping)
+    cuda.copy_blocks(dev, mapping)
     for (rk, rv), (dk, dv) in zip(ref, dev):
         np.testing.assert_array_equal(to_host(dk), rk)
         np.testing.assert_array_equal(to_host(dv), rv)
-    pa.copy_blocks(dev, [])  # no-op
+    cuda.copy_blocks(dev, [])  # no-op
     with pytest.raises(ValueError, match="destination block appears twice"):
-        pa.copy_blocks(dev, [(1, 2), (3, 2)])
+        cuda.copy_blocks(dev, [(1, 2), (3, 2)])
     with pytest.raises(IndexError):
-        pa.copy_blocks(dev, [(1, 10)])
+        cuda.copy_blocks(dev, [(1, 10)])
 
 
 def copy_on_write_after_preemption() -> list[tuple[int, int]]:
@@ -314,7 +316,7 @@ def test_copy_blocks_source_freed_and_reused_as_destination():
         np.testing.assert_array_equal(ref[0][0][2], layers[0][0][1])
         np.testing.assert_array_equal(ref[0][0][1], layers[0][0][3])
         dev = [(cp.asarray(k), cp.asarray(v)) for k, v in layers]
-        pa.copy_blocks(dev, mapping)
+        cuda.copy_blocks(dev, mapping)
         for (rk, rv), (dk, dv) in zip(ref, dev):
             np.testing.assert_array_equal(to_host(dk), rk)
             np.testing.assert_array_equal(to_host(dv), rv)
@@ -374,7 +376,7 @@ def test_add_rms_norm(hidden, dtype):
     w = (1 + 0.1 * rng.standard_normal(hidden)).astype(dtype)
     ref_n, ref_r = ops.add_rms_norm(x, res.copy(), w, 1e-6)  # the numpy op updates the residual in place
     res_d = cp.asarray(res)
-    got_n, got_r = ops.add_rms_norm(cp.asarray(x), res_d, cp.asarray(w), 1e-6)
+    got_n, got_r = cuda.add_rms_norm(cp.asarray(x), res_d, cp.asarray(w), 1e-6)
     assert got_r is res_d  # in place, like the numpy op
     np.testing.assert_array_equal(to_host(got_r), ref_r)  # the add rounds exactly like numpy
     if dtype == np.float16:
@@ -385,17 +387,17 @@ def test_add_rms_norm(hidden, dtype):
         np.testing.assert_allclose(to_host(got_n), ref_n, rtol=2e-6, atol=1e-6)
     # A residual that is a strided view still works (written to a new array, returned).
     wide = cp.asarray(np.concatenate([res, res], axis=1))
-    got_n2, got_r2 = ops.add_rms_norm(cp.asarray(x), wide[:, :hidden], cp.asarray(w), 1e-6)
+    got_n2, got_r2 = cuda.add_rms_norm(cp.asarray(x), wide[:, :hidden], cp.asarray(w), 1e-6)
     np.testing.assert_array_equal(to_host(got_r2), ref_r)
     np.testing.assert_array_equal(to_host(got_n2), to_host(got_n))
     # No residual yet: x itself is the residual (the same object, as in numpy).
     x_d = cp.asarray(x)
-    got_n0, got_r0 = ops.add_rms_norm(x_d, None, cp.asarray(w), 1e-6)
+    got_n0, got_r0 = cuda.add_rms_norm(x_d, None, cp.asarray(w), 1e-6)
     assert got_r0 is x_d
     ref_n0 = ops.rms_norm(x, w, 1e-6)
     if dtype == np.float16:
         assert max_ulps(to_host(got_n0), ref_n0) <= 1
-        assert max_ulps(to_host(ops.rms_norm(x_d, cp.asarray(w), 1e-6)), ref_n0) <= 1
+        assert max_ulps(to_host(cuda.rms_norm(x_d, cp.asarray(w), 1e-6)), ref_n0) <= 1
 
 
 @pytest.mark.gpu
@@ -412,13 +414,13 @@ def test_apply_rotary():
     x64, c64, s64 = x.astype(np.float64), cos.astype(np.float64)[:, None], sin.astype(np.float64)[:, None]
     exact = np.concatenate([x64[..., : d // 2] * c64 - x64[..., d // 2:] * s64,
                             x64[..., d // 2:] * c64 + x64[..., : d // 2] * s64], axis=-1)
-    got = to_host(ops.apply_rotary(cp.asarray(qkv)[:, : heads * d].reshape(t, heads, d), cos, sin))
+    got = to_host(cuda.apply_rotary(cp.asarray(qkv)[:, : heads * d].reshape(t, heads, d), cos, sin))
     record("apply_rotary", max_ulps_vs_exact=max_ulps(got, exact),
            max_abs_vs_numpy_op=np.abs(got.astype(np.float64) - ops.apply_rotary(x, cos, sin)).max())
     assert max_ulps(got, exact) <= 1
     np.testing.assert_allclose(got, ops.apply_rotary(x, cos, sin), atol=4e-3)
     # cos/sin computed on the device from device positions.
-    cos_d, sin_d = ops.rope_cos_sin(inv_freq, cp.asarray(positions))
+    cos_d, sin_d = cuda.rope_cos_sin(inv_freq, cp.asarray(positions))
     record("rope_cos_sin", max_abs_err=np.abs(to_host(cos_d) - cos).max())
     np.testing.assert_allclose(to_host(cos_d), cos, atol=1e-6)
     np.testing.assert_allclose(to_host(sin_d), sin, atol=1e-6)
@@ -432,7 +434,7 @@ def test_silu_and_mul(dtype):
     x = (rng.standard_normal((33, 2 * 700)) * 4).astype(dtype)
     x[0, :5] = [-100, -30, 0, 30, 100]
     ref = ops.silu_and_mul(x.astype(np.float64)).astype(dtype)
-    got = to_host(ops.silu_and_mul(cp.asarray(x)))
+    got = to_host(cuda.silu_and_mul(cp.asarray(x)))
     if dtype == np.float16:
         record("silu_and_mul", max_ulps=max_ulps(got, ref))
         assert max_ulps(got, ref) <= 1
@@ -446,16 +448,16 @@ def test_embedding_and_linear():
     rng = np.random.default_rng(9)
     table = rng.standard_normal((300, 64)).astype(f16)
     ids = rng.integers(0, 300, size=25)
-    np.testing.assert_array_equal(to_host(ops.embedding(cp.asarray(table), ids)), table[ids])
-    np.testing.assert_array_equal(to_host(ops.embedding(cp.asarray(table), cp.asarray(ids))), table[ids])
+    np.testing.assert_array_equal(to_host(cuda.embedding(cp.asarray(table), ids)), table[ids])
+    np.testing.assert_array_equal(to_host(cuda.embedding(cp.asarray(table), cp.asarray(ids))), table[ids])
     with pytest.raises(IndexError):
-        ops.embedding(cp.asarray(table), np.array([300]))
+        cuda.embedding(cp.asarray(table), np.array([300]))
     x = rng.standard_normal((19, 4096)).astype(f16)
     w = (rng.standard_normal((1000, 4096)) / 64).astype(f16)  # [out, in], as in a checkpoint
     b = rng.standard_normal(1000).astype(f16)
     ref = x.astype(np.float64) @ w.astype(np.float64).T + b.astype(np.float64)
     for weight_t in (cp.asarray(np.ascontiguousarray(w.T)), cp.asarray(w).T):  # stored [in, out]; a tied view
-        got = to_host(ops.linear(cp.asarray(x), weight_t, cp.asarray(b)))
+        got = to_host(cuda.linear(cp.asarray(x), weight_t, cp.asarray(b)))
         err = np.abs(got - ref)
         record("linear", max_abs_err=err.max())
         assert (err <= 2 * ulp16(ref) + 1e-3).all()
@@ -469,7 +471,7 @@ def test_linear_accumulates_in_float32():
     x = rng.random((4, 16384)).astype(f16)
     w = rng.random((8, 16384)).astype(f16)
     ref = x.astype(np.float64) @ w.astype(np.float64).T
-    got = to_host(ops.linear(cp.asarray(x), cp.asarray(w).T))
+    got = to_host(cuda.linear(cp.asarray(x), cp.asarray(w).T))
     record("linear/fp32_accumulation", max_abs_err=np.abs(got - ref).max())
     assert np.abs(got - ref).max() <= 4.0
 
@@ -491,9 +493,9 @@ def test_argmax_rows(dtype):
 def test_ops_return_device_arrays():
     cp = _cp()
     x = cp.ones((3, 8), dtype=cp.float16)
-    assert isinstance(ops.silu_and_mul(x), cp.ndarray)
-    assert isinstance(ops.linear(x, cp.ones((8, 5), dtype=cp.float16)), cp.ndarray)
-    assert isinstance(ops.rms_norm(x, cp.ones(8, dtype=cp.float16), 1e-6), cp.ndarray)
+    assert isinstance(cuda.silu_and_mul(x), cp.ndarray)
+    assert isinstance(cuda.linear(x, cp.ones((8, 5), dtype=cp.float16)), cp.ndarray)
+    assert isinstance(cuda.rms_norm(x, cp.ones(8, dtype=cp.float16), 1e-6), cp.ndarray)
 
 
 # ---------------------------------------------------------------------------------------------

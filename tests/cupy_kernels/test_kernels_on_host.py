@@ -3,7 +3,7 @@
 Each kernel family file is compiled unchanged by g++ after tests/cupy_kernels/_host_emulation.h, which
 runs every CUDA thread of a CTA as a fiber with real barriers and warp shuffles. A stand-in `cupy`
 module (numpy arrays whose type claims to be CuPy's) is installed for the duration of a test, so
-cuda_ops and the op-layer dispatch run unmodified: RawModule receives the exact source string and
+cuda_ops and the CUDA op table run unmodified: RawModule receives the exact source string and
 options, get_function checks that the name is one of the module's instantiations, and each launch
 checks its argument count and byte sizes against the kernel's parameter list.
 
@@ -27,8 +27,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagedserve.cupy_kernels import cuda_ops, ops
-from pagedserve.cupy_kernels import paged_attention as pa
+from pagedserve.cupy_kernels import cuda_ops
+from pagedserve.cupy_kernels.kernel_set import cuda_kernels
+
+cuda = cuda_kernels()
 
 
 def _load_gpu_tests():
@@ -183,10 +185,10 @@ def test_paged_attention_on_host(emulated, block_size, head_dim, group):
         k, v, qsl, lens, tables = gpu_tests.build_cache(rng, specs, 2, head_dim, block_size)
         query = rng.standard_normal((int(qsl[-1]), 2 * group, head_dim)).astype(np.float16)
         ref = gpu_tests.reference_attention(query, k, v, qsl, lens, tables, head_dim ** -0.5)
-        got = pa.paged_attention(_dev(query), _dev(k), _dev(v), qsl, lens, tables, head_dim ** -0.5).get()
+        got = cuda.paged_attention(_dev(query), _dev(k), _dev(v), qsl, lens, tables, head_dim ** -0.5).get()
         assert got.dtype == np.float16
         gpu_tests.check_attention(got, ref, "host")
-        got_dev = pa.paged_attention(_dev(query), _dev(k), _dev(v), _dev(qsl), _dev(lens), _dev(tables),
+        got_dev = cuda.paged_attention(_dev(query), _dev(k), _dev(v), _dev(qsl), _dev(lens), _dev(tables),
                                      head_dim ** -0.5).get()
         np.testing.assert_array_equal(got_dev, got)
 
@@ -201,7 +203,7 @@ def test_batch_invariance_on_host(emulated):
     def run(members):
         idx = [names.index(m) for m in members]
         qsl = np.concatenate([[0], np.cumsum([specs[m][1] for m in members])]).astype(np.int32)
-        out = pa.paged_attention(_dev(np.concatenate([queries[m] for m in members])), _dev(k), _dev(v), qsl,
+        out = cuda.paged_attention(_dev(np.concatenate([queries[m] for m in members])), _dev(k), _dev(v), qsl,
                                  lens[idx], tables[idx], 0.125).get()
         return {m: out[qsl[i]: qsl[i + 1]] for i, m in enumerate(members)}
 
@@ -218,7 +220,7 @@ def test_never_written_slots_are_never_read_on_host(emulated):
         k, v, qsl, lens, tables = gpu_tests.build_cache(np.random.default_rng(3), [(600, 1), (37, 37)], 1, 64, 16,
                                                         poison=poison)
         query = np.random.default_rng(4).standard_normal((38, 3, 64)).astype(np.float16)
-        outs.append(pa.paged_attention(_dev(query), _dev(k), _dev(v), qsl, lens, tables, 0.125).get())
+        outs.append(cuda.paged_attention(_dev(query), _dev(k), _dev(v), qsl, lens, tables, 0.125).get())
     assert np.isfinite(outs[1]).all()
     np.testing.assert_array_equal(outs[0], outs[1])
 
@@ -394,7 +396,7 @@ def test_attention_over_sequence_ranges_is_bitwise_the_same_on_host(emulated, mo
     specs = [(1100, 1), (40, 40), (700, 1), (1500, 1), (17, 1), (530, 3), (900, 1)]
     k, v, qsl, lens, tables = gpu_tests.build_cache(rng, specs, 2, 64, 16)
     query = rng.standard_normal((int(qsl[-1]), 4, 64)).astype(np.float16)
-    whole = pa.paged_attention(_dev(query), _dev(k), _dev(v), qsl, lens, tables, 0.125).get()
+    whole = cuda.paged_attention(_dev(query), _dev(k), _dev(v), qsl, lens, tables, 0.125).get()
     per_seq = cuda_ops.partition_bytes_per_seq(4, 64, 3)
     cap = 2 * per_seq + 100  # two sequences per launch: four launches for seven sequences
     monkeypatch.setattr(cuda_ops, "PARTITION_SCRATCH_BYTES", cap)
@@ -405,7 +407,7 @@ def test_attention_over_sequence_ranges_is_bitwise_the_same_on_host(emulated, mo
         real_empty(shape, dtype)
     for metadata in ((qsl, lens, tables), (_dev(qsl), _dev(lens), _dev(tables))):
         sizes.clear()
-        got = pa.paged_attention(_dev(query), _dev(k), _dev(v), *metadata, 0.125).get()
+        got = cuda.paged_attention(_dev(query), _dev(k), _dev(v), *metadata, 0.125).get()
         np.testing.assert_array_equal(got, whole)
         partials = [int(np.prod(s)) * 4 for s, d in sizes if d == np.float32]
         assert partials and sum(partials) <= cap, sizes

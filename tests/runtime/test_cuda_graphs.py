@@ -210,7 +210,7 @@ def test_a_capture_error_drops_every_graph_and_logs_it():
 def test_build_decode_graphs_only_on_the_gpu_and_when_enabled():
     model, _, kv = _model_and_caches()
     assert build_decode_graphs(EngineConfig(device="cpu"), model, kv, 64, FakeCapturer()) is None
-    model.backend = type(model.backend)("cupy", np, np.dtype(np.float32))  # claims to be the GPU
+    model.backend = type(model.backend)("cupy", np, np.dtype(np.float32), model.backend.ops)  # claims to be the GPU
     assert build_decode_graphs(EngineConfig(enable_cuda_graphs=False), model, kv, 64, FakeCapturer()) is None
     graphs = build_decode_graphs(EngineConfig(max_num_seqs=6), model, kv, 64, FakeCapturer())
     assert graphs is not None and graphs.sizes == (1, 2, 4, 6) and graphs.max_blocks == 4

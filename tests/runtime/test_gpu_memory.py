@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pagedserve.cupy_kernels.backend import Backend
+from pagedserve.cupy_kernels.kernel_set import numpy_kernels
 from pagedserve.models.device_batch import unpack_batch
 from pagedserve.models.kv_cache import kv_bytes_per_block
 from pagedserve.models.llama import LlamaForCausalLM
@@ -121,7 +122,7 @@ def test_profile_runs_the_forwards_and_sampler_and_does_the_arithmetic(monkeypat
     xp = types.SimpleNamespace(**{n: getattr(np, n) for n in dir(np) if not n.startswith("_")})
     xp.cuda, xp.get_default_memory_pool = cuda, lambda: default_pool
     model = LlamaForCausalLM(cfg, weights)
-    model.backend = Backend("cupy", xp, np.dtype(np.float32))  # the GPU path, on numpy arrays
+    model.backend = Backend("cupy", xp, np.dtype(np.float32), numpy_kernels())  # the GPU path, on numpy arrays
     forwards = []
     real_forward = model.forward
     model.forward = lambda batch, kv: forwards.append((batch.num_tokens, batch.block_tables.shape)) or real_forward(batch, kv)
@@ -154,7 +155,7 @@ def test_profile_failures_say_what_was_profiled(monkeypatch):
     xp.cuda = _FakeCuda(0)
     xp.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
     model = LlamaForCausalLM(cfg, weights)
-    model.backend = Backend("cupy", xp, np.dtype(np.float32))
+    model.backend = Backend("cupy", xp, np.dtype(np.float32), numpy_kernels())
 
     def boom(batch, kv):
         raise MemoryError("Out of memory allocating 1,024 bytes")

@@ -12,6 +12,7 @@ import grpc
 import pytest
 from server_proc import TINY, ServerProcess, client_for, wait_idle
 
+from pagedserve.cupy_kernels.blas_threads import blas_info
 from pagedserve.runtime import LLM, SamplingParams
 from pagedserve.sidecar.client import PagedServeError
 
@@ -59,6 +60,8 @@ def test_socket_mode_and_model_info(server):
         info = c.model_info()
     assert info.architecture == "llama" and info.vocab_size == 512 and info.max_model_len == 512
     assert info.block_size == 16 and info.backend == "numpy"
+    # the CPU kernel set and the BLAS kernel numpy's matmuls run on (threadpoolctl's "architecture")
+    assert info.kernels == "numpy" and info.blas_kernel == blas_info()["architecture"] and info.blas_threads >= 1
 
 
 def test_stream_equals_offline_tokens(server, offline):

@@ -1,0 +1,118 @@
+"""The op table: one set of kernels per backend, chosen once when the backend is made.
+
+    numpy   the reference (ops.py, paged_attention.py): plain numpy, runs everywhere
+    numba   CPU kernels compiled from Python (numba_ops.py, numba_attention.py); matmuls stay numpy/BLAS
+    cuda    CuPy + the .cu kernels (cuda_ops.py)
+
+models/ calls `backend.ops.linear(...)` and never asks what kind of array it holds. Every entry has the
+signature of its numpy reference, and every non-reference entry is tested against that reference.
+
+The CUDA table refuses host arrays: a numpy activation reaching a GPU op is a bug upstream (a forgotten
+upload), and running it silently on the CPU would hide it. Host *metadata* (slot_mapping, block tables,
+...) stays allowed there: cuda_ops checks and uploads it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from . import ops, paged_attention
+
+# The op names every kernel set provides, in the order of a forward pass.
+OP_NAMES = ("embedding", "linear", "rms_norm", "add_rms_norm", "rope_cos_sin", "apply_rotary", "silu_and_mul",
+            "reshape_and_cache", "copy_blocks", "paged_attention")
+
+CPU_KERNEL_SETS = ("auto", "numba", "numpy")
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    name: str  # "numpy", "numba" or "cuda"
+    embedding: Callable[..., Any]
+    linear: Callable[..., Any]
+    rms_norm: Callable[..., Any]
+    add_rms_norm: Callable[..., Any]
+    rope_cos_sin: Callable[..., Any]
+    apply_rotary: Callable[..., Any]
+    silu_and_mul: Callable[..., Any]
+    reshape_and_cache: Callable[..., Any]
+    copy_blocks: Callable[..., Any]
+    paged_attention: Callable[..., Any]
+
+
+def _from_modules(name: str, *modules: Any) -> KernelSet:
+    """Each op from the first module that defines it."""
+    def pick(op: str) -> Callable[..., Any]:
+        for m in modules:
+            fn = getattr(m, op, None)
+            if fn is not None:
+                return fn
+        raise AssertionError(f"kernel set {name}: no module defines {op}")
+
+    return KernelSet(name, **{op: pick(op) for op in OP_NAMES})
+
+
+@functools.lru_cache(maxsize=None)
+def numpy_kernels() -> KernelSet:
+    return _from_modules("numpy", ops, paged_attention)
+
+
+@functools.lru_cache(maxsize=None)
+def numba_kernels() -> KernelSet:
+    """The numba kernels where there is one, the numpy reference elsewhere (embedding, matmuls)."""
+    from . import numba_attention, numba_ops  # imports (and configures) numba: only when asked for
+
+    numba_ops.warm_up()  # compiled now (or loaded from the on-disk cache), never during a request
+    numba_attention.warm_up()
+    return _from_modules("numba", numba_ops, numba_attention, ops, paged_attention)
+
+
+def _device_only(fn: Callable[..., Any], arg: int, op: str) -> Callable[..., Any]:
+    from .cuda_ops import is_cupy_array
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        a = args[arg]
+        if op == "copy_blocks":  # a list of (k, v) layers; an empty list has nothing to copy
+            a = a[0][0] if a else None
+            if a is None:
+                return fn(*args, **kwargs)
+        if not is_cupy_array(a):
+            raise TypeError(f"{op}: the CUDA backend got a host array ({type(a).__module__}."
+                            f"{type(a).__name__}); upload it first (backend.asarray)")
+        return fn(*args, **kwargs)
+
+    return checked
+
+
+# Which argument must be a device array for each CUDA op (the data, not the host metadata).
+_DEVICE_ARG = {"embedding": 0, "linear": 0, "rms_norm": 0, "add_rms_norm": 0, "rope_cos_sin": 1,
+               "apply_rotary": 0, "silu_and_mul": 0, "reshape_and_cache": 0, "copy_blocks": 0,
+               "paged_attention": 0}
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_kernels() -> KernelSet:
+    from . import cuda_ops
+
+    return KernelSet("cuda", **{op: _device_only(getattr(cuda_ops, op), _DEVICE_ARG[op], op) for op in OP_NAMES})
+
+
+def cpu_kernels(choice: str = "auto") -> KernelSet:
+    """The CPU kernel set: "numba" (compiled) or "numpy" (the reference).
+
+    "auto" is the numpy reference for now. On the 2-core test host, with numpy's OpenBLAS on 2 threads,
+    the numba set made the matmuls between its kernels several times slower (bench/throughput.py, 64
+    requests: 348 s against 24 s; with one BLAS thread both sets took the same time) and the cause is
+    not yet understood (docs/benchmarks.md). Until a quiet machine says otherwise, numba is opt-in.
+    """
+    if choice not in CPU_KERNEL_SETS:
+        raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_SETS}, got {choice!r}")
+    if choice in ("numpy", "auto"):
+        return numpy_kernels()
+    if importlib.util.find_spec("numba") is None:
+        raise ValueError("cpu_kernels='numba' was asked for, but numba is not installed")
+    return numba_kernels()

@@ -1,0 +1,239 @@
+"""numba versions of the elementwise ops in ops.py (fused add+RMSNorm, rotary, SiLU-and-mul) and the KV
+cache write of paged_attention.py, and the CPU set's linear (numpy/OpenBLAS, the tied lm_head in tiles). Same signatures and results as those numpy references, within float32
+rounding; tests/cupy_kernels/test_numba_ops.py compares them.
+
+Why compile these at all: the numpy versions make several passes over [T, hidden] activations with a
+temporary each (add, square, sum, divide, multiply; negate, exp, add, divide, multiply) while one loop here
+reads each value once. Three things make the loops vectorise (AVX2/AVX-512 on the CPU numba compiles for):
+`error_model="numpy"` (no ZeroDivisionError check per division), a polynomial exp (`fast_exp`: numba's
+np.exp is a scalar libm call, so SiLU would be slower than numpy's SIMD exp), and 1-D loops over row views.
+
+Small batches (decode steps) run on one thread: waking threads costs more than a few hundred rows take,
+and on a host shared with other work a parallel loop waits for its slowest thread. Every loop computes a
+row from that row alone, and each kernel is compiled once (numba_setup.apply_threads), so the thread
+count never changes a result.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
+
+from . import ops
+from .numba_setup import JIT, JIT_EXACT, apply_threads, numba
+
+# Rows from which the elementwise kernels use numba's thread pool (prange).
+PARALLEL_MIN_ROWS = 256
+_F32 = np.dtype(np.float32)
+
+
+def _kernel(fn, options=JIT):
+    return numba.njit(parallel=True, **options)(fn)
+
+
+def _threads_for(kernel, rows: int):
+    """The kernel, with this thread's numba pool set to one thread for small batches (numba_setup)."""
+    apply_threads(parallel=rows >= PARALLEL_MIN_ROWS)
+    return kernel
+
+
+@intrinsic
+def _f32_from_bits(typingctx, bits):
+    """Reinterpret an int32's bits as a float32 (2^n from its exponent field, for fast_exp)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+@numba.njit(inline="always", **JIT_EXACT)
+def fast_exp(x):
+    """exp(x) in float32 within 2 ulp (Cephes expf: exp(x) = 2^n * exp(r), |r| <= ln2/2, degree-7
+    polynomial), in plain arithmetic so LLVM vectorises it. Inputs are clamped to [-87, 88]: below, the
+    true value is < 2e-38 and this returns about that instead of 0 or a denormal; above, float32 overflows
+    anyway and callers here never go there with a meaningful value (SiLU: g / (1 + huge) = -0 either way)."""
+    x = x if x > np.float32(-87.0) else np.float32(-87.0)
+    x = x if x < np.float32(88.0) else np.float32(88.0)
+    n = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
+    r = x - n * np.float32(0.693359375) - n * np.float32(-2.12194440e-4)  # ln2 split in two: r exact
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    return p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+
+
+# -- linear (the tied lm_head) ------------------------------------------------------------------------
+
+# Output columns per tile when the weight is a transposed view (tied lm_head): a [tile, hidden] slab of the
+# embedding table is 4.5 MB for SmolLM2 and its [tile, M] product stays in L2.
+LM_HEAD_TILE = 2048
+LM_HEAD_MAX_ROWS = 128  # above, one call with the transposed operand is faster again (256 rows: 75 vs 91 ms)
+
+
+def linear(x: np.ndarray, weight_t: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """ops.linear; a weight that is the transposed view of a contiguous [out, in] table (the tied
+    lm_head, `embed_tokens.T`) is multiplied as table_tile @ x.T, tile by tile of output columns, into
+    the [T, out] result. OpenBLAS then streams each table row once as the wide operand instead of
+    packing a transposed 113 MB operand per call: at 8-64 rows 25-35% less time per decode step's
+    logits on one thread (the same bits with the native kernel we measured; in general within float32
+    summation order), and no second copy of the table in memory. One row (a matvec) and many rows gain nothing and take the plain path."""
+    if (bias is not None or x.ndim != 2 or x.dtype != _F32 or weight_t.dtype != _F32 or x.shape[0] < 2
+            or x.shape[0] > LM_HEAD_MAX_ROWS or weight_t.shape[1] < 4 * LM_HEAD_TILE
+            or not weight_t.T.flags.c_contiguous):
+        return ops.linear(x, weight_t, bias)
+    table = weight_t.T  # [out, in], contiguous
+    out = np.empty((x.shape[0], table.shape[0]), dtype=_F32)
+    xt = np.ascontiguousarray(x.T)
+    for start in range(0, table.shape[0], LM_HEAD_TILE):
+        stop = min(start + LM_HEAD_TILE, table.shape[0])
+        out[:, start:stop] = (table[start:stop] @ xt).T
+    return out
+
+
+# -- add + RMSNorm ------------------------------------------------------------------------------------
+
+
+def _add_rms_norm_rows(x, residual, weight, eps, out, add):
+    """add: residual += x, then normalise the residual; else normalise x (residual is not touched)."""
+    hidden = x.shape[1]
+    for t in numba.prange(x.shape[0]):
+        xr, rr, o = x[t], residual[t], out[t]
+        ss = np.float32(0.0)
+        if add:
+            for i in range(hidden):
+                v = rr[i] + xr[i]
+                rr[i] = v
+                ss += v * v
+        else:
+            for i in range(hidden):
+                ss += xr[i] * xr[i]
+        scale = np.sqrt(ss / np.float32(hidden) + eps)
+        src = rr if add else xr
+        for i in range(hidden):
+            o[i] = src[i] / scale * weight[i]
+
+
+_ADD_RMS_NORM = _kernel(_add_rms_norm_rows)
+
+
+def add_rms_norm(x: np.ndarray, residual: np.ndarray | None, weight: np.ndarray, eps: float):
+    """ops.add_rms_norm in one pass per row: residual += x (in place), then RMSNorm of it."""
+    if x.dtype != _F32 or x.ndim != 2 or (residual is not None and residual.dtype != _F32):
+        return ops.add_rms_norm(x, residual, weight, eps)
+    if residual is None:  # the first layer: x itself becomes the residual
+        return rms_norm(x, weight, eps), x
+    out = np.empty(x.shape, dtype=_F32)
+    _threads_for(_ADD_RMS_NORM, x.shape[0])(x, residual, weight, np.float32(eps), out, True)
+    return out, residual
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    if x.dtype != _F32 or x.ndim != 2:
+        return ops.rms_norm(x, weight, eps)
+    out = np.empty(x.shape, dtype=_F32)
+    _threads_for(_ADD_RMS_NORM, x.shape[0])(x, x, weight, np.float32(eps), out, False)
+    return out
+
+
+# -- rotary ------------------------------------------------------------------------------------------
+
+
+def _rotary_rows(x, cos, sin, out):
+    half = x.shape[2] // 2
+    for t in numba.prange(x.shape[0]):
+        c, s = cos[t], sin[t]
+        for h in range(x.shape[1]):
+            xr, o = x[t, h], out[t, h]
+            for i in range(half):
+                x1, x2 = xr[i], xr[i + half]
+                o[i] = x1 * c[i] - x2 * s[i]
+                o[i + half] = x2 * c[i] + x1 * s[i]
+
+
+_ROTARY = _kernel(_rotary_rows, JIT_EXACT)  # q/k arrive C-contiguous or strided: no FMA
+
+
+def apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """ops.apply_rotary ("neox" rotate-half) in one pass; x [T, heads, D] may be a strided view of qkv."""
+    if x.dtype != _F32:
+        return ops.apply_rotary(x, cos, sin)
+    out = np.empty(x.shape, dtype=_F32)
+    _threads_for(_ROTARY, x.shape[0])(x, cos, sin, out)
+    return out
+
+
+# -- SiLU and mul ------------------------------------------------------------------------------------
+
+
+def _silu_and_mul_rows(x, out):
+    inter = out.shape[1]
+    for t in numba.prange(x.shape[0]):
+        xr, o = x[t], out[t]
+        gate, up = xr[:inter], xr[inter:]
+        for i in range(inter):
+            g = gate[i]
+            o[i] = g / (np.float32(1.0) + fast_exp(-g)) * up[i]
+
+
+_SILU_AND_MUL = _kernel(_silu_and_mul_rows, JIT_EXACT)
+
+
+def silu_and_mul(x: np.ndarray) -> np.ndarray:
+    """ops.silu_and_mul: x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I], in one pass."""
+    if x.dtype != _F32 or x.ndim != 2:
+        return ops.silu_and_mul(x)
+    out = np.empty((x.shape[0], x.shape[1] // 2), dtype=_F32)
+    _threads_for(_SILU_AND_MUL, x.shape[0])(x, out)
+    return out
+
+
+# -- KV cache write ----------------------------------------------------------------------------------
+
+
+@numba.njit(**JIT_EXACT)
+def _reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
+    block_size = k_cache.shape[1]
+    for t in range(key.shape[0]):
+        slot = slot_mapping[t]
+        if slot < 0:
+            continue
+        b, r = slot // block_size, slot % block_size
+        for h in range(key.shape[1]):
+            k_cache[b, r, h, :] = key[t, h]
+            v_cache[b, r, h, :] = value[t, h]
+
+
+def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """paged_attention.reshape_and_cache without the fancy-index temporaries: each new row is copied
+    straight from the qkv projection (key/value are strided views of it) into its slot."""
+    if key.dtype != k_cache.dtype or k_cache.dtype != _F32:
+        from . import paged_attention
+
+        return paged_attention.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+    slot_mapping = np.asarray(slot_mapping, dtype=np.int64)
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if slot_mapping.size and int(slot_mapping.max()) >= num_slots:
+        raise IndexError(f"slot {int(slot_mapping.max())} is outside a cache of {num_slots} slots")
+    _reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def warm_up() -> None:
+    """Compile (or load from the cache) every kernel here for each array layout the model passes: q/k/v
+    are views of the qkv projection, which numpy (and so numba) calls C-contiguous when there is one row
+    and strided otherwise. A type seen first during a request would compile then."""
+    f32 = lambda *shape: np.ones(shape, dtype=_F32)  # noqa: E731
+    w, eps = f32(8), np.float32(1e-6)
+    _ADD_RMS_NORM(f32(2, 8), f32(2, 8), w, eps, f32(2, 8), True)
+    _ADD_RMS_NORM(f32(2, 8), f32(2, 8), w, eps, f32(2, 8), False)
+    _SILU_AND_MUL(f32(2, 8), f32(2, 4))
+    cache = np.zeros((2, 4, 2, 4), dtype=_F32)
+    for rows in (1, 2):
+        _ROTARY(f32(rows, 24)[:, :8].reshape(rows, 2, 4), f32(rows, 2), f32(rows, 2), f32(rows, 2, 4))
+        qkv = f32(rows, 24)
+        reshape_and_cache(qkv[:, 8:16].reshape(rows, 2, 4), qkv[:, 16:].reshape(rows, 2, 4), cache, cache.copy(),
+                          np.zeros(rows, dtype=np.int64))

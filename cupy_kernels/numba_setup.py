@@ -1,0 +1,53 @@
+"""numba, configured for pagedserve's kernels before any of them is compiled.
+
+Compiled kernels are cached on disk (`cache=True`) under `<cache root>/numba` (cache_dir.py), so only the
+first start on a machine compiles them (seconds); later starts load machine code. numba keys each entry
+by the kernel's source file, its argument types and the CPU, so an edited kernel or another CPU model
+never loads a stale one. NUMBA_CACHE_DIR set by the user wins.
+
+Import this module, not numba, in the numba_*.py kernel files.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .blas_threads import cpu_threads
+from .cache_dir import cache_root
+
+os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_root() / "numba"))
+# numba's parallel loops run on GNU OpenMP threads, which by default spin after each loop waiting for
+# the next one. Between two kernels come numpy's matmuls, whose OpenBLAS threads then find their cores
+# taken: on 2 cores every matmul after the first numba loop ran several times slower (bench/throughput.py,
+# 16 requests: 12.2 s against 3.6 s with the numpy kernels). PASSIVE makes idle OpenMP threads sleep at
+# once; waking them costs microseconds per kernel. Read by libgomp when numba first starts its threads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numba  # noqa: E402  (after NUMBA_CACHE_DIR: numba reads its config at import)
+
+if not numba.config.CACHE_DIR:  # numba was imported before us without a cache dir: point it there now
+    numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
+
+# Options of the kernels. error_model="numpy": a division by zero gives inf/NaN as in numpy instead of a
+# Python exception, and without that check per division the loops vectorise.
+# JIT_EXACT (elementwise kernels): every operation rounded as written, so a value is the same whichever
+# code a loop compiled to (vectorised or not, C-contiguous or strided input).
+# JIT (kernels that reduce: norms, attention): fastmath lets LLVM reassociate and contract (FMA) float
+# arithmetic so dot products and row sums vectorise; it keeps inf/NaN semantics (masked scores are -inf)
+# and exact division. The order it picks is fixed at compile time for a given input layout, and these
+# kernels only ever see C-contiguous inputs: a row's result depends only on that row, never on the batch.
+JIT_EXACT = dict(cache=True, nogil=True, error_model="numpy")
+JIT = dict(JIT_EXACT, fastmath={"reassoc", "contract"})
+
+
+def apply_threads(parallel: bool = True) -> None:
+    """Set this thread's count for numba's parallel loops before a kernel call: `cpu_threads` (at most the
+    pool numba started with; all of it when unset), or 1 for work too small to share. Each kernel is
+    compiled once, parallel, and runs on one thread this way: a serial compilation could vectorise its
+    loops differently and round differently, and results would then depend on the batch's size.
+    numba's count is per calling thread (the engine steps in a worker thread); reading it costs ~1 us."""
+    want = 1
+    if parallel:
+        want = min(cpu_threads() or numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS)
+    if numba.get_num_threads() != want:
+        numba.set_num_threads(want)

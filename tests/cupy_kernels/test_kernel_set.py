@@ -1,0 +1,51 @@
+"""The op table: chosen once per backend, complete, and the CUDA one refuses host arrays."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from pagedserve.cupy_kernels import kernel_set
+from pagedserve.cupy_kernels.backend import get_backend, to_host
+from pagedserve.runtime.config import EngineConfig
+
+
+def test_every_set_has_every_op():
+    for ks in (kernel_set.numpy_kernels(), kernel_set.cuda_kernels()):
+        assert [f.name for f in dataclasses.fields(ks)][1:] == list(kernel_set.OP_NAMES)
+        assert all(callable(getattr(ks, op)) for op in kernel_set.OP_NAMES)
+
+
+def test_cpu_choice():
+    assert get_backend("cpu", "numpy").ops is kernel_set.numpy_kernels()
+    assert get_backend("cpu").ops is kernel_set.numpy_kernels()  # "auto": the reference, for now
+    assert get_backend("cpu", "numba").ops is kernel_set.numba_kernels()
+    with pytest.raises(ValueError, match="cpu_kernels must be one of"):
+        get_backend("cpu", "fast")
+    with pytest.raises(ValueError, match="cpu_kernels must be one of"):
+        EngineConfig(cpu_kernels="fast")
+
+
+@pytest.mark.parametrize("op,args", [
+    ("linear", (np.ones((2, 3), np.float32), np.ones((3, 4), np.float32))),
+    ("silu_and_mul", (np.ones((2, 4), np.float32),)),
+    ("rope_cos_sin", (np.ones(4), np.arange(3))),
+    ("paged_attention", (np.ones((1, 2, 64), np.float32),) + (None,) * 6),
+    ("copy_blocks", ([(np.zeros((2, 16, 1, 64)), np.zeros((2, 16, 1, 64)))], [(0, 1)])),
+])
+def test_cuda_table_refuses_host_arrays(op, args):
+    with pytest.raises(TypeError, match=f"{op}: the CUDA backend got a host array"):
+        getattr(kernel_set.cuda_kernels(), op)(*args)
+
+
+def test_to_host():
+    a = np.arange(3)
+    assert to_host(a) is a
+
+    class Device:
+        def get(self):
+            return np.array([7])
+
+    assert to_host(Device()).tolist() == [7]

@@ -1,0 +1,121 @@
+"""numba unified paged attention (cupy_kernels/numba_attention.py) against the numpy reference.
+
+Tolerance: both compute softmax(q.k * scale) . v in float32. A score carries rounding of a D-term dot
+product (relative error up to about D * eps of |q||k| * scale) and each exp/normalisation a few eps; the
+output is a convex combination of V rows, so its error is at most about (D + L) * eps * max|v| times the
+score magnitude (L = context length: the reference sums L weights). Inputs are standard normal, so
+scores stay below ~10 and we allow 8 * (D + L) * eps * max|v|.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedserve.cupy_kernels import numba_attention as na
+from pagedserve.cupy_kernels import paged_attention as pa
+
+EPS = np.finfo(np.float32).eps
+
+
+def make_batch(rng, seqs, num_kv, group, head_dim, block_size, num_blocks=None):
+    """seqs: [(context_len, num_new)]. Blocks are handed out in a shuffled order, tables padded with 0."""
+    max_blocks = max([-(-L // block_size) for L, _ in seqs] + [1])
+    need = sum(-(-L // block_size) for L, _ in seqs)
+    num_blocks = num_blocks or need + 3
+    k = rng.standard_normal((num_blocks, block_size, num_kv, head_dim)).astype(np.float32)
+    v = rng.standard_normal((num_blocks, block_size, num_kv, head_dim)).astype(np.float32)
+    ids = rng.permutation(num_blocks)
+    tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+    used = 0
+    for i, (L, _) in enumerate(seqs):
+        nb = -(-L // block_size)
+        tables[i, :nb] = ids[used : used + nb]
+        used += nb
+    qsl = np.zeros(len(seqs) + 1, dtype=np.int32)
+    qsl[1:] = np.cumsum([n for _, n in seqs])
+    lens = np.array([L for L, _ in seqs], dtype=np.int32)
+    q = rng.standard_normal((int(qsl[-1]), num_kv * group, head_dim)).astype(np.float32)
+    return q, k, v, qsl, lens, tables
+
+
+def check(q, k, v, qsl, lens, tables):
+    scale = q.shape[2] ** -0.5
+    got = na.paged_attention(q, k, v, qsl, lens, tables, scale)
+    ref = pa.paged_attention(q, k, v, qsl, lens, tables, scale)
+    assert got.shape == ref.shape and got.dtype == np.float32
+    longest = int(lens.max()) if lens.size else 0
+    tol = 8 * (q.shape[2] + longest) * EPS * float(np.abs(v).max())
+    np.testing.assert_allclose(got, ref, rtol=0, atol=tol)
+    return got
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_random_mixed_batches(group, block_size):
+    rng = np.random.default_rng(group * 100 + block_size)
+    for _ in range(3):
+        seqs = []
+        for _ in range(int(rng.integers(1, 6))):
+            L = int(rng.integers(1, 150))
+            kind = rng.integers(0, 3)
+            n = 1 if kind == 0 else L if kind == 1 else int(rng.integers(1, L + 1))  # decode, prompt, chunk
+            seqs.append((L, n))
+        check(*make_batch(rng, seqs, num_kv=int(rng.integers(1, 4)), group=group, head_dim=64,
+                          block_size=block_size))
+
+
+def test_chunk_and_tile_boundaries():
+    """Chunks ending exactly on, just before and just after block and query-tile (Q_TILE) boundaries."""
+    rng = np.random.default_rng(7)
+    t = na.Q_TILE
+    seqs = [(16, 16), (17, 1), (33, 17), (48, t), (49, t + 1), (64, t - 1), (31, 31), (32, 2 * t)]
+    check(*make_batch(rng, seqs, num_kv=2, group=3, head_dim=64, block_size=16))
+
+
+def test_empty_batches_and_sequences_without_new_tokens():
+    rng = np.random.default_rng(8)
+    q, k, v, qsl, lens, tables = make_batch(rng, [(5, 1)], 1, 2, 64, 8)
+    out = na.paged_attention(q[:0], k, v, np.zeros(1, np.int32), np.zeros(0, np.int32),
+                             np.zeros((0, 1), np.int32), 0.125)
+    assert out.shape == (0, 2, 64)
+    check(*make_batch(rng, [(5, 0), (9, 3), (4, 0)], 1, 2, 64, 8))
+
+
+def test_batch_invariant_and_chunking_invariant_bit_for_bit():
+    """A sequence's rows are the same bits alone, in any batch, and whether its prompt came in chunks."""
+    rng = np.random.default_rng(9)
+    seqs = [(70, 70), (40, 1), (100, 23), (17, 1)]
+    q, k, v, qsl, lens, tables = make_batch(rng, seqs, num_kv=3, group=3, head_dim=64, block_size=16)
+    together = na.paged_attention(q, k, v, qsl, lens, tables, 0.125)
+    for i in range(len(seqs)):
+        a, b = qsl[i], qsl[i + 1]
+        alone = na.paged_attention(q[a:b], k, v, np.array([0, b - a], np.int32), lens[i : i + 1], tables[i : i + 1],
+                                   0.125)
+        np.testing.assert_array_equal(alone, together[a:b])
+    # Sequence 0's prompt as chunks of 30 + 25 + 15: each row sees the same keys in the same order.
+    a = int(qsl[0])
+    parts = [na.paged_attention(q[a + s : a + e], k, v, np.array([0, e - s], np.int32), np.array([e], np.int32),
+                                tables[:1], 0.125) for s, e in ((0, 30), (30, 55), (55, 70))]
+    np.testing.assert_array_equal(np.concatenate(parts), together[a : a + 70])
+
+
+def test_bad_metadata_is_refused_before_reading_the_pool():
+    rng = np.random.default_rng(10)
+    q, k, v, qsl, lens, tables = make_batch(rng, [(20, 4)], 1, 1, 64, 8)
+    with pytest.raises(IndexError, match="block id"):
+        na.paged_attention(q, k, v, qsl, lens, np.full_like(tables, k.shape[0]), 0.125)
+    with pytest.raises(ValueError, match="longer than its block table"):
+        na.paged_attention(q, k, v, qsl, lens + 100, tables, 0.125)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        na.paged_attention(q, k, v, qsl + 1, lens, tables, 0.125)
+
+
+def test_thread_count_changes_nothing(monkeypatch):
+    """Small calls run the same compiled kernel on one thread: results are the same bits either way."""
+    rng = np.random.default_rng(11)
+    batch = make_batch(rng, [(90, 90), (33, 1), (60, 7)], num_kv=3, group=3, head_dim=64, block_size=16)
+    monkeypatch.setattr(na, "PARALLEL_MIN_MACS", 0)
+    parallel = na.paged_attention(*batch, 0.125)
+    monkeypatch.setattr(na, "PARALLEL_MIN_MACS", 1 << 62)
+    np.testing.assert_array_equal(na.paged_attention(*batch, 0.125), parallel)

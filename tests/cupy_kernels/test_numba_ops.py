@@ -1,0 +1,107 @@
+"""numba elementwise kernels and the KV cache write (cupy_kernels/numba_ops.py) against the numpy references.
+
+Tolerances from float32 rounding: RMSNorm sums `hidden` squares (relative error up to about hidden * eps in
+the sum, half that after the square root) and then divides and multiplies (2 eps). SiLU is a few operations
+per element with a polynomial exp within 2 ulp: a few eps. Bit for bit: the residual add (one rounding, as
+numpy's), rotary (the same two products and one add, each rounded), cache writes (copies).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedserve.cupy_kernels import numba_ops as nb
+from pagedserve.cupy_kernels import ops
+from pagedserve.cupy_kernels import paged_attention as pa
+
+EPS = np.finfo(np.float32).eps
+ROWS = [0, 1, 5, nb.PARALLEL_MIN_ROWS + 3]  # empty, one row (C-contiguous views), serial, parallel
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("hidden", [8, 576, 1000])
+def test_add_rms_norm(rows, hidden):
+    rng = np.random.default_rng(rows + hidden)
+    x = (rng.standard_normal((rows, hidden)) * 3).astype(np.float32)
+    res = rng.standard_normal((rows, hidden)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
+    ref_n, ref_r = ops.add_rms_norm(x, res.copy(), w, 1e-6)
+    res_nb = res.copy()
+    got_n, got_r = nb.add_rms_norm(x, res_nb, w, 1e-6)
+    assert got_r is res_nb  # updated in place, like the reference
+    np.testing.assert_array_equal(got_r, ref_r)
+    tol = (hidden / 2 + 4) * EPS
+    np.testing.assert_allclose(got_n, ref_n, rtol=tol, atol=tol * float(np.abs(ref_n).max(initial=0)))
+    got0, res0 = nb.add_rms_norm(x, None, w, 1e-6)  # first layer: x becomes the residual
+    assert res0 is x
+    np.testing.assert_allclose(got0, ops.rms_norm(x, w, 1e-6), rtol=tol, atol=tol * float(np.abs(got0).max(initial=0)))
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_apply_rotary_on_qkv_views(rows):
+    rng = np.random.default_rng(rows)
+    heads, d = 3, 64
+    qkv = rng.standard_normal((rows, 5 * heads * d)).astype(np.float32)
+    x = qkv[:, : heads * d].reshape(rows, heads, d)  # strided view (C-contiguous when rows == 1)
+    positions = rng.integers(0, 100_000, size=rows)
+    cos, sin = ops.rope_cos_sin(1.0 / (10000.0 ** (np.arange(0, d, 2) / d)), positions)
+    ref = ops.apply_rotary(x, cos, sin)
+    got = nb.apply_rotary(x, cos, sin)
+    np.testing.assert_array_equal(got, ref)  # the same two products and one add, each rounded: bit for bit
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_and_mul(rows):
+    rng = np.random.default_rng(rows + 1)
+    x = (rng.standard_normal((rows, 2 * 700)) * 6).astype(np.float32)
+    if rows:
+        x[0, :7] = [-100, -88, -30, 0, 30, 88, 100]  # exp's clamps and overflow: silu -> -0 / identity
+    ref = ops.silu_and_mul(x)
+    got = nb.silu_and_mul(x)
+    np.testing.assert_allclose(got, ref, rtol=8 * EPS, atol=1e-30)
+
+
+def test_fast_exp_within_two_ulp():
+    xs = np.linspace(-87, 88, 200_001).astype(np.float32)
+    got = np.empty_like(xs)
+    for i, x in enumerate(xs[::1000]):
+        got[i] = nb.fast_exp(x)
+    exact = np.exp(xs[::1000].astype(np.float64))
+    assert (np.abs(got[: exact.size] - exact) <= 2 * np.spacing(exact.astype(np.float32))).all()
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("rows", [0, 1, 37])
+def test_reshape_and_cache(block_size, rows):
+    rng = np.random.default_rng(block_size + rows)
+    num_blocks, kv, d = 6, 3, 64
+    qkv = rng.standard_normal((rows, (3 + 2 * kv) * d)).astype(np.float32)
+    key = qkv[:, 3 * d : (3 + kv) * d].reshape(rows, kv, d)
+    value = qkv[:, (3 + kv) * d :].reshape(rows, kv, d)
+    slots = rng.permutation(num_blocks * block_size)[:rows].astype(np.int64)
+    slots[::4] = -1  # skipped
+    k0 = rng.standard_normal((num_blocks, block_size, kv, d)).astype(np.float32)
+    v0 = rng.standard_normal((num_blocks, block_size, kv, d)).astype(np.float32)
+    ref_k, ref_v, got_k, got_v = k0.copy(), v0.copy(), k0.copy(), v0.copy()
+    pa.reshape_and_cache(key, value, ref_k, ref_v, slots)
+    nb.reshape_and_cache(key, value, got_k, got_v, slots)
+    np.testing.assert_array_equal(got_k, ref_k)
+    np.testing.assert_array_equal(got_v, ref_v)
+    if rows:
+        with pytest.raises(IndexError, match="outside a cache"):
+            nb.reshape_and_cache(key, value, got_k, got_v, np.full(rows, num_blocks * block_size))
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 64, nb.LM_HEAD_MAX_ROWS + 1])
+def test_linear_tied_lm_head_in_tiles(rows, monkeypatch):
+    """Each logit is a K-term dot product either way; BLAS may order it differently by call shape, so
+    the bound is float32 summation's: K * eps * sum |x_i w_i| per element."""
+    monkeypatch.setattr(nb, "LM_HEAD_TILE", 16)
+    rng = np.random.default_rng(rows)
+    table = rng.standard_normal((16 * 4 + 5, 24)).astype(np.float32)  # [vocab, hidden], a ragged last tile
+    x = rng.standard_normal((rows, 24)).astype(np.float32)
+    bound = 24 * EPS * (np.abs(x) @ np.abs(table.T))
+    assert (np.abs(nb.linear(x, table.T) - ops.linear(x, table.T)) <= bound).all()
+    w = rng.standard_normal((24, 7)).astype(np.float32)  # an ordinary [in, out] weight: the plain path
+    np.testing.assert_array_equal(nb.linear(x, w), ops.linear(x, w))
