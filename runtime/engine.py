@@ -10,6 +10,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import structlog
 
+from pagedserve.cupy_kernels.backend import to_host
 from pagedserve.cupy_kernels.blas_threads import blas_info
 from pagedserve.models.kv_cache import kv_bytes_per_block
 from pagedserve.models.loader import LoadedModel
@@ -370,7 +371,7 @@ class LLMEngine:
     def kv_transfer_spec(self, role: str, host_id: str = "") -> KVTransferSpec:
         """What a handshake tells the other instance about this one."""
         c = self.model_config
-        embed = self.backend.to_numpy(self.model.embed_tokens[:4])
+        embed = to_host(self.model.embed_tokens[:4])
         return KVTransferSpec(role, self.model_name, model_fingerprint(self.model_name, c, embed), self.block_size,
                               str(np.dtype(self.backend.dtype)), c.num_hidden_layers, c.num_key_value_heads,
                               c.head_dim, self.max_model_len, host_id)

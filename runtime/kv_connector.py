@@ -44,6 +44,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from pagedserve.cupy_kernels.backend import to_host
+
 CHUNK_BYTES = 4 << 20  # payloads are checksummed (and sent over gRPC) in chunks of at most this
 ROLES = ("both", "prefill", "decode")
 
@@ -128,8 +130,8 @@ class KVBlockIO:
     def read_into(self, block_ids: list[int], out: np.ndarray) -> None:
         idx = np.asarray(block_ids, dtype=np.int64)
         for layer, (k, v) in enumerate(self.kv_caches):
-            out[:, layer, 0] = self.backend.to_numpy(k[idx])
-            out[:, layer, 1] = self.backend.to_numpy(v[idx])
+            out[:, layer, 0] = to_host(k[idx])
+            out[:, layer, 1] = to_host(v[idx])
 
     def write(self, block_ids: list[int], data: np.ndarray) -> None:
         idx = np.asarray(block_ids, dtype=np.int64)
