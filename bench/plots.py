@@ -187,7 +187,7 @@ def emit(name: str, record: dict, out_dir: str | Path | None, draw: Callable[[di
 
 # -- the doc's figures table ----------------------------------------------------------------------
 
-BENCHMARKS = ("memory", "batching", "jitter", "parallel", "serve", "disagg")
+BENCHMARKS = ("memory", "batching", "jitter", "parallel", "serve", "disagg", "structured")
 
 
 def _fmt(v: Any, unit: str = "", digits: int = 1) -> str:
@@ -244,6 +244,13 @@ def headline(record: dict) -> tuple[str, str]:
         got = ("p99 ITL " + ", ".join(f"{k}: {_fmt(v, ' ms', 0)}" for k, v in p99.items())
                + "; long prompts' TTFT " + ", ".join(f"{k}: {_fmt(v, ' s', 2)}" for k, v in ttft.items())
                + "; KV transfer " + ", ".join(f"{k}: {v} GB/s" for k, v in s.get("transfer_gb_per_s", {}).items()))
+    elif name == "structured":
+        got = (f"overhead {_fmt(s.get('throughput_overhead_pct'), '%')} ({_fmt(s.get('guided_output_tokens_per_s'))} "
+               f"vs {_fmt(s.get('unguided_output_tokens_per_s'))} tok/s, {s.get('requests')} requests); compile "
+               f"p50 {_fmt(s.get('compile_ms_p50'), ' ms', 2)} / p99 {_fmt(s.get('compile_ms_p99'), ' ms', 2)}; "
+               f"mask {_fmt(s.get('mask_fill_us_per_token'), ' us/token')} + apply "
+               f"{_fmt(s.get('mask_apply_ms_per_step'), ' ms/step', 2)}; valid JSON {s.get('valid_outputs')}/"
+               f"{s.get('requests')}")
     else:
         got = json.dumps(s)[:200]
     return claim, got

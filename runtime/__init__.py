@@ -14,6 +14,7 @@ _EXPORTS = {
     "LLMEngine": ".engine",
     "EngineConfig": ".config",
     "SamplingParams": ".sampling_params",
+    "StructuredOutputsParams": ".structured_outputs_params",
     "BeamSearchParams": ".beam_search",
     "RequestOutput": ".outputs",
     "CompletionOutput": ".outputs",

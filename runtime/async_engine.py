@@ -112,6 +112,8 @@ class AsyncEngine:
                                  f"(max_waiting_requests={self.max_waiting_requests}); retry later")
         request = self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt)
         request.seqs[0].kv_export = kv_export  # a prefill instance's request: its blocks are sent on
+        if request.grammar is not None:  # compiled off the loop; a grammar the tokenizer refuses is bad input
+            await asyncio.shield(asyncio.wrap_future(request.grammar))  # shield: the Future is shared
         send, receive = anyio.create_memory_object_stream[object](math.inf)
         self._streams[request_id] = send
         self._submit("add", request)

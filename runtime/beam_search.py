@@ -9,6 +9,8 @@ The rule, step by step (tests/runtime/test_beam_search.py checks it against a pl
    (its eos token included); other eos proposals are dropped; non-eos proposals become the new live
    beams until there are beam_width of them;
 4. at max_tokens (or max_model_len) the live beams finish as they are.
+With structured outputs each beam proposes only tokens its own grammar matcher allows (a forked beam
+copies its parent's matcher), and a beam whose grammar is complete finishes its hypothesis.
 The result: the beam_width finished hypotheses with the best cumulative_logprob / length**length_penalty.
 """
 
@@ -17,6 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .structured_outputs_params import StructuredOutputsParams
+
 
 @dataclass
 class BeamSearchParams:
@@ -24,6 +28,9 @@ class BeamSearchParams:
     max_tokens: int = 16
     length_penalty: float = 1.0
     ignore_eos: bool = False
+    # Guided beams: every beam proposes only tokens its grammar allows; a beam whose grammar is complete
+    # is a finished hypothesis.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= 64:
@@ -34,6 +41,8 @@ class BeamSearchParams:
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
 
 
 @dataclass(frozen=True)

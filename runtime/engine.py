@@ -29,6 +29,7 @@ from .request_events import RequestEvents
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .structured_output import StructuredOutputManager
 from .sequence_group import SequenceGroup, completion, group_output, sample_generator
 
 log = structlog.get_logger("pagedserve.engine")
@@ -65,6 +66,9 @@ class LLMEngine:
         self.executor.initialize_cache(num_blocks, self.max_model_len)
         self.kv_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(self.executor, self.kv_manager, Sampler(config.seed))
+        # Guided decoding: grammars compile in a worker thread; costs nothing until a request has one.
+        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
+        self.runner.structured = self.structured
         self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_chunked_prefill)
         self.groups: dict[str, SequenceGroup] = {}
@@ -111,7 +115,8 @@ class LLMEngine:
     def add_beam_request(self, request_id: str, prompt: str | Sequence[int], params: BeamSearchParams,
                          arrival_time: float | None = None) -> SequenceGroup:
         """Queue a beam search; its one finished output carries beam_width completions, best first."""
-        sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
+        sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True,
+                                  structured_outputs=params.structured_outputs)
         group = self.make_request(request_id, prompt, sampling, arrival_time)
         group.beam = params
         per_beam = -(-(len(group.prompt_token_ids) + params.max_tokens) // self.block_size)
@@ -149,6 +154,8 @@ class LLMEngine:
         arrival = arrival_time or time.monotonic()
         group = SequenceGroup(request_id, text, ids, params, arrival, eos_token_ids=self.model_config.eos_token_ids,
                               num_to_fork=(params.best_of or params.n) - 1)
+        if params.structured_outputs is not None:
+            group.grammar = self.structured.compile(params.structured_outputs)
         first = self._new_seq(group, request_id, 0)
         first.cache_salt = cache_salt
         group.seqs.append(first)
@@ -172,6 +179,8 @@ class LLMEngine:
         if self.remote_prefill is None or not self.remote_prefill.try_start(group.seqs[0]):
             self.scheduler.add_request(group.seqs[0])
         self.events.queued(group.seqs[0])
+        if group.grammar is not None:
+            self.structured.track(group)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests (every sequence of each); their blocks are freed at once. Unknown ids are ignored."""
@@ -192,6 +201,7 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        failed = self._fail_bad_grammars()
         if self.remote_prefill is not None:
             self._land_remote_kv()
         sched = self.scheduler.schedule()
@@ -200,7 +210,9 @@ class LLMEngine:
         if sched.is_empty:
             if self.scheduler.waiting_for_kv:  # only transfers in flight: wait for one, do not spin
                 self.remote_prefill.connector.wait(0.02)
-            return []
+            elif not failed:
+                self.structured.wait_for_any(timeout_s=0.05)  # only grammars left to compile: wait, do not spin
+            return failed
         forks = self._plan_forks(sched)
         results = self.runner.execute(sched, forks)
         return self._update(sched, forks, results)
@@ -259,13 +271,25 @@ class LLMEngine:
             r.output_logprobs.append(tok.logprob)
             r.output_top_logprobs.append(tok.top_logprobs or [])
         delta = r.detokenizer.add_tokens([tok.token_id])
-        status = self._stop_status(r, tok.token_id, delta.stop_hit)
+        status = self._stop_status(r, tok.token_id, delta.stop_hit, self.structured.accept(r, tok.token_id))
         new_text = delta.text
         if status is not None:
             if delta.stop_hit is None:
                 new_text += r.detokenizer.finish()
             self.scheduler.finish_request(r, status)
         return completion(r, r.sample_index, new_text, [tok.token_id])
+
+    def _fail_bad_grammars(self) -> list[RequestOutput]:
+        """Requests whose grammar failed to compile for this tokenizer end aborted (they hold no KV block).
+        Validation at construction catches bad constraints; this is for what only the tokenizer shows."""
+        outputs = []
+        for group, error in self.structured.poll_failed():
+            if self.groups.get(group.request_id) is not group:
+                continue  # aborted meanwhile
+            log.warning("request.grammar_failed", request_id=group.request_id, error=str(error)[:300])
+            self.abort_request(group.request_id)
+            outputs.append(group_output(group, group.final_completions(self.tokenizer.decode), finished=True))
+        return outputs
 
     def _collect(self, changed: dict[str, list[CompletionOutput]]) -> list[RequestOutput]:
         """One RequestOutput per group that moved: its new deltas, or its final outputs when it is done."""
@@ -311,6 +335,7 @@ class LLMEngine:
                 child.all_token_ids = list(parent.all_token_ids)
                 child.cumulative_logprob = parent.cumulative_logprob
                 child.timings = dataclasses.replace(parent.timings)
+                self.structured.fork(parent, child)
                 if parent.status == RequestStatus.RUNNING:
                     self.kv_manager.fork(parent.request_id, child.request_id)
                     child.num_computed_tokens = parent.num_computed_tokens
@@ -327,6 +352,10 @@ class LLMEngine:
         for beam, p in zip(new_live, survivors):
             beam.append_output_token(p.token_id)
             beam.cumulative_logprob = p.score
+            if self.structured.accept(beam, p.token_id):  # its grammar is complete: a finished hypothesis
+                group.beam_done.append((list(beam.output_token_ids), beam.cumulative_logprob))
+                self.scheduler.finish_request(beam, RequestStatus.FINISHED_STOPPED)
+        new_live = [b for b in new_live if not b.is_finished]
         group.seqs = new_live
         if new_live and (new_live[0].num_output_tokens >= bp.max_tokens or new_live[0].num_tokens >= self.max_model_len):
             for beam in new_live:
@@ -334,8 +363,12 @@ class LLMEngine:
                 self.scheduler.finish_request(beam, RequestStatus.FINISHED_LENGTH)
         return len(survivors)
 
-    def _stop_status(self, r: Request, token_id: int, stop_hit: str | None) -> RequestStatus | None:
+    def _stop_status(self, r: Request, token_id: int, stop_hit: str | None,
+                     grammar_done: bool | None = None) -> RequestStatus | None:
         p = r.sampling_params
+        if grammar_done:  # the grammar takes no more tokens (min_tokens cannot be honoured past it)
+            r.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
         if r.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token_id in r.eos_token_ids:
                 r.stop_reason = None

@@ -46,6 +46,7 @@ class ModelRunner:
         self.kv = kv_manager
         self.sampler = sampler
         backend = executor.driver_worker.backend
+        self.structured: Any = None  # the engine's StructuredOutputManager (token bitmasks of guided rows)
         # The sampler's array module: numpy as before, or CuPy with greedy rows through argmax_rows.
         self.xp = _DeviceArrayModule(backend.xp) if backend.is_gpu else np
 
@@ -81,18 +82,28 @@ class ModelRunner:
             if completes:
                 completing.append(i)
         batch = build_forward_batch(chunks, self.kv.block_size)
-        logits = self.executor.execute_model(ExecuteModelRequest(batch, copies))
-        results: list[StepResult | None] = [None] * len(sched.scheduled)
         rows, seqs, owners = [], [], []  # sampler rows: logits row, sequence, scheduled index
+        beams = []  # (logits row, scheduled index) of beams proposing their next tokens
         for row, i in enumerate(completing):
             r = sched.scheduled[i].request
             if r.group is not None and r.group.beam is not None:
-                results[i] = StepResult([], self._beam_topk(logits[row], 2 * r.group.beam.beam_width))
+                beams.append((row, i))
                 continue
             for seq in [r, *forks.get(i, [])]:
                 rows.append(row)
                 seqs.append(seq)
                 owners.append(i)
+        # Structured outputs: the grammar masks (sampler rows, then beams) are filled in a worker thread
+        # while the forward runs.
+        masked = seqs + [sched.scheduled[i].request for _, i in beams]
+        bitmask = self.structured.start_bitmask(masked) if self.structured is not None else None
+        logits = self.executor.execute_model(ExecuteModelRequest(batch, copies))
+        results: list[StepResult | None] = [None] * len(sched.scheduled)
+        bitmask = bitmask.result() if bitmask is not None else None
+        for k, (row, i) in enumerate(beams):
+            width = 2 * sched.scheduled[i].request.group.beam.beam_width
+            allowed = bitmask.allowed(len(seqs) + k, logits.shape[1]) if bitmask is not None else None
+            results[i] = StepResult([], self._beam_topk(logits[row], width, allowed))
         if not rows:
             return results
         banned = [_banned_ids(r) for r in seqs]
@@ -104,6 +115,7 @@ class ModelRunner:
             [r.output_token_ids for r in seqs],
             xp=self.xp,
             banned_token_ids=banned if any(banned) else None,
+            grammar_bitmask=bitmask.take(len(seqs)) if bitmask is not None else None,
         )
         token_ids = np.asarray(out.token_ids).tolist()
         logprobs = np.asarray(out.logprobs).tolist()
@@ -115,9 +127,13 @@ class ModelRunner:
         return results
 
     @staticmethod
-    def _beam_topk(logits_row, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def _beam_topk(logits_row, k: int, allowed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """allowed (structured outputs): only these tokens are proposed, with their raw logprobs."""
         row = to_host(logits_row).astype(np.float64)
         logprobs = row - (row.max() + np.log(np.exp(row - row.max()).sum()))
+        if allowed is not None:
+            logprobs = np.where(allowed, logprobs, -np.inf)
+            k = min(k, int(allowed.sum()))
         k = min(k, row.shape[0])
         top = np.argpartition(-logprobs, k - 1)[:k]
         top = top[np.lexsort((top, -logprobs[top]))]  # best first; ties: the lower token id

@@ -61,6 +61,7 @@ class Request:
     sample_index: int = 0  # which of the group's samples this sequence is
     group: Any = None  # the runtime.sequence_group.SequenceGroup it belongs to
     kv_export: Any = None  # runtime.kv_connector.KVExport: a prefill instance sends its blocks on
+    matcher: Any = None  # structured outputs: this sequence's llguidance.LLMatcher (structured_output.py)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -87,6 +88,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        """Structured outputs: the request's grammar is still compiling, so it may not be scheduled yet."""
+        grammar = self.group.grammar if self.group is not None else None
+        return grammar is not None and not grammar.done()
 
     @property
     def finish_reason(self) -> str | None:

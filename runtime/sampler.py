@@ -7,6 +7,7 @@ Pipeline for every step (row ``b`` belongs to request ``b``)::
                         +--> repetition penalty (prompt + output tokens)
                              presence / frequency penalty (output tokens only)
                              banned ids -> -inf   (the engine's min_tokens eos ban, ...)
+                             grammar bitmask: disallowed ids -> -inf   (structured outputs)
                                |
                                +--> greedy rows: argmax
                                +--> random rows: / temperature -> top_k -> top_p -> min_p
@@ -49,6 +50,7 @@ from pagedserve.runtime.sampling_params import SamplingParams, SamplingType
 from . import sampling_device
 from .sampling_ops import (  # noqa: F401  (apply_penalties_and_bans is part of this module's API)
     NUCLEUS_CANDIDATES, _inverse_cdf, _logsumexp_rows, _top_candidates, apply_penalties_and_bans,
+    apply_token_bitmask,
 )
 
 @dataclass
@@ -76,7 +78,9 @@ class Sampler:
         output_token_ids: Sequence[Sequence[int]],
         xp: Any = np,
         banned_token_ids: Sequence[Sequence[int]] | None = None,
+        grammar_bitmask: Any = None,
     ) -> SamplerOutput:
+        """grammar_bitmask: a structured_output.GrammarBitmask (rows and their allowed-token bits) or None."""
         logits = xp.asarray(logits, dtype=xp.float32)
         if logits.ndim != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}.")
@@ -99,6 +103,9 @@ class Sampler:
         processed = apply_penalties_and_bans(
             logits, params, prompt_token_ids, output_token_ids, banned_token_ids, xp
         )
+        if grammar_bitmask is not None:
+            processed = apply_token_bitmask(processed, grammar_bitmask.rows, grammar_bitmask.bits, xp,
+                                            copy=processed is logits)
 
         greedy_rows = [b for b, p in enumerate(params) if p.sampling_type == SamplingType.GREEDY]
         random_rows = [b for b, p in enumerate(params) if p.sampling_type != SamplingType.GREEDY]

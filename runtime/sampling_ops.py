@@ -223,3 +223,40 @@ def apply_penalties_and_bans(
         r, t = xp.asarray(keys // vocab_size), xp.asarray(keys % vocab_size)
         out[r, t] = -np.inf
     return out
+
+
+
+
+# Added to the logits through the mask: -inf + x = -inf and 0 + x = x, exactly. A gather from this two-entry
+# table plus one add is ~5x faster on CPU than numpy's masked copyto or where over [B, V].
+_MASK_BIAS = np.array([-np.inf, 0.0], dtype=np.float32)
+
+
+def apply_token_bitmask(logits: Any, rows: Any, bits: Any, xp: Any = np, copy: bool = True) -> Any:
+    """``logits`` [B, V] with -inf wherever row ``rows[i]``'s bitmask ``bits[i]`` (int32 [R, ceil(V / 32)],
+    bit j of word w = token 32 * w + j: llguidance's layout) has a 0; tokens past the mask's width are
+    disallowed too. ``copy=False`` writes into ``logits`` (the caller's own array)."""
+    num_rows, vocab_size = logits.shape
+    words = bits.shape[1]
+    if xp is np:
+        # The int32 words' bytes in memory order, little-endian: bit k of byte m is token 8 * m + k.
+        allowed = np.unpackbits(np.ascontiguousarray(bits).view(np.uint8), axis=1, bitorder="little")
+    else:
+        b = xp.asarray(bits)
+        allowed = ((b[:, :, None] >> xp.arange(32, dtype=b.dtype)) & 1).reshape(b.shape[0], words * 32)
+    width = min(vocab_size, words * 32)
+    bias = xp.asarray(_MASK_BIAS).take(allowed[:, :width])  # [R, width] of -inf / 0
+    rows = np.asarray(rows, dtype=np.int64)
+    whole = rows.shape[0] == num_rows and bool((rows == np.arange(num_rows)).all())
+    if whole and width == vocab_size:
+        if copy:
+            return logits + bias
+        logits += bias
+        return logits
+    out = logits.copy() if copy else logits
+    sub = out if whole else out[xp.asarray(rows)]
+    sub[:, :width] += bias
+    sub[:, width:] = -np.inf
+    if not whole:
+        out[xp.asarray(rows)] = sub
+    return out

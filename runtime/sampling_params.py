@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .structured_outputs_params import StructuredOutputsParams
+
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
 _SAMPLING_EPS = 1e-5
 # vLLM's default max_logprobs.
@@ -77,6 +79,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Guided decoding: the output follows a JSON Schema, regex, choice or grammar (see that class).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)
@@ -144,6 +148,9 @@ class SamplingParams:
 
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}.")
 
         if self.temperature < _SAMPLING_EPS:
             # Greedy: n > 1 would return n copies of the same sequence (vLLM refuses it too).

@@ -9,6 +9,8 @@ When the free blocks cannot cover a running request, the newest running request 
 blocks are freed and it goes back to the front of the waiting queue with num_computed_tokens = 0, to be
 recomputed from its prompt and the tokens it already produced (so it yields the same tokens later).
 
+A request with structured outputs is passed over (it keeps its place) until its grammar is compiled.
+
 With prefix caching, a request being admitted first takes the longest cached prefix of full blocks
 (those tokens count as computed), so a shared system prompt, or a preempted request's own freed but
 still cached blocks, is not computed again.
@@ -146,13 +148,17 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest(request, num_new))
         # New requests only when nothing was preempted: memory is tight, let the running ones finish.
         while self.waiting and not out.preempted and self._budget(out) > 0:
-            if not self._admit(self._admission_unit(), out, now):
+            unit = self._admission_unit()
+            if unit is None or not self._admit(unit, out, now):
                 break
         return out
 
-    def _admission_unit(self) -> list[Request]:
-        """The head of the queue, with its sibling beams: a beam group is admitted whole or not at all."""
-        head = self.waiting[0]
+    def _admission_unit(self) -> list[Request] | None:
+        """The first request of the queue whose grammar (if any) is compiled, with its sibling beams: a beam
+        group is admitted whole or not at all. None: every waiting request still waits for its grammar."""
+        head = next((r for r in self.waiting if not r.waiting_for_grammar), None)
+        if head is None:
+            return None
         if head.group is None or head.group.beam is None:
             return [head]
         return [head] + [r for r in self.waiting if r is not head and r.group is head.group]

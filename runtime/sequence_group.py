@@ -12,6 +12,7 @@ The group's id is the user's request id; sequence ids are `<id>` for sequence 0 
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +46,7 @@ class SequenceGroup:
     first: Request | None = None  # sequence 0: its timings are the request's timings
     aborted: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    grammar: Future | None = None  # structured outputs: the compiled template matcher (grammar_compiler.py)
 
     @property
     def n(self) -> int:
@@ -67,7 +69,8 @@ class SequenceGroup:
         if self.beam is not None:
             ranked = sorted(self.beam_done, key=lambda h: -length_penalized(h[1], len(h[0]), self.beam.length_penalty))
             return [CompletionOutput(index=i, text=decode(ids), token_ids=ids, cumulative_logprob=cum, logprobs=None,
-                                     finish_reason="stop" if ids and ids[-1] in self.eos_token_ids else "length")
+                                     finish_reason="stop" if ids and (ids[-1] in self.eos_token_ids
+                                                                      or len(ids) < self.beam.max_tokens) else "length")
                     for i, (ids, cum) in enumerate(ranked[: self.beam.beam_width])]
         samples = sorted(self.seqs, key=lambda s: s.sample_index)
         if len(samples) > self.params.n:  # best_of > n: keep the n most likely

@@ -24,11 +24,35 @@ def _sampling(args: argparse.Namespace) -> dict:
     return {"temperature": args.temperature, "max_tokens": args.max_tokens, "seed": args.sample_seed}
 
 
+def _constraint(args: argparse.Namespace) -> dict:
+    """--json-schema FILE | --regex RE | --choice a,b,c | --grammar FILE as the client's keyword (empty: none)."""
+    def read(path: str, flag: str) -> str:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except OSError as e:
+            raise ValueError(f"{flag}: cannot read {path!r}: {e.strerror}") from None
+
+    if args.json_schema is not None:
+        return {"json_schema": read(args.json_schema, "--json-schema")}
+    if args.grammar is not None:
+        return {"grammar": read(args.grammar, "--grammar")}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice is not None:
+        return {"choice": [c for c in args.choice.split(",")]}
+    return {}
+
+
 def _local(args: argparse.Namespace, messages: list[dict] | None) -> int:
     from pagedserve.runtime import LLM, SamplingParams
 
+    from pagedserve.runtime import StructuredOutputsParams
+
+    constraint = {("json" if k == "json_schema" else k): v for k, v in _constraint(args).items()}
+    structured = StructuredOutputsParams(**constraint) if constraint else None  # bad ones fail before loading
     llm = LLM(args.model, device=args.device, max_model_len=args.max_model_len, seed=0)
-    params = SamplingParams(**_sampling(args))
+    params = SamplingParams(**_sampling(args), structured_outputs=structured)
     if messages is not None:
         out = llm.chat(messages, params, use_tqdm=False)
     else:
@@ -52,6 +76,7 @@ def _remote(args: argparse.Namespace, messages: list[dict] | None) -> int | None
                 return None
             raise
         kwargs = {k: v for k, v in _sampling(args).items() if v is not None}
+        kwargs.update(_constraint(args))
         stream = client.chat(messages, **kwargs) if messages is not None else client.generate(args.prompt, **kwargs)
         for chunk in stream:
             print(chunk.text, end="", flush=True)
@@ -97,6 +122,11 @@ def _add_text_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a .gguf file or HF directory: implies --local")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--max-model-len", type=int, default=None)
+    guided = p.add_mutually_exclusive_group()
+    guided.add_argument("--json-schema", metavar="FILE", default=None, help="the output follows this JSON Schema")
+    guided.add_argument("--regex", metavar="RE", default=None, help="the output matches this regular expression")
+    guided.add_argument("--choice", metavar="A,B,C", default=None, help="the output is one of these strings")
+    guided.add_argument("--grammar", metavar="FILE", default=None, help="the output follows this Lark (or GBNF) grammar")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,7 +13,8 @@ Sampling keyword arguments are the fields of `SamplingParams` in protos/pagedser
 (vLLM's names: n, temperature, top_p, top_k, max_tokens, stop, seed, logprobs, ...). The client checks
 only their names (an unknown one raises TypeError before anything is sent); their values are checked by
 the server, which answers INVALID_ARGUMENT with a message naming the field. Leaving one out (or passing
-None) means the server's default.
+None) means the server's default. Guided decoding takes one of `json_schema=` (a dict or a JSON string),
+`regex=`, `choice=` (a list), `grammar=` (Lark or GBNF) or `json_object=True`.
 
 Every failed call raises `PagedServeError(code, message)`, never a raw grpc.RpcError. Stopping early
 (breaking out of the loop over a stream and dropping it, `stream.close()`, leaving a `with` block over
@@ -23,6 +24,7 @@ it) cancels the RPC, and the server then aborts the request and frees its KV cac
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import operator
 import os
@@ -60,6 +62,8 @@ DEFAULT_TIMEOUT_S = 10.0
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
 # Read from the proto, so fields added to it later are accepted without touching this file.
 SAMPLING_FIELDS = frozenset(f.name for f in pb.SamplingParams.DESCRIPTOR.fields)
+# Guided decoding, as plain keywords: generate(prompt, json_schema={...}) (or regex=, choice=, ...).
+CONSTRAINT_KWARGS = frozenset(f.name for f in pb.StructuredOutputs.DESCRIPTOR.fields)
 
 Prompt = Union[str, Sequence[int]]
 ChatMessage = Mapping[str, str]  # {"role": ..., "content": ...}, as in the OpenAI API
@@ -211,15 +215,52 @@ def resolve_target(target: str | os.PathLike[str] | None = None) -> str:
     return target
 
 
+def _structured_outputs(values: dict[str, Any]) -> pb.StructuredOutputs | None:
+    """Pops the constraint keywords (json_schema=, regex=, choice=, grammar=, json_object=, or
+    structured_outputs= as a message or a dict of them) into one StructuredOutputs message. More than one
+    is sent as given: the server answers INVALID_ARGUMENT, as it does for every bad value."""
+    given = {k: values.pop(k) for k in CONSTRAINT_KWARGS if k in values}
+    so = values.pop("structured_outputs", None)
+    if isinstance(so, pb.StructuredOutputs):
+        if given:
+            raise TypeError(f"pass structured_outputs or {', '.join(given)}, not both")
+        return so
+    if isinstance(so, Mapping):
+        so = dict(so)
+        if "json" in so:  # vLLM's name
+            so["json_schema"] = so.pop("json")
+        given = {**so, **given}
+    elif so is not None:
+        raise TypeError(f"structured_outputs must be a StructuredOutputs message or a dict, got {type(so).__name__}")
+    if not given:
+        return None
+    if len(given) > 1:  # a oneof keeps only the last; say so here rather than send something else
+        raise ValueError(f"structured outputs take exactly one constraint, got {', '.join(sorted(given))}")
+    (kind, value), = given.items()
+    if kind == "json_schema" and not isinstance(value, str):
+        value = json.dumps(value)
+    if kind == "choice":
+        if isinstance(value, str):
+            raise TypeError("choice must be a list of strings, not one string")
+        value = pb.Choice(options=list(value))
+    try:
+        return pb.StructuredOutputs(**{kind: value})
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{kind}: {e}") from None
+
+
 def _sampling(caller: str, kwargs: dict[str, Any]) -> tuple[pb.SamplingParams, bool]:
     """The SamplingParams message for `kwargs`, and whether logprobs were asked for."""
-    unknown = sorted(set(kwargs) - SAMPLING_FIELDS)
+    unknown = sorted(set(kwargs) - SAMPLING_FIELDS - CONSTRAINT_KWARGS)
     if unknown:
         raise TypeError(f"{caller}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
-                        f"sampling parameters are: {', '.join(sorted(SAMPLING_FIELDS))}")
+                        f"sampling parameters are: {', '.join(sorted(SAMPLING_FIELDS | CONSTRAINT_KWARGS))}")
     values = {k: v for k, v in kwargs.items() if v is not None}
     if isinstance(values.get("stop"), str):  # SamplingParams takes one stop string too
         values["stop"] = [values["stop"]]
+    structured = _structured_outputs(values)
+    if structured is not None:
+        values["structured_outputs"] = structured
     return pb.SamplingParams(**values), "logprobs" in values
 
 

@@ -17,6 +17,7 @@ from pagedserve.runtime.async_engine import AsyncEngine, EngineStoppedError, Que
 from pagedserve.runtime.kv_connector import KVTransferError
 from pagedserve.runtime.outputs import RequestOutput
 from pagedserve.runtime.sampling_params import SamplingParams
+from pagedserve.runtime.structured_outputs_params import StructuredOutputsParams
 
 from .pb import generation_pb2 as pb
 from .pb import generation_pb2_grpc as pb_grpc
@@ -33,7 +34,23 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         kwargs["stop"] = list(msg.stop)
     if msg.stop_token_ids:
         kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    if msg.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_outputs_from_proto(msg.structured_outputs)
     return SamplingParams(**kwargs)  # ValueError names the field
+
+
+def structured_outputs_from_proto(msg: pb.StructuredOutputs) -> StructuredOutputsParams:
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        raise ValueError("structured_outputs is set but has no constraint: set one of json_schema, regex, "
+                         "choice, grammar or json_object")
+    if kind == "json_schema":
+        return StructuredOutputsParams(json=msg.json_schema)
+    if kind == "choice":
+        return StructuredOutputsParams(choice=list(msg.choice.options))
+    if kind == "json_object" and not msg.json_object:
+        raise ValueError("structured_outputs.json_object must be true when set")
+    return StructuredOutputsParams(**{kind: getattr(msg, kind)})  # ValueError names the field
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):

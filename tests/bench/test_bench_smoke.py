@@ -158,6 +158,18 @@ def test_disagg(tmp_path: Path) -> None:
     assert leak["kv_blocks_sent"] >= leak["kv_blocks_received"] > 0
 
 
+def test_structured(tmp_path: Path) -> None:
+    r = run_bench("structured", tmp_path, "--model", TINY)
+    s, res = r["summary"], r["results"]
+    assert s["requests"] == 8 and len(res["guided"]["lengths"]) == 8
+    assert res["guided"]["output_tokens"] == res["unguided"]["output_tokens"] == sum(res["guided"]["lengths"])
+    # 8 requests over the first 8 schemas: 8 cold compiles; every constrained row of every step masked.
+    assert len(res["compile_ms"]) == 8 and 0 < s["compile_ms_p50"] <= s["compile_ms_p99"]
+    assert res["masked_tokens"] == res["guided"]["output_tokens"] and s["mask_fill_us_per_token"] > 0
+    assert s["valid_outputs"] == s["stopped_outputs"]  # every output that ended by itself validates
+    assert s["guided_output_tokens_per_s"] > 0 and s["unguided_output_tokens_per_s"] > 0
+
+
 def test_cli_entry_point(tmp_path: Path) -> None:
     from pagedserve.sidecar.bench_cli import BENCHMARKS, add_bench_parser, bench_dir
 
