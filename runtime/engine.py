@@ -26,6 +26,7 @@ from .outputs import CompletionOutput, EngineStats, RequestOutput
 from .request import Request, RequestStatus
 from .remote_prefill import RemotePrefill, export_blocks
 from .request_events import RequestEvents
+from .request_limits import RequestLimits, ServerShape, check_fits, check_ids, check_params, check_prompt_ids
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -61,6 +62,9 @@ class LLMEngine:
         self.block_size = config.block_size
         num_blocks = config.num_kv_blocks or self.executor.determine_num_kv_blocks(self.max_model_len)
         self.num_kv_blocks = num_blocks
+        self.limits = RequestLimits(max_logprobs=config.max_logprobs)
+        self.shape = ServerShape(self.model_config.vocab_size, self.max_model_len, config.max_num_seqs, num_blocks,
+                                 self.block_size)
         # GPU: decode CUDA graphs are captured now, against these very KV caches.
         self.executor.initialize_cache(num_blocks, self.max_model_len)
         self.kv_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
@@ -126,26 +130,14 @@ class LLMEngine:
                      arrival_time: float | None = None, cache_salt: str | None = None) -> SequenceGroup:
         """Validate a request and build it, touching no engine state (safe from another thread)."""
         params = params or SamplingParams()
-        if not isinstance(request_id, str) or not request_id or "#" in request_id:
-            raise ValueError(f"request_id must be a non-empty string without '#', got {request_id!r}")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        # Limits first, tokenizing after: nothing is allocated for a request the server would refuse.
+        check_ids(self.limits, request_id, cache_salt)
+        check_params(self.limits, self.shape, params)
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
-            text, ids = None, [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size}); got {bad[:5]}")
-        if not ids:
-            raise ValueError("prompt is empty")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len ({self.max_model_len})")
-        needed = -(-(len(ids) + params.max_tokens) // self.block_size)
-        if needed > self.num_kv_blocks:
-            raise ValueError(f"prompt plus max_tokens needs {needed} KV blocks but the whole pool has "
-                             f"{self.num_kv_blocks}; lower max_tokens or enlarge the KV cache")
+            text, ids = None, check_prompt_ids(self.shape, prompt)
+        check_fits(self.shape, len(ids), params)
         arrival = arrival_time or time.monotonic()
         group = SequenceGroup(request_id, text, ids, params, arrival, eos_token_ids=self.model_config.eos_token_ids,
                               num_to_fork=(params.best_of or params.n) - 1)

@@ -39,7 +39,16 @@ log = structlog.get_logger("pagedserve.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 KV_SERVICE_NAME = kv_pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 SOCKET_MODE = 0o660
-MAX_MESSAGE_BYTES = 64 << 20
+# Responses: one message per chunk, the largest a best_of request's final chunk of one sample (its
+# whole text, token ids and logprobs); 64 MiB is far above what max_model_len tokens can make.
+MAX_SEND_BYTES = 64 << 20
+
+
+def max_receive_bytes(max_prompt_chars: int) -> int:
+    """The largest request worth reading: a prompt of max_prompt_chars characters of up to 4 UTF-8
+    bytes each, plus 1 MiB for the rest (sampling fields, stop strings, token ids up to max_model_len).
+    Anything bigger is refused by gRPC (RESOURCE_EXHAUSTED) before it is parsed or copied."""
+    return 4 * max_prompt_chars + (1 << 20)
 
 
 def prepare_socket_path(path: str) -> None:
@@ -85,10 +94,11 @@ class SidecarServer:
 
     async def start(self) -> None:
         s = self.settings
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                          ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_receive_bytes(s.max_prompt_chars)),
+                                          ("grpc.max_send_message_length", MAX_SEND_BYTES),
                                           ("grpc.so_reuseport", 0)])
-        servicer = GenerationServicer(lambda: self.engine, lambda: self.model_name, s.max_prompt_chars)
+        servicer = GenerationServicer(lambda: self.engine, lambda: self.model_name, s.max_prompt_chars,
+                                      s.max_chat_messages)
         pb_grpc.add_GenerationServicer_to_server(servicer, server)
         kv_pb_grpc.add_KVTransferServicer_to_server(
             KVTransferServicer(lambda: self.engine, lambda: self.kv_spec, s.kv_test_fault), server)

@@ -12,6 +12,7 @@ import uuid
 from typing import Any, Callable
 
 import grpc
+import structlog
 
 from pagedserve.runtime.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
 from pagedserve.runtime.kv_connector import KVTransferError
@@ -20,6 +21,8 @@ from pagedserve.runtime.sampling_params import SamplingParams
 
 from .pb import generation_pb2 as pb
 from .pb import generation_pb2_grpc as pb_grpc
+
+log = structlog.get_logger("pagedserve.server")
 
 _SCALAR_FIELDS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                   "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens", "ignore_eos",
@@ -38,10 +41,11 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, get_engine: Callable[[], AsyncEngine | None], model_name: Callable[[], str],
-                 max_prompt_chars: int) -> None:
+                 max_prompt_chars: int, max_chat_messages: int = 1024) -> None:
         self._get_engine = get_engine
         self._model_name = model_name
         self.max_prompt_chars = max_prompt_chars
+        self.max_chat_messages = max_chat_messages
 
     async def _engine(self, context) -> AsyncEngine:
         engine = self._get_engine()
@@ -56,12 +60,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def _chat_ids(self, engine: AsyncEngine, chat: pb.ChatMessages) -> list[int]:
         if not chat.messages:
             raise ValueError("chat.messages is empty")
+        if len(chat.messages) > self.max_chat_messages:
+            raise ValueError(f"chat.messages has {len(chat.messages)} messages; the limit is {self.max_chat_messages}")
         messages = []
+        total = 0
         for i, m in enumerate(chat.messages):
             if m.role not in CHAT_ROLES:
-                raise ValueError(f"chat.messages[{i}].role {m.role!r} is not one of {list(CHAT_ROLES)}")
+                raise ValueError(f"chat.messages[{i}].role {m.role[:40]!r} is not one of {list(CHAT_ROLES)}")
             self._check_text(m.content, f"chat.messages[{i}].content")
+            total += len(m.content)
             messages.append({"role": m.role, "content": m.content})
+        if total > self.max_prompt_chars:  # the rendered conversation is one prompt
+            raise ValueError(f"chat.messages hold {total} characters in all; the limit is {self.max_prompt_chars}")
         add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
         return engine.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen, tokenize=True)
 
@@ -75,7 +85,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self._check_text(request.text, "text")
             return request.text
         if kind == "token_ids":
-            return list(request.token_ids.ids)
+            return request.token_ids.ids  # the engine checks its length before copying it
         return self._chat_ids(engine, request.chat)
 
     async def Generate(self, request: pb.GenerateRequest, context):
@@ -98,8 +108,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except (EngineStoppedError, KVTransferError) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except RuntimeError as e:  # the engine step failed: a bug, reported as such
+        except RuntimeError as e:  # this request failed in the engine: a bug, reported as such
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        except Exception as e:  # a bug while preparing this request: it alone fails
+            log.error("request.prepare_failed", request_id=request_id[:256], error=repr(e))
+            await context.abort(grpc.StatusCode.INTERNAL, f"request failed: {e!r}")
         if last is None or not last.finished:  # aborted through the Abort RPC
             yield pb.GenerateResponse(chunk=pb.Chunk(index=0, finish_reason="abort"))
         yield pb.GenerateResponse(usage=self._usage(request_id, last, start))
@@ -151,6 +164,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Detokenize(self, request: pb.DetokenizeRequest, context):
         engine = await self._engine(context)
         vocab = engine.engine.model_config.vocab_size
+        if len(request.token_ids) > self.max_prompt_chars:  # every token is at least a character of text
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids has {len(request.token_ids)} ids; "
+                                f"the limit is {self.max_prompt_chars} (max_prompt_chars)")
         bad = [t for t in request.token_ids if not 0 <= t < vocab]
         if bad:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids must be in [0, {vocab}); got {bad[:5]}")
