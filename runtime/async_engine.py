@@ -40,6 +40,10 @@ class EngineStoppedError(Exception):
     """The engine is draining or stopped and takes no new requests."""
 
 
+class RequestFailedError(RuntimeError):
+    """This request failed inside the engine (a bug); the others carry on."""
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting_requests: int = 256, stats_interval_s: float = 10.0) -> None:
         if max_waiting_requests < 1:
@@ -64,9 +68,26 @@ class AsyncEngine:
     # -- lifecycle --------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Step the engine in a worker thread until stop(); returns when the worker has exited."""
+        """Step the engine in a worker thread until stop(); returns when the worker has exited.
+
+        If the worker itself dies (an error outside any one request's processing), `failure` is set,
+        every stream in flight ends with EngineStoppedError and new requests are refused; the server
+        then goes NOT_SERVING and exits non-zero for systemd to restart it (as when a rank dies)."""
         self._loop = asyncio.get_running_loop()
-        await anyio.to_thread.run_sync(self._worker, abandon_on_cancel=True)
+        await anyio.to_thread.run_sync(self._guarded_worker, abandon_on_cancel=True)
+
+    def _guarded_worker(self) -> None:
+        try:
+            self._worker()
+        except BaseException as e:
+            self.failure = e
+            log.critical("engine.worker_died", error=repr(e))
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._fail_all, EngineStoppedError(f"engine worker died: {e!r}"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid in list(self._streams):
+            self._fail(rid, error)
 
     def stop(self) -> None:
         self._stop = True
@@ -197,7 +218,15 @@ class AsyncEngine:
                 with self._lock:
                     self._pending_adds -= 1
                 if payload.request_id in self._streams:  # not cancelled while queued
-                    self.engine.add_prepared(payload)
+                    try:
+                        self.engine.add_prepared(payload)
+                    except Exception as e:  # this request alone fails
+                        if self.engine.groups.get(payload.request_id) is payload:
+                            self.engine.abort_request(payload.request_id)
+                        log.error("request.failed", request_id=payload.request_id, stage="queue", error=repr(e))
+                        if self._loop is not None:
+                            self._loop.call_soon_threadsafe(self._fail, payload.request_id,
+                                                            RequestFailedError(f"request failed while queueing it: {e!r}"))
             else:
                 self.engine.abort_request(payload)
 
@@ -210,6 +239,9 @@ class AsyncEngine:
             send = self._streams.get(out.request_id)
             if send is None:
                 continue  # cancelled meanwhile; the abort command is already queued
+            if out.error is not None:  # failed inside the engine; its blocks are already freed
+                self._fail(out.request_id, RequestFailedError(out.error))
+                continue
             try:
                 send.send_nowait(out)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):

@@ -34,6 +34,9 @@ from .sequence_group import SequenceGroup, completion, group_output, sample_gene
 
 log = structlog.get_logger("pagedserve.engine")
 
+_STAGES = {"schedule": "scheduling it", "prepare": "preparing it", "forward": "running the forward pass of its batch",
+           "sample": "sampling its next token", "update": "updating and detokenizing its output"}
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
@@ -184,27 +187,71 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, run, update. A request whose part of this raises fails alone (its output carries
+        `error`, its blocks are freed); a failed forward fails the requests in its batch, no others."""
         if self.remote_prefill is not None:
             self._land_remote_kv()
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         self.events.scheduled(sched)
+        failed = [self._fail_group(r.group, e, "schedule") for r, e in sched.failed]
+        forks: dict[int, list[Request]] = {}
+        if not sched.is_empty:
+            forks = self._plan_forks(sched, failed)
+            self._drop_finished(sched, forks)
         if sched.is_empty:
             if self.scheduler.waiting_for_kv:  # only transfers in flight: wait for one, do not spin
                 self.remote_prefill.connector.wait(0.02)
-            return []
-        forks = self._plan_forks(sched)
-        results = self.runner.execute(sched, forks)
-        return self._update(sched, forks, results)
+            return [o for o in failed if o is not None]
+        try:
+            results = self.runner.execute(sched, forks)
+        except Exception as e:  # the batch's forward: every request in it fails, the others wait on
+            for s in sched.scheduled:
+                failed.append(self._fail_group(s.request.group, e, "forward", forks))
+            return [o for o in failed if o is not None]
+        return [o for o in failed if o is not None] + self._update(sched, forks, results)
 
-    def _plan_forks(self, sched: SchedulerOutput) -> dict[int, list[Request]]:
+    def _fail_group(self, group: SequenceGroup | None, error: Exception, stage: str,
+                    forks: dict[int, list[Request]] | None = None) -> RequestOutput | None:
+        """End a request whose processing raised: every sequence finished, every block freed, one
+        final output carrying the error. None if it had already ended (another sequence failed first)."""
+        if group is None or self.groups.get(group.request_id) is not group:
+            return None
+        del self.groups[group.request_id]
+        group.aborted = True
+        unforked = [c for cs in (forks or {}).values() for c in cs if c.group is group]
+        for seq in [*group.live, *unforked]:
+            if self.remote_prefill is not None:  # a transfer in flight for it is cancelled too
+                self.remote_prefill.abort(seq.request_id)
+            self.scheduler.finish_request(seq, RequestStatus.FINISHED_ABORTED)
+        group.num_to_fork = 0
+        message = f"request failed while {_STAGES[stage]}: {error!r}"
+        log.error("request.failed", request_id=group.request_id, stage=stage, error=repr(error))
+        self.events.ended("request.aborted", group.first, group.request_id)
+        out = group_output(group, [completion(s, s.sample_index) for s in group.seqs[: group.params.n]], finished=True)
+        out.error = message
+        return out
+
+    def _drop_finished(self, sched: SchedulerOutput, forks: dict[int, list[Request]]) -> None:
+        """Take requests failed since scheduling out of the batch (their blocks are already free)."""
+        keep = [i for i, s in enumerate(sched.scheduled) if not s.request.is_finished]
+        if len(keep) < len(sched.scheduled):
+            new_forks = {k: forks[i] for k, i in enumerate(keep) if i in forks}
+            sched.scheduled = [sched.scheduled[i] for i in keep]
+            forks.clear()
+            forks.update(new_forks)
+
+    def _plan_forks(self, sched: SchedulerOutput, failed: list) -> dict[int, list[Request]]:
         """Samples 1.. of n > 1 requests whose prompt completes this step: created now, forked after."""
         forks: dict[int, list[Request]] = {}
         for i, s in enumerate(sched.scheduled):
             r = s.request
             group = r.group
             if group.num_to_fork and r.sample_index == 0 and r.num_computed_tokens + s.num_new_tokens == r.num_tokens:
-                forks[i] = [self._new_seq(group, group.next_seq_id(), k) for k in range(1, group.num_to_fork + 1)]
+                try:
+                    forks[i] = [self._new_seq(group, group.next_seq_id(), k) for k in range(1, group.num_to_fork + 1)]
+                except Exception as e:
+                    failed.append(self._fail_group(group, e, "prepare"))
         return forks
 
     def _update(self, sched: SchedulerOutput, forks: dict[int, list[Request]],
@@ -212,37 +259,46 @@ class LLMEngine:
         now = time.monotonic()
         changed: dict[str, list[CompletionOutput]] = {}
         num_out = 0
+        failed: list[RequestOutput | None] = []
         for i, (s, result) in enumerate(zip(sched.scheduled, results)):
-            r = s.request
-            r.num_computed_tokens += s.num_new_tokens
-            self.kv_manager.cache_full_blocks(r.request_id, r.all_token_ids, r.num_computed_tokens, r.cache_salt)
-            if r.kv_export is not None and r.num_computed_tokens >= r.num_prompt_tokens:
-                export_blocks(r, self.kv_manager, self.block_io, self.kv_stats)  # before it finishes
-            if result is None:
-                continue  # a prefill chunk that did not reach the end of the prompt
-            group = r.group
-            if r.timings.first_token is None:
-                r.timings.first_token = now
-                self.events.first_token(r, now)
-            if group.beam is not None:
-                group.beam_pending[r.request_id] = result.beam_topk
-                num_out += self._advance_beams(group)
-                if group.is_finished:
-                    changed.setdefault(group.request_id, [])
+            if s.request.group.aborted:  # another of its sequences failed earlier in this loop
                 continue
-            for child in forks.get(i, []):  # share the prompt's blocks with every other sample
-                self.kv_manager.fork(r.request_id, child.request_id)
-                child.num_computed_tokens = r.num_computed_tokens
-                child.num_cached_tokens = r.num_cached_tokens
-                child.timings = dataclasses.replace(r.timings)
-                self.scheduler.add_running(child)
-                group.seqs.append(child)
-            group.num_to_fork = 0
-            for seq, tok in zip([r, *forks.get(i, [])], result.samples):
-                num_out += 1
-                changed.setdefault(group.request_id, []).append(self._append_sample(seq, tok))
+            if result is not None and result.error is not None:
+                failed.append(self._fail_group(s.request.group, result.error, result.error_stage, forks))
+                continue
+            try:
+                r = s.request
+                r.num_computed_tokens += s.num_new_tokens
+                self.kv_manager.cache_full_blocks(r.request_id, r.all_token_ids, r.num_computed_tokens, r.cache_salt)
+                if r.kv_export is not None and r.num_computed_tokens >= r.num_prompt_tokens:
+                    export_blocks(r, self.kv_manager, self.block_io, self.kv_stats)  # before it finishes
+                if result is None:
+                    continue  # a prefill chunk that did not reach the end of the prompt
+                group = r.group
+                if r.timings.first_token is None:
+                    r.timings.first_token = now
+                    self.events.first_token(r, now)
+                if group.beam is not None:
+                    group.beam_pending[r.request_id] = result.beam_topk
+                    num_out += self._advance_beams(group)
+                    if group.is_finished:
+                        changed.setdefault(group.request_id, [])
+                    continue
+                for child in forks.get(i, []):  # share the prompt's blocks with every other sample
+                    self.kv_manager.fork(r.request_id, child.request_id)
+                    child.num_computed_tokens = r.num_computed_tokens
+                    child.num_cached_tokens = r.num_cached_tokens
+                    child.timings = dataclasses.replace(r.timings)
+                    self.scheduler.add_running(child)
+                    group.seqs.append(child)
+                group.num_to_fork = 0
+                for seq, tok in zip([r, *forks.get(i, [])], result.samples):
+                    num_out += 1
+                    changed.setdefault(group.request_id, []).append(self._append_sample(seq, tok))
+            except Exception as e:  # appending, hashing, forking, detokenizing this request
+                failed.append(self._fail_group(s.request.group, e, "update", forks))
         self._throughput.append((now, num_out, sched.num_batched_tokens))
-        return self._collect(changed)
+        return [o for o in failed if o is not None] + self._collect(changed)
 
     def _append_sample(self, r: Request, tok: SampledToken) -> CompletionOutput:
         r.append_output_token(tok.token_id)
