@@ -56,3 +56,13 @@ def test_a_failing_request_fails_alone_then_a_dead_worker_exits_nonzero(tmp_path
         assert '"event": "server.engine_failed"' in srv.log()
     finally:
         srv.stop()
+
+
+def test_settings_the_host_cannot_hold_are_refused_at_start(tmp_path):
+    srv = ServerProcess(tmp_path, "--kv-cache-memory-bytes", str(1 << 50))  # a 1 PiB KV pool
+    code = srv.proc.wait(60)
+    log = srv.log()
+    srv.stop()
+    # Exit 2 = bad settings: the unit's RestartPreventExitStatus=2 keeps systemd from retrying a typo.
+    assert code == 2, log
+    assert "pagedserve: error: the settings need" in log and "lower kv_cache_memory_bytes" in log
