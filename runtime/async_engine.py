@@ -14,7 +14,7 @@ request is queued, so bad input fails at once with a ValueError.
 from __future__ import annotations
 
 import asyncio
-import math
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -44,12 +44,33 @@ class RequestFailedError(RuntimeError):
     """This request failed inside the engine (a bug); the others carry on."""
 
 
+def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """One output standing for two consecutive ones of a request: the newer's cumulative fields, both
+    deltas joined. A reader that falls behind gets one merged output instead of a growing queue."""
+    older_by_index = {c.index: c for c in older.outputs}
+    merged = []
+    for c in newer.outputs:
+        o = older_by_index.pop(c.index, None)
+        if o is not None:
+            c = dataclasses.replace(c, new_text=o.new_text + c.new_text, new_token_ids=o.new_token_ids + c.new_token_ids)
+        merged.append(c)
+    return dataclasses.replace(newer, outputs=sorted([*older_by_index.values(), *merged], key=lambda c: c.index))
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 256, stats_interval_s: float = 10.0) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 256, stats_interval_s: float = 10.0,
+                 stream_buffer_size: int = 64) -> None:
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+        if stream_buffer_size < 1:
+            raise ValueError(f"stream_buffer_size must be >= 1, got {stream_buffer_size}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        # Each request's outputs wait for its reader in a buffer of this many; beyond it they are merged
+        # into one (merge_outputs), so a reader that stops costs O(its request), never O(steps x request).
+        self.stream_buffer_size = stream_buffer_size
+        self._overflow: dict[str, RequestOutput] = {}
+        self._errors: dict[str, BaseException] = {}  # failures that found the stream's buffer full
         self.stats_interval_s = stats_interval_s
         self.accepting = True
         self._streams: dict[str, anyio.abc.ObjectSendStream] = {}
@@ -133,7 +154,7 @@ class AsyncEngine:
                                  f"(max_waiting_requests={self.max_waiting_requests}); retry later")
         request = self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt)
         request.seqs[0].kv_export = kv_export  # a prefill instance's request: its blocks are sent on
-        send, receive = anyio.create_memory_object_stream[object](math.inf)
+        send, receive = anyio.create_memory_object_stream[object](self.stream_buffer_size)
         self._streams[request_id] = send
         self._submit("add", request)
         finished = False
@@ -142,14 +163,30 @@ class AsyncEngine:
                 async for item in receive:
                     if isinstance(item, BaseException):
                         raise item
+                    self._flush_overflow(request_id, send)
                     finished = item.finished
                     yield item
                     if finished:
                         return
+            if request_id in self._errors:
+                raise self._errors.pop(request_id)
         finally:
             self._streams.pop(request_id, None)
+            self._overflow.pop(request_id, None)
+            self._errors.pop(request_id, None)
             if not finished:
                 self._submit("abort", request_id)
+
+    def _flush_overflow(self, request_id: str, send: anyio.abc.ObjectSendStream) -> None:
+        """The reader took an output: move the merged overflow into the room it made."""
+        pending = self._overflow.pop(request_id, None)
+        if pending is not None:
+            try:
+                send.send_nowait(pending)
+            except anyio.WouldBlock:
+                self._overflow[request_id] = pending
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass
 
     def abort(self, request_id: str) -> bool:
         """Abort a request by id; True if it was in flight. Its blocks are freed before the next step."""
@@ -169,8 +206,12 @@ class AsyncEngine:
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         send = self._streams.pop(request_id, None)
+        self._overflow.pop(request_id, None)
         if send is not None:
-            send.send_nowait(error)
+            try:
+                send.send_nowait(error)
+            except anyio.WouldBlock:  # the reader is behind: it gets the error after what is buffered
+                self._errors[request_id] = error
             send.close()
 
     # -- the worker thread ------------------------------------------------------------------------
@@ -242,8 +283,13 @@ class AsyncEngine:
             if out.error is not None:  # failed inside the engine; its blocks are already freed
                 self._fail(out.request_id, RequestFailedError(out.error))
                 continue
+            if out.request_id in self._overflow:
+                self._overflow[out.request_id] = merge_outputs(self._overflow[out.request_id], out)
+                continue
             try:
                 send.send_nowait(out)
+            except anyio.WouldBlock:
+                self._overflow[out.request_id] = out
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 pass
 

@@ -98,7 +98,7 @@ class SidecarServer:
                                           ("grpc.max_send_message_length", MAX_SEND_BYTES),
                                           ("grpc.so_reuseport", 0)])
         servicer = GenerationServicer(lambda: self.engine, lambda: self.model_name, s.max_prompt_chars,
-                                      s.max_chat_messages)
+                                      s.max_chat_messages, s.slow_reader_timeout)
         pb_grpc.add_GenerationServicer_to_server(servicer, server)
         kv_pb_grpc.add_KVTransferServicer_to_server(
             KVTransferServicer(lambda: self.engine, lambda: self.kv_spec, s.kv_test_fault), server)

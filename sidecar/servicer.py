@@ -7,6 +7,8 @@ the engine's async generator, which aborts the request and frees its blocks.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
 from typing import Any, Callable
@@ -39,10 +41,15 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(**kwargs)  # ValueError names the field
 
 
+class SlowReaderError(Exception):
+    """The client stopped reading its stream for longer than slow_reader_timeout."""
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, get_engine: Callable[[], AsyncEngine | None], model_name: Callable[[], str],
-                 max_prompt_chars: int, max_chat_messages: int = 1024) -> None:
+                 max_prompt_chars: int, max_chat_messages: int = 1024, slow_reader_timeout: float = 30.0) -> None:
         self._get_engine = get_engine
+        self.slow_reader_timeout = slow_reader_timeout
         self._model_name = model_name
         self.max_prompt_chars = max_prompt_chars
         self.max_chat_messages = max_chat_messages
@@ -89,6 +96,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return self._chat_ids(engine, request.chat)
 
     async def Generate(self, request: pb.GenerateRequest, context):
+        # Messages go out through context.write, each bounded by slow_reader_timeout: a client that stops
+        # reading fills its HTTP/2 window, the write blocks, and the request is ended RESOURCE_EXHAUSTED
+        # (its blocks freed) instead of holding a running slot and a growing buffer.
         engine = await self._engine(context)
         request_id = request.request_id or uuid.uuid4().hex
         start = time.monotonic()
@@ -97,14 +107,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             params = sampling_params_from_proto(request.sampling)
             prompt = self._prompt(engine, request)
             whole = (params.best_of or params.n) > params.n  # best_of: only the chosen n, at the end
-            async for out in engine.generate(request_id, prompt, params, cache_salt=request.cache_salt or None):
-                last = out
-                for c in out.outputs:
-                    if whole or c.new_token_ids:
-                        yield pb.GenerateResponse(chunk=self._chunk(c, params, whole))
+            outputs = engine.generate(request_id, prompt, params, cache_salt=request.cache_salt or None)
+            async with contextlib.aclosing(outputs):  # leaving early aborts the request at once
+                async for out in outputs:
+                    last = out
+                    for c in out.outputs:
+                        if whole or c.new_token_ids:
+                            await self._write(context, pb.GenerateResponse(chunk=self._chunk(c, params, whole)))
+            if last is None or not last.finished:  # aborted through the Abort RPC
+                await self._write(context, pb.GenerateResponse(chunk=pb.Chunk(index=0, finish_reason="abort")))
+            await self._write(context, pb.GenerateResponse(usage=self._usage(request_id, last, start)))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except QueueFullError as e:
+        except (QueueFullError, SlowReaderError) as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except (EngineStoppedError, KVTransferError) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
@@ -113,9 +128,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except Exception as e:  # a bug while preparing this request: it alone fails
             log.error("request.prepare_failed", request_id=request_id[:256], error=repr(e))
             await context.abort(grpc.StatusCode.INTERNAL, f"request failed: {e!r}")
-        if last is None or not last.finished:  # aborted through the Abort RPC
-            yield pb.GenerateResponse(chunk=pb.Chunk(index=0, finish_reason="abort"))
-        yield pb.GenerateResponse(usage=self._usage(request_id, last, start))
+
+    async def _write(self, context, message: pb.GenerateResponse) -> None:
+        try:
+            await asyncio.wait_for(context.write(message), self.slow_reader_timeout)
+        except asyncio.TimeoutError:
+            raise SlowReaderError(f"the client read nothing for {self.slow_reader_timeout:g} s "
+                                  f"(slow_reader_timeout); the request was aborted") from None
 
     @staticmethod
     def _chunk(c, params: SamplingParams, whole: bool = False) -> pb.Chunk:

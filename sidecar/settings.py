@@ -44,6 +44,7 @@ class Settings:
     tcp: str | None = None  # "host:port" or ":port" (host defaults to 127.0.0.1)
     max_waiting_requests: int = 256
     drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    slow_reader_timeout: float = 30.0  # seconds a stream may go unread before it ends RESOURCE_EXHAUSTED
     max_prompt_chars: int = 1_000_000  # per text prompt or chat conversation (all its messages)
     max_chat_messages: int = 1024  # messages in one chat conversation
     log_level: str = "info"
@@ -80,6 +81,8 @@ class Settings:
         for name in ("max_prompt_chars", "max_chat_messages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.slow_reader_timeout > 0:
+            raise ValueError(f"slow_reader_timeout must be > 0, got {self.slow_reader_timeout}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if not self.socket and not self.tcp:

@@ -13,10 +13,14 @@ from server_proc import FAULT_SERVER, ServerProcess, client_for, wait_idle
 from pagedserve.sidecar.client import PagedServeError
 
 
-def long_stream(srv, results, key, max_tokens):
+def long_stream(srv, results, key, max_tokens, started=None):
     try:
         with client_for(srv) as c:
-            chunks = list(c.generate([5, 6, 7], max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+            chunks = []
+            for ch in c.generate([5, 6, 7], max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+                chunks.append(ch)
+                if started is not None:
+                    started.set()
             results[key] = ("ok", sum(len(ch.token_ids) for ch in chunks), chunks[-1].finish_reason)
     except PagedServeError as e:
         results[key] = ("error", e.code, e.message)
@@ -44,8 +48,10 @@ def test_a_failing_request_fails_alone_then_a_dead_worker_exits_nonzero(tmp_path
             with grpc.insecure_channel(f"unix:{srv.socket}") as channel:
                 watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
                 assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
-                t = threading.Thread(target=long_stream, args=(srv, results, "cut", 2000))
+                started = threading.Event()
+                t = threading.Thread(target=long_stream, args=(srv, results, "cut", 2000, started))
                 t.start()
+                assert started.wait(30)
                 with pytest.raises(PagedServeError) as err:
                     list(c.generate([9, 10], request_id="kill-worker", max_tokens=5))
                 assert err.value.code == grpc.StatusCode.UNAVAILABLE and "engine worker died" in err.value.message
