@@ -30,6 +30,7 @@ from .pb import generation_pb2 as pb
 from .pb import generation_pb2_grpc as pb_grpc
 from .pb import kv_transfer_pb2 as kv_pb
 from .pb import kv_transfer_pb2_grpc as kv_pb_grpc
+from .metrics import ServerMetrics
 from .sd_notify import SystemdNotifier, watchdog_loop
 from .servicer import GenerationServicer
 from .settings import Settings
@@ -86,6 +87,7 @@ class SidecarServer:
         self.addresses: list[str] = []
         self.kv_spec = None  # runtime.kv_connector.KVTransferSpec once loaded (the handshake's answer)
         self.kv_connector = None  # decode role: the GrpcKVConnector to the prefill instance
+        self.metrics = ServerMetrics(lambda: self.engine) if settings.metrics_port is not None else None
 
     async def _set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -98,7 +100,7 @@ class SidecarServer:
                                           ("grpc.max_send_message_length", MAX_SEND_BYTES),
                                           ("grpc.so_reuseport", 0)])
         servicer = GenerationServicer(lambda: self.engine, lambda: self.model_name, s.max_prompt_chars,
-                                      s.max_chat_messages, s.slow_reader_timeout)
+                                      s.max_chat_messages, s.slow_reader_timeout, self.metrics)
         pb_grpc.add_GenerationServicer_to_server(servicer, server)
         kv_pb_grpc.add_KVTransferServicer_to_server(
             KVTransferServicer(lambda: self.engine, lambda: self.kv_spec, s.kv_test_fault), server)
@@ -121,6 +123,9 @@ class SidecarServer:
         if s.socket:
             os.chmod(s.socket, SOCKET_MODE)  # owner and group (the app pods' group) may connect
         self.server = server
+        if self.metrics is not None:  # loopback only: the figures are for the host's own scraper
+            port = self.metrics.serve(s.metrics_port)
+            self.addresses.append(f"http://127.0.0.1:{port}/metrics")
         log.info("server.listening", addresses=self.addresses)
         self.notifier.status("loading model")
 
@@ -213,6 +218,8 @@ class SidecarServer:
             self.kv_connector.close()
         if self.settings.socket:
             Path(self.settings.socket).unlink(missing_ok=True)
+        if self.metrics is not None:
+            self.metrics.stop()
         log.info("server.stopped", finished=in_flight - aborted, aborted=aborted)
 
 

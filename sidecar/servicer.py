@@ -47,8 +47,10 @@ class SlowReaderError(Exception):
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, get_engine: Callable[[], AsyncEngine | None], model_name: Callable[[], str],
-                 max_prompt_chars: int, max_chat_messages: int = 1024, slow_reader_timeout: float = 30.0) -> None:
+                 max_prompt_chars: int, max_chat_messages: int = 1024, slow_reader_timeout: float = 30.0,
+                 metrics: Any = None) -> None:
         self._get_engine = get_engine
+        self.metrics = metrics  # sidecar.metrics.ServerMetrics, or None when --metrics-port is unset
         self.slow_reader_timeout = slow_reader_timeout
         self._model_name = model_name
         self.max_prompt_chars = max_prompt_chars
@@ -103,6 +105,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         request_id = request.request_id or uuid.uuid4().hex
         start = time.monotonic()
         last: RequestOutput | None = None
+        outcome = "internal"
         try:
             params = sampling_params_from_proto(request.sampling)
             prompt = self._prompt(engine, request)
@@ -117,17 +120,40 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if last is None or not last.finished:  # aborted through the Abort RPC
                 await self._write(context, pb.GenerateResponse(chunk=pb.Chunk(index=0, finish_reason="abort")))
             await self._write(context, pb.GenerateResponse(usage=self._usage(request_id, last, start)))
+            outcome = "abort" if last is None or not last.finished else (last.outputs[0].finish_reason or "abort")
         except ValueError as e:
+            outcome = "invalid_argument"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (QueueFullError, SlowReaderError) as e:
+            outcome = "resource_exhausted"
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except (EngineStoppedError, KVTransferError) as e:
+            outcome = "unavailable"
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except RuntimeError as e:  # this request failed in the engine: a bug, reported as such
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        except asyncio.CancelledError:  # the client cancelled or its deadline passed
+            outcome = "cancelled"
+            raise
         except Exception as e:  # a bug while preparing this request: it alone fails
             log.error("request.prepare_failed", request_id=request_id[:256], error=repr(e))
             await context.abort(grpc.StatusCode.INTERNAL, f"request failed: {e!r}")
+        finally:
+            if self.metrics is not None:
+                self._observe(outcome, start, last)
+
+    def _observe(self, outcome: str, start: float, last: RequestOutput | None) -> None:
+        ttft = tpot = None
+        prompt_tokens = generated = 0
+        if last is not None and last.finished:
+            m = last.metrics
+            ttft = m.ttft
+            prompt_tokens = len(last.prompt_token_ids)
+            generated = sum(len(c.token_ids) for c in last.outputs)
+            n0 = len(last.outputs[0].token_ids) if last.outputs else 0
+            if n0 > 1 and m.first_token_time is not None and m.finished_time is not None:
+                tpot = (m.finished_time - m.first_token_time) / (n0 - 1)
+        self.metrics.observe_request(outcome, time.monotonic() - start, ttft, tpot, prompt_tokens, generated)
 
     async def _write(self, context, message: pb.GenerateResponse) -> None:
         try:

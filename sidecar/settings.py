@@ -42,6 +42,7 @@ class Settings:
     # -- server --
     socket: str = DEFAULT_SOCKET  # unix domain socket path; "" turns the socket off
     tcp: str | None = None  # "host:port" or ":port" (host defaults to 127.0.0.1)
+    metrics_port: int | None = None  # Prometheus metrics on http://127.0.0.1:PORT/metrics; None = off, 0 = any port
     max_waiting_requests: int = 256
     drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     slow_reader_timeout: float = 30.0  # seconds a stream may go unread before it ends RESOURCE_EXHAUSTED
@@ -81,6 +82,8 @@ class Settings:
         for name in ("max_prompt_chars", "max_chat_messages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if not self.slow_reader_timeout > 0:
             raise ValueError(f"slow_reader_timeout must be > 0, got {self.slow_reader_timeout}")
         if self.drain_timeout < 0:
