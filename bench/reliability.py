@@ -352,7 +352,12 @@ def small_pool_case(model: str | None, n: int, prompt_len: int, max_tokens: int)
 
 
 def run(args: argparse.Namespace) -> dict:
-    sizes = QUICK if args.quick else FULL
+    sizes = dict(QUICK if args.quick else FULL)
+    for item in args.size:
+        name, _, value = item.partition("=")
+        if name not in RUNS or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--size must be RUN=N with RUN one of {', '.join(RUNS)} and N >= 1, got {item!r}")
+        sizes[name] = int(value)
     env = plots.environment(args.quick)
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp_dir:
@@ -364,7 +369,7 @@ def run(args: argparse.Namespace) -> dict:
             results[name] = run_one(name, d, args.model, sizes, args.quick)
             plots.progress(f"{name}: {json.dumps(results[name])[:300]}")
     return {"benchmark": NAME, "quick": args.quick, "claim": CLAIM, "environment": env, "model": args.model,
-            "results": results, "summary": summarize(results)}
+            "config": {"sizes": sizes}, "results": results, "summary": summarize(results)}
 
 
 def run_one(name: str, tmp: Path, model: str | None, sizes: dict, quick: bool) -> dict:
@@ -430,6 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="bench/reliability.py", description=__doc__.splitlines()[0])
     plots.add_common_args(ap)
     ap.add_argument("--only", nargs="+", choices=RUNS, default=None, help="run only these (default: all)")
+    ap.add_argument("--size", action="append", default=[], metavar="RUN=N",
+                    help="override a run's count, e.g. --size fuzz=1000 (repeat for several)")
     return ap
 
 
