@@ -72,6 +72,11 @@ class Server(ServerProcess):
                 return int(json.loads(line)["total_gib"] * 2**30)
         return None
 
+    def errors_logged(self) -> list[str]:
+        """The server's error-level log lines (a request that failed inside it, a bug): none expected."""
+        return [line[:300] for line in self.log().splitlines()
+                if '"level": "error"' in line or '"level": "critical"' in line]
+
     def stub(self, channel):
         return pb_modules()[1].GenerationStub(channel)
 
@@ -378,7 +383,7 @@ def run_one(name: str, tmp: Path, model: str | None, sizes: dict, quick: bool) -
         prompts, alone, kv_bytes = small_pool_case(model, sizes["small_pool"], 8, max_tokens)
         srv = Server(tmp, model, ["--kv-cache-memory-bytes", str(kv_bytes), "--max-waiting-requests", "4096"])
     elif name == "sigterm":
-        srv = Server(tmp, model, ["--max-waiting-requests", "4096", "--drain-timeout", "3"])
+        srv = Server(tmp, model, ["--max-waiting-requests", "4096", "--drain-timeout", "3" if quick else "10"])
     elif name == "fuzz":
         srv = Server(tmp, model, ["--max-prompt-chars", "20000"] if quick else [])
     else:
@@ -400,6 +405,9 @@ def run_one(name: str, tmp: Path, model: str | None, sizes: dict, quick: bool) -
     finally:
         code = srv.stop()
     out.setdefault("exit_code", code)
+    errors = srv.errors_logged()
+    out["server_errors_logged"] = len(errors)
+    out["server_error_examples"] = errors[:5]
     return out
 
 

@@ -32,6 +32,10 @@ from .sampling_params import SamplingParams
 log = structlog.get_logger("pagedserve.engine")
 
 
+# Text prompts longer than this are tokenized off the event loop (a 1M-character prompt takes seconds).
+LONG_PROMPT_CHARS = 16_384
+
+
 class QueueFullError(Exception):
     """More requests are waiting than max_waiting_requests allows."""
 
@@ -152,10 +156,23 @@ class AsyncEngine:
         if self.num_waiting >= self.max_waiting_requests:
             raise QueueFullError(f"{self.num_waiting} requests are already waiting "
                                  f"(max_waiting_requests={self.max_waiting_requests}); retry later")
-        request = self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt)
-        request.seqs[0].kv_export = kv_export  # a prefill instance's request: its blocks are sent on
         send, receive = anyio.create_memory_object_stream[object](self.stream_buffer_size)
-        self._streams[request_id] = send
+        self._streams[request_id] = send  # the id is taken from here on, while the prompt is tokenized
+        try:
+            if isinstance(prompt, str) and len(prompt) > LONG_PROMPT_CHARS:
+                # Seconds of tokenizing: in a thread, with the GIL released (Tokenizer.encode), so the
+                # event loop keeps serving every other stream meanwhile.
+                request = await anyio.to_thread.run_sync(
+                    lambda: self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt))
+            else:
+                request = self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt)
+        except BaseException:
+            if self._streams.get(request_id) is send:
+                del self._streams[request_id]
+            send.close()
+            receive.close()
+            raise
+        request.seqs[0].kv_export = kv_export  # a prefill instance's request: its blocks are sent on
         self._submit("add", request)
         finished = False
         try:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import grpc
 import structlog
 
-from pagedserve.runtime.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
+from pagedserve.runtime.async_engine import LONG_PROMPT_CHARS, AsyncEngine, EngineStoppedError, QueueFullError
 from pagedserve.runtime.kv_connector import KVTransferError
 from pagedserve.runtime.outputs import RequestOutput
 from pagedserve.runtime.sampling_params import SamplingParams
@@ -39,6 +39,18 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     if msg.stop_token_ids:
         kwargs["stop_token_ids"] = list(msg.stop_token_ids)
     return SamplingParams(**kwargs)  # ValueError names the field
+
+
+async def _off_loop_if_large(request: Any, fn: Callable, *args: Any) -> Any:
+    """fn(*args), in a worker thread when the request is large: rendering and tokenizing a long prompt
+    takes seconds, which must not stall every other stream on the event loop."""
+    if request.ByteSize() > LONG_PROMPT_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+class ClientGoneError(Exception):
+    """A write found the RPC already ended by the client (cancelled, deadline passed)."""
 
 
 class SlowReaderError(Exception):
@@ -108,7 +120,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         outcome = "internal"
         try:
             params = sampling_params_from_proto(request.sampling)
-            prompt = self._prompt(engine, request)
+            prompt = await _off_loop_if_large(request, self._prompt, engine, request)
             whole = (params.best_of or params.n) > params.n  # best_of: only the chosen n, at the end
             outputs = engine.generate(request_id, prompt, params, cache_salt=request.cache_salt or None)
             async with contextlib.aclosing(outputs):  # leaving early aborts the request at once
@@ -135,8 +147,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except asyncio.CancelledError:  # the client cancelled or its deadline passed
             outcome = "cancelled"
             raise
+        except ClientGoneError:  # the same, noticed by a write: nobody is left to answer
+            outcome = "cancelled"
         except Exception as e:  # a bug while preparing this request: it alone fails
-            log.error("request.prepare_failed", request_id=request_id[:256], error=repr(e))
+            log.error("request.servicer_error", request_id=request_id[:256], error=repr(e))
             await context.abort(grpc.StatusCode.INTERNAL, f"request failed: {e!r}")
         finally:
             if self.metrics is not None:
@@ -161,6 +175,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except asyncio.TimeoutError:
             raise SlowReaderError(f"the client read nothing for {self.slow_reader_timeout:g} s "
                                   f"(slow_reader_timeout); the request was aborted") from None
+        except grpc.aio.InternalError:
+            # ExecuteBatchError: the call ended under the write (the client cancelled or its deadline
+            # passed while the write was in flight; the handler's own cancellation may come after it).
+            # Nobody is left to answer, and it is no fault of the server's.
+            raise ClientGoneError() from None
 
     @staticmethod
     def _chunk(c, params: SamplingParams, whole: bool = False) -> pb.Chunk:
@@ -193,18 +212,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         engine = await self._engine(context)
         try:
-            kind = request.WhichOneof("input")
-            if kind == "chat":
-                ids = self._chat_ids(engine, request.chat)
-            elif kind == "text":
-                self._check_text(request.text, "text")
-                add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                ids = engine.engine.tokenizer.encode(request.text, add_special_tokens=add)
-            else:
-                raise ValueError("input is missing: set text or chat")
+            ids = await _off_loop_if_large(request, self._tokenize, engine, request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.TokenizeResponse(token_ids=ids, count=len(ids))
+
+    def _tokenize(self, engine: AsyncEngine, request: pb.TokenizeRequest) -> list[int]:
+        kind = request.WhichOneof("input")
+        if kind == "chat":
+            return self._chat_ids(engine, request.chat)
+        if kind == "text":
+            self._check_text(request.text, "text")
+            add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            return engine.engine.tokenizer.encode(request.text, add_special_tokens=add)
+        raise ValueError("input is missing: set text or chat")
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context):
         engine = await self._engine(context)

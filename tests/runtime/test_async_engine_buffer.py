@@ -54,3 +54,41 @@ def test_late_reader_gets_every_token_through_a_bounded_buffer(engine):
     assert [c.token_ids for c in outs[-1].outputs] == expected
     assert len(outs[-1].outputs[0].logprobs) == 40
     assert engine.kv_manager.usage().num_used_blocks == 0
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(engine):
+    """Tokenizing a huge prompt takes seconds: the loop must keep running other work meanwhile, the
+    request id is held while it does, and the ids are the ones the plain encode gives."""
+    text = "h\u00e9llo w\u00f6rld, " * 40_000  # 520k characters, far past max_model_len in tokens
+    tok = engine.tokenizer
+    assert tok.encode(text) == tok.backend.encode(text).ids
+
+    async def main():
+        ae = AsyncEngine(engine)
+        ticks = 0
+        done = anyio.Event()
+
+        async def ticker():
+            nonlocal ticks
+            while not done.is_set():
+                ticks += 1
+                await anyio.sleep(0.001)
+
+        async def long_one():
+            try:
+                with pytest.raises(ValueError, match="exceeds max_model_len"):
+                    await ae.generate("long", text, SamplingParams()).__anext__()
+            finally:
+                done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            tg.start_soon(long_one)
+            await anyio.sleep(0)
+            with pytest.raises(ValueError, match="already in use"):  # the id is taken while it tokenizes
+                await ae.generate("long", [5, 6], SamplingParams()).__anext__()
+        assert "long" not in ae._streams
+        return ticks
+
+    # Encoding 520k characters takes far longer than the few loop turns a GIL-holding encode would allow.
+    assert anyio.run(main) > 20

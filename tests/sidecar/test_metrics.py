@@ -64,6 +64,7 @@ def test_metrics_endpoint_counts_what_happened(tmp_path):
         assert m["pagedserve_num_preemptions_total"] == 0
         assert m["process_resident_memory_bytes"] < m["pagedserve_memory_budget_bytes"]
         assert "pagedserve_engine_output_tokens_per_s" in m  # EngineStats fields without a name of their own
+        assert 'pagedserve_requests_total{outcome="internal"}' not in m
     finally:
         assert srv.stop() == 0, srv.log()
 

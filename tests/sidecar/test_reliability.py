@@ -50,6 +50,7 @@ def test_fuzzed_requests_each_get_an_expected_answer(rel, tmp_path):
     assert set(r["outcomes"]) <= {"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
     assert r["outcomes"].get("OK", 0) > 50 and r["outcomes"].get("INVALID_ARGUMENT", 0) > 50  # both paths ran
     assert r["always_serving"] and r["rss_within_budget"] and r["kv_blocks_used_after"] == 0 and r["exit_code"] == 0
+    assert r["server_errors_logged"] == 0, r["server_error_examples"]  # cancels racing writes are not errors
 
 
 def test_cancels_and_aborts_racing_completion_leak_no_block(rel, tmp_path):
@@ -57,6 +58,7 @@ def test_cancels_and_aborts_racing_completion_leak_no_block(rel, tmp_path):
     assert r["kv_blocks_used_after"] == 0 and r["running_after"] == 0 and r["waiting_after"] == 0, r
     assert r["health_after"] == "SERVING" and r["exit_code"] == 0
     assert r["outcomes"]["cancelled"] > 0 and r["aborts_found_in_flight"] > 0
+    assert r["server_errors_logged"] == 0, r["server_error_examples"]
 
 
 def test_sigterm_under_load_finishes_or_refuses_each_stream_and_exits_zero(rel, tmp_path):
