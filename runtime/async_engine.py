@@ -278,6 +278,11 @@ class AsyncEngine:
                 if payload.request_id in self._streams:  # not cancelled while queued
                     try:
                         self.engine.add_prepared(payload)
+                    except ValueError as e:
+                        # The id is still held in the engine by an earlier request of the same id whose
+                        # stream has already ended (fuzzing with reused ids finds this): a duplicate id.
+                        if self._loop is not None:
+                            self._loop.call_soon_threadsafe(self._fail, payload.request_id, e)
                     except Exception as e:  # this request alone fails
                         if self.engine.groups.get(payload.request_id) is payload:
                             self.engine.abort_request(payload.request_id)
