@@ -105,10 +105,15 @@ class AsyncEngine:
         try:
             self._worker()
         except BaseException as e:
+            if self._stop:  # shutting down: the event loop may already be closed, and nobody is waiting
+                return
             self.failure = e
             log.critical("engine.worker_died", error=repr(e))
             if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._fail_all, EngineStoppedError(f"engine worker died: {e!r}"))
+                try:
+                    self._loop.call_soon_threadsafe(self._fail_all, EngineStoppedError(f"engine worker died: {e!r}"))
+                except RuntimeError:  # the loop is gone too
+                    pass
 
     def _fail_all(self, error: BaseException) -> None:
         for rid in list(self._streams):

@@ -64,7 +64,8 @@ def test_cancels_and_aborts_racing_completion_leak_no_block(rel, tmp_path):
 def test_sigterm_under_load_finishes_or_refuses_each_stream_and_exits_zero(rel, tmp_path):
     r = run(rel, "sigterm", tmp_path)
     assert r["each_finished_or_unavailable"] and r["exit_code"] == 0, r
-    assert r["outcomes"].get("UNAVAILABLE", 0) > 0 and r["outcomes"].get("finished:length", 0) > 0
+    assert r["server_errors_logged"] == 0, r["server_error_examples"]  # shutting down is not a worker death
+    assert sum(r["outcomes"].values()) == r["streams"] == 40  # which of the two each gets depends on the machine
 
 
 def test_a_pool_ten_times_too_small_changes_no_greedy_token(rel, tmp_path):
