@@ -20,7 +20,7 @@ from .detokenizer import IncrementalDetokenizer
 from .executor import make_executor
 from .kv_cache_manager import KVCacheManager
 from .memory_budget import (PER_REQUEST_BYTES, MemoryBudget, activation_bytes, check_fits_host,
-                            host_memory_available, resident_bytes)
+                            host_memory_available, resident_bytes, weights_bytes)
 from .beam_search import BeamSearchParams, Proposal, select
 from .kv_connector import KVBlockIO, KVConnector, KVTransferSpec, KVTransferStats, model_fingerprint
 from .model_runner import ModelRunner, SampledToken, StepResult
@@ -67,7 +67,7 @@ class LLMEngine:
         self.block_size = config.block_size
         num_blocks = config.num_kv_blocks or self.executor.determine_num_kv_blocks(self.max_model_len)
         self.num_kv_blocks = num_blocks
-        self.memory_budget = self._check_host_memory(loaded, num_blocks)
+        self.memory_budget = self._check_host_memory(num_blocks)
         self.limits = RequestLimits(max_logprobs=config.max_logprobs)
         self.shape = ServerShape(self.model_config.vocab_size, self.max_model_len, config.max_num_seqs, num_blocks,
                                  self.block_size)
@@ -109,16 +109,18 @@ class LLMEngine:
         """Stop the rank processes (tensor parallelism); a no-op for a single rank."""
         self.executor.shutdown()
 
-    def _check_host_memory(self, loaded: LoadedModel, num_blocks: int) -> MemoryBudget:
+    def _check_host_memory(self, num_blocks: int) -> MemoryBudget:
         """Refuse at start settings whose KV pool and activations the host cannot hold (memory_budget.py)."""
         c = self.config
-        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.backend.dtype.itemsize)
+        worker = self.executor.driver_worker
+        cpu = not self.backend.is_gpu
+        # CPU tensor parallelism: every rank's share of the pool lives on this host.
+        kv_bytes = num_blocks * worker.kv_bytes_per_block() * c.tensor_parallel_size if cpu else 0
         budget = MemoryBudget(
-            held_bytes=resident_bytes(), weights_bytes=sum(int(w.nbytes) for w in loaded.weights.values()),
-            kv_cache_bytes=0 if self.backend.is_gpu else num_blocks * per_block,
-            activation_bytes=0 if self.backend.is_gpu else activation_bytes(
-                self.model_config, c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len,
-                num_blocks * self.block_size),
+            held_bytes=resident_bytes(), weights_bytes=weights_bytes(self.model_config, self.backend.dtype.itemsize),
+            kv_cache_bytes=kv_bytes,
+            activation_bytes=activation_bytes(self.model_config, c.max_num_batched_tokens, c.max_num_seqs,
+                                              self.max_model_len, num_blocks * self.block_size) if cpu else 0,
             request_state_bytes=c.max_num_seqs * PER_REQUEST_BYTES)
         available, source = host_memory_available()
         log.info("engine.memory_budget", available_gib=round(available / 2**30, 3) if available else None,

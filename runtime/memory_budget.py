@@ -68,6 +68,15 @@ def activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs
     return int(linear + max(prefill, decode) + logits)
 
 
+def weights_bytes(cfg: ModelConfig, itemsize: int) -> int:
+    """The weights' size from the config: embeddings (and an untied lm_head), per layer the attention and
+    MLP matrices and the two norms, the final norm."""
+    h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+    embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+    return (embed + cfg.num_hidden_layers * per_layer + h) * itemsize
+
+
 def resident_bytes() -> int:
     """This process's resident set size (Linux), 0 where it cannot be read."""
     try:

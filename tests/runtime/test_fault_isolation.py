@@ -155,7 +155,8 @@ def test_parallel_samples_fail_together_and_free_every_block(tiny, reference, mo
 
 def test_failed_forward_fails_its_batch_only(tiny, reference, monkeypatch):
     e = start(tiny)
-    real = e.model.forward
+    model = e.executor.driver_worker.model
+    real = model.forward
     in_batch: list[str] = []
 
     def forward(batch, kv_caches):
@@ -170,7 +171,7 @@ def test_failed_forward_fails_its_batch_only(tiny, reference, monkeypatch):
         e._last_sched = real_schedule()
         return e._last_sched
 
-    monkeypatch.setattr(e.model, "forward", forward)
+    monkeypatch.setattr(model, "forward", forward)
     monkeypatch.setattr(e.scheduler, "schedule", schedule)
     late = {f"late{i}": [9 + i, 40, 41, 42 + i] for i in range(3)}
     done = run(e, late=late)
