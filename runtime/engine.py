@@ -17,7 +17,7 @@ from pagedserve.models.loader import LoadedModel
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .executor import make_executor
+from .executor import WorkerFailedError, make_executor
 from .kv_cache_manager import KVCacheManager
 from .memory_budget import (PER_REQUEST_BYTES, MemoryBudget, activation_bytes, check_fits_host,
                             host_memory_available, resident_bytes, weights_bytes)
@@ -228,6 +228,8 @@ class LLMEngine:
             return [o for o in failed if o is not None]
         try:
             results = self.runner.execute(sched, forks)
+        except WorkerFailedError:  # a rank died: no request can run any more; the async engine stops
+            raise
         except Exception as e:  # the batch's forward: every request in it fails, the others wait on
             for s in sched.scheduled:
                 failed.append(self._fail_group(s.request.group, e, "forward", forks))
