@@ -36,6 +36,11 @@ CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 _PROBE_TEXT = "a"
 
 
+# Longer texts are encoded through encode_batch, which lets other threads (the sidecar's event loop)
+# run while it works: a 1M-character prompt takes seconds.
+LONG_TEXT_CHARS = 16_384
+
+
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the model metadata that says how to use it.
 
@@ -134,6 +139,8 @@ class Tokenizer:
         """Token ids of `text`. Special tokens written in the text (`<|im_start|>`) become their ids."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
+        if len(text) > LONG_TEXT_CHARS:  # the same ids; encode_batch releases the GIL, encode holds it
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -14,7 +14,7 @@ request is queued, so bad input fails at once with a ValueError.
 from __future__ import annotations
 
 import asyncio
-import math
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -32,6 +32,10 @@ from .sampling_params import SamplingParams
 log = structlog.get_logger("pagedserve.engine")
 
 
+# Text prompts longer than this are tokenized off the event loop (a 1M-character prompt takes seconds).
+LONG_PROMPT_CHARS = 16_384
+
+
 class QueueFullError(Exception):
     """More requests are waiting than max_waiting_requests allows."""
 
@@ -40,12 +44,37 @@ class EngineStoppedError(Exception):
     """The engine is draining or stopped and takes no new requests."""
 
 
+class RequestFailedError(RuntimeError):
+    """This request failed inside the engine (a bug); the others carry on."""
+
+
+def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """One output standing for two consecutive ones of a request: the newer's cumulative fields, both
+    deltas joined. A reader that falls behind gets one merged output instead of a growing queue."""
+    older_by_index = {c.index: c for c in older.outputs}
+    merged = []
+    for c in newer.outputs:
+        o = older_by_index.pop(c.index, None)
+        if o is not None:
+            c = dataclasses.replace(c, new_text=o.new_text + c.new_text, new_token_ids=o.new_token_ids + c.new_token_ids)
+        merged.append(c)
+    return dataclasses.replace(newer, outputs=sorted([*older_by_index.values(), *merged], key=lambda c: c.index))
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 256, stats_interval_s: float = 10.0) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 256, stats_interval_s: float = 10.0,
+                 stream_buffer_size: int = 64) -> None:
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+        if stream_buffer_size < 1:
+            raise ValueError(f"stream_buffer_size must be >= 1, got {stream_buffer_size}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        # Each request's outputs wait for its reader in a buffer of this many; beyond it they are merged
+        # into one (merge_outputs), so a reader that stops costs O(its request), never O(steps x request).
+        self.stream_buffer_size = stream_buffer_size
+        self._overflow: dict[str, RequestOutput] = {}
+        self._errors: dict[str, BaseException] = {}  # failures that found the stream's buffer full
         self.stats_interval_s = stats_interval_s
         self.accepting = True
         self._streams: dict[str, anyio.abc.ObjectSendStream] = {}
@@ -64,9 +93,31 @@ class AsyncEngine:
     # -- lifecycle --------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Step the engine in a worker thread until stop(); returns when the worker has exited."""
+        """Step the engine in a worker thread until stop(); returns when the worker has exited.
+
+        If the worker itself dies (an error outside any one request's processing), `failure` is set,
+        every stream in flight ends with EngineStoppedError and new requests are refused; the server
+        then goes NOT_SERVING and exits non-zero for systemd to restart it (as when a rank dies)."""
         self._loop = asyncio.get_running_loop()
-        await anyio.to_thread.run_sync(self._worker, abandon_on_cancel=True)
+        await anyio.to_thread.run_sync(self._guarded_worker, abandon_on_cancel=True)
+
+    def _guarded_worker(self) -> None:
+        try:
+            self._worker()
+        except BaseException as e:
+            if self._stop:  # shutting down: the event loop may already be closed, and nobody is waiting
+                return
+            self.failure = e
+            log.critical("engine.worker_died", error=repr(e))
+            if self._loop is not None:
+                try:
+                    self._loop.call_soon_threadsafe(self._fail_all, EngineStoppedError(f"engine worker died: {e!r}"))
+                except RuntimeError:  # the loop is gone too
+                    pass
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid in list(self._streams):
+            self._fail(rid, error)
 
     def stop(self) -> None:
         self._stop = True
@@ -110,12 +161,25 @@ class AsyncEngine:
         if self.num_waiting >= self.max_waiting_requests:
             raise QueueFullError(f"{self.num_waiting} requests are already waiting "
                                  f"(max_waiting_requests={self.max_waiting_requests}); retry later")
-        request = self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt)
+        send, receive = anyio.create_memory_object_stream[object](self.stream_buffer_size)
+        self._streams[request_id] = send  # the id is taken from here on, while the prompt is tokenized
+        try:
+            if isinstance(prompt, str) and len(prompt) > LONG_PROMPT_CHARS:
+                # Seconds of tokenizing: in a thread, with the GIL released (Tokenizer.encode), so the
+                # event loop keeps serving every other stream meanwhile.
+                request = await anyio.to_thread.run_sync(
+                    lambda: self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt))
+            else:
+                request = self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt)
+            if request.grammar is not None:  # compiled off the loop; a grammar the tokenizer refuses is bad input
+                await asyncio.shield(asyncio.wrap_future(request.grammar))  # shield: the Future is shared
+        except BaseException:
+            if self._streams.get(request_id) is send:
+                del self._streams[request_id]
+            send.close()
+            receive.close()
+            raise
         request.seqs[0].kv_export = kv_export  # a prefill instance's request: its blocks are sent on
-        if request.grammar is not None:  # compiled off the loop; a grammar the tokenizer refuses is bad input
-            await asyncio.shield(asyncio.wrap_future(request.grammar))  # shield: the Future is shared
-        send, receive = anyio.create_memory_object_stream[object](math.inf)
-        self._streams[request_id] = send
         self._submit("add", request)
         finished = False
         try:
@@ -123,14 +187,30 @@ class AsyncEngine:
                 async for item in receive:
                     if isinstance(item, BaseException):
                         raise item
+                    self._flush_overflow(request_id, send)
                     finished = item.finished
                     yield item
                     if finished:
                         return
+            if request_id in self._errors:
+                raise self._errors.pop(request_id)
         finally:
             self._streams.pop(request_id, None)
+            self._overflow.pop(request_id, None)
+            self._errors.pop(request_id, None)
             if not finished:
                 self._submit("abort", request_id)
+
+    def _flush_overflow(self, request_id: str, send: anyio.abc.ObjectSendStream) -> None:
+        """The reader took an output: move the merged overflow into the room it made."""
+        pending = self._overflow.pop(request_id, None)
+        if pending is not None:
+            try:
+                send.send_nowait(pending)
+            except anyio.WouldBlock:
+                self._overflow[request_id] = pending
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass
 
     def abort(self, request_id: str) -> bool:
         """Abort a request by id; True if it was in flight. Its blocks are freed before the next step."""
@@ -150,8 +230,12 @@ class AsyncEngine:
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         send = self._streams.pop(request_id, None)
+        self._overflow.pop(request_id, None)
         if send is not None:
-            send.send_nowait(error)
+            try:
+                send.send_nowait(error)
+            except anyio.WouldBlock:  # the reader is behind: it gets the error after what is buffered
+                self._errors[request_id] = error
             send.close()
 
     # -- the worker thread ------------------------------------------------------------------------
@@ -199,7 +283,20 @@ class AsyncEngine:
                 with self._lock:
                     self._pending_adds -= 1
                 if payload.request_id in self._streams:  # not cancelled while queued
-                    self.engine.add_prepared(payload)
+                    try:
+                        self.engine.add_prepared(payload)
+                    except ValueError as e:
+                        # The id is still held in the engine by an earlier request of the same id whose
+                        # stream has already ended (fuzzing with reused ids finds this): a duplicate id.
+                        if self._loop is not None:
+                            self._loop.call_soon_threadsafe(self._fail, payload.request_id, e)
+                    except Exception as e:  # this request alone fails
+                        if self.engine.groups.get(payload.request_id) is payload:
+                            self.engine.abort_request(payload.request_id)
+                        log.error("request.failed", request_id=payload.request_id, stage="queue", error=repr(e))
+                        if self._loop is not None:
+                            self._loop.call_soon_threadsafe(self._fail, payload.request_id,
+                                                            RequestFailedError(f"request failed while queueing it: {e!r}"))
             else:
                 self.engine.abort_request(payload)
 
@@ -212,8 +309,16 @@ class AsyncEngine:
             send = self._streams.get(out.request_id)
             if send is None:
                 continue  # cancelled meanwhile; the abort command is already queued
+            if out.error is not None:  # failed inside the engine; its blocks are already freed
+                self._fail(out.request_id, RequestFailedError(out.error))
+                continue
+            if out.request_id in self._overflow:
+                self._overflow[out.request_id] = merge_outputs(self._overflow[out.request_id], out)
+                continue
             try:
                 send.send_nowait(out)
+            except anyio.WouldBlock:
+                self._overflow[out.request_id] = out
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 pass
 

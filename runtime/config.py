@@ -27,6 +27,8 @@ class EngineConfig:
     enable_cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] | None = None  # None = cuda_graphs.default_batch_sizes
     seed: int | None = 0
+    # Most top logprobs a request may ask for (vLLM's max_logprobs); see runtime/request_limits.py.
+    max_logprobs: int = 20
     # Threads of numpy's BLAS (OpenBLAS) for the whole process; None = as started (OPENBLAS_NUM_THREADS,
     # else every core; with tensor_parallel_size N, cores / N per rank). On a host shared with busy
     # processes, fewer threads are faster.
@@ -67,6 +69,8 @@ class EngineConfig:
                 or not self.collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s must be a positive number of seconds, got "
                              f"{self.collective_timeout_s!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
         if self.block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size!r}")
         if self.device not in ("auto", "cpu", "cuda"):

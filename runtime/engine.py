@@ -17,8 +17,10 @@ from pagedserve.models.loader import LoadedModel
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .executor import make_executor
+from .executor import WorkerFailedError, make_executor
 from .kv_cache_manager import KVCacheManager
+from .memory_budget import (PER_REQUEST_BYTES, MemoryBudget, activation_bytes, check_fits_host,
+                            host_memory_available, resident_bytes, weights_bytes)
 from .beam_search import BeamSearchParams, Proposal, select
 from .kv_connector import KVBlockIO, KVConnector, KVTransferSpec, KVTransferStats, model_fingerprint
 from .model_runner import ModelRunner, SampledToken, StepResult
@@ -26,6 +28,7 @@ from .outputs import CompletionOutput, EngineStats, RequestOutput
 from .request import Request, RequestStatus
 from .remote_prefill import RemotePrefill, export_blocks
 from .request_events import RequestEvents
+from .request_limits import RequestLimits, ServerShape, check_fits, check_ids, check_params, check_prompt_ids
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -33,6 +36,9 @@ from .structured_output import StructuredOutputManager
 from .sequence_group import SequenceGroup, completion, group_output, sample_generator
 
 log = structlog.get_logger("pagedserve.engine")
+
+_STAGES = {"schedule": "scheduling it", "prepare": "preparing it", "forward": "running the forward pass of its batch",
+           "sample": "sampling its next token", "update": "updating and detokenizing its output"}
 
 
 class LLMEngine:
@@ -62,6 +68,10 @@ class LLMEngine:
         self.block_size = config.block_size
         num_blocks = config.num_kv_blocks or self.executor.determine_num_kv_blocks(self.max_model_len)
         self.num_kv_blocks = num_blocks
+        self.memory_budget = self._check_host_memory(num_blocks)
+        self.limits = RequestLimits(max_logprobs=config.max_logprobs)
+        self.shape = ServerShape(self.model_config.vocab_size, self.max_model_len, config.max_num_seqs, num_blocks,
+                                 self.block_size)
         # GPU: decode CUDA graphs are captured now, against these very KV caches.
         self.executor.initialize_cache(num_blocks, self.max_model_len)
         self.kv_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
@@ -103,6 +113,26 @@ class LLMEngine:
         """Stop the rank processes (tensor parallelism); a no-op for a single rank."""
         self.executor.shutdown()
 
+    def _check_host_memory(self, num_blocks: int) -> MemoryBudget:
+        """Refuse at start settings whose KV pool and activations the host cannot hold (memory_budget.py)."""
+        c = self.config
+        worker = self.executor.driver_worker
+        cpu = not self.backend.is_gpu
+        # CPU tensor parallelism: every rank's share of the pool lives on this host.
+        kv_bytes = num_blocks * worker.kv_bytes_per_block() * c.tensor_parallel_size if cpu else 0
+        budget = MemoryBudget(
+            held_bytes=resident_bytes(), weights_bytes=weights_bytes(self.model_config, self.backend.dtype.itemsize),
+            kv_cache_bytes=kv_bytes,
+            activation_bytes=activation_bytes(self.model_config, c.max_num_batched_tokens, c.max_num_seqs,
+                                              self.max_model_len, num_blocks * self.block_size) if cpu else 0,
+            request_state_bytes=c.max_num_seqs * PER_REQUEST_BYTES)
+        available, source = host_memory_available()
+        log.info("engine.memory_budget", available_gib=round(available / 2**30, 3) if available else None,
+                 available_from=source, **budget.log_fields())
+        check_fits_host(budget, available, source, "kv_cache_memory_bytes (or num_kv_blocks), "
+                        "max_num_batched_tokens or max_num_seqs")
+        return budget
+
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -131,26 +161,14 @@ class LLMEngine:
                      arrival_time: float | None = None, cache_salt: str | None = None) -> SequenceGroup:
         """Validate a request and build it, touching no engine state (safe from another thread)."""
         params = params or SamplingParams()
-        if not isinstance(request_id, str) or not request_id or "#" in request_id:
-            raise ValueError(f"request_id must be a non-empty string without '#', got {request_id!r}")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        # Limits first, tokenizing after: nothing is allocated for a request the server would refuse.
+        check_ids(self.limits, request_id, cache_salt)
+        check_params(self.limits, self.shape, params)
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
-            text, ids = None, [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size}); got {bad[:5]}")
-        if not ids:
-            raise ValueError("prompt is empty")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len ({self.max_model_len})")
-        needed = -(-(len(ids) + params.max_tokens) // self.block_size)
-        if needed > self.num_kv_blocks:
-            raise ValueError(f"prompt plus max_tokens needs {needed} KV blocks but the whole pool has "
-                             f"{self.num_kv_blocks}; lower max_tokens or enlarge the KV cache")
+            text, ids = None, check_prompt_ids(self.shape, prompt)
+        check_fits(self.shape, len(ids), params)
         arrival = arrival_time or time.monotonic()
         group = SequenceGroup(request_id, text, ids, params, arrival, eos_token_ids=self.model_config.eos_token_ids,
                               num_to_fork=(params.best_of or params.n) - 1)
@@ -201,30 +219,76 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        failed = self._fail_bad_grammars()
+        """Schedule, run, update. A request whose part of this raises fails alone (its output carries
+        `error`, its blocks are freed); a failed forward fails the requests in its batch, no others."""
+        failed: list[RequestOutput | None] = list(self._fail_bad_grammars())
         if self.remote_prefill is not None:
             self._land_remote_kv()
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         self.events.scheduled(sched)
+        failed += [self._fail_group(r.group, e, "schedule") for r, e in sched.failed]
+        forks: dict[int, list[Request]] = {}
+        if not sched.is_empty:
+            forks = self._plan_forks(sched, failed)
+            self._drop_finished(sched, forks)
         if sched.is_empty:
             if self.scheduler.waiting_for_kv:  # only transfers in flight: wait for one, do not spin
                 self.remote_prefill.connector.wait(0.02)
-            elif not failed:
+            elif not any(o is not None for o in failed):
                 self.structured.wait_for_any(timeout_s=0.05)  # only grammars left to compile: wait, do not spin
-            return failed
-        forks = self._plan_forks(sched)
-        results = self.runner.execute(sched, forks)
-        return self._update(sched, forks, results)
+            return [o for o in failed if o is not None]
+        try:
+            results = self.runner.execute(sched, forks)
+        except WorkerFailedError:  # a rank died: no request can run any more; the async engine stops
+            raise
+        except Exception as e:  # the batch's forward: every request in it fails, the others wait on
+            for s in sched.scheduled:
+                failed.append(self._fail_group(s.request.group, e, "forward", forks))
+            return [o for o in failed if o is not None]
+        return [o for o in failed if o is not None] + self._update(sched, forks, results)
 
-    def _plan_forks(self, sched: SchedulerOutput) -> dict[int, list[Request]]:
+    def _fail_group(self, group: SequenceGroup | None, error: Exception, stage: str,
+                    forks: dict[int, list[Request]] | None = None) -> RequestOutput | None:
+        """End a request whose processing raised: every sequence finished, every block freed, one
+        final output carrying the error. None if it had already ended (another sequence failed first)."""
+        if group is None or self.groups.get(group.request_id) is not group:
+            return None
+        del self.groups[group.request_id]
+        group.aborted = True
+        unforked = [c for cs in (forks or {}).values() for c in cs if c.group is group]
+        for seq in [*group.live, *unforked]:
+            if self.remote_prefill is not None:  # a transfer in flight for it is cancelled too
+                self.remote_prefill.abort(seq.request_id)
+            self.scheduler.finish_request(seq, RequestStatus.FINISHED_ABORTED)
+        group.num_to_fork = 0
+        message = f"request failed while {_STAGES[stage]}: {error!r}"
+        log.error("request.failed", request_id=group.request_id, stage=stage, error=repr(error))
+        self.events.ended("request.aborted", group.first, group.request_id)
+        out = group_output(group, [completion(s, s.sample_index) for s in group.seqs[: group.params.n]], finished=True)
+        out.error = message
+        return out
+
+    def _drop_finished(self, sched: SchedulerOutput, forks: dict[int, list[Request]]) -> None:
+        """Take requests failed since scheduling out of the batch (their blocks are already free)."""
+        keep = [i for i, s in enumerate(sched.scheduled) if not s.request.is_finished]
+        if len(keep) < len(sched.scheduled):
+            new_forks = {k: forks[i] for k, i in enumerate(keep) if i in forks}
+            sched.scheduled = [sched.scheduled[i] for i in keep]
+            forks.clear()
+            forks.update(new_forks)
+
+    def _plan_forks(self, sched: SchedulerOutput, failed: list) -> dict[int, list[Request]]:
         """Samples 1.. of n > 1 requests whose prompt completes this step: created now, forked after."""
         forks: dict[int, list[Request]] = {}
         for i, s in enumerate(sched.scheduled):
             r = s.request
             group = r.group
             if group.num_to_fork and r.sample_index == 0 and r.num_computed_tokens + s.num_new_tokens == r.num_tokens:
-                forks[i] = [self._new_seq(group, group.next_seq_id(), k) for k in range(1, group.num_to_fork + 1)]
+                try:
+                    forks[i] = [self._new_seq(group, group.next_seq_id(), k) for k in range(1, group.num_to_fork + 1)]
+                except Exception as e:
+                    failed.append(self._fail_group(group, e, "prepare"))
         return forks
 
     def _update(self, sched: SchedulerOutput, forks: dict[int, list[Request]],
@@ -232,37 +296,46 @@ class LLMEngine:
         now = time.monotonic()
         changed: dict[str, list[CompletionOutput]] = {}
         num_out = 0
+        failed: list[RequestOutput | None] = []
         for i, (s, result) in enumerate(zip(sched.scheduled, results)):
-            r = s.request
-            r.num_computed_tokens += s.num_new_tokens
-            self.kv_manager.cache_full_blocks(r.request_id, r.all_token_ids, r.num_computed_tokens, r.cache_salt)
-            if r.kv_export is not None and r.num_computed_tokens >= r.num_prompt_tokens:
-                export_blocks(r, self.kv_manager, self.block_io, self.kv_stats)  # before it finishes
-            if result is None:
-                continue  # a prefill chunk that did not reach the end of the prompt
-            group = r.group
-            if r.timings.first_token is None:
-                r.timings.first_token = now
-                self.events.first_token(r, now)
-            if group.beam is not None:
-                group.beam_pending[r.request_id] = result.beam_topk
-                num_out += self._advance_beams(group)
-                if group.is_finished:
-                    changed.setdefault(group.request_id, [])
+            if s.request.group.aborted:  # another of its sequences failed earlier in this loop
                 continue
-            for child in forks.get(i, []):  # share the prompt's blocks with every other sample
-                self.kv_manager.fork(r.request_id, child.request_id)
-                child.num_computed_tokens = r.num_computed_tokens
-                child.num_cached_tokens = r.num_cached_tokens
-                child.timings = dataclasses.replace(r.timings)
-                self.scheduler.add_running(child)
-                group.seqs.append(child)
-            group.num_to_fork = 0
-            for seq, tok in zip([r, *forks.get(i, [])], result.samples):
-                num_out += 1
-                changed.setdefault(group.request_id, []).append(self._append_sample(seq, tok))
+            if result is not None and result.error is not None:
+                failed.append(self._fail_group(s.request.group, result.error, result.error_stage, forks))
+                continue
+            try:
+                r = s.request
+                r.num_computed_tokens += s.num_new_tokens
+                self.kv_manager.cache_full_blocks(r.request_id, r.all_token_ids, r.num_computed_tokens, r.cache_salt)
+                if r.kv_export is not None and r.num_computed_tokens >= r.num_prompt_tokens:
+                    export_blocks(r, self.kv_manager, self.block_io, self.kv_stats)  # before it finishes
+                if result is None:
+                    continue  # a prefill chunk that did not reach the end of the prompt
+                group = r.group
+                if r.timings.first_token is None:
+                    r.timings.first_token = now
+                    self.events.first_token(r, now)
+                if group.beam is not None:
+                    group.beam_pending[r.request_id] = result.beam_topk
+                    num_out += self._advance_beams(group)
+                    if group.is_finished:
+                        changed.setdefault(group.request_id, [])
+                    continue
+                for child in forks.get(i, []):  # share the prompt's blocks with every other sample
+                    self.kv_manager.fork(r.request_id, child.request_id)
+                    child.num_computed_tokens = r.num_computed_tokens
+                    child.num_cached_tokens = r.num_cached_tokens
+                    child.timings = dataclasses.replace(r.timings)
+                    self.scheduler.add_running(child)
+                    group.seqs.append(child)
+                group.num_to_fork = 0
+                for seq, tok in zip([r, *forks.get(i, [])], result.samples):
+                    num_out += 1
+                    changed.setdefault(group.request_id, []).append(self._append_sample(seq, tok))
+            except Exception as e:  # appending, hashing, forking, detokenizing this request
+                failed.append(self._fail_group(s.request.group, e, "update", forks))
         self._throughput.append((now, num_out, sched.num_batched_tokens))
-        return self._collect(changed)
+        return [o for o in failed if o is not None] + self._collect(changed)
 
     def _append_sample(self, r: Request, tok: SampledToken) -> CompletionOutput:
         r.append_output_token(tok.token_id)

@@ -35,6 +35,8 @@ class StepResult:
 
     samples: list[SampledToken]  # the sequence's next token, then one per sample forked from it
     beam_topk: tuple[np.ndarray, np.ndarray] | None = None  # beam search: (token ids, logprobs), best first
+    error: Exception | None = None  # preparing or sampling this sequence raised; the engine fails its request
+    error_stage: str = "sample"  # "prepare" | "sample"
 
 
 class ModelRunner:
@@ -73,12 +75,18 @@ class ModelRunner:
         forks = forks or {}
         copies = self.kv.take_pending_copies()
         chunks, completing = [], []
+        results: list[StepResult | None] = [None] * len(sched.scheduled)
         for i, s in enumerate(sched.scheduled):
             r = s.request
             start = r.num_computed_tokens
             completes = start + s.num_new_tokens == r.num_tokens
-            chunks.append(SeqChunk(r.all_token_ids[start : start + s.num_new_tokens], start,
-                                   self.kv.block_table(r.request_id), needs_logits=completes))
+            try:
+                chunk = SeqChunk(r.all_token_ids[start : start + s.num_new_tokens], start,
+                                 self.kv.block_table(r.request_id), needs_logits=completes)
+            except Exception as e:  # this sequence alone leaves the batch
+                results[i] = StepResult([], error=e, error_stage="prepare")
+                continue
+            chunks.append(chunk)
             if completes:
                 completing.append(i)
         batch = build_forward_batch(chunks, self.kv.block_size)
@@ -98,7 +106,6 @@ class ModelRunner:
         masked = seqs + [sched.scheduled[i].request for _, i in beams]
         bitmask = self.structured.start_bitmask(masked) if self.structured is not None else None
         logits = self.executor.execute_model(ExecuteModelRequest(batch, copies))
-        results: list[StepResult | None] = [None] * len(sched.scheduled)
         bitmask = bitmask.result() if bitmask is not None else None
         for k, (row, i) in enumerate(beams):
             width = 2 * sched.scheduled[i].request.group.beam.beam_width
@@ -107,24 +114,42 @@ class ModelRunner:
         if not rows:
             return results
         banned = [_banned_ids(r) for r in seqs]
+        try:
+            picked = self._sample(logits, rows, seqs, banned, rows == list(range(len(completing))),
+                                  bitmask.take(len(seqs)) if bitmask is not None else None)
+        except Exception:  # find the row(s) at fault: sample each alone, fail only those that raise
+            picked = []
+            for k in range(len(rows)):
+                try:
+                    picked += self._sample(logits, rows[k : k + 1], seqs[k : k + 1], banned[k : k + 1], False,
+                                           bitmask.select([k]) if bitmask is not None else None)
+                except Exception as e:
+                    picked.append(e)
+        for k, i in enumerate(owners):
+            if results[i] is None:
+                results[i] = StepResult([])
+            if isinstance(picked[k], Exception):
+                results[i].error = results[i].error or picked[k]
+            else:
+                results[i].samples.append(picked[k])
+        return results
+
+    def _sample(self, logits, rows: list[int], seqs: list, banned: list[list[int]], all_rows: bool,
+                grammar_bitmask: Any) -> list[SampledToken]:
         out = self.sampler(
-            logits[self.xp.asarray(np.asarray(rows))] if rows != list(range(len(completing))) else logits,
+            logits if all_rows else logits[self.xp.asarray(np.asarray(rows))],
             [r.sampling_params for r in seqs],
             [r.generator for r in seqs],
             [r.prompt_token_ids for r in seqs],
             [r.output_token_ids for r in seqs],
             xp=self.xp,
             banned_token_ids=banned if any(banned) else None,
-            grammar_bitmask=bitmask.take(len(seqs)) if bitmask is not None else None,
+            grammar_bitmask=grammar_bitmask,
         )
         token_ids = np.asarray(out.token_ids).tolist()
         logprobs = np.asarray(out.logprobs).tolist()
-        for k, i in enumerate(owners):
-            top = out.top_logprobs[k] if out.top_logprobs is not None else None
-            if results[i] is None:
-                results[i] = StepResult([])
-            results[i].samples.append(SampledToken(token_ids[k], logprobs[k], top))
-        return results
+        return [SampledToken(token_ids[k], logprobs[k], out.top_logprobs[k] if out.top_logprobs is not None else None)
+                for k in range(len(seqs))]
 
     @staticmethod
     def _beam_topk(logits_row, k: int, allowed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

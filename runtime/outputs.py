@@ -50,6 +50,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    error: str | None = None  # set on the final output of a request that failed inside the engine
 
 
 @dataclass

@@ -141,10 +141,9 @@ class SamplingParams:
 
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(
-                    f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}."
-                )
+            # The upper bound is the server's (EngineConfig.max_logprobs, default MAX_LOGPROBS).
+            if self.logprobs < 0:
+                raise ValueError(f"logprobs must be non-negative (>= 0), got {self.logprobs}.")
 
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))

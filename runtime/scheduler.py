@@ -37,6 +37,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     admitted: list[tuple[Request, int]] = field(default_factory=list)  # moved from waiting this step
+    # Requests whose scheduling raised: already out of the queues with their blocks freed; the engine
+    # fails their groups. One request's bug costs the others nothing.
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -141,17 +144,33 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new == 0:  # a beam waiting for its siblings' proposals: nothing to compute
                 continue
-            while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new):
-                if request in self._preempt(self.running[-1], out):  # newest first
-                    break
-            else:
-                out.scheduled.append(ScheduledRequest(request, num_new))
+            try:
+                while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new):
+                    if request in self._preempt(self.running[-1], out):  # newest first
+                        break
+                else:
+                    out.scheduled.append(ScheduledRequest(request, num_new))
+            except Exception as e:
+                self._fail([request], e, out)
         # New requests only when nothing was preempted: memory is tight, let the running ones finish.
         while self.waiting and not out.preempted and self._budget(out) > 0:
             unit = self._admission_unit()
-            if unit is None or not self._admit(unit, out, now):
+            if unit is None:
                 break
+            try:
+                if not self._admit(unit, out, now):
+                    break
+            except Exception as e:
+                self._fail(unit, e, out)
         return out
+
+    def _fail(self, requests: list[Request], error: Exception, out: SchedulerOutput) -> None:
+        """Take requests whose scheduling raised out of this step and the queues, and free their blocks."""
+        for r in requests:
+            out.scheduled = [s for s in out.scheduled if s.request is not r]
+            out.admitted = [a for a in out.admitted if a[0] is not r]
+            self.finish_request(r, RequestStatus.FINISHED_ABORTED)
+            out.failed.append((r, error))
 
     def _admission_unit(self) -> list[Request] | None:
         """The first request of the queue whose grammar (if any) is compiled, with its sibling beams: a beam

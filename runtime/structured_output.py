@@ -48,6 +48,15 @@ class GrammarBitmask:
         keep = self.rows < num_rows
         return GrammarBitmask(self.rows[keep], self.bits[keep]) if keep.any() else None
 
+    def select(self, sampler_rows: Sequence[int]) -> GrammarBitmask | None:
+        """The part for these sampler rows, renumbered 0.. in the given order (None if none is constrained):
+        for sampling a subset of the step's rows on its own."""
+        pos = {r: k for k, r in enumerate(sampler_rows)}
+        keep = [i for i, r in enumerate(self.rows.tolist()) if r in pos]
+        if not keep:
+            return None
+        return GrammarBitmask(np.asarray([pos[int(self.rows[i])] for i in keep], dtype=np.int64), self.bits[keep])
+
     def allowed(self, row: int, vocab_size: int) -> np.ndarray | None:
         """Row `row`'s allowed tokens as bool [vocab_size], or None if that row is not constrained."""
         k = np.flatnonzero(self.rows == row)

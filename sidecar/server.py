@@ -30,6 +30,7 @@ from .pb import generation_pb2 as pb
 from .pb import generation_pb2_grpc as pb_grpc
 from .pb import kv_transfer_pb2 as kv_pb
 from .pb import kv_transfer_pb2_grpc as kv_pb_grpc
+from .metrics import ServerMetrics
 from .sd_notify import SystemdNotifier, watchdog_loop
 from .servicer import GenerationServicer
 from .settings import Settings
@@ -39,7 +40,16 @@ log = structlog.get_logger("pagedserve.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 KV_SERVICE_NAME = kv_pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 SOCKET_MODE = 0o660
-MAX_MESSAGE_BYTES = 64 << 20
+# Responses: one message per chunk, the largest a best_of request's final chunk of one sample (its
+# whole text, token ids and logprobs); 64 MiB is far above what max_model_len tokens can make.
+MAX_SEND_BYTES = 64 << 20
+
+
+def max_receive_bytes(max_prompt_chars: int) -> int:
+    """The largest request worth reading: a prompt of max_prompt_chars characters of up to 4 UTF-8
+    bytes each, plus 1 MiB for the rest (sampling fields, stop strings, token ids up to max_model_len).
+    Anything bigger is refused by gRPC (RESOURCE_EXHAUSTED) before it is parsed or copied."""
+    return 4 * max_prompt_chars + (1 << 20)
 
 
 def prepare_socket_path(path: str) -> None:
@@ -77,6 +87,7 @@ class SidecarServer:
         self.addresses: list[str] = []
         self.kv_spec = None  # runtime.kv_connector.KVTransferSpec once loaded (the handshake's answer)
         self.kv_connector = None  # decode role: the GrpcKVConnector to the prefill instance
+        self.metrics = ServerMetrics(lambda: self.engine) if settings.metrics_port is not None else None
 
     async def _set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -85,10 +96,11 @@ class SidecarServer:
 
     async def start(self) -> None:
         s = self.settings
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                          ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_receive_bytes(s.max_prompt_chars)),
+                                          ("grpc.max_send_message_length", MAX_SEND_BYTES),
                                           ("grpc.so_reuseport", 0)])
-        servicer = GenerationServicer(lambda: self.engine, lambda: self.model_name, s.max_prompt_chars)
+        servicer = GenerationServicer(lambda: self.engine, lambda: self.model_name, s.max_prompt_chars,
+                                      s.max_chat_messages, s.slow_reader_timeout, self.metrics)
         pb_grpc.add_GenerationServicer_to_server(servicer, server)
         kv_pb_grpc.add_KVTransferServicer_to_server(
             KVTransferServicer(lambda: self.engine, lambda: self.kv_spec, s.kv_test_fault), server)
@@ -111,6 +123,9 @@ class SidecarServer:
         if s.socket:
             os.chmod(s.socket, SOCKET_MODE)  # owner and group (the app pods' group) may connect
         self.server = server
+        if self.metrics is not None:  # loopback only: the figures are for the host's own scraper
+            port = self.metrics.serve(s.metrics_port)
+            self.addresses.append(f"http://127.0.0.1:{port}/metrics")
         log.info("server.listening", addresses=self.addresses)
         self.notifier.status("loading model")
 
@@ -203,6 +218,8 @@ class SidecarServer:
             self.kv_connector.close()
         if self.settings.socket:
             Path(self.settings.socket).unlink(missing_ok=True)
+        if self.metrics is not None:
+            self.metrics.stop()
         log.info("server.stopped", finished=in_flight - aborted, aborted=aborted)
 
 

@@ -7,13 +7,16 @@ the engine's async generator, which aborts the request and frees its blocks.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
 from typing import Any, Callable
 
 import grpc
+import structlog
 
-from pagedserve.runtime.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
+from pagedserve.runtime.async_engine import LONG_PROMPT_CHARS, AsyncEngine, EngineStoppedError, QueueFullError
 from pagedserve.runtime.kv_connector import KVTransferError
 from pagedserve.runtime.outputs import RequestOutput
 from pagedserve.runtime.sampling_params import SamplingParams
@@ -21,6 +24,8 @@ from pagedserve.runtime.structured_outputs_params import StructuredOutputsParams
 
 from .pb import generation_pb2 as pb
 from .pb import generation_pb2_grpc as pb_grpc
+
+log = structlog.get_logger("pagedserve.server")
 
 _SCALAR_FIELDS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                   "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens", "ignore_eos",
@@ -51,14 +56,32 @@ def structured_outputs_from_proto(msg: pb.StructuredOutputs) -> StructuredOutput
     if kind == "json_object" and not msg.json_object:
         raise ValueError("structured_outputs.json_object must be true when set")
     return StructuredOutputsParams(**{kind: getattr(msg, kind)})  # ValueError names the field
+async def _off_loop_if_large(request: Any, fn: Callable, *args: Any) -> Any:
+    """fn(*args), in a worker thread when the request is large: rendering and tokenizing a long prompt
+    takes seconds, which must not stall every other stream on the event loop."""
+    if request.ByteSize() > LONG_PROMPT_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+class ClientGoneError(Exception):
+    """A write found the RPC already ended by the client (cancelled, deadline passed)."""
+
+
+class SlowReaderError(Exception):
+    """The client stopped reading its stream for longer than slow_reader_timeout."""
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, get_engine: Callable[[], AsyncEngine | None], model_name: Callable[[], str],
-                 max_prompt_chars: int) -> None:
+                 max_prompt_chars: int, max_chat_messages: int = 1024, slow_reader_timeout: float = 30.0,
+                 metrics: Any = None) -> None:
         self._get_engine = get_engine
+        self.metrics = metrics  # sidecar.metrics.ServerMetrics, or None when --metrics-port is unset
+        self.slow_reader_timeout = slow_reader_timeout
         self._model_name = model_name
         self.max_prompt_chars = max_prompt_chars
+        self.max_chat_messages = max_chat_messages
 
     async def _engine(self, context) -> AsyncEngine:
         engine = self._get_engine()
@@ -73,12 +96,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def _chat_ids(self, engine: AsyncEngine, chat: pb.ChatMessages) -> list[int]:
         if not chat.messages:
             raise ValueError("chat.messages is empty")
+        if len(chat.messages) > self.max_chat_messages:
+            raise ValueError(f"chat.messages has {len(chat.messages)} messages; the limit is {self.max_chat_messages}")
         messages = []
+        total = 0
         for i, m in enumerate(chat.messages):
             if m.role not in CHAT_ROLES:
-                raise ValueError(f"chat.messages[{i}].role {m.role!r} is not one of {list(CHAT_ROLES)}")
+                raise ValueError(f"chat.messages[{i}].role {m.role[:40]!r} is not one of {list(CHAT_ROLES)}")
             self._check_text(m.content, f"chat.messages[{i}].content")
+            total += len(m.content)
             messages.append({"role": m.role, "content": m.content})
+        if total > self.max_prompt_chars:  # the rendered conversation is one prompt
+            raise ValueError(f"chat.messages hold {total} characters in all; the limit is {self.max_prompt_chars}")
         add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
         return engine.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen, tokenize=True)
 
@@ -92,34 +121,80 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self._check_text(request.text, "text")
             return request.text
         if kind == "token_ids":
-            return list(request.token_ids.ids)
+            return request.token_ids.ids  # the engine checks its length before copying it
         return self._chat_ids(engine, request.chat)
 
     async def Generate(self, request: pb.GenerateRequest, context):
+        # Messages go out through context.write, each bounded by slow_reader_timeout: a client that stops
+        # reading fills its HTTP/2 window, the write blocks, and the request is ended RESOURCE_EXHAUSTED
+        # (its blocks freed) instead of holding a running slot and a growing buffer.
         engine = await self._engine(context)
         request_id = request.request_id or uuid.uuid4().hex
         start = time.monotonic()
         last: RequestOutput | None = None
+        outcome = "internal"
         try:
             params = sampling_params_from_proto(request.sampling)
-            prompt = self._prompt(engine, request)
+            prompt = await _off_loop_if_large(request, self._prompt, engine, request)
             whole = (params.best_of or params.n) > params.n  # best_of: only the chosen n, at the end
-            async for out in engine.generate(request_id, prompt, params, cache_salt=request.cache_salt or None):
-                last = out
-                for c in out.outputs:
-                    if whole or c.new_token_ids:
-                        yield pb.GenerateResponse(chunk=self._chunk(c, params, whole))
+            outputs = engine.generate(request_id, prompt, params, cache_salt=request.cache_salt or None)
+            async with contextlib.aclosing(outputs):  # leaving early aborts the request at once
+                async for out in outputs:
+                    last = out
+                    for c in out.outputs:
+                        if whole or c.new_token_ids:
+                            await self._write(context, pb.GenerateResponse(chunk=self._chunk(c, params, whole)))
+            if last is None or not last.finished:  # aborted through the Abort RPC
+                await self._write(context, pb.GenerateResponse(chunk=pb.Chunk(index=0, finish_reason="abort")))
+            await self._write(context, pb.GenerateResponse(usage=self._usage(request_id, last, start)))
+            outcome = "abort" if last is None or not last.finished else (last.outputs[0].finish_reason or "abort")
         except ValueError as e:
+            outcome = "invalid_argument"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except QueueFullError as e:
+        except (QueueFullError, SlowReaderError) as e:
+            outcome = "resource_exhausted"
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except (EngineStoppedError, KVTransferError) as e:
+            outcome = "unavailable"
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except RuntimeError as e:  # the engine step failed: a bug, reported as such
+        except RuntimeError as e:  # this request failed in the engine: a bug, reported as such
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
-        if last is None or not last.finished:  # aborted through the Abort RPC
-            yield pb.GenerateResponse(chunk=pb.Chunk(index=0, finish_reason="abort"))
-        yield pb.GenerateResponse(usage=self._usage(request_id, last, start))
+        except asyncio.CancelledError:  # the client cancelled or its deadline passed
+            outcome = "cancelled"
+            raise
+        except ClientGoneError:  # the same, noticed by a write: nobody is left to answer
+            outcome = "cancelled"
+        except Exception as e:  # a bug while preparing this request: it alone fails
+            log.error("request.servicer_error", request_id=request_id[:256], error=repr(e))
+            await context.abort(grpc.StatusCode.INTERNAL, f"request failed: {e!r}")
+        finally:
+            if self.metrics is not None:
+                self._observe(outcome, start, last)
+
+    def _observe(self, outcome: str, start: float, last: RequestOutput | None) -> None:
+        ttft = tpot = None
+        prompt_tokens = generated = 0
+        if last is not None and last.finished:
+            m = last.metrics
+            ttft = m.ttft
+            prompt_tokens = len(last.prompt_token_ids)
+            generated = sum(len(c.token_ids) for c in last.outputs)
+            n0 = len(last.outputs[0].token_ids) if last.outputs else 0
+            if n0 > 1 and m.first_token_time is not None and m.finished_time is not None:
+                tpot = (m.finished_time - m.first_token_time) / (n0 - 1)
+        self.metrics.observe_request(outcome, time.monotonic() - start, ttft, tpot, prompt_tokens, generated)
+
+    async def _write(self, context, message: pb.GenerateResponse) -> None:
+        try:
+            await asyncio.wait_for(context.write(message), self.slow_reader_timeout)
+        except asyncio.TimeoutError:
+            raise SlowReaderError(f"the client read nothing for {self.slow_reader_timeout:g} s "
+                                  f"(slow_reader_timeout); the request was aborted") from None
+        except grpc.aio.InternalError:
+            # ExecuteBatchError: the call ended under the write (the client cancelled or its deadline
+            # passed while the write was in flight; the handler's own cancellation may come after it).
+            # Nobody is left to answer, and it is no fault of the server's.
+            raise ClientGoneError() from None
 
     @staticmethod
     def _chunk(c, params: SamplingParams, whole: bool = False) -> pb.Chunk:
@@ -152,22 +227,27 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         engine = await self._engine(context)
         try:
-            kind = request.WhichOneof("input")
-            if kind == "chat":
-                ids = self._chat_ids(engine, request.chat)
-            elif kind == "text":
-                self._check_text(request.text, "text")
-                add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                ids = engine.engine.tokenizer.encode(request.text, add_special_tokens=add)
-            else:
-                raise ValueError("input is missing: set text or chat")
+            ids = await _off_loop_if_large(request, self._tokenize, engine, request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.TokenizeResponse(token_ids=ids, count=len(ids))
 
+    def _tokenize(self, engine: AsyncEngine, request: pb.TokenizeRequest) -> list[int]:
+        kind = request.WhichOneof("input")
+        if kind == "chat":
+            return self._chat_ids(engine, request.chat)
+        if kind == "text":
+            self._check_text(request.text, "text")
+            add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            return engine.engine.tokenizer.encode(request.text, add_special_tokens=add)
+        raise ValueError("input is missing: set text or chat")
+
     async def Detokenize(self, request: pb.DetokenizeRequest, context):
         engine = await self._engine(context)
         vocab = engine.engine.model_config.vocab_size
+        if len(request.token_ids) > self.max_prompt_chars:  # every token is at least a character of text
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids has {len(request.token_ids)} ids; "
+                                f"the limit is {self.max_prompt_chars} (max_prompt_chars)")
         bad = [t for t in request.token_ids if not 0 <= t < vocab]
         if bad:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids must be in [0, {vocab}); got {bad[:5]}")

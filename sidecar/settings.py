@@ -38,12 +38,16 @@ class Settings:
     tensor_parallel_size: int = 1  # ranks that split every layer (one process each; one GPU each on GPUs)
     distributed_executor: str = "mp"  # how ranks start: "mp" (local processes) or "ray" (Ray actors, several hosts)
     collective_timeout_s: float = 60.0  # longest wait on another rank before the step fails
+    max_logprobs: int = 20  # most top logprobs a request may ask for (vLLM's max_logprobs)
     # -- server --
     socket: str = DEFAULT_SOCKET  # unix domain socket path; "" turns the socket off
     tcp: str | None = None  # "host:port" or ":port" (host defaults to 127.0.0.1)
+    metrics_port: int | None = None  # Prometheus metrics on http://127.0.0.1:PORT/metrics; None = off, 0 = any port
     max_waiting_requests: int = 256
     drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
-    max_prompt_chars: int = 1_000_000  # per text prompt or chat message
+    slow_reader_timeout: float = 30.0  # seconds a stream may go unread before it ends RESOURCE_EXHAUSTED
+    max_prompt_chars: int = 1_000_000  # per text prompt or chat conversation (all its messages)
+    max_chat_messages: int = 1024  # messages in one chat conversation
     log_level: str = "info"
     log_requests: bool = False  # put prompts and outputs in the logs
     # -- disaggregated prefill and decode (docs/disaggregation.md) --
@@ -75,6 +79,13 @@ class Settings:
         self.tcp_address()
         if self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        for name in ("max_prompt_chars", "max_chat_messages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if not self.slow_reader_timeout > 0:
+            raise ValueError(f"slow_reader_timeout must be > 0, got {self.slow_reader_timeout}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if not self.socket and not self.tcp:

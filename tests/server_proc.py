@@ -11,13 +11,16 @@ from pathlib import Path
 from pagedserve.sidecar.client import PagedServeClient, PagedServeError
 
 TINY = str(Path(__file__).parent / "data" / "tiny-llama")
+FAULT_SERVER = str(Path(__file__).parent / "fault_server.py")
 
 
 class ServerProcess:
-    def __init__(self, tmp: Path, *args: str, env: dict | None = None, model: str | None = TINY) -> None:
+    def __init__(self, tmp: Path, *args: str, env: dict | None = None, model: str | None = TINY,
+                 entry: tuple[str, ...] = ("-m", "pagedserve.sidecar.cli")) -> None:
+        """`entry`: what runs the CLI, e.g. (str(FAULT_SERVER),) for the server with injected faults."""
         self.socket = str(tmp / "ps.sock")
         self.log_path = tmp / "server.log"
-        cmd = [sys.executable, "-m", "pagedserve.sidecar.cli", "serve", "--socket", self.socket, "--device", "cpu",
+        cmd = [sys.executable, *entry, "serve", "--socket", self.socket, "--device", "cpu",
                "--kv-cache-memory-bytes", str(64 << 20), *args]
         if model is not None:
             cmd += ["--model", model]

@@ -19,7 +19,8 @@ from pagedserve.sidecar.client import PagedServeError
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("srv"), "--max-model-len", "512", "--max-prompt-chars", "2000")
+    srv = ServerProcess(tmp_path_factory.mktemp("srv"), "--max-model-len", "512", "--max-prompt-chars", "2000",
+                        "--max-chat-messages", "8")
     srv.wait_serving()
     yield srv
     assert srv.stop() == 0, srv.log()
@@ -134,6 +135,11 @@ def test_prefix_cache_hits_show_in_usage_and_stats(server):
     (dict(prompt="hi", max_tokens=0), "max_tokens"),
     (dict(prompt=[5, 9999]), "token ids must be in [0, 512)"),
     (dict(prompt="x" * 2001), "2001 characters; the limit is 2000"),
+    # The reported bug: this allocated ~24 GB and got the server OOM-killed.
+    (dict(prompt="hi", best_of=2**31 - 1, max_tokens=4), "best_of (2147483647) exceeds max_num_seqs (256)"),
+    (dict(prompt="hi", logprobs=21), "logprobs must be in [0, 20] (max_logprobs), got 21"),
+    (dict(prompt="hi", stop_token_ids=[600]), "stop_token_ids must be in [0, 512); got [600]"),
+    (dict(prompt="hi", top_k=100000), "top_k (100000) exceeds the vocabulary size (512)"),
 ])
 def test_bad_input_is_invalid_argument_and_the_server_carries_on(server, offline, kwargs, needle):
     with client_for(server) as c:
@@ -153,6 +159,16 @@ def test_bad_chat_messages(server, offline):
         with pytest.raises(PagedServeError) as err:
             list(c.chat([{"role": "user", "content": "y" * 5000}]))
         assert "messages[0].content is 5000 characters" in err.value.message
+        with pytest.raises(PagedServeError) as err:
+            list(c.chat([{"role": "user", "content": "hi"}] * 9))
+        assert "chat.messages has 9 messages; the limit is 8" in err.value.message
+        with pytest.raises(PagedServeError) as err:
+            list(c.chat([{"role": "user", "content": "z" * 900}] * 3))
+        assert "chat.messages hold 2700 characters in all; the limit is 2000" in err.value.message
+        # A message far beyond what max_prompt_chars allows is refused by gRPC before it is parsed.
+        with pytest.raises(PagedServeError) as err:
+            list(c.generate("w" * (2 << 20), max_tokens=1))
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         messages = [{"role": "user", "content": "hi"}]
         text = c.chat_text(messages, max_tokens=4, temperature=0.0)
         ref = offline.chat(messages, SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0]

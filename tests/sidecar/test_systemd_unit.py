@@ -232,3 +232,14 @@ def test_env_example_shows_the_real_defaults():
         checked += 1
     assert checked >= 10
     assert shown["PAGEDSERVE_SOCKET"] == "/run/pagedserve/pagedserve.sock"
+
+
+def test_memory_limits_are_set_and_ordered(unit):
+    def gib(value: str) -> float:
+        number, suffix = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]?)", value).groups()
+        return float(number) * {"": 2**-30, "K": 2**-20, "M": 2**-10, "G": 1, "T": 1024}[suffix]
+
+    high, hard = gib(single(unit, "Service", "MemoryHigh")), gib(single(unit, "Service", "MemoryMax"))
+    # MemoryHigh throttles before MemoryMax kills; both above the ~5 GiB the default CPU settings budget.
+    assert 5 <= high < hard
+    assert single(unit, "Service", "MemorySwapMax") == "0"

@@ -1,0 +1,134 @@
+"""Prometheus metrics for operators, on an optional HTTP port bound to 127.0.0.1 (--metrics-port).
+
+Names follow vLLM's where vLLM has one (vllm:time_to_first_token_seconds -> pagedserve_time_to_first_token_seconds):
+
+    pagedserve_requests_total{outcome}             Generate requests by how they ended: stop, length, abort
+                                                   (finished); invalid_argument, resource_exhausted, unavailable,
+                                                   internal (refused or failed); cancelled (by the client)
+    pagedserve_time_to_first_token_seconds         histogram, arrival -> first token (engine clock)
+    pagedserve_time_per_output_token_seconds       histogram, (last token - first token) / (tokens - 1), sample 0
+    pagedserve_e2e_request_latency_seconds         histogram, the RPC's arrival -> its last message
+    pagedserve_prompt_tokens_total, pagedserve_generation_tokens_total
+    pagedserve_num_requests_running / _waiting     gauges: in the engine now; waiting = the queue length
+    pagedserve_kv_cache_usage_perc                 gauge: KV blocks in use / blocks in the pool, in [0, 1]
+    pagedserve_kv_cache_token_slot_utilization     gauge: tokens held / token slots of the blocks in use
+    pagedserve_num_preemptions_total               counter
+    pagedserve_prefix_cache_queries_total / _hits_total   counters of prompt tokens looked up / found cached
+    pagedserve_prefix_cache_hit_rate               gauge: hits / queries since start
+    pagedserve_memory_budget_bytes                 gauge: the engine's memory budget (runtime/memory_budget.py);
+                                                   compare with process_resident_memory_bytes, exported too
+
+Engine gauges are read at scrape time from the worker's published snapshot (AsyncEngine.stats), never
+from live engine state. Any other numeric field of EngineStats is exported as pagedserve_engine_<field>,
+so the figures of features still being built (speculative decoding: draft and accepted tokens,
+acceptance rate; guided decoding: grammar compile time, requests waiting for a grammar) appear as soon as
+they are added to EngineStats; give them a named metric in `_FEATURE_METRICS` below when they settle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+from pagedserve.runtime.async_engine import AsyncEngine
+
+# vLLM's buckets, cut to what a small CPU/GPU sidecar sees.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0)
+
+# EngineStats fields given their own names above (the rest are exported generically).
+_NAMED_STATS = {"num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_total", "kv_token_slot_utilization",
+                "num_preemptions", "prefix_cache_hit_rate"}
+# Where the speculative- and guided-decoding figures get their names once those features land, e.g.
+#   "spec_decode_num_accepted_tokens": ("counter", "pagedserve_spec_decode_num_accepted_tokens", "Draft tokens accepted"),
+_FEATURE_METRICS: dict[str, tuple[str, str, str]] = {}
+
+
+class ServerMetrics:
+    """The sidecar's metrics: request counters and histograms fed by the servicer, engine gauges read
+    at scrape time."""
+
+    def __init__(self, get_engine: Callable[[], AsyncEngine | None]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pagedserve_requests", "Generate requests by outcome", ["outcome"], registry=r)
+        self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS,
+                              registry=r)
+        self.tpot = Histogram("pagedserve_time_per_output_token_seconds", "Mean time per output token after the first",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("pagedserve_generation_tokens", "Tokens generated for finished requests",
+                                         registry=r)
+        r.register(_EngineCollector(get_engine))
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, open fds, CPU seconds
+        self._http = None
+
+    def observe_request(self, outcome: str, e2e_s: float, ttft_s: float | None = None, tpot_s: float | None = None,
+                        prompt_tokens: int = 0, generation_tokens: int = 0) -> None:
+        self.requests.labels(outcome=outcome).inc()
+        self.e2e.observe(e2e_s)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
+
+    def serve(self, port: int) -> int:
+        """Start the HTTP endpoint on 127.0.0.1:port (0 = any free port); returns the port bound."""
+        self._http, _ = start_http_server(port, addr="127.0.0.1", registry=self.registry)
+        return self._http.server_address[1]
+
+    def stop(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+class _EngineCollector(Collector):
+    def __init__(self, get_engine: Callable[[], AsyncEngine | None]) -> None:
+        self._get_engine = get_engine
+
+    def collect(self) -> Iterator:
+        engine = self._get_engine()
+        if engine is None:  # still loading: no engine figures yet
+            return
+        s = engine.stats
+        yield _gauge("pagedserve_num_requests_running", "Requests running in the engine", s.num_running)
+        yield _gauge("pagedserve_num_requests_waiting", "Requests waiting to be scheduled (the queue length)",
+                     engine.num_waiting)
+        yield _gauge("pagedserve_kv_cache_usage_perc", "KV cache blocks in use / blocks in the pool", s.kv_block_usage)
+        yield _gauge("pagedserve_kv_cache_token_slot_utilization", "Tokens held / token slots of the blocks in use",
+                     s.kv_token_slot_utilization)
+        yield _counter("pagedserve_num_preemptions", "Running requests preempted to free KV blocks", s.num_preemptions)
+        sched = engine.engine.scheduler  # plain int counters, written by the worker: reading one is atomic
+        yield _counter("pagedserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                       sched.num_prompt_tokens)
+        yield _counter("pagedserve_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                       sched.num_cached_prompt_tokens)
+        yield _gauge("pagedserve_prefix_cache_hit_rate", "Prefix cache hits / queries since start", s.prefix_cache_hit_rate)
+        budget = engine.engine.memory_budget
+        yield _gauge("pagedserve_memory_budget_bytes", "The engine's memory budget at start", budget.total_bytes)
+        for f in dataclasses.fields(s):
+            value = getattr(s, f.name)
+            if f.name in _NAMED_STATS or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            kind, name, doc = _FEATURE_METRICS.get(f.name, ("gauge", f"pagedserve_engine_{f.name}", f"EngineStats.{f.name}"))
+            yield (_counter if kind == "counter" else _gauge)(name, doc, value)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)

@@ -1,0 +1,39 @@
+"""`pagedserve serve` with faults injected by request id, for the sidecar fault tests (run as a script).
+
+    fail-*        its update stage raises after its second token: that request alone fails (INTERNAL)
+    kill-worker   the engine's worker thread dies when it picks the request up
+"""
+
+from __future__ import annotations
+
+import sys
+
+from pagedserve.runtime import async_engine, engine
+
+
+def _inject() -> None:
+    append_sample = engine.LLMEngine._append_sample
+
+    def failing_append(self, r, tok):
+        if r.request_id.startswith("fail-") and r.num_output_tokens >= 2:
+            raise RuntimeError("injected fault in the update stage")
+        return append_sample(self, r, tok)
+
+    drain_commands = async_engine.AsyncEngine._drain_commands
+
+    def dying_drain(self):
+        with self._lock:
+            doomed = any(kind == "add" and payload.request_id == "kill-worker" for kind, payload in self._commands)
+        if doomed:
+            raise SystemError("injected: the engine worker dies")
+        drain_commands(self)
+
+    engine.LLMEngine._append_sample = failing_append
+    async_engine.AsyncEngine._drain_commands = dying_drain
+
+
+if __name__ == "__main__":
+    _inject()
+    from pagedserve.sidecar.cli import main
+
+    sys.exit(main(sys.argv[1:]))
