@@ -28,6 +28,7 @@ from .request_events import RequestEvents
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .spec_decode import build_spec_decoder
 from .sequence_group import SequenceGroup, completion, group_output, sample_generator
 
 log = structlog.get_logger("pagedserve.engine")
@@ -66,6 +67,11 @@ class LLMEngine:
         self.runner = ModelRunner(self.executor, self.kv_manager, Sampler(config.seed))
         self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_chunked_prefill)
+        # Speculative decoding (None = off): proposes drafts after each step; a draft model brings its own pool.
+        self.spec = build_spec_decoder(config.speculative_config, loaded, self.backend, num_blocks, self.block_size,
+                                       self.max_model_len, config.seed, config.use_weight_cache)
+        if self.spec is not None:
+            self.scheduler.release_hooks.append(self.spec.free)
         self.groups: dict[str, SequenceGroup] = {}
         self.events = RequestEvents(config.log_requests)
         self._throughput: deque[tuple[float, int, int]] = deque()  # (time, output tokens, all tokens)
@@ -200,7 +206,10 @@ class LLMEngine:
             return []
         forks = self._plan_forks(sched)
         results = self.runner.execute(sched, forks)
-        return self._update(sched, forks, results)
+        outputs = self._update(sched, forks, results)
+        if self.spec is not None:  # drafts for the next step, from the tokens just appended
+            self.spec.propose(self.scheduler.running)
+        return outputs
 
     def _plan_forks(self, sched: SchedulerOutput) -> dict[int, list[Request]]:
         """Samples 1.. of n > 1 requests whose prompt completes this step: created now, forked after."""
@@ -219,7 +228,7 @@ class LLMEngine:
         num_out = 0
         for i, (s, result) in enumerate(zip(sched.scheduled, results)):
             r = s.request
-            r.num_computed_tokens += s.num_new_tokens
+            r.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)  # drafts count once accepted
             self.kv_manager.cache_full_blocks(r.request_id, r.all_token_ids, r.num_computed_tokens, r.cache_salt)
             if r.kv_export is not None and r.num_computed_tokens >= r.num_prompt_tokens:
                 export_blocks(r, self.kv_manager, self.block_io, self.kv_stats)  # before it finishes
@@ -243,26 +252,46 @@ class LLMEngine:
                 self.scheduler.add_running(child)
                 group.seqs.append(child)
             group.num_to_fork = 0
-            for seq, tok in zip([r, *forks.get(i, [])], result.samples):
-                num_out += 1
-                changed.setdefault(group.request_id, []).append(self._append_sample(seq, tok))
+            kids = forks.get(i, [])
+            for seq, toks in zip([r, *kids], [result.tokens, *([t] for t in result.fork_samples)]):
+                completion_out = self._append_tokens(seq, toks)
+                num_out += len(completion_out.new_token_ids)
+                changed.setdefault(group.request_id, []).append(completion_out)
+            if s.spec_token_ids:
+                self._rollback_rejected(r, result)
         self._throughput.append((now, num_out, sched.num_batched_tokens))
         return self._collect(changed)
 
-    def _append_sample(self, r: Request, tok: SampledToken) -> CompletionOutput:
-        r.append_output_token(tok.token_id)
-        r.cumulative_logprob += tok.logprob
-        if r.sampling_params.logprobs is not None:
-            r.output_logprobs.append(tok.logprob)
-            r.output_top_logprobs.append(tok.top_logprobs or [])
-        delta = r.detokenizer.add_tokens([tok.token_id])
-        status = self._stop_status(r, tok.token_id, delta.stop_hit)
-        new_text = delta.text
-        if status is not None:
-            if delta.stop_hit is None:
-                new_text += r.detokenizer.finish()
-            self.scheduler.finish_request(r, status)
-        return completion(r, r.sample_index, new_text, [tok.token_id])
+    def _append_tokens(self, r: Request, toks: list[SampledToken]) -> CompletionOutput:
+        """Append a step's tokens one by one (several after a verify step), stopping at the first that
+        ends the request: nothing past max_tokens, a stop token or a stop string is emitted."""
+        new_text, new_ids = "", []
+        for tok in toks:
+            r.append_output_token(tok.token_id)
+            r.cumulative_logprob += tok.logprob
+            new_ids.append(tok.token_id)
+            if r.sampling_params.logprobs is not None:
+                r.output_logprobs.append(tok.logprob)
+                r.output_top_logprobs.append(tok.top_logprobs or [])
+            delta = r.detokenizer.add_tokens([tok.token_id])
+            status = self._stop_status(r, tok.token_id, delta.stop_hit)
+            new_text += delta.text
+            if status is not None:
+                if delta.stop_hit is None:
+                    new_text += r.detokenizer.finish()
+                self.scheduler.finish_request(r, status)
+                break
+        return completion(r, r.sample_index, new_text, new_ids)
+
+    def _rollback_rejected(self, r: Request, result: StepResult) -> None:
+        """After a verify step: the accepted drafts' K/V is valid (computed), the rejected drafts' slots
+        are released. all_token_ids holds only accepted tokens, so no hash ever covers a rejected one."""
+        self.spec.observe(r, result.num_draft_tokens, result.num_accepted_tokens)
+        if r.is_finished:  # finishing already freed every block
+            return
+        r.num_computed_tokens += result.num_accepted_tokens
+        self.kv_manager.truncate(r.request_id, r.num_computed_tokens)
+        self.kv_manager.cache_full_blocks(r.request_id, r.all_token_ids, r.num_computed_tokens, r.cache_salt)
 
     def _collect(self, changed: dict[str, list[CompletionOutput]]) -> list[RequestOutput]:
         """One RequestOutput per group that moved: its new deltas, or its final outputs when it is done."""

@@ -6,7 +6,7 @@ forward pass, because the forward writes new K/V into the fresh copies.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -16,6 +16,7 @@ from pagedserve.models.batch import SeqChunk, build_forward_batch
 
 from .executor import Executor
 from .kv_cache_manager import KVCacheManager
+from .rejection_sampler import RejectionSampler
 from .sampler import Sampler
 from .scheduler import SchedulerOutput
 from .worker import ExecuteModelRequest
@@ -32,8 +33,13 @@ class SampledToken:
 class StepResult:
     """What one scheduled sequence got from a step whose chunk reached the end of its tokens."""
 
-    samples: list[SampledToken]  # the sequence's next token, then one per sample forked from it
+    # The sequence's new tokens: one, or after a speculative verify step the accepted drafts and then
+    # the target's own next token (so 1 .. k + 1 of them).
+    tokens: list[SampledToken] = field(default_factory=list)
+    fork_samples: list[SampledToken] = field(default_factory=list)  # first token of each sample forked from it
     beam_topk: tuple[np.ndarray, np.ndarray] | None = None  # beam search: (token ids, logprobs), best first
+    num_draft_tokens: int = 0  # drafts verified this step
+    num_accepted_tokens: int = 0  # of which accepted (tokens[:num_accepted_tokens] are those drafts)
 
 
 class ModelRunner:
@@ -44,6 +50,7 @@ class ModelRunner:
         self.executor = executor
         self.kv = kv_manager
         self.sampler = sampler
+        self.rejection_sampler = RejectionSampler(sampler.generator)  # verify steps of speculative decoding
         backend = executor.driver_worker.backend
         # The sampler's array module: numpy as before, or CuPy with greedy rows through argmax_rows.
         self.xp = _DeviceArrayModule(backend.xp) if backend.is_gpu else np
@@ -70,33 +77,44 @@ class ModelRunner:
         (its own and those of `forks[i]`, the samples about to fork from it) or beam proposals."""
         forks = forks or {}
         copies = self.kv.take_pending_copies()
-        chunks, completing = [], []
+        chunks, completing, first_rows = [], [], []
+        num_rows = 0
         for i, s in enumerate(sched.scheduled):
             r = s.request
             start = r.num_computed_tokens
-            completes = start + s.num_new_tokens == r.num_tokens
-            chunks.append(SeqChunk(r.all_token_ids[start : start + s.num_new_tokens], start,
-                                   self.kv.block_table(r.request_id), needs_logits=completes))
+            num_real = s.num_new_tokens - len(s.spec_token_ids)  # the sequence's own tokens, then its drafts
+            completes = start + num_real == r.num_tokens
+            num_logits = 1 + len(s.spec_token_ids) if completes else 0
+            chunks.append(SeqChunk(r.all_token_ids[start : start + num_real] + s.spec_token_ids, start,
+                                   self.kv.block_table(r.request_id), num_logits=num_logits))
             if completes:
                 completing.append(i)
+                first_rows.append(num_rows)
+                num_rows += num_logits
         batch = build_forward_batch(chunks, self.kv.block_size)
         logits = self.executor.execute_model(ExecuteModelRequest(batch, copies))
         results: list[StepResult | None] = [None] * len(sched.scheduled)
         rows, seqs, owners = [], [], []  # sampler rows: logits row, sequence, scheduled index
-        for row, i in enumerate(completing):
+        verify = []  # speculating sequences: scheduled index, first logits row
+        for row, i in zip(first_rows, completing):
             r = sched.scheduled[i].request
             if r.group is not None and r.group.beam is not None:
-                results[i] = StepResult([], self._beam_topk(logits[row], 2 * r.group.beam.beam_width))
+                results[i] = StepResult(beam_topk=self._beam_topk(logits[row], 2 * r.group.beam.beam_width))
+                continue
+            if sched.scheduled[i].spec_token_ids:
+                verify.append((i, row))
                 continue
             for seq in [r, *forks.get(i, [])]:
                 rows.append(row)
                 seqs.append(seq)
                 owners.append(i)
+        if verify:
+            self._verify(sched, logits, verify, results)
         if not rows:
             return results
         banned = [_banned_ids(r) for r in seqs]
         out = self.sampler(
-            logits[self.xp.asarray(np.asarray(rows))] if rows != list(range(len(completing))) else logits,
+            logits[self.xp.asarray(np.asarray(rows))] if rows != list(range(int(logits.shape[0]))) else logits,
             [r.sampling_params for r in seqs],
             [r.generator for r in seqs],
             [r.prompt_token_ids for r in seqs],
@@ -108,10 +126,24 @@ class ModelRunner:
         logprobs = np.asarray(out.logprobs).tolist()
         for k, i in enumerate(owners):
             top = out.top_logprobs[k] if out.top_logprobs is not None else None
+            tok = SampledToken(token_ids[k], logprobs[k], top)
             if results[i] is None:
-                results[i] = StepResult([])
-            results[i].samples.append(SampledToken(token_ids[k], logprobs[k], top))
+                results[i] = StepResult([tok])
+            else:
+                results[i].fork_samples.append(tok)
         return results
+
+    def _verify(self, sched: SchedulerOutput, logits: Any, verify: list[tuple[int, int]],
+                results: list[StepResult | None]) -> None:
+        """Rejection-sample the drafts of the speculating sequences (their 1 + k rows each)."""
+        scheduled = [sched.scheduled[i] for i, _ in verify]
+        rows = np.concatenate([row + np.arange(1 + len(s.spec_token_ids)) for (_, row), s in zip(verify, scheduled)])
+        outs = self.rejection_sampler(
+            logits[self.xp.asarray(rows)], [s.request for s in scheduled], [s.spec_token_ids for s in scheduled],
+            [s.request.spec_draft_probs for s in scheduled], xp=self.xp)
+        for (i, _), s, o in zip(verify, scheduled, outs):
+            tokens = [SampledToken(t, lp, top) for t, lp, top in zip(o.token_ids, o.logprobs, o.top_logprobs)]
+            results[i] = StepResult(tokens, num_draft_tokens=len(s.spec_token_ids), num_accepted_tokens=o.num_accepted)
 
     @staticmethod
     def _beam_topk(logits_row, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -125,13 +157,7 @@ class ModelRunner:
 
 def _banned_ids(request) -> list[int]:
     """Until min_tokens are out, end-of-sequence and stop tokens may not be sampled."""
-    params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
-        return []
-    banned = list(params.stop_token_ids or [])
-    if not params.ignore_eos:
-        banned += list(request.eos_token_ids)
-    return banned
+    return request.banned_token_ids()
 
 
 class _DeviceArrayModule:
