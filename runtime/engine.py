@@ -429,4 +429,12 @@ class LLMEngine:
             prefix_cache_request_hit_rate=sched.num_admitted_with_hit / sched.num_admitted if sched.num_admitted else 0.0,
             num_shared_blocks=usage.num_shared_blocks, num_exclusive_blocks=usage.num_exclusive_blocks,
             kv_bytes_used=usage.num_used_blocks * per_block, kv_bytes_without_sharing=table_blocks * per_block,
-            kv_transfer=self.kv_stats.snapshot())
+            kv_transfer=self.kv_stats.snapshot(),
+            **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        if self.spec is None:
+            return {}
+        s = self.spec.stats
+        return dict(spec_method=s.method, spec_num_draft_tokens=s.num_draft_tokens,
+                    spec_num_accepted_tokens=s.num_accepted_tokens, spec_mean_accepted_length=s.mean_accepted_length)

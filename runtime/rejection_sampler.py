@@ -52,10 +52,15 @@ def dense_probs(processed: Any, params: Sequence[SamplingParams], xp: Any = np) 
     x = processed / temp[:, None]
     x -= x.max(axis=1, keepdims=True)
     w = xp.exp(x)  # the most likely token has weight 1
+    by_k: dict[int, list[int]] = {}
     for b, p in enumerate(params):
         if 0 < p.top_k < vocab_size:
-            kth = -xp.partition(-x[b], p.top_k - 1)[p.top_k - 1]
-            w[b] *= x[b] >= kth
+            by_k.setdefault(p.top_k, []).append(b)
+    for k, rows_k in by_k.items():
+        rows = xp.asarray(np.asarray(rows_k, np.int64))
+        sub = x[rows]
+        kth = -xp.partition(-sub, k - 1, axis=1)[:, k - 1]
+        w[rows] *= sub >= kth[:, None]
     top_p_rows = [b for b, p in enumerate(params) if p.top_p < 1.0]
     if top_p_rows:
         rows = xp.asarray(np.asarray(top_p_rows, np.int64))
@@ -134,38 +139,58 @@ class RejectionSampler:
                        counts: list[int], requests: Sequence[Any], drafts: Sequence[Sequence[int]],
                        draft_probs: Sequence[Any | None], seqs: list[int], accepted: list[int], final: list[int],
                        xp: Any) -> None:
+        """The random-sampling sequences, vectorised across them: one gather of p(d) and q(d), one
+        acceptance test, one draw from the stacked residual (or bonus) rows."""
+        ks = np.array([counts[i] - 1 for i in seqs], np.int64)
         rows = np.concatenate([starts[i] + np.arange(counts[i]) for i in seqs]).astype(np.int64)
         probs = dense_probs(processed[xp.asarray(rows)], [row_params[int(r)] for r in rows], xp)
-        local = np.concatenate([[0], np.cumsum([counts[i] for i in seqs])[:-1]]).astype(np.int64)
-        # p(d) at every draft row, gathered in one go.
-        draft_rows = np.concatenate([local[n] + np.arange(len(drafts[i])) for n, i in enumerate(seqs)]).astype(np.int64)
+        local = np.concatenate([[0], np.cumsum(ks + 1)[:-1]]).astype(np.int64)  # each sequence's first row
+        seg = np.repeat(np.arange(len(seqs)), ks)  # draft index -> sequence
+        first_draft = np.concatenate([[0], np.cumsum(ks)[:-1]]).astype(np.int64)
+        j = np.arange(int(ks.sum())) - first_draft[seg]  # draft's position within its sequence
         draft_toks = np.concatenate([np.asarray(drafts[i], np.int64) for i in seqs])
-        p_draft = _to_host(probs[xp.asarray(draft_rows), xp.asarray(draft_toks)]).astype(np.float64).tolist() \
-            if draft_rows.size else []
-        residual_rows, u_final, at = [], np.empty(len(seqs)), 0
+        p_draft = _to_host(probs[xp.asarray(local[seg] + j), xp.asarray(draft_toks)]).astype(np.float64)
+        # q(d): 1 for one-hot (n-gram) drafts; else gathered from the stacked draft distributions.
+        q_draft = np.ones_like(p_draft)
+        with_q = [n for n, i in enumerate(seqs) if draft_probs[i] is not None]
+        q_rows = None
+        if with_q:
+            q_rows = xp.concatenate([draft_probs[seqs[n]][: ks[n]] for n in with_q])
+            at = np.concatenate([first_draft[n] + np.arange(ks[n]) for n in with_q]).astype(np.int64)
+            q_draft[at] = _to_host(q_rows[xp.arange(len(at)), xp.asarray(draft_toks[at])]).astype(np.float64)
+            q_index = np.full(int(ks.sum()), -1, np.int64)  # draft index -> row of q_rows
+            q_index[at] = np.arange(len(at))
+        # k + 1 uniforms per sequence: its own generator when seeded, else the shared one in order.
+        u = np.empty(int((ks + 1).sum()))
+        u_start = np.concatenate([[0], np.cumsum(ks + 1)[:-1]]).astype(np.int64)
+        shared = [n for n, i in enumerate(seqs) if requests[i].generator is None]
+        if shared:
+            idx = np.concatenate([u_start[n] + np.arange(ks[n] + 1) for n in shared])
+            u[idx] = self.generator.random(len(idx))
         for n, i in enumerate(seqs):
-            r, d, q = requests[i], drafts[i], draft_probs[i]
-            gen = r.generator if r.generator is not None else self.generator
-            u = gen.random(len(d) + 1)
-            q_draft = _to_host(q[xp.arange(len(d)), xp.asarray(np.asarray(d, np.int64))]).astype(np.float64) \
-                if q is not None and len(d) else np.ones(len(d))
-            a = 0
-            while a < len(d) and u[a] * q_draft[a] < p_draft[at + a]:  # u < p / q, without dividing by q
-                a += 1
-            at += len(d)
-            accepted[i] = a
-            row = probs[int(local[n]) + a]
-            if a < len(d):  # rejected: draw from norm(max(0, p - q))
-                if q is None:
-                    row = row.copy()
-                    row[d[a]] = 0
-                else:
-                    row = xp.maximum(row - q[a], 0)
-                if not float(row.sum()) > 0:  # p == q up to rounding: rejection had probability 0
-                    row = probs[int(local[n]) + a]
-            residual_rows.append(row)
-            u_final[n] = u[len(d)]
-        w = xp.stack(residual_rows)
-        picks = _to_host(_inverse_cdf(w, xp.asarray(u_final), xp)).tolist()
+            if requests[i].generator is not None:
+                u[u_start[n] : u_start[n] + ks[n] + 1] = requests[i].generator.random(ks[n] + 1)
+        # Accept d with probability min(1, p(d) / q(d)): u * q(d) < p(d), no division by a small q.
+        ok = u[u_start[seg] + j] * q_draft < p_draft
+        first_reject = np.where(ok, ks[seg], j)
+        a = np.minimum.reduceat(first_reject, first_draft) if len(seqs) else first_reject
+        final_rows = probs[xp.asarray(local + a)]  # a fresh array (fancy indexing)
+        rejected = np.flatnonzero(a < ks)
+        if rejected.size:
+            drop = first_draft[rejected] + a[rejected]  # the rejected draft of each such sequence
+            one_hot = [(n, d) for n, d in zip(rejected, drop) if q_rows is None or q_index[d] < 0]
+            if one_hot:  # q one-hot: norm(max(0, p - q)) is p without the draft token
+                nn = np.array([n for n, _ in one_hot])
+                final_rows[xp.asarray(nn), xp.asarray(draft_toks[[d for _, d in one_hot]])] = 0
+            dense = [(n, d) for n, d in zip(rejected, drop) if q_rows is not None and q_index[d] >= 0]
+            if dense:
+                nn = xp.asarray(np.array([n for n, _ in dense]))
+                qq = q_rows[xp.asarray(q_index[[d for _, d in dense]])]
+                final_rows[nn] = xp.maximum(final_rows[nn] - qq, 0)
+            # p == q up to rounding leaves nothing: rejection had probability 0 there, so draw from p.
+            empty = np.flatnonzero(_to_host(final_rows.sum(axis=1)) <= 0)
+            if empty.size:
+                final_rows[xp.asarray(empty)] = probs[xp.asarray(local[empty] + a[empty])]
+        picks = _to_host(_inverse_cdf(final_rows, xp.asarray(u[u_start + ks]), xp)).tolist()
         for n, i in enumerate(seqs):
-            final[i] = int(picks[n])
+            accepted[i], final[i] = int(a[n]), int(picks[n])

@@ -7,6 +7,7 @@ import pytest
 from chi_square import two_sample
 
 from pagedserve.models.loader import load_model
+from pagedserve.runtime.async_engine import _spec_fields
 from pagedserve.runtime.config import EngineConfig
 from pagedserve.runtime.engine import LLMEngine
 from pagedserve.runtime.sampling_params import SamplingParams
@@ -105,6 +106,11 @@ def test_greedy_tokens_are_the_same_with_and_without_speculation(tiny, data_dir,
     assert stats.num_draft_tokens > 0 and 0 <= stats.num_accepted_tokens <= stats.num_draft_tokens
     if method == "same_draft":
         assert stats.num_accepted_tokens == stats.num_draft_tokens
+    es = e.get_stats()
+    assert (es.spec_method, es.spec_num_draft_tokens, es.spec_num_accepted_tokens) == \
+        (stats.method, stats.num_draft_tokens, stats.num_accepted_tokens)
+    assert es.spec_mean_accepted_length == pytest.approx(1 + stats.num_accepted_tokens / stats.num_drafts)
+    assert _spec_fields(es)["spec_method"] == stats.method and _spec_fields(make_engine(tiny).get_stats()) == {}
     assert e.kv_manager.usage().num_used_blocks == 0
     if e.spec.draft is not None:
         assert e.spec.draft.kv.usage().num_used_blocks == 0
