@@ -185,7 +185,7 @@ def emit(name: str, record: dict, out_dir: str | Path | None, draw: Callable[[di
 
 # -- the doc's figures table ----------------------------------------------------------------------
 
-BENCHMARKS = ("memory", "batching", "jitter", "parallel", "serve", "disagg")
+BENCHMARKS = ("memory", "batching", "jitter", "parallel", "serve", "disagg", "speculative")
 
 
 def _fmt(v: Any, unit: str = "", digits: int = 1) -> str:
@@ -242,6 +242,11 @@ def headline(record: dict) -> tuple[str, str]:
         got = ("p99 ITL " + ", ".join(f"{k}: {_fmt(v, ' ms', 0)}" for k, v in p99.items())
                + "; long prompts' TTFT " + ", ".join(f"{k}: {_fmt(v, ' s', 2)}" for k, v in ttft.items())
                + "; KV transfer " + ", ".join(f"{k}: {v} GB/s" for k, v in s.get("transfer_gb_per_s", {}).items()))
+    elif name == "speculative":
+        acc = s.get("acceptance_rate", {})
+        got = (f"n-gram speedup: copy/edit {s.get('ngram_speedup_repetitive')}, chat {s.get('ngram_speedup_chat')}; "
+               f"self-draft: copy/edit {s.get('draft_speedup_repetitive')}, chat {s.get('draft_speedup_chat')}; "
+               "acceptance " + ", ".join(f"{k}: {v}" for k, v in acc.items()))
     else:
         got = json.dumps(s)[:200]
     return claim, got

@@ -20,6 +20,7 @@ BENCHMARKS = {
     "parallel": "peak KV blocks of n samples sharing a prompt vs n independent requests",
     "serve": "the sidecar under Poisson load: TTFT, TPOT, ITL, SLO violations, prefix case",
     "disagg": "prefill and decode instances on one core each vs one colocated instance: ITL, TTFT, KV transfer",
+    "speculative": "decode tokens/s with n-gram and draft-model speculation vs none, copy/edit and chat",
 }
 
 
