@@ -13,10 +13,16 @@ by the time from the moment every request had its first token to the end (the pr
 every method and is reported apart, in the end-to-end time). Greedy outputs are also checked equal to
 the run without speculation.
 
+Timing on a shared machine. The engine runs single-threaded (--cpu-threads 1) and each rate is given
+twice: per wall-clock second and per CPU second of this process (time.process_time). With one thread the
+CPU-time rate is what an idle core would give, and it hardly moves when other processes compete for the
+cores, which the wall-clock rate does; speedups are taken from the CPU-time rates. The methods run in
+turn, --rounds times, and each keeps its fastest round.
+
 Speculation switches itself off per sequence where it loses (runtime/spec_decode.py): a sequence whose
 drafts were accepted at a moving-average rate below 25% stops proposing and probes again every 16 steps.
 
-    .venv/bin/python bench/speculative.py [--quick] [--model PATH] [--max-tokens 64] [--draft-layers 8]
+    .venv/bin/python bench/speculative.py [--quick] [--model PATH] [--max-tokens 64] [--draft-layers 8] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -120,7 +126,7 @@ def run_one(loaded, args: argparse.Namespace, spec: dict | None, batch: list[lis
 
     engine = LLMEngine(EngineConfig(device=args.device, seed=0, speculative_config=spec, cpu_threads=args.cpu_threads,
                                     max_model_len=2048), loaded=loaded)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i, p in enumerate(batch):
         engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
     started: set[str] = set()
@@ -133,14 +139,17 @@ def run_one(loaded, args: argparse.Namespace, spec: dict | None, batch: list[lis
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
         if all_first_at is None and len(started) == len(batch):
-            all_first_at, tokens_at_all_first = time.perf_counter(), produced
-    end = time.perf_counter()
+            all_first_at, cpu_first_at, tokens_at_all_first = time.perf_counter(), time.process_time(), produced
+    end, cpu_end = time.perf_counter(), time.process_time()
     total = sum(len(t) for t in done.values())
     decode_tokens = total - tokens_at_all_first
     res = {"output_tokens": total, "e2e_s": round(end - t0, 3),
            "e2e_tokens_per_s": round(total / (end - t0), 2),
            "decode_s": round(end - all_first_at, 3),
            "decode_tokens_per_s": round(decode_tokens / (end - all_first_at), 2) if end > all_first_at else None,
+           "e2e_cpu_s": round(cpu_end - c0, 3), "decode_cpu_s": round(cpu_end - cpu_first_at, 3),
+           "decode_tokens_per_cpu_s": round(decode_tokens / (cpu_end - cpu_first_at), 2)
+           if cpu_end > cpu_first_at else None,
            "tokens": [done[str(i)] for i in range(len(batch))]}
     if engine.spec is not None:
         s = engine.spec.stats
@@ -165,13 +174,18 @@ def run(args: argparse.Namespace) -> dict:
         for streams in args.streams:
             batch = prompts(loaded.tokenizer, workload, streams)
             row = results.setdefault(workload, {}).setdefault(f"streams_{streams}", {})
-            for method, spec in methods.items():
-                plots.progress(f"{workload}, {streams} stream(s), {method}")
-                row[method] = run_one(loaded, args, spec, batch)
+            for rnd in range(args.rounds):
+                for method, spec in methods.items():
+                    plots.progress(f"{workload}, {streams} stream(s), {method}, round {rnd + 1}")
+                    res = run_one(loaded, args, spec, batch)
+                    best = row.get(method)
+                    if best is None or res["decode_cpu_s"] < best["decode_cpu_s"]:
+                        row[method] = res
             for method in ("ngram", "draft"):
                 r = row[method]
                 r["same_tokens_as_off"] = r.pop("tokens") == row["off"]["tokens"]
-                r["speedup"] = round(r["decode_tokens_per_s"] / row["off"]["decode_tokens_per_s"], 3)
+                r["speedup"] = round(r["decode_tokens_per_cpu_s"] / row["off"]["decode_tokens_per_cpu_s"], 3)
+                r["speedup_wall"] = round(r["decode_tokens_per_s"] / row["off"]["decode_tokens_per_s"], 3)
             row["off"].pop("tokens")
     rep1 = results["repetitive"][f"streams_{args.streams[0]}"]["ngram"]["speedup"]
     chat = [results["chat"][k]["ngram"]["speedup"] for k in results["chat"]]
@@ -189,6 +203,7 @@ def run(args: argparse.Namespace) -> dict:
     }
     return {"benchmark": NAME, "quick": args.quick, "claim": CLAIM,
             "config": {"model": loaded.name, "max_tokens": args.max_tokens, "streams": args.streams,
+                       "rounds": args.rounds, "speedup_from": "decode tokens per CPU second (process_time)",
                        "draft_layers": args.draft_layers, "cpu_threads": args.cpu_threads, "device": args.device,
                        "sampling": "greedy", "methods": methods},
             "environment": env, "results": results, "summary": summary}
@@ -203,10 +218,10 @@ def draw(record: dict, path: Path) -> None:
                             f"{record['config']['max_tokens']} new tokens", ncols=2, size=(13, 4.4)) as (ax1, ax2):
         x = np.arange(len(cols))
         for n, (m, color) in enumerate(methods):
-            vals = [res[w][k][m]["decode_tokens_per_s"] or 0 for w, k in cols]
+            vals = [res[w][k][m]["decode_tokens_per_cpu_s"] or 0 for w, k in cols]
             plots.bar_labels(ax1, ax1.bar(x + (n - 1) * 0.27, vals, 0.27, label=m, color=color))
         ax1.set_xticks(x, labels, fontsize=8)
-        ax1.set_ylabel("decode output tokens/s")
+        ax1.set_ylabel("decode output tokens per CPU second (1 thread)")
         ax1.legend(fontsize=8)
         ax1.set_title("Throughput")
         for n, (m, color) in enumerate(methods[1:]):
@@ -225,16 +240,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=None, help="default 64 (8 with --quick)")
     ap.add_argument("--streams", type=int, nargs="+", default=None, help="default 1 8 (1 2 with --quick)")
     ap.add_argument("--draft-layers", type=int, default=None, help="self-draft layers; default 8 (1 with --quick)")
-    ap.add_argument("--cpu-threads", type=int, default=None, help="numpy BLAS threads (default: as started)")
+    ap.add_argument("--cpu-threads", type=int, default=1,
+                    help="numpy BLAS threads (default 1: the CPU-time rates assume one thread)")
+    ap.add_argument("--rounds", type=int, default=None, help="runs per method, fastest kept; default 2 (1 with --quick)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     args = build_parser().parse_args(argv)
-    plots.fill_defaults(args, quick={"max_tokens": 8, "streams": [1, 2], "draft_layers": 1},
-                        full={"max_tokens": 64, "streams": [1, 8], "draft_layers": 8},
-                        positive=("max_tokens", "streams", "draft_layers"))
+    plots.fill_defaults(args, quick={"max_tokens": 8, "streams": [1, 2], "draft_layers": 1, "rounds": 1},
+                        full={"max_tokens": 64, "streams": [1, 8], "draft_layers": 8, "rounds": 2},
+                        positive=("max_tokens", "streams", "draft_layers", "rounds"))
     plots.emit(NAME, run(args), args.out_dir, draw, not args.no_plot, t0)
     return 0
 

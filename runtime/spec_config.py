@@ -23,13 +23,15 @@ class SpeculativeConfig:
     method: str = "ngram"  # "ngram" (prompt lookup) | "draft" (a smaller model proposes)
     num_speculative_tokens: int = 4  # k: drafts proposed per step and verified in one target forward
     prompt_lookup_max: int = 4  # ngram: longest suffix n-gram searched for in the sequence
-    prompt_lookup_min: int = 1  # ngram: shortest n-gram that counts as a match
+    prompt_lookup_min: int = 2  # ngram: shortest n-gram that counts as a match
     model: str | None = None  # draft: a GGUF file or HF directory with the target's vocabulary
     draft_num_layers: int | None = None  # draft without a model: the target's first N layers
     # Switching off where speculation loses: a sequence whose drafts were accepted at a rate below
-    # this (exponential moving average over its verify steps) stops proposing, and tries again
-    # every `probe_interval` steps. 0 keeps speculation always on.
-    min_acceptance_rate: float = 0.25
+    # this (exponential moving average over its verify steps, from an optimistic 1.0, weight 1/2 on
+    # the newest: two verify steps that accept nothing switch it off) stops proposing, and tries
+    # again every `probe_interval` steps. 0 keeps speculation always on. On a CPU a verify step of
+    # 1 + 4 tokens costs about 1.2-1.3 decode steps, which acceptance rates near 0.2-0.3 pay back.
+    min_acceptance_rate: float = 0.3
     probe_interval: int = 16
 
     def __post_init__(self) -> None:

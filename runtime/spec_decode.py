@@ -7,8 +7,10 @@ rejected. k is cut so a verify step can never run past max_tokens or max_model_l
 
 Switching off where it loses. A draft costs target compute whether or not it is accepted, so each
 sequence keeps an exponential moving average of its acceptance rate (accepted / proposed per verify
-step, weight 1/2 on the newest); below `min_acceptance_rate` it stops proposing and tries again once
-every `probe_interval` steps. An n-gram proposer that finds no match proposes nothing and costs nothing.
+step, starting at 1.0, weight 1/2 on the newest); below `min_acceptance_rate` (0.3 by default: two verify
+steps that accept nothing) it stops proposing and tries again once every `probe_interval` steps (16), so a
+sequence where drafts never pay spends at most about one step in 16 on them. An n-gram proposer that finds
+no match proposes nothing and costs nothing.
 """
 
 from __future__ import annotations
