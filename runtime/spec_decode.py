@@ -20,7 +20,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .draft_proposer import DraftProposer
+from pagedserve.models.llama import LlamaForCausalLM
+
+from .draft_proposer import DraftProposer, load_draft
 from .ngram_proposer import propose_ngram
 from .request import Request, RequestStatus
 from .spec_config import SpeculativeConfig
@@ -126,10 +128,6 @@ def build_spec_decoder(config: SpeculativeConfig | None, target: Any, backend: A
         return None
     draft = None
     if config.method == "draft":
-        from pagedserve.models.llama import LlamaForCausalLM
-
-        from .draft_proposer import load_draft
-
         cfg, weights, name = load_draft(config.model, config.draft_num_layers, target, use_cache)
         draft = DraftProposer(LlamaForCausalLM(cfg, weights, backend, source=name), num_blocks, block_size, seed)
     return SpecDecoder(config, max_model_len, draft)

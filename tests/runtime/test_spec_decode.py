@@ -258,3 +258,16 @@ def test_a_sequence_whose_drafts_fail_stops_proposing_and_probes_every_16_steps(
     assert spec._wants_to_speculate(r) and spec._wants_to_speculate(r)
     assert (spec.stats.num_drafts, spec.stats.num_draft_tokens, spec.stats.num_accepted_tokens) == (3, 12, 4)
     assert spec.stats.mean_accepted_length == pytest.approx(1 + 4 / 3)
+
+
+def test_the_offline_api_takes_vllms_speculative_config(data_dir):
+    from pagedserve.runtime.llm import LLM
+
+    prompt = [7, 8, 9, 10] * 5
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = LLM(str(data_dir / "tiny-llama"), device="cpu", num_kv_blocks=64).generate(prompt, params)
+    llm = LLM(str(data_dir / "tiny-llama"), device="cpu", num_kv_blocks=64,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                                  "prompt_lookup_min": 2})
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert llm.engine.spec.stats.method == "ngram"
