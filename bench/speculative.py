@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> dict:
     methods = {
         "off": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": args.ngram_tokens, "prompt_lookup_max": 4,
-                  "prompt_lookup_min": 2},
+                  "prompt_lookup_min": args.prompt_lookup_min},
         "draft": {"method": "draft", "draft_num_layers": args.draft_layers, "num_speculative_tokens": 3},
     }
     results: dict = {}
@@ -244,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=None, help="default 64 (8 with --quick)")
     ap.add_argument("--streams", type=int, nargs="+", default=None, help="default 1 8 (1 2 with --quick)")
     ap.add_argument("--ngram-tokens", type=int, default=4, help="k of the n-gram method (default 4)")
+    ap.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram match (default 2)")
     ap.add_argument("--workloads", nargs="+", default=["repetitive", "chat"], choices=["repetitive", "chat"])
     ap.add_argument("--draft-layers", type=int, default=None, help="self-draft layers; default 8 (1 with --quick)")
     ap.add_argument("--cpu-threads", type=int, default=1,
