@@ -12,7 +12,7 @@ import structlog
 
 from pagedserve.cupy_kernels.blas_threads import blas_threads
 from pagedserve.models.kv_cache import kv_bytes_per_block
-from pagedserve.models.loader import LoadedModel
+from pagedserve.models.loader import LoadedModel, load_model
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
@@ -40,12 +40,12 @@ class LLMEngine:
         # The workers (one per tensor-parallel rank) load the model, pick the backend and hold the KV pool.
         self.executor = make_executor(config, loaded)
         try:
-            self._init_after_workers(config)
+            self._init_after_workers(config, loaded)
         except BaseException:
             self.executor.shutdown()
             raise
 
-    def _init_after_workers(self, config: EngineConfig) -> None:
+    def _init_after_workers(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
         worker = self.executor.driver_worker
         self.model_name = worker.model_name
         self.model_config = worker.model_config
@@ -68,8 +68,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_chunked_prefill)
         # Speculative decoding (None = off): proposes drafts after each step; a draft model brings its own pool.
-        self.spec = build_spec_decoder(config.speculative_config, loaded, self.backend, num_blocks, self.block_size,
-                                       self.max_model_len, config.seed, config.use_weight_cache)
+        # A self-draft needs the target's whole weights, which the workers do not keep: loaded again (cached).
+        self.spec = build_spec_decoder(
+            config.speculative_config, lambda: loaded or load_model(config.model, use_cache=config.use_weight_cache),
+            self.backend, num_blocks, self.block_size, self.max_model_len, config.seed, config.use_weight_cache)
         if self.spec is not None:
             self.scheduler.release_hooks.append(self.spec.free)
         self.groups: dict[str, SequenceGroup] = {}

@@ -128,7 +128,7 @@ class RejectionSampler:
         sub = logits[xp.asarray(rows)]
         lse = _logsumexp_rows(sub, xp)
         chosen = _to_host(sub[xp.arange(len(rows)), xp.asarray(toks)] - lse).tolist()
-        top = Sampler._top_logprobs(sub, lse, [row_params[int(r)] for r in rows], xp)
+        top = _top_logprobs(sub, lse, [row_params[int(r)] for r in rows], xp)
         out, at = [], 0
         for i, e in enumerate(emitted):
             out.append(VerifyOutput(e, chosen[at : at + len(e)], top[at : at + len(e)], accepted[i]))
@@ -194,3 +194,15 @@ class RejectionSampler:
         picks = _to_host(_inverse_cdf(final_rows, xp.asarray(u[u_start + ks]), xp)).tolist()
         for n, i in enumerate(seqs):
             accepted[i], final[i] = int(a[n]), int(picks[n])
+
+
+def _top_logprobs(logits: Any, lse: Any, params: Sequence[SamplingParams],
+                  xp: Any) -> list[list[tuple[int, float]] | None]:
+    """Per row: the `logprobs` most likely raw tokens as (id, logprob), [] for logprobs=0, None if not asked
+    (the sampler's rule, from its own arrays)."""
+    top: list[list[tuple[int, float]] | None] = [[] if p.logprobs == 0 else None for p in params]
+    for rows, ids, lps in Sampler._top_logprob_arrays(logits, lse, params, xp):
+        ids_h, lp_h = _to_host(ids), _to_host(lps).astype(np.float32)
+        for i, b in enumerate(rows):
+            top[b] = [(int(t), float(v)) for t, v in zip(ids_h[i], lp_h[i])]
+    return top

@@ -16,7 +16,7 @@ no match proposes nothing and costs nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -121,13 +121,17 @@ class SpecDecoder:
         r.spec_state = record
 
 
-def build_spec_decoder(config: SpeculativeConfig | None, target: Any, backend: Any, num_blocks: int,
+def build_spec_decoder(config: SpeculativeConfig | None, target: Callable[[], Any], backend: Any, num_blocks: int,
                        block_size: int, max_model_len: int, seed: int | None, use_cache: bool = True) -> SpecDecoder | None:
-    """The engine's SpecDecoder (None when speculation is off); loads or builds the draft model."""
+    """The engine's SpecDecoder (None when speculation is off); loads or builds the draft model.
+
+    target: gives the target's LoadedModel (whole weights), called only for a draft model. The draft runs
+    unsharded beside the driver (rank 0), whatever the tensor-parallel size.
+    """
     if config is None:
         return None
     draft = None
     if config.method == "draft":
-        cfg, weights, name = load_draft(config.model, config.draft_num_layers, target, use_cache)
+        cfg, weights, name = load_draft(config.model, config.draft_num_layers, target(), use_cache)
         draft = DraftProposer(LlamaForCausalLM(cfg, weights, backend, source=name), num_blocks, block_size, seed)
     return SpecDecoder(config, max_model_len, draft)

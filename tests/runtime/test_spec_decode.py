@@ -123,7 +123,7 @@ def test_rollback_with_aborts_leaves_no_block_and_no_hash_of_a_rejected_token(ti
     for i, (prompt, max_tokens) in enumerate(reqs):
         # Odd requests sample (every third of those with n = 2 samples forked from the prompt).
         p = SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens + 10, ignore_eos=True,
-                           n=2 if i % 3 == 1 else 1) if i % 2 else \
+                           n=2 if i % 3 == 1 else 1, logprobs=2 if i % 4 == 1 else None) if i % 2 else \
             SamplingParams(temperature=0.0, max_tokens=max_tokens + 10, ignore_eos=True)
         e.add_request(str(i), prompt, p)
 
