@@ -271,3 +271,22 @@ def test_the_offline_api_takes_vllms_speculative_config(data_dir):
                                   "prompt_lookup_min": 2})
     assert llm.generate(prompt, params)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert llm.engine.spec.stats.method == "ngram"
+
+
+def test_speculation_under_tensor_parallelism_keeps_greedy_tokens(data_dir):
+    """Verify steps go through the executor to every rank; the draft model runs beside the driver."""
+    def run(tp, spec):
+        e = LLMEngine(EngineConfig(model=str(data_dir / "tiny-llama"), device="cpu", num_kv_blocks=64,
+                                   tensor_parallel_size=tp, speculative_config=spec))
+        try:
+            e.add_request("a", [5, 6, 7, 8] * 6, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+            while e.has_unfinished_requests():
+                done = [o for o in e.step() if o.finished]
+            return done[0].outputs[0].token_ids, e.spec
+        finally:
+            e.shutdown()
+
+    plain, _ = run(1, None)
+    for spec in (NGRAM, {"method": "draft", "draft_num_layers": 1}):
+        tokens, decoder = run(2, spec)
+        assert tokens == plain and decoder.stats.num_draft_tokens > 0
