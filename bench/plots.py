@@ -187,7 +187,7 @@ def emit(name: str, record: dict, out_dir: str | Path | None, draw: Callable[[di
 
 # -- the doc's figures table ----------------------------------------------------------------------
 
-BENCHMARKS = ("memory", "batching", "jitter", "parallel", "serve", "disagg", "structured")
+BENCHMARKS = ("memory", "batching", "jitter", "parallel", "serve", "disagg", "structured", "speculative")
 
 
 def _fmt(v: Any, unit: str = "", digits: int = 1) -> str:
@@ -251,6 +251,11 @@ def headline(record: dict) -> tuple[str, str]:
                f"mask {_fmt(s.get('mask_fill_us_per_token'), ' us/token')} + apply "
                f"{_fmt(s.get('mask_apply_ms_per_step'), ' ms/step', 2)}; valid JSON {s.get('valid_outputs')}/"
                f"{s.get('requests')}")
+    elif name == "speculative":
+        acc = s.get("acceptance_rate", {})
+        got = (f"n-gram speedup: copy/edit {s.get('ngram_speedup_repetitive')}, chat {s.get('ngram_speedup_chat')}; "
+               f"self-draft: copy/edit {s.get('draft_speedup_repetitive')}, chat {s.get('draft_speedup_chat')}; "
+               "acceptance " + ", ".join(f"{k}: {v}" for k, v in acc.items()))
     else:
         got = json.dumps(s)[:200]
     return claim, got

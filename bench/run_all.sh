@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
 OUT="${OUT:-bench/results}"
 LABEL="${LABEL:-quiet machine}"
-BENCHES="${BENCHES:-memory batching jitter parallel serve disagg structured}"
+BENCHES="${BENCHES:-memory batching jitter parallel serve disagg structured speculative}"
 mkdir -p "$OUT"
 for name in $BENCHES; do
     echo "== $name ==" >&2

@@ -7,6 +7,14 @@ Prefill chunks and decodes are mixed freely. For three sequences scheduled with 
     seq_lens        = [3, 8, 6]        context length including the new tokens
     positions       = [0 1 2 | 7 | 4 5]
     logits_indices  = [2, 3, 5]        the last new token of each sequence that needs a sample
+
+A sequence may want logits for more than its last token: a speculative verify step schedules a decode
+as 1 + k tokens (the newest token and k draft tokens) and needs all 1 + k rows, one per position the
+drafts are checked at. With b scheduled as [b7 d1 d2] and num_logits = 3 (and a mid-prompt chunk c
+with num_logits = 0):
+
+    input_ids       = [a0 a1 a2 | b7 d1 d2 | c4 c5]
+    logits_indices  = [2, 3, 4, 5]     a's last row, then b's three rows; c has none
 """
 
 from __future__ import annotations
@@ -43,7 +51,9 @@ class SeqChunk:
     token_ids: Sequence[int]  # the new tokens scheduled this step
     num_computed_tokens: int  # tokens already in the KV cache before this step
     block_table: Sequence[int]
-    needs_logits: bool = True
+    # Logits rows wanted: the last `num_logits` new tokens (1 = a plain sample, 0 = a prefill chunk
+    # short of the prompt's end, 1 + k = a speculative verify step with k draft tokens).
+    num_logits: int = 1
 
 
 def build_forward_batch(chunks: Sequence[SeqChunk], block_size: int) -> ForwardBatch:
@@ -69,7 +79,13 @@ def build_forward_batch(chunks: Sequence[SeqChunk], block_size: int) -> ForwardB
     positions = np.arange(int(counts.sum()), dtype=np.int64) - query_start_loc[seq_index] + computed[seq_index]
     blocks = block_tables[seq_index, positions // block_size].astype(np.int64)
     slot_mapping = blocks * block_size + positions % block_size
-    needs = np.array([c.needs_logits for c in chunks])
-    logits_indices = (query_start_loc[1:] - 1)[needs].astype(np.int64)
+    num_logits = np.array([c.num_logits for c in chunks], dtype=np.int64)
+    if ((num_logits < 0) | (num_logits > counts)).any():
+        raise ValueError("num_logits must be between 0 and the sequence's number of new tokens")
+    # Rows ends[i] - num_logits[i] .. ends[i] - 1 of each sequence, in sequence order, without a loop.
+    ends = np.repeat(query_start_loc[1:].astype(np.int64), num_logits)
+    offsets = np.arange(int(num_logits.sum()), dtype=np.int64) - np.repeat(np.cumsum(num_logits) - num_logits,
+                                                                          num_logits)
+    logits_indices = ends - np.repeat(num_logits, num_logits) + offsets
     return ForwardBatch(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
                         logits_indices)

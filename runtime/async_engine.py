@@ -344,7 +344,7 @@ class AsyncEngine:
                  kv_token_slot_utilization=round(s.kv_token_slot_utilization, 4),
                  output_tokens_per_s=round(s.output_tokens_per_s, 1),
                  total_tokens_per_s=round(s.total_tokens_per_s, 1), preemptions=s.num_preemptions,
-                 **_kv_fields(s.kv_transfer))
+                 **_kv_fields(s.kv_transfer), **_spec_fields(s))
 
 
 def _kv_fields(k) -> dict:
@@ -355,3 +355,13 @@ def _kv_fields(k) -> dict:
             "remote_prefills": k.remote_prefills, "local_prefill_fallbacks": k.local_prefill_fallbacks,
             "kv_bytes_sent": k.kv_bytes_sent, "kv_bytes_received": k.kv_bytes_received,
             "kv_transfer_s": round(k.kv_transfer_s, 4)}
+
+
+def _spec_fields(s) -> dict:
+    """Speculative decoding figures for engine.stats, only when it is on."""
+    if not s.spec_method:
+        return {}
+    return dict(spec_method=s.spec_method, spec_draft_tokens=s.spec_num_draft_tokens,
+                spec_accepted_tokens=s.spec_num_accepted_tokens,
+                spec_acceptance_rate=round(s.spec_acceptance_rate, 4),
+                spec_mean_accepted_length=round(s.spec_mean_accepted_length, 3))

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pagedserve.cupy_kernels.cuda_ops import ATTN_BLOCK_SIZES
 from pagedserve.cupy_kernels.kernel_set import CPU_KERNEL_SETS
 
+from .spec_config import SpeculativeConfig
+
 DEFAULT_CPU_KV_BYTES = 2 << 30  # 2 GiB of KV cache on the CPU backend
 
 
@@ -46,6 +48,9 @@ class EngineConfig:
     # Request lifecycle log events (queued, scheduled, first_token, preempted, finished, aborted):
     # None = off (offline use), False = on without text, True = on with prompts and outputs.
     log_requests: bool | None = None
+    # Speculative decoding (runtime/spec_config.py): None = off; a SpeculativeConfig or vLLM's dict,
+    # e.g. {"method": "ngram", "num_speculative_tokens": 4} or {"model": PATH, "num_speculative_tokens": 4}.
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -95,6 +100,7 @@ class EngineConfig:
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enable_cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
 

@@ -116,10 +116,16 @@ def padded_size(num_seqs: int, sizes: Sequence[int]) -> int | None:
 
 
 def is_decode_step(batch: ForwardBatch) -> bool:
-    """Every sequence has one new token and wants its logits, in row order (host metadata)."""
+    """Every sequence has exactly one new token and wants its logits, in row order (host metadata).
+
+    Graphs are captured for that shape only: a prefill chunk, or a speculative verify step (a decode
+    scheduled as 1 + k tokens with 1 + k logits rows), runs eagerly.
+    """
     b = batch.num_seqs
     li = np.asarray(batch.logits_indices)
-    return batch.num_tokens == b and li.shape == (b,) and bool((li == np.arange(b)).all())
+    qsl = np.asarray(batch.query_start_loc)
+    return (batch.num_tokens == b and li.shape == (b,) and bool((li == np.arange(b)).all())
+            and bool((np.diff(qsl) == 1).all()))
 
 
 def context_buckets(max_blocks: int, block_size: int) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ import structlog
 from pagedserve.cupy_kernels.backend import to_host
 from pagedserve.cupy_kernels.blas_threads import blas_info
 from pagedserve.models.kv_cache import kv_bytes_per_block
-from pagedserve.models.loader import LoadedModel
+from pagedserve.models.loader import LoadedModel, load_model
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
@@ -33,6 +33,7 @@ from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .structured_output import StructuredOutputManager
+from .spec_decode import build_spec_decoder
 from .sequence_group import SequenceGroup, completion, group_output, sample_generator
 
 log = structlog.get_logger("pagedserve.engine")
@@ -47,12 +48,12 @@ class LLMEngine:
         # The workers (one per tensor-parallel rank) load the model, pick the backend and hold the KV pool.
         self.executor = make_executor(config, loaded)
         try:
-            self._init_after_workers(config)
+            self._init_after_workers(config, loaded)
         except BaseException:
             self.executor.shutdown()
             raise
 
-    def _init_after_workers(self, config: EngineConfig) -> None:
+    def _init_after_workers(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
         worker = self.executor.driver_worker
         self.model_name = worker.model_name
         self.model_config = worker.model_config
@@ -81,6 +82,13 @@ class LLMEngine:
         self.runner.structured = self.structured
         self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_chunked_prefill)
+        # Speculative decoding (None = off): proposes drafts after each step; a draft model brings its own pool.
+        # A self-draft needs the target's whole weights, which the workers do not keep: loaded again (cached).
+        self.spec = build_spec_decoder(
+            config.speculative_config, lambda: loaded or load_model(config.model, use_cache=config.use_weight_cache),
+            self.backend, num_blocks, self.block_size, self.max_model_len, config.seed, config.use_weight_cache)
+        if self.spec is not None:
+            self.scheduler.release_hooks.append(self.spec.free)
         self.groups: dict[str, SequenceGroup] = {}
         self.events = RequestEvents(config.log_requests)
         self._throughput: deque[tuple[float, int, int]] = deque()  # (time, output tokens, all tokens)
@@ -246,7 +254,10 @@ class LLMEngine:
             for s in sched.scheduled:
                 failed.append(self._fail_group(s.request.group, e, "forward", forks))
             return [o for o in failed if o is not None]
-        return [o for o in failed if o is not None] + self._update(sched, forks, results)
+        outputs = [o for o in failed if o is not None] + self._update(sched, forks, results)
+        if self.spec is not None:  # drafts for the next step, from the tokens just appended
+            self.spec.propose(self.scheduler.running)
+        return outputs
 
     def _fail_group(self, group: SequenceGroup | None, error: Exception, stage: str,
                     forks: dict[int, list[Request]] | None = None) -> RequestOutput | None:
@@ -305,7 +316,7 @@ class LLMEngine:
                 continue
             try:
                 r = s.request
-                r.num_computed_tokens += s.num_new_tokens
+                r.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)  # drafts count once accepted
                 self.kv_manager.cache_full_blocks(r.request_id, r.all_token_ids, r.num_computed_tokens, r.cache_salt)
                 if r.kv_export is not None and r.num_computed_tokens >= r.num_prompt_tokens:
                     export_blocks(r, self.kv_manager, self.block_io, self.kv_stats)  # before it finishes
@@ -329,28 +340,48 @@ class LLMEngine:
                     self.scheduler.add_running(child)
                     group.seqs.append(child)
                 group.num_to_fork = 0
-                for seq, tok in zip([r, *forks.get(i, [])], result.samples):
-                    num_out += 1
-                    changed.setdefault(group.request_id, []).append(self._append_sample(seq, tok))
+                kids = forks.get(i, [])
+                for seq, toks in zip([r, *kids], [result.tokens, *([t] for t in result.fork_samples)]):
+                    completion_out = self._append_tokens(seq, toks)
+                    num_out += len(completion_out.new_token_ids)
+                    changed.setdefault(group.request_id, []).append(completion_out)
+                if s.spec_token_ids:
+                    self._rollback_rejected(r, result)
             except Exception as e:  # appending, hashing, forking, detokenizing this request
                 failed.append(self._fail_group(s.request.group, e, "update", forks))
         self._throughput.append((now, num_out, sched.num_batched_tokens))
         return [o for o in failed if o is not None] + self._collect(changed)
 
-    def _append_sample(self, r: Request, tok: SampledToken) -> CompletionOutput:
-        r.append_output_token(tok.token_id)
-        r.cumulative_logprob += tok.logprob
-        if r.sampling_params.logprobs is not None:
-            r.output_logprobs.append(tok.logprob)
-            r.output_top_logprobs.append(tok.top_logprobs or [])
-        delta = r.detokenizer.add_tokens([tok.token_id])
-        status = self._stop_status(r, tok.token_id, delta.stop_hit, self.structured.accept(r, tok.token_id))
-        new_text = delta.text
-        if status is not None:
-            if delta.stop_hit is None:
-                new_text += r.detokenizer.finish()
-            self.scheduler.finish_request(r, status)
-        return completion(r, r.sample_index, new_text, [tok.token_id])
+    def _append_tokens(self, r: Request, toks: list[SampledToken]) -> CompletionOutput:
+        """Append a step's tokens one by one (several after a verify step), stopping at the first that
+        ends the request: nothing past max_tokens, a stop token or a stop string is emitted."""
+        new_text, new_ids = "", []
+        for tok in toks:
+            r.append_output_token(tok.token_id)
+            r.cumulative_logprob += tok.logprob
+            new_ids.append(tok.token_id)
+            if r.sampling_params.logprobs is not None:
+                r.output_logprobs.append(tok.logprob)
+                r.output_top_logprobs.append(tok.top_logprobs or [])
+            delta = r.detokenizer.add_tokens([tok.token_id])
+            status = self._stop_status(r, tok.token_id, delta.stop_hit, self.structured.accept(r, tok.token_id))
+            new_text += delta.text
+            if status is not None:
+                if delta.stop_hit is None:
+                    new_text += r.detokenizer.finish()
+                self.scheduler.finish_request(r, status)
+                break
+        return completion(r, r.sample_index, new_text, new_ids)
+
+    def _rollback_rejected(self, r: Request, result: StepResult) -> None:
+        """After a verify step: the accepted drafts' K/V is valid (computed), the rejected drafts' slots
+        are released. all_token_ids holds only accepted tokens, so no hash ever covers a rejected one."""
+        self.spec.observe(r, result.num_draft_tokens, result.num_accepted_tokens)
+        if r.is_finished:  # finishing already freed every block
+            return
+        r.num_computed_tokens += result.num_accepted_tokens
+        self.kv_manager.truncate(r.request_id, r.num_computed_tokens)
+        self.kv_manager.cache_full_blocks(r.request_id, r.all_token_ids, r.num_computed_tokens, r.cache_salt)
 
     def _fail_bad_grammars(self) -> list[RequestOutput]:
         """Requests whose grammar failed to compile for this tokenizer end aborted (they hold no KV block).
@@ -509,4 +540,12 @@ class LLMEngine:
             prefix_cache_request_hit_rate=sched.num_admitted_with_hit / sched.num_admitted if sched.num_admitted else 0.0,
             num_shared_blocks=usage.num_shared_blocks, num_exclusive_blocks=usage.num_exclusive_blocks,
             kv_bytes_used=usage.num_used_blocks * per_block, kv_bytes_without_sharing=table_blocks * per_block,
-            kv_transfer=self.kv_stats.snapshot())
+            kv_transfer=self.kv_stats.snapshot(),
+            **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        if self.spec is None:
+            return {}
+        s = self.spec.stats
+        return dict(spec_method=s.method, spec_num_draft_tokens=s.num_draft_tokens,
+                    spec_num_accepted_tokens=s.num_accepted_tokens, spec_mean_accepted_length=s.mean_accepted_length)

@@ -230,6 +230,35 @@ class KVCacheManager:
                     (src, dst) for src, dst in self._pending_copies if self.pool.ref_cnt(dst) > 0
                 ]
 
+    def truncate(self, seq_id: str, num_tokens: int) -> int:
+        """Keep only the blocks that hold positions ``[0, num_tokens)``; release the rest (tail first).
+
+        A speculative verify step writes K/V for 1 + k tokens; when drafts are rejected, the slots
+        past the last accepted token are given back here::
+
+            block_size 4, 6 tokens computed, verify writes 6..10 (1 + 4 drafts), 1 draft accepted
+            before  [A, B, C]   C holds positions 8..10 (rejected drafts only)
+            truncate(8) -> [A, B]   C released; stale K/V at 7 is overwritten by the next step
+
+        Hashes registered for blocks that are kept stay (they only ever cover computed, accepted
+        tokens); a chain longer than the kept blocks is cut. Returns the number of blocks released.
+        """
+        self._check_seq_id(seq_id)
+        _check_count("num_tokens", num_tokens)
+        table = self._block_tables.get(seq_id)
+        keep = -(-num_tokens // self.pool.block_size)
+        if table is None or len(table) <= keep:
+            return 0
+        dropped = table[keep:]
+        del table[keep:]
+        chain = self._hashes.get(seq_id)
+        if chain is not None and len(chain) > keep:
+            del chain[keep:]
+        self.pool.free(reversed(dropped))
+        if self._pending_copies:
+            self._pending_copies = [(src, dst) for src, dst in self._pending_copies if self.pool.ref_cnt(dst) > 0]
+        return len(dropped)
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Return and clear the ``(src_block, dst_block)`` copies recorded since the last call.
 

@@ -6,7 +6,7 @@ forward pass, because the forward writes new K/V into the fresh copies.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,7 @@ from pagedserve.models.batch import SeqChunk, build_forward_batch
 
 from .executor import Executor
 from .kv_cache_manager import KVCacheManager
+from .rejection_sampler import RejectionSampler
 from .sampler import Sampler
 from .scheduler import SchedulerOutput
 from .worker import ExecuteModelRequest
@@ -33,10 +34,15 @@ class SampledToken:
 class StepResult:
     """What one scheduled sequence got from a step whose chunk reached the end of its tokens."""
 
-    samples: list[SampledToken]  # the sequence's next token, then one per sample forked from it
+    # The sequence's new tokens: one, or after a speculative verify step the accepted drafts and then
+    # the target's own next token (so 1 .. k + 1 of them).
+    tokens: list[SampledToken] = field(default_factory=list)
+    fork_samples: list[SampledToken] = field(default_factory=list)  # first token of each sample forked from it
     beam_topk: tuple[np.ndarray, np.ndarray] | None = None  # beam search: (token ids, logprobs), best first
     error: Exception | None = None  # preparing or sampling this sequence raised; the engine fails its request
     error_stage: str = "sample"  # "prepare" | "sample"
+    num_draft_tokens: int = 0  # drafts verified this step
+    num_accepted_tokens: int = 0  # of which accepted (tokens[:num_accepted_tokens] are those drafts)
 
 
 class ModelRunner:
@@ -47,6 +53,7 @@ class ModelRunner:
         self.executor = executor
         self.kv = kv_manager
         self.sampler = sampler
+        self.rejection_sampler = RejectionSampler(sampler.generator)  # verify steps of speculative decoding
         backend = executor.driver_worker.backend
         self.structured: Any = None  # the engine's StructuredOutputManager (token bitmasks of guided rows)
         # The sampler's array module: numpy as before, or CuPy with greedy rows through argmax_rows.
@@ -74,35 +81,44 @@ class ModelRunner:
         (its own and those of `forks[i]`, the samples about to fork from it) or beam proposals."""
         forks = forks or {}
         copies = self.kv.take_pending_copies()
-        chunks, completing = [], []
+        chunks, completing, first_rows = [], [], []
         results: list[StepResult | None] = [None] * len(sched.scheduled)
+        num_rows = 0
         for i, s in enumerate(sched.scheduled):
             r = s.request
             start = r.num_computed_tokens
-            completes = start + s.num_new_tokens == r.num_tokens
+            num_real = s.num_new_tokens - len(s.spec_token_ids)  # the sequence's own tokens, then its drafts
+            completes = start + num_real == r.num_tokens
+            num_logits = 1 + len(s.spec_token_ids) if completes else 0
             try:
-                chunk = SeqChunk(r.all_token_ids[start : start + s.num_new_tokens], start,
-                                 self.kv.block_table(r.request_id), needs_logits=completes)
+                chunk = SeqChunk(r.all_token_ids[start : start + num_real] + s.spec_token_ids, start,
+                                 self.kv.block_table(r.request_id), num_logits=num_logits)
             except Exception as e:  # this sequence alone leaves the batch
-                results[i] = StepResult([], error=e, error_stage="prepare")
+                results[i] = StepResult(error=e, error_stage="prepare")
                 continue
             chunks.append(chunk)
             if completes:
                 completing.append(i)
+                first_rows.append(num_rows)
+                num_rows += num_logits
         batch = build_forward_batch(chunks, self.kv.block_size)
         rows, seqs, owners = [], [], []  # sampler rows: logits row, sequence, scheduled index
-        beams = []  # (logits row, scheduled index) of beams proposing their next tokens
-        for row, i in enumerate(completing):
+        beams = []  # (first logits row, scheduled index) of beams proposing their next tokens
+        verify = []  # speculating sequences: scheduled index, first logits row
+        for row, i in zip(first_rows, completing):
             r = sched.scheduled[i].request
             if r.group is not None and r.group.beam is not None:
                 beams.append((row, i))
+                continue
+            if sched.scheduled[i].spec_token_ids:
+                verify.append((i, row))
                 continue
             for seq in [r, *forks.get(i, [])]:
                 rows.append(row)
                 seqs.append(seq)
                 owners.append(i)
         # Structured outputs: the grammar masks (sampler rows, then beams) are filled in a worker thread
-        # while the forward runs.
+        # while the forward runs. (Sequences with a grammar never speculate: see spec_decode.py.)
         masked = seqs + [sched.scheduled[i].request for _, i in beams]
         bitmask = self.structured.start_bitmask(masked) if self.structured is not None else None
         logits = self.executor.execute_model(ExecuteModelRequest(batch, copies))
@@ -110,12 +126,14 @@ class ModelRunner:
         for k, (row, i) in enumerate(beams):
             width = 2 * sched.scheduled[i].request.group.beam.beam_width
             allowed = bitmask.allowed(len(seqs) + k, logits.shape[1]) if bitmask is not None else None
-            results[i] = StepResult([], self._beam_topk(logits[row], width, allowed))
+            results[i] = StepResult(beam_topk=self._beam_topk(logits[row], width, allowed))
+        if verify:
+            self._verify(sched, logits, verify, results)
         if not rows:
             return results
         banned = [_banned_ids(r) for r in seqs]
         try:
-            picked = self._sample(logits, rows, seqs, banned, rows == list(range(len(completing))),
+            picked = self._sample(logits, rows, seqs, banned, rows == list(range(int(logits.shape[0]))),
                                   bitmask.take(len(seqs)) if bitmask is not None else None)
         except Exception:  # find the row(s) at fault: sample each alone, fail only those that raise
             picked = []
@@ -125,13 +143,14 @@ class ModelRunner:
                                            bitmask.select([k]) if bitmask is not None else None)
                 except Exception as e:
                     picked.append(e)
-        for k, i in enumerate(owners):
-            if results[i] is None:
-                results[i] = StepResult([])
+        for k, i in enumerate(owners):  # a sequence's own token first, then those of the samples forking from it
             if isinstance(picked[k], Exception):
+                results[i] = results[i] or StepResult()
                 results[i].error = results[i].error or picked[k]
+            elif results[i] is None:
+                results[i] = StepResult([picked[k]])
             else:
-                results[i].samples.append(picked[k])
+                results[i].fork_samples.append(picked[k])
         return results
 
     def _sample(self, logits, rows: list[int], seqs: list, banned: list[list[int]], all_rows: bool,
@@ -151,6 +170,18 @@ class ModelRunner:
         return [SampledToken(token_ids[k], logprobs[k], out.top_logprobs[k] if out.top_logprobs is not None else None)
                 for k in range(len(seqs))]
 
+    def _verify(self, sched: SchedulerOutput, logits: Any, verify: list[tuple[int, int]],
+                results: list[StepResult | None]) -> None:
+        """Rejection-sample the drafts of the speculating sequences (their 1 + k rows each)."""
+        scheduled = [sched.scheduled[i] for i, _ in verify]
+        rows = np.concatenate([row + np.arange(1 + len(s.spec_token_ids)) for (_, row), s in zip(verify, scheduled)])
+        outs = self.rejection_sampler(
+            logits[self.xp.asarray(rows)], [s.request for s in scheduled], [s.spec_token_ids for s in scheduled],
+            [s.request.spec_draft_probs for s in scheduled], xp=self.xp)
+        for (i, _), s, o in zip(verify, scheduled, outs):
+            tokens = [SampledToken(t, lp, top) for t, lp, top in zip(o.token_ids, o.logprobs, o.top_logprobs)]
+            results[i] = StepResult(tokens, num_draft_tokens=len(s.spec_token_ids), num_accepted_tokens=o.num_accepted)
+
     @staticmethod
     def _beam_topk(logits_row, k: int, allowed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """allowed (structured outputs): only these tokens are proposed, with their raw logprobs."""
@@ -167,13 +198,7 @@ class ModelRunner:
 
 def _banned_ids(request) -> list[int]:
     """Until min_tokens are out, end-of-sequence and stop tokens may not be sampled."""
-    params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
-        return []
-    banned = list(params.stop_token_ids or [])
-    if not params.ignore_eos:
-        banned += list(request.eos_token_ids)
-    return banned
+    return request.banned_token_ids()
 
 
 class _DeviceArrayModule:

@@ -70,6 +70,16 @@ class EngineStats:
     kv_bytes_used: int = 0  # bytes of the blocks in use
     kv_bytes_without_sharing: int = 0  # what the live block tables would take if nothing were shared
     kv_transfer: Any = None  # runtime.kv_connector.KVTransferStats (disaggregated prefill/decode)
+    # Speculative decoding since start ("" = off): drafts proposed and accepted, and tokens emitted per
+    # verify step (1 + accepted / verify steps).
+    spec_method: str = ""
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_mean_accepted_length: float = 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
 
     @property
     def kv_block_usage(self) -> float:

@@ -62,6 +62,12 @@ class Request:
     group: Any = None  # the runtime.sequence_group.SequenceGroup it belongs to
     kv_export: Any = None  # runtime.kv_connector.KVExport: a prefill instance sends its blocks on
     matcher: Any = None  # structured outputs: this sequence's llguidance.LLMatcher (structured_output.py)
+    # Speculative decoding: draft tokens proposed for the next step (verified there, never part of
+    # all_token_ids until accepted), the draft model's distributions they were drawn from ([k, V],
+    # None for n-gram drafts: a one-hot q), and the proposer's per-sequence record (spec_decode.py).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: Any = None
+    spec_state: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -82,7 +88,11 @@ class Request:
 
     @property
     def is_prefilling(self) -> bool:
-        """True while more than the newest token is still to be computed (a prompt, or a recompute)."""
+        """True while more than the newest token is still to be computed (a prompt, or a recompute).
+
+        Draft tokens are not in all_token_ids, so a speculative verify step (the newest token plus k
+        drafts) is still a decode here.
+        """
         return self.num_tokens - self.num_computed_tokens > 1
 
     @property
@@ -98,6 +108,19 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.is_finished else None
+
+    def banned_token_ids(self, num_extra_outputs: int = 0) -> list[int]:
+        """Until min_tokens are out, end-of-sequence and stop tokens may not be sampled.
+
+        num_extra_outputs: tokens beyond the current output (the drafts before a verify row).
+        """
+        params = self.sampling_params
+        if self.num_output_tokens + num_extra_outputs >= params.min_tokens:
+            return []
+        banned = list(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            banned += list(self.eos_token_ids)
+        return banned
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -1,7 +1,8 @@
 """The scheduler: one token budget per step, handed out in a fixed order.
 
     budget = max_num_batched_tokens, at most max_num_seqs running
-    1. running decodes          1 token each
+    1. running decodes          1 token each, plus its draft tokens when it speculates (a lookahead:
+                                as many drafts as the budget and the free blocks allow, else none)
     2. running prefills         the rest of the prompt, cut to what the budget has left (chunked prefill)
     3. waiting requests (FCFS)  the same, while the budget, the seat count and the free blocks allow
 
@@ -10,6 +11,9 @@ blocks are freed and it goes back to the front of the waiting queue with num_com
 recomputed from its prompt and the tokens it already produced (so it yields the same tokens later).
 
 A request with structured outputs is passed over (it keeps its place) until its grammar is compiled.
+Speculative decoding: a decode with drafts (request.spec_token_ids) is scheduled as 1 + k tokens and
+gets slots for all of them; after verification the engine moves num_computed_tokens past the
+accepted drafts only and truncates the block table, releasing the slots of the rejected ones.
 
 With prefix caching, a request being admitted first takes the longest cached prefix of full blocks
 (those tokens count as computed), so a shared system prompt, or a preempted request's own freed but
@@ -29,7 +33,8 @@ from .request import Request, RequestStatus
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # includes the draft tokens below
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step (after the newest token)
 
 
 @dataclass
@@ -62,6 +67,9 @@ class Scheduler:
         # Requests whose prompt blocks are being computed by a prefill instance (disaggregated
         # serving): they hold their destination blocks but are not scheduled until the KV arrives.
         self.waiting_for_kv: dict[str, Request] = {}
+        # Called with a sequence id whenever a sequence stops running (finished, aborted, preempted),
+        # for state kept beside its KV blocks (the draft model's cache).
+        self.release_hooks: list = []
         # Prefix cache hit counters (first admissions only).
         self.num_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0
@@ -83,6 +91,12 @@ class Scheduler:
             except ValueError:
                 pass
         self.kv.free(request.request_id)
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        request.spec_token_ids, request.spec_draft_probs = [], None
+        for hook in self.release_hooks:
+            hook(request.request_id)
 
     def add_running(self, request: Request) -> None:
         """A sequence forked from a running one (parallel samples, beams): it runs from the next step."""
@@ -121,6 +135,7 @@ class Scheduler:
             out.scheduled = [s for s in out.scheduled if s.request is not m]  # un-schedule: its slots go too
             self.running.remove(m)
             self.kv.free(m.request_id)
+            self._release(m)
             m.status = RequestStatus.WAITING
             m.num_computed_tokens = 0
             m.num_preemptions += 1
@@ -144,12 +159,21 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new == 0:  # a beam waiting for its siblings' proposals: nothing to compute
                 continue
+            spec = request.spec_token_ids[: budget - 1] if not request.is_prefilling else []
             try:
-                while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new):
+                while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens,
+                                                 num_new + len(spec)):
+                    if spec:  # the lookahead goes before anyone is preempted for it
+                        spec = []
+                        continue
                     if request in self._preempt(self.running[-1], out):  # newest first
                         break
                 else:
-                    out.scheduled.append(ScheduledRequest(request, num_new))
+                    if len(spec) < len(request.spec_token_ids):
+                        request.spec_token_ids = list(spec)
+                        if request.spec_draft_probs is not None:
+                            request.spec_draft_probs = request.spec_draft_probs[: len(spec)] if spec else None
+                    out.scheduled.append(ScheduledRequest(request, num_new + len(spec), list(spec)))
             except Exception as e:
                 self._fail([request], e, out)
         # New requests only when nothing was preempted: memory is tight, let the running ones finish.

@@ -21,6 +21,7 @@ BENCHMARKS = {
     "serve": "the sidecar under Poisson load: TTFT, TPOT, ITL, SLO violations, prefix case",
     "disagg": "prefill and decode instances on one core each vs one colocated instance: ITL, TTFT, KV transfer",
     "structured": "64 concurrent JSON-schema requests vs unguided: overhead, compile and mask times",
+    "speculative": "decode tokens/s with n-gram and draft-model speculation vs none, copy/edit and chat",
 }
 
 

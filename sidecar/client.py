@@ -172,6 +172,10 @@ class ServerStats:
     kv_bytes_sent: int = 0
     kv_bytes_received: int = 0
     kv_transfer_s: float = 0.0
+    spec_method: str = ""  # speculative decoding: "" when off
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_mean_accepted_length: float = 0.0
 
 
 _D = TypeVar("_D")

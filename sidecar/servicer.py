@@ -271,7 +271,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                               kv_blocks_total=s.num_kv_blocks_total, kv_utilization=s.kv_token_slot_utilization,
                               prefix_cache_hit_rate=s.prefix_cache_hit_rate, output_tokens_per_s=s.output_tokens_per_s,
                               total_tokens_per_s=s.total_tokens_per_s, num_preemptions=s.num_preemptions,
-                              uptime_s=time.monotonic() - engine.started_at, **kv_stats_fields(engine.engine.kv_stats))
+                              uptime_s=time.monotonic() - engine.started_at, **kv_stats_fields(engine.engine.kv_stats),
+                              spec_method=s.spec_method, spec_num_draft_tokens=s.spec_num_draft_tokens,
+                              spec_num_accepted_tokens=s.spec_num_accepted_tokens,
+                              spec_mean_accepted_length=s.spec_mean_accepted_length)
 
     async def Abort(self, request: pb.AbortRequest, context):
         engine = await self._engine(context)

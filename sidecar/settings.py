@@ -39,6 +39,13 @@ class Settings:
     distributed_executor: str = "mp"  # how ranks start: "mp" (local processes) or "ray" (Ray actors, several hosts)
     collective_timeout_s: float = 60.0  # longest wait on another rank before the step fails
     max_logprobs: int = 20  # most top logprobs a request may ask for (vLLM's max_logprobs)
+    # -- speculative decoding (runtime.spec_config): off unless a method or a draft model is named --
+    speculative_method: str | None = None  # "ngram" | "draft"
+    speculative_model: str | None = None  # draft checkpoint (GGUF or HF directory); implies "draft"
+    speculative_draft_layers: int | None = None  # draft = the target's first N layers (no checkpoint)
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
     # -- server --
     socket: str = DEFAULT_SOCKET  # unix domain socket path; "" turns the socket off
     tcp: str | None = None  # "host:port" or ":port" (host defaults to 127.0.0.1)
@@ -64,7 +71,22 @@ class Settings:
         kwargs["log_requests"] = self.log_requests  # False: lifecycle events on, prompts and outputs off
         kwargs["cuda_graph_batch_sizes"] = parse_batch_sizes(self.cuda_graph_batch_sizes)
         kwargs["distributed_executor_backend"] = self.distributed_executor
+        kwargs["speculative_config"] = self.speculative_config()
         return EngineConfig(**kwargs)
+
+    def speculative_config(self) -> dict | None:
+        """vLLM's speculative_config dict from the flags; None when speculation is off."""
+        method = self.speculative_method
+        if method is None and (self.speculative_model is not None or self.speculative_draft_layers is not None):
+            method = "draft"
+        if method is None:
+            return None
+        config: dict = {"method": method, "num_speculative_tokens": self.num_speculative_tokens}
+        if method == "ngram":
+            config.update(prompt_lookup_max=self.prompt_lookup_max, prompt_lookup_min=self.prompt_lookup_min)
+        else:
+            config.update(model=self.speculative_model, draft_num_layers=self.speculative_draft_layers)
+        return config
 
     def tcp_address(self) -> str | None:
         if not self.tcp:

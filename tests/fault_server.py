@@ -12,12 +12,12 @@ from pagedserve.runtime import async_engine, engine
 
 
 def _inject() -> None:
-    append_sample = engine.LLMEngine._append_sample
+    append_tokens = engine.LLMEngine._append_tokens
 
-    def failing_append(self, r, tok):
+    def failing_append(self, r, toks):
         if r.request_id.startswith("fail-") and r.num_output_tokens >= 2:
             raise RuntimeError("injected fault in the update stage")
-        return append_sample(self, r, tok)
+        return append_tokens(self, r, toks)
 
     drain_commands = async_engine.AsyncEngine._drain_commands
 
@@ -28,7 +28,7 @@ def _inject() -> None:
             raise SystemError("injected: the engine worker dies")
         drain_commands(self)
 
-    engine.LLMEngine._append_sample = failing_append
+    engine.LLMEngine._append_tokens = failing_append
     async_engine.AsyncEngine._drain_commands = dying_drain
 
 

@@ -235,7 +235,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "kv_utilization", "prefix_cache_hit_rate", "output_tokens_per_s", "total_tokens_per_s", "num_preemptions", "uptime_s", "kv_blocks_sent", "kv_blocks_received", "remote_prefills", "local_prefill_fallbacks", "kv_bytes_sent", "kv_bytes_received", "kv_transfer_s")
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "kv_utilization", "prefix_cache_hit_rate", "output_tokens_per_s", "total_tokens_per_s", "num_preemptions", "uptime_s", "kv_blocks_sent", "kv_blocks_received", "remote_prefills", "local_prefill_fallbacks", "kv_bytes_sent", "kv_bytes_received", "kv_transfer_s", "spec_method", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_mean_accepted_length")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,10 @@ class ServerStats(_message.Message):
     KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    SPEC_METHOD_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_blocks_used: int
@@ -270,7 +274,11 @@ class ServerStats(_message.Message):
     kv_bytes_sent: int
     kv_bytes_received: int
     kv_transfer_s: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., output_tokens_per_s: _Optional[float] = ..., total_tokens_per_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., kv_blocks_sent: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., local_prefill_fallbacks: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ...) -> None: ...
+    spec_method: str
+    spec_num_draft_tokens: int
+    spec_num_accepted_tokens: int
+    spec_mean_accepted_length: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., output_tokens_per_s: _Optional[float] = ..., total_tokens_per_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., kv_blocks_sent: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., local_prefill_fallbacks: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ..., spec_method: _Optional[str] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_mean_accepted_length: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -324,6 +324,39 @@ def test_engine_on_gpu_same_tokens_with_and_without_graphs():
 
 
 @pytest.mark.gpu
+def test_speculative_decoding_on_gpu_keeps_greedy_tokens_and_frees_both_pools():
+    """Verify steps (eager, 1 + k logits rows), the rejection sampler on CuPy arrays and a draft model's own
+    pool on the device: greedy tokens equal the run without speculation; seeded sampling runs through."""
+    from pagedserve.runtime.config import EngineConfig
+    from pagedserve.runtime.engine import LLMEngine
+    from pagedserve.runtime.sampling_params import SamplingParams
+
+    loaded = _tiny_loaded()
+    rng = np.random.default_rng(3)
+    base = rng.integers(3, 500, 12).tolist()
+    requests = [("rep", base * 3, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)),
+                ("plain", rng.integers(3, 500, 30).tolist(), SamplingParams(temperature=0.0, max_tokens=24,
+                                                                            ignore_eos=True))]
+    sampled = [("s", base * 2, SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=16, ignore_eos=True))]
+    results = {}
+    for name, spec in (("off", None), ("ngram", {"method": "ngram", "prompt_lookup_min": 1}),
+                       ("draft", {"method": "draft", "draft_num_layers": 1, "num_speculative_tokens": 3})):
+        engine = LLMEngine(EngineConfig(device="cuda", num_kv_blocks=256, max_num_seqs=4, seed=0,
+                                        speculative_config=spec), loaded=loaded)
+        results[name] = _generate(engine, requests)
+        _generate(engine, sampled)
+        assert engine.kv_manager.usage().num_used_blocks == 0
+        if spec is not None:
+            assert engine.spec.stats.num_draft_tokens > 0
+            if engine.spec.draft is not None:
+                assert engine.spec.draft.kv.usage().num_used_blocks == 0
+        del engine
+        gc.collect()
+    tokens = {k: {rid: [t for t, _ in v[rid]] for rid in v} for k, v in results.items()}
+    assert tokens["ngram"] == tokens["off"] and tokens["draft"] == tokens["off"]
+
+
+@pytest.mark.gpu
 def test_kv_sizing_fills_gpu_memory_utilization():
     """After the engine sized its KV pool from the profile and ran a full-budget prefill and decodes,
     device memory in use is gpu_memory_utilization x total, within 512 MiB either way."""

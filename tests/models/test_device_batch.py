@@ -43,7 +43,7 @@ def _batch(specs, wide=0):
     for i, (computed, new) in enumerate(specs):
         nb = -(-(computed + new) // BS) + wide
         chunks.append(SeqChunk(list(range(3 + i, 3 + i + new)), computed, list(range(at, at + nb)),
-                               needs_logits=i % 2 == 0))
+                               num_logits=int(i % 2 == 0)))
         at += nb
     return build_forward_batch(chunks, BS), at
 

@@ -55,7 +55,7 @@ def test_mixed_batch_equals_sequences_alone():
     kv = allocate_kv_caches(cfg, 40, BLOCK, get_backend("cpu"))
     # Step 1: sequences 2 and 3 prefill all but their last token; step 2 mixes their last tokens
     # (decodes) with full prefills of sequences 0 and 1.
-    step1 = [SeqChunk(prompts[i][:-1], 0, tables[i].tolist(), needs_logits=False) for i in (2, 3)]
+    step1 = [SeqChunk(prompts[i][:-1], 0, tables[i].tolist(), num_logits=0) for i in (2, 3)]
     model.forward(build_forward_batch(step1, BLOCK), kv)
     step2 = [SeqChunk(prompts[0], 0, tables[0].tolist()), SeqChunk(prompts[2][-1:], 32, tables[2].tolist()),
              SeqChunk(prompts[1], 0, tables[1].tolist()), SeqChunk(prompts[3][-1:], 63, tables[3].tolist())]
@@ -87,7 +87,7 @@ def test_numba_kernels_match_the_reference_on_a_mixed_batch():
     out = {}
     for k, model in models.items():
         kv = allocate_kv_caches(cfg, 40, BLOCK, model.backend)
-        model.forward(build_forward_batch([SeqChunk(prompts[3][:50], 0, tables[3].tolist(), needs_logits=False)],
+        model.forward(build_forward_batch([SeqChunk(prompts[3][:50], 0, tables[3].tolist(), num_logits=0)],
                                           BLOCK), kv)
         step = [SeqChunk(prompts[0], 0, tables[0].tolist()), SeqChunk(prompts[3][50:], 50, tables[3].tolist()),
                 SeqChunk(prompts[1], 0, tables[1].tolist()), SeqChunk(prompts[2][:23], 0, tables[2].tolist())]

@@ -116,8 +116,11 @@ def test_is_decode_step():
     assert is_decode_step(_decode_batch([5, 30], [[0], [1, 2]]))
     mixed = build_forward_batch([SeqChunk([1], 4, [0]), SeqChunk([1, 2], 0, [1])], BS)
     assert not is_decode_step(mixed)
-    no_logits = build_forward_batch([SeqChunk([1], 4, [0], needs_logits=False)], BS)
+    no_logits = build_forward_batch([SeqChunk([1], 4, [0], num_logits=0)], BS)
     assert not is_decode_step(no_logits)
+    # A speculative verify step (the newest token and two drafts, three logits rows) runs eagerly.
+    verify = build_forward_batch([SeqChunk([1], 4, [0]), SeqChunk([5, 6, 7], 9, [1], num_logits=3)], BS)
+    assert not is_decode_step(verify)
 
 
 def test_padding_rows_write_nothing_and_read_one_key_of_block_0():

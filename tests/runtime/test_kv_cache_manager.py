@@ -247,6 +247,20 @@ def test_a_pending_copy_into_a_freed_block_is_dropped() -> None:
     mgr.check_integrity()
 
 
+def test_truncate_releases_the_blocks_past_the_kept_tokens() -> None:
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    assert mgr.allocate_slots("a", 0, 11)  # positions 0..10: three blocks
+    table = mgr.block_table("a")
+    assert mgr.truncate("a", 7) == 1  # 0..6 need two blocks
+    assert mgr.block_table("a") == table[:2] and mgr.num_free_blocks == 6
+    assert mgr.truncate("a", 8) == 0 and mgr.truncate("unknown", 0) == 0
+    mgr.fork("a", "b")
+    assert mgr.truncate("b", 3) == 1 and mgr.num_free_blocks == 6  # shared: a still holds it
+    mgr.check_integrity()
+    with pytest.raises(ValueError, match="num_tokens"):
+        mgr.truncate("a", -1)
+
+
 def test_usage_counts_shared_and_exclusive_blocks() -> None:
     mgr = KVCacheManager(num_blocks=10, block_size=2)
     assert mgr.usage() == KVCacheUsage(10, 0, 10, 0, 0)
@@ -361,11 +375,19 @@ class KVCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(self.tokens[s] for s in set(self.tokens) - set(self.scheduled)))
     @rule(data=st.data())
     def rollback(self, data: st.DataObject) -> None:
-        """Rejected speculative tokens: num_computed_tokens goes back, the blocks stay."""
+        """Rejected speculative tokens: num_computed_tokens goes back; the blocks stay, or are truncated."""
         candidates = sorted(s for s in set(self.tokens) - set(self.scheduled) if self.tokens[s])
         seq_id = data.draw(st.sampled_from(candidates))
         k = data.draw(st.integers(1, len(self.tokens[seq_id])))
         del self.tokens[seq_id][-k:]
+        if data.draw(st.booleans()):
+            n = len(self.tokens[seq_id])
+            before = len(self.mgr.block_table(seq_id))
+            free_before = self.mgr.num_free_blocks
+            released = self.mgr.truncate(seq_id, n)
+            assert len(self.mgr.block_table(seq_id)) == min(before, -(-n // self.bs))
+            assert released == before - len(self.mgr.block_table(seq_id))
+            assert self.mgr.num_free_blocks >= free_before  # shared blocks only lose a reference
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())

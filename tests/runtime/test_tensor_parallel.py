@@ -52,8 +52,7 @@ def _generate(engine: LLMEngine, prompts=PROMPTS, params=GREEDY) -> list[list[in
 def _prefill_logits(engine: LLMEngine, ids: list[int]) -> np.ndarray:
     """Logits of every position of one prompt, through the executor (blocks 0.. of a fresh pool)."""
     table = list(range(-(-len(ids) // engine.block_size)))
-    batch = build_forward_batch([SeqChunk(ids, 0, table, needs_logits=True)], engine.block_size)
-    batch.logits_indices = np.arange(len(ids), dtype=batch.logits_indices.dtype)
+    batch = build_forward_batch([SeqChunk(ids, 0, table, num_logits=len(ids))], engine.block_size)
     return np.asarray(engine.executor.execute_model(ExecuteModelRequest(batch)))
 
 

@@ -23,7 +23,9 @@ def test_every_engine_knob_a_server_needs_is_a_setting():
     # weight cache; log_requests is a setting but with the server's own meaning (False = events, no text).
     offline_only = {"num_kv_blocks", "use_weight_cache"}
     renamed = {"distributed_executor_backend": "distributed_executor"}  # the flag is --distributed-executor
-    assert {renamed.get(n, n) for n in engine - offline_only} <= {f.name for f in dataclasses.fields(Settings)}
+    # speculative_config is built from the speculative_* / *_speculative_* / prompt_lookup_* settings.
+    built = {"speculative_config"}
+    assert {renamed.get(n, n) for n in engine - offline_only - built} <= {f.name for f in dataclasses.fields(Settings)}
 
 
 def test_tensor_parallel_settings_from_flags_and_environment():
@@ -34,6 +36,23 @@ def test_tensor_parallel_settings_from_flags_and_environment():
     assert parse().engine_config().distributed_executor_backend == "mp"
     with pytest.raises(ValueError, match="distributed_executor_backend must be 'mp' or 'ray'"):
         parse("--distributed-executor", "slurm")
+
+
+def test_speculative_decoding_from_flags_and_environment():
+    assert parse().engine_config().speculative_config is None
+    config = parse("--speculative-method", "ngram", "--num-speculative-tokens", "3", "--prompt-lookup-max", "5",
+                   "--prompt-lookup-min", "2").engine_config().speculative_config
+    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min) == \
+        ("ngram", 3, 5, 2)
+    config = parse(env={"PAGEDSERVE_SPECULATIVE_MODEL": "/d", "PAGEDSERVE_NUM_SPECULATIVE_TOKENS": "2"}).engine_config()
+    assert (config.speculative_config.method, config.speculative_config.model) == ("draft", "/d")
+    assert parse("--speculative-draft-layers", "4").engine_config().speculative_config.draft_num_layers == 4
+    with pytest.raises(ValueError, match="speculative_config.num_speculative_tokens"):
+        parse("--speculative-method", "ngram", "--num-speculative-tokens", "0")
+    with pytest.raises(ValueError, match="speculative_config.method"):
+        parse("--speculative-method", "eagle")
+    with pytest.raises(ValueError, match="draft_num_layers"):
+        parse("--speculative-method", "draft")
 
 
 def test_engine_switches_from_flags_and_environment():

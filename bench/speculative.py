@@ -1,0 +1,267 @@
+"""Speculative decoding: output tokens/s with and without drafts, single stream and 8 streams.
+
+Two workloads, greedy, on the embedded SmolLM2 (chat template):
+
+  repetitive  "repeat this code" / "repeat this text" with a ~300-token Python file or paragraph; the
+              answer copies or lightly edits it, so n-gram lookup in the prompt predicts long runs.
+  chat        plain questions (a story, an explanation, advice): little to look up.
+
+Methods: off, n-gram (prompt lookup, k = 4, n-grams of 2..4 tokens), and a self-draft (the target's own
+first --draft-layers layers, final norm and lm_head; k = 3). Each (workload, streams, method) runs in a
+fresh engine; the figure is decode throughput: output tokens after each request's first one, divided
+by the time from the moment every request had its first token to the end (the prefill is the same for
+every method and is reported apart, in the end-to-end time). Greedy outputs are also checked equal to
+the run without speculation.
+
+Timing on a shared machine. The engine runs single-threaded (--cpu-threads 1) and each rate is given
+twice: per wall-clock second and per CPU second of this process (time.process_time). With one thread the
+CPU-time rate is what an idle core would give, and it hardly moves when other processes compete for the
+cores, which the wall-clock rate does; speedups are taken from the CPU-time rates. The methods run in
+turn, --rounds times, and each keeps its fastest round.
+
+Speculation switches itself off per sequence where it loses (runtime/spec_decode.py): a sequence whose
+drafts were accepted at a moving-average rate below 25% stops proposing and probes again every 16 steps.
+
+    .venv/bin/python bench/speculative.py [--quick] [--model PATH] [--max-tokens 64] [--draft-layers 8] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import plots  # noqa: E402
+
+NAME = "speculative"
+CLAIM = {"text": "n-gram speculation: >= 1.5x single-stream decode on a copy/edit workload, <= 5% slower on chat",
+         "repetitive_speedup": 1.5, "chat_max_slowdown_pct": 5.0}
+
+CODE = '''def merge_sort(items):
+    """Sort a list with merge sort and return a new list."""
+    if len(items) <= 1:
+        return list(items)
+    middle = len(items) // 2
+    left = merge_sort(items[:middle])
+    right = merge_sort(items[middle:])
+    merged = []
+    i = j = 0
+    while i < len(left) and j < len(right):
+        if left[i] <= right[j]:
+            merged.append(left[i])
+            i += 1
+        else:
+            merged.append(right[j])
+            j += 1
+    merged.extend(left[i:])
+    merged.extend(right[j:])
+    return merged
+
+
+def binary_search(items, target):
+    """Return the index of target in the sorted list items, or -1."""
+    low, high = 0, len(items) - 1
+    while low <= high:
+        mid = (low + high) // 2
+        if items[mid] == target:
+            return mid
+        if items[mid] < target:
+            low = mid + 1
+        else:
+            high = mid - 1
+    return -1
+'''
+
+PROSE = ("The printing press changed how knowledge moved through Europe. Before it, books were copied by hand, "
+         "usually in monasteries, and a single volume could take months to finish. After Gutenberg built his "
+         "press in Mainz around 1440, a workshop could print hundreds of copies of a book in the time a scribe "
+         "needed for one. Prices fell, and more people learned to read. Printers spread to Venice, Paris and "
+         "London within a few decades, and pamphlets carried new ideas about science, religion and politics "
+         "faster than any authority could control them. Scholars could compare identical copies of a text, "
+         "cite page numbers, and build on each other's work. Some historians argue that the scientific "
+         "revolution would have been impossible without this steady supply of cheap, accurate books. Others "
+         "point out that the press also spread errors, rumours and propaganda just as quickly. Either way, "
+         "the way people stored and shared what they knew had changed for good.")
+
+REPETITIVE = [
+    ("Repeat the following code exactly, without any change:\n\n" + CODE, "```python\n"),
+    ("Repeat the following text exactly, without any change:\n\n" + PROSE, ""),
+    ("Rename the variable `merged` to `result` in this code and show the whole code:\n\n" + CODE, "```python\n"),
+    ("Copy this paragraph, replacing 'printing press' with 'press':\n\n" + PROSE, ""),
+]
+
+CHAT = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how vaccines train the immune system, in simple terms.",
+    "Give me five tips for getting better sleep.",
+    "What are the main differences between cats and dogs as pets?",
+    "Describe a perfect autumn day in the countryside.",
+    "How do I start learning to play the guitar?",
+    "Why is the sky blue? Explain it to a ten-year-old.",
+    "Suggest a healthy breakfast and explain why it is good.",
+]
+
+
+def prompts(tokenizer, workload: str, streams: int) -> list[list[int]]:
+    out = []
+    for i in range(streams):
+        if workload == "repetitive":
+            text, prefix = REPETITIVE[i % len(REPETITIVE)]
+        else:
+            text, prefix = CHAT[i % len(CHAT)], ""
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        out.append(list(ids) + (tokenizer.encode(prefix) if prefix else []))
+    return out
+
+
+def run_one(loaded, args: argparse.Namespace, spec: dict | None, batch: list[list[int]]) -> dict:
+    from pagedserve.runtime.config import EngineConfig
+    from pagedserve.runtime.engine import LLMEngine
+    from pagedserve.runtime.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(device=args.device, seed=0, speculative_config=spec, cpu_threads=args.cpu_threads,
+                                    max_model_len=2048), loaded=loaded)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for i, p in enumerate(batch):
+        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
+    started: set[str] = set()
+    all_first_at, tokens_at_all_first, produced = None, 0, 0
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            started.add(out.request_id)
+            produced += len(out.outputs[0].new_token_ids)
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        if all_first_at is None and len(started) == len(batch):
+            all_first_at, cpu_first_at, tokens_at_all_first = time.perf_counter(), time.process_time(), produced
+    end, cpu_end = time.perf_counter(), time.process_time()
+    total = sum(len(t) for t in done.values())
+    decode_tokens = total - tokens_at_all_first
+    res = {"output_tokens": total, "e2e_s": round(end - t0, 3),
+           "e2e_tokens_per_s": round(total / (end - t0), 2),
+           "decode_s": round(end - all_first_at, 3),
+           "decode_tokens_per_s": round(decode_tokens / (end - all_first_at), 2) if end > all_first_at else None,
+           "e2e_cpu_s": round(cpu_end - c0, 3), "decode_cpu_s": round(cpu_end - cpu_first_at, 3),
+           "decode_tokens_per_cpu_s": round(decode_tokens / (cpu_end - cpu_first_at), 2)
+           if cpu_end > cpu_first_at else None,
+           "tokens": [done[str(i)] for i in range(len(batch))]}
+    if engine.spec is not None:
+        s = engine.spec.stats
+        res.update(draft_tokens=s.num_draft_tokens, accepted_tokens=s.num_accepted_tokens,
+                   acceptance_rate=round(s.acceptance_rate, 4), mean_accepted_length=round(s.mean_accepted_length, 3),
+                   verify_steps=s.num_drafts)
+    return res
+
+
+def run(args: argparse.Namespace) -> dict:
+    from pagedserve.models.loader import load_model
+
+    env = plots.environment(args.quick)
+    loaded = load_model(args.model)
+    methods = {
+        "off": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": args.ngram_tokens, "prompt_lookup_max": 4,
+                  "prompt_lookup_min": args.prompt_lookup_min},
+        "draft": {"method": "draft", "draft_num_layers": args.draft_layers, "num_speculative_tokens": 3},
+    }
+    results: dict = {}
+    for workload in args.workloads:
+        for streams in args.streams:
+            batch = prompts(loaded.tokenizer, workload, streams)
+            row = results.setdefault(workload, {}).setdefault(f"streams_{streams}", {})
+            for rnd in range(args.rounds):
+                for method, spec in methods.items():
+                    plots.progress(f"{workload}, {streams} stream(s), {method}, round {rnd + 1}")
+                    res = run_one(loaded, args, spec, batch)
+                    best = row.get(method)
+                    if best is None or res["decode_cpu_s"] < best["decode_cpu_s"]:
+                        row[method] = res
+            for method in ("ngram", "draft"):
+                r = row[method]
+                r["same_tokens_as_off"] = r.pop("tokens") == row["off"]["tokens"]
+                r["speedup"] = round(r["decode_tokens_per_cpu_s"] / row["off"]["decode_tokens_per_cpu_s"], 3)
+                r["speedup_wall"] = round(r["decode_tokens_per_s"] / row["off"]["decode_tokens_per_s"], 3)
+            row["off"].pop("tokens")
+    if set(results) != {"repetitive", "chat"}:  # a partial run: the figures, no verdict
+        return {"benchmark": NAME, "quick": args.quick, "claim": CLAIM, "environment": env, "results": results,
+                "config": {"model": loaded.name, "methods": methods}, "summary": {}}
+    rep1 = results["repetitive"][f"streams_{args.streams[0]}"]["ngram"]["speedup"]
+    chat = [results["chat"][k]["ngram"]["speedup"] for k in results["chat"]]
+    summary = {
+        "ngram_speedup_repetitive": {k: v["ngram"]["speedup"] for k, v in results["repetitive"].items()},
+        "ngram_speedup_chat": {k: v["ngram"]["speedup"] for k, v in results["chat"].items()},
+        "draft_speedup_repetitive": {k: v["draft"]["speedup"] for k, v in results["repetitive"].items()},
+        "draft_speedup_chat": {k: v["draft"]["speedup"] for k, v in results["chat"].items()},
+        "acceptance_rate": {f"{w}/{k}/{m}": v[m]["acceptance_rate"] for w in results for k, v in results[w].items()
+                            for m in ("ngram", "draft")},
+        "greedy_outputs_identical": all(v[m]["same_tokens_as_off"] for w in results for v in results[w].values()
+                                        for m in ("ngram", "draft")),
+        "claim_repetitive_reproduced": None if args.quick else rep1 >= CLAIM["repetitive_speedup"],
+        "claim_chat_reproduced": None if args.quick else min(chat) >= 1 - CLAIM["chat_max_slowdown_pct"] / 100,
+    }
+    return {"benchmark": NAME, "quick": args.quick, "claim": CLAIM,
+            "config": {"model": loaded.name, "max_tokens": args.max_tokens, "streams": args.streams,
+                       "rounds": args.rounds, "speedup_from": "decode tokens per CPU second (process_time)",
+                       "draft_layers": args.draft_layers, "cpu_threads": args.cpu_threads, "device": args.device,
+                       "sampling": "greedy", "methods": methods},
+            "environment": env, "results": results, "summary": summary}
+
+
+def draw(record: dict, path: Path) -> None:
+    res = record["results"]
+    cols = [(w, k) for w in res for k in res[w]]
+    labels = [f"{w}\n{k.replace('streams_', '')} stream(s)" for w, k in cols]
+    methods = [("off", "#888888"), ("ngram", "#2a7ab9"), ("draft", "#d98b2b")]
+    with plots.figure(path, f"Speculative decoding, {record['config']['model']}, greedy, "
+                            f"{record['config']['max_tokens']} new tokens", ncols=2, size=(13, 4.4)) as (ax1, ax2):
+        x = np.arange(len(cols))
+        for n, (m, color) in enumerate(methods):
+            vals = [res[w][k][m]["decode_tokens_per_cpu_s"] or 0 for w, k in cols]
+            plots.bar_labels(ax1, ax1.bar(x + (n - 1) * 0.27, vals, 0.27, label=m, color=color))
+        ax1.set_xticks(x, labels, fontsize=8)
+        ax1.set_ylabel("decode output tokens per CPU second (1 thread)")
+        ax1.legend(fontsize=8)
+        ax1.set_title("Throughput")
+        for n, (m, color) in enumerate(methods[1:]):
+            vals = [(res[w][k][m].get("acceptance_rate") or 0) * 100 for w, k in cols]
+            plots.bar_labels(ax2, ax2.bar(x + (n - 0.5) * 0.35, vals, 0.35, label=m, color=color), "{:.0f}")
+        ax2.set_xticks(x, labels, fontsize=8)
+        ax2.set_ylim(0, 105)
+        ax2.set_ylabel("drafts accepted (%)")
+        ax2.set_title("Acceptance rate")
+        ax2.legend(fontsize=8)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pagedserve bench speculative", description=__doc__.splitlines()[0])
+    plots.add_common_args(ap)
+    ap.add_argument("--max-tokens", type=int, default=None, help="default 64 (8 with --quick)")
+    ap.add_argument("--streams", type=int, nargs="+", default=None, help="default 1 8 (1 2 with --quick)")
+    ap.add_argument("--ngram-tokens", type=int, default=4, help="k of the n-gram method (default 4)")
+    ap.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram match (default 2)")
+    ap.add_argument("--workloads", nargs="+", default=["repetitive", "chat"], choices=["repetitive", "chat"])
+    ap.add_argument("--draft-layers", type=int, default=None, help="self-draft layers; default 8 (1 with --quick)")
+    ap.add_argument("--cpu-threads", type=int, default=1,
+                    help="numpy BLAS threads (default 1: the CPU-time rates assume one thread)")
+    ap.add_argument("--rounds", type=int, default=None, help="runs per method, fastest kept; default 2 (1 with --quick)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    t0 = time.perf_counter()
+    args = build_parser().parse_args(argv)
+    plots.fill_defaults(args, quick={"max_tokens": 8, "streams": [1, 2], "draft_layers": 1, "rounds": 1},
+                        full={"max_tokens": 64, "streams": [1, 8], "draft_layers": 8, "rounds": 2},
+                        positive=("max_tokens", "streams", "draft_layers", "rounds"))
+    plots.emit(NAME, run(args), args.out_dir, draw, not args.no_plot, t0)
+    return 0
+
+
+if __name__ == "__main__":
+    plots.run_script(main)
