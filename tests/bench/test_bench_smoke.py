@@ -253,3 +253,12 @@ def test_tensor_parallel_bench_on_the_tiny_model() -> None:
     assert all(r["output_tokens_per_s"] > 0 and r["single_stream_ms_per_output_token"] > 0 for r in runs)
     (ar,) = [r for r in lines if r["bench"] == "allreduce_shm"]
     assert ar["hidden"] == 128 and set(ar["us_per_call"]) == {"rows_1", "rows_64"}
+
+
+def test_cold_start_times_a_real_server_to_serving(tmp_path: Path) -> None:
+    cold_start = _load("cold_start")
+    r = cold_start.time_to_serving(["--model", TINY, "--cpu-kernels", "numpy", "--kv-cache-memory-bytes",
+                                    str(16 << 20)], {"PAGEDSERVE_CACHE_DIR": str(tmp_path)}, timeout=120)
+    assert 0 < r["socket_s"] <= r["serving_s"] < 120
+    names = [name for name, _, _ in cold_start.cases(str(tmp_path))]
+    assert len(names) == len(set(names)) == 4  # the four cache states, each its own row in the summary
