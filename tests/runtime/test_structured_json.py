@@ -2,7 +2,7 @@
 guided == greedy unguided when the free output already conforms.
 
 The 32 schemas x n=4 at temperature 1.0 run twice: on the embedded SmolLM2 itself (slow-marked, one
-batch of 128 sequences, ~12 s on 2 cores), and on a random-weight model that has SmolLM2's tokenizer
+batch of 128 sequences, ~12 s on 2 quiet cores), and on a random-weight model that has SmolLM2's tokenizer
 (49,152 tokens, the embedded model's GGUF vocabulary and merges): the grammar sees exactly the token set
 it sees when serving the embedded model, and the random model picks among the allowed tokens almost
 uniformly, so it walks far more of each grammar than a trained model, which keeps to the likely paths.
