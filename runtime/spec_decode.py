@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-
 from pagedserve.models.llama import LlamaForCausalLM
 
 from .draft_proposer import DraftProposer, load_draft
