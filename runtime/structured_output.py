@@ -153,11 +153,11 @@ class StructuredOutputManager:
         constrained. .result() gives a GrammarBitmask whose rows number the sampler's rows: sequence i has
         1 + len(drafts[i]) of them (drafts: speculative verify rows; None = one row each), the first for
         the matcher's state now, row j + 1 for the state after its first j + 1 drafts."""
-        counts = [1 + len(d) for d in drafts] if drafts is not None else [1] * len(seqs)
-        first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         guided = [i for i, s in enumerate(seqs) if s.group is not None and s.group.grammar is not None]
         if not guided:
             return None
+        counts = [1 + len(d) for d in drafts] if drafts is not None else [1] * len(seqs)
+        first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         entries = [(self.matcher(seqs[i]), list(drafts[i]) if drafts is not None else []) for i in guided]
         rows = np.concatenate([first[i] + np.arange(counts[i]) for i in guided]).astype(np.int64)
         return _PendingBitmask(self, self._worker().submit(self._fill, rows, entries))
