@@ -1,10 +1,13 @@
 """Speculative decoding: output tokens/s with and without drafts, single stream and 8 streams.
 
-Two workloads, greedy, on the embedded SmolLM2 (chat template):
+Two workloads (and a third on request), greedy, on the embedded SmolLM2 (chat template):
 
   repetitive  "repeat this code" / "repeat this text" with a ~300-token Python file or paragraph; the
               answer copies or lightly edits it, so n-gram lookup in the prompt predicts long runs.
   chat        plain questions (a story, an explanation, advice): little to look up.
+  json        (not in the default run) "repeat this JSON record" under the record's JSON Schema (guided
+              decoding): drafts are checked against the grammar and verify rows masked by it
+              (runtime/spec_grammar.py), so this measures speculation on guided sequences.
 
 Methods: off, n-gram (prompt lookup, k = 4, n-grams of 2..4 tokens), and a self-draft (the target's own
 first --draft-layers layers, final norm and lm_head; k = 3). Each (workload, streams, method) runs in a
@@ -28,6 +31,7 @@ drafts were accepted at a moving-average rate below 25% stops proposing and prob
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -94,6 +98,30 @@ REPETITIVE = [
     ("Copy this paragraph, replacing 'printing press' with 'press':\n\n" + PROSE, ""),
 ]
 
+RECORD = {"order_id": 48213, "customer": {"name": "Maria Fernandez", "email": "maria.fernandez@example.com",
+                                           "city": "Valencia"},
+          "items": [{"sku": "KB-2041", "name": "mechanical keyboard", "qty": 1, "price": 89.5},
+                    {"sku": "MS-1187", "name": "wireless mouse", "qty": 2, "price": 24.99},
+                    {"sku": "CB-0032", "name": "usb-c cable", "qty": 3, "price": 7.25}],
+          "status": "shipped", "notes": "leave the parcel with the neighbour"}
+TEXT = {"type": "string", "maxLength": 60}
+RECORD_SCHEMA = {
+    "type": "object", "additionalProperties": False,
+    "required": ["order_id", "customer", "items", "status", "notes"],
+    "properties": {
+        "order_id": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "customer": {"type": "object", "additionalProperties": False, "required": ["name", "email", "city"],
+                     "properties": {"name": TEXT, "email": TEXT, "city": TEXT}},
+        "items": {"type": "array", "minItems": 1, "maxItems": 5, "items": {
+            "type": "object", "additionalProperties": False, "required": ["sku", "name", "qty", "price"],
+            "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{4}$"}, "name": TEXT,
+                           "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+                           "price": {"type": "number", "minimum": 0, "maximum": 10000}}}},
+        "status": {"enum": ["pending", "shipped", "delivered"]},
+        "notes": TEXT,
+    },
+}
+
 CHAT = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain how vaccines train the immune system, in simple terms.",
@@ -111,6 +139,8 @@ def prompts(tokenizer, workload: str, streams: int) -> list[list[int]]:
     for i in range(streams):
         if workload == "repetitive":
             text, prefix = REPETITIVE[i % len(REPETITIVE)]
+        elif workload == "json":
+            text, prefix = "Repeat this JSON record exactly, as compact JSON:\n\n" + json.dumps(RECORD), ""
         else:
             text, prefix = CHAT[i % len(CHAT)], ""
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
@@ -119,29 +149,39 @@ def prompts(tokenizer, workload: str, streams: int) -> list[list[int]]:
     return out
 
 
-def run_one(loaded, args: argparse.Namespace, spec: dict | None, batch: list[list[int]]) -> dict:
+def run_one(loaded, args: argparse.Namespace, spec: dict | None, batch: list[list[int]], workload: str = "") -> dict:
     from pagedserve.runtime.config import EngineConfig
     from pagedserve.runtime.engine import LLMEngine
     from pagedserve.runtime.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(device=args.device, seed=0, speculative_config=spec, cpu_threads=args.cpu_threads,
                                     max_model_len=2048), loaded=loaded)
+    guided = None
+    if workload == "json":
+        from pagedserve.runtime.structured_outputs_params import StructuredOutputsParams
+
+        guided = StructuredOutputsParams(json=RECORD_SCHEMA)
+        engine.structured.compile(guided).result()  # compiled before the clock starts
     t0, c0 = time.perf_counter(), time.process_time()
     for i, p in enumerate(batch):
-        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
+        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                                                     structured_outputs=guided))
     started: set[str] = set()
     all_first_at, tokens_at_all_first, produced = None, 0, 0
-    done = {}
+    done, finished = {}, {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             started.add(out.request_id)
             produced += len(out.outputs[0].new_token_ids)
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
+                finished[out.request_id] = out.outputs[0]
         if all_first_at is None and len(started) == len(batch):
             all_first_at, cpu_first_at, tokens_at_all_first = time.perf_counter(), time.process_time(), produced
     end, cpu_end = time.perf_counter(), time.process_time()
     total = sum(len(t) for t in done.values())
+    if guided is not None:  # an output the grammar completed is a whole record of the schema
+        assert all(isinstance(json.loads(c.text), dict) for c in finished.values() if c.finish_reason == "stop")
     decode_tokens = total - tokens_at_all_first
     res = {"output_tokens": total, "e2e_s": round(end - t0, 3),
            "e2e_tokens_per_s": round(total / (end - t0), 2),
@@ -178,7 +218,7 @@ def run(args: argparse.Namespace) -> dict:
             for rnd in range(args.rounds):
                 for method, spec in methods.items():
                     plots.progress(f"{workload}, {streams} stream(s), {method}, round {rnd + 1}")
-                    res = run_one(loaded, args, spec, batch)
+                    res = run_one(loaded, args, spec, batch, workload)
                     best = row.get(method)
                     if best is None or res["decode_cpu_s"] < best["decode_cpu_s"]:
                         row[method] = res
@@ -245,7 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--streams", type=int, nargs="+", default=None, help="default 1 8 (1 2 with --quick)")
     ap.add_argument("--ngram-tokens", type=int, default=4, help="k of the n-gram method (default 4)")
     ap.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram match (default 2)")
-    ap.add_argument("--workloads", nargs="+", default=["repetitive", "chat"], choices=["repetitive", "chat"])
+    ap.add_argument("--workloads", nargs="+", default=["repetitive", "chat"], choices=["repetitive", "chat", "json"],
+                    help="json: guided decoding (not in the default run)")
     ap.add_argument("--draft-layers", type=int, default=None, help="self-draft layers; default 8 (1 with --quick)")
     ap.add_argument("--cpu-threads", type=int, default=1,
                     help="numpy BLAS threads (default 1: the CPU-time rates assume one thread)")

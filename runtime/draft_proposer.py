@@ -13,7 +13,9 @@ accepted since the last proposal::
                      valid, the rest are truncated away
 
 Drafts are drawn from q (the draft's distribution under the request's temperature/top_k/top_p/min_p;
-penalties are left out: any q keeps the rejection sampler exact), greedy requests take the argmax.
+penalties are left out: any q keeps the rejection sampler exact), greedy requests take the argmax. A
+guided sequence's draft logits are masked by its grammar first (spec_grammar.DraftGuide), so q is the
+masked distribution and every draft is one the grammar takes.
 """
 
 from __future__ import annotations
@@ -81,9 +83,11 @@ class DraftProposer:
         self._seqs.pop(seq_id, None)
         self.kv.free(seq_id)
 
-    def propose(self, requests: Sequence[Any], ks: Sequence[int]) -> list[tuple[list[int], Any | None]]:
+    def propose(self, requests: Sequence[Any], ks: Sequence[int],
+                guide: Any = None) -> list[tuple[list[int], Any | None]]:
         """For each request (a decode: every token but the newest computed by the target), up to ks[i]
-        drafts and the [len, V] distributions they were drawn from (None for greedy requests)."""
+        drafts and the [len, V] distributions they were drawn from (None for greedy requests).
+        guide: a spec_grammar.DraftGuide over `requests` (guided sequences draw under their grammar)."""
         xp = self.xp
         out: list[tuple[list[int], Any | None]] = [([], None)] * len(requests)
         live: list[int] = []
@@ -98,12 +102,15 @@ class DraftProposer:
         step = 0
         while live:
             logits = self.model.forward(build_forward_batch(chunks, self.kv.block_size), self.kv_caches)
+            if guide is not None:
+                logits = guide.mask(logits, live, xp)
             tokens = self._draw(logits, [requests[i] for i in live], probs, live)
             step += 1
             next_live, chunks = [], []
             for row, i in enumerate(live):
                 drafts[i].append(tokens[row])
-                if step < ks[i]:  # feed the draft to get the next one
+                more = guide.advance(i, tokens[row]) if guide is not None else True
+                if step < ks[i] and more:  # feed the draft to get the next one
                     r = requests[i]
                     position = r.num_tokens + step - 1
                     self._seqs[r.request_id].fed.append(tokens[row])

@@ -89,6 +89,7 @@ class LLMEngine:
             self.backend, num_blocks, self.block_size, self.max_model_len, config.seed, config.use_weight_cache)
         if self.spec is not None:
             self.scheduler.release_hooks.append(self.spec.free)
+            self.spec.structured = self.structured  # guided sequences' drafts are checked against their grammar
         self.groups: dict[str, SequenceGroup] = {}
         self.events = RequestEvents(config.log_requests)
         self._throughput: deque[tuple[float, int, int]] = deque()  # (time, output tokens, all tokens)
@@ -428,7 +429,7 @@ class LLMEngine:
             proposals += [Proposal(k, int(t), float(lp), beam.cumulative_logprob + float(lp)) for t, lp in zip(ids, lps)]
         survivors, finished = select(proposals, bp.beam_width, group.eos_token_ids, bp.ignore_eos)
         for p in finished:
-            group.beam_done.append((live[p.beam].output_token_ids + [p.token_id], p.score))
+            group.beam_done.append((live[p.beam].output_token_ids + [p.token_id], p.score, "stop"))
         taken: set[int] = set()
         new_live: list[Request] = []
         for p in survivors:  # forks first, from each parent's state before any token is appended
@@ -457,13 +458,13 @@ class LLMEngine:
             beam.append_output_token(p.token_id)
             beam.cumulative_logprob = p.score
             if self.structured.accept(beam, p.token_id):  # its grammar is complete: a finished hypothesis
-                group.beam_done.append((list(beam.output_token_ids), beam.cumulative_logprob))
+                group.beam_done.append((list(beam.output_token_ids), beam.cumulative_logprob, "stop"))
                 self.scheduler.finish_request(beam, RequestStatus.FINISHED_STOPPED)
         new_live = [b for b in new_live if not b.is_finished]
         group.seqs = new_live
         if new_live and (new_live[0].num_output_tokens >= bp.max_tokens or new_live[0].num_tokens >= self.max_model_len):
             for beam in new_live:
-                group.beam_done.append((list(beam.output_token_ids), beam.cumulative_logprob))
+                group.beam_done.append((list(beam.output_token_ids), beam.cumulative_logprob, "length"))
                 self.scheduler.finish_request(beam, RequestStatus.FINISHED_LENGTH)
         return len(survivors)
 

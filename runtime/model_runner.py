@@ -117,10 +117,11 @@ class ModelRunner:
                 rows.append(row)
                 seqs.append(seq)
                 owners.append(i)
-        # Structured outputs: the grammar masks (sampler rows, then beams) are filled in a worker thread
-        # while the forward runs. (Sequences with a grammar never speculate: see spec_decode.py.)
-        masked = seqs + [sched.scheduled[i].request for _, i in beams]
-        bitmask = self.structured.start_bitmask(masked) if self.structured is not None else None
+        # Structured outputs: the grammar masks (sampler rows, then beams, then the 1 + k rows of each
+        # speculating sequence) are filled in a worker thread while the forward runs.
+        masked = seqs + [sched.scheduled[i].request for _, i in beams] + [sched.scheduled[i].request for i, _ in verify]
+        drafts = [[]] * (len(seqs) + len(beams)) + [sched.scheduled[i].spec_token_ids for i, _ in verify]
+        bitmask = self.structured.start_bitmask(masked, drafts) if self.structured is not None else None
         logits = self.executor.execute_model(ExecuteModelRequest(batch, copies))
         bitmask = bitmask.result() if bitmask is not None else None
         for k, (row, i) in enumerate(beams):
@@ -128,7 +129,10 @@ class ModelRunner:
             allowed = bitmask.allowed(len(seqs) + k, logits.shape[1]) if bitmask is not None else None
             results[i] = StepResult(beam_topk=self._beam_topk(logits[row], width, allowed))
         if verify:
-            self._verify(sched, logits, verify, results)
+            first = len(seqs) + len(beams)  # the verify rows' place among the masked rows
+            num = sum(1 + len(sched.scheduled[i].spec_token_ids) for i, _ in verify)
+            self._verify(sched, logits, verify, results,
+                         bitmask.select(range(first, first + num)) if bitmask is not None else None)
         if not rows:
             return results
         banned = [_banned_ids(r) for r in seqs]
@@ -171,13 +175,14 @@ class ModelRunner:
                 for k in range(len(seqs))]
 
     def _verify(self, sched: SchedulerOutput, logits: Any, verify: list[tuple[int, int]],
-                results: list[StepResult | None]) -> None:
-        """Rejection-sample the drafts of the speculating sequences (their 1 + k rows each)."""
+                results: list[StepResult | None], grammar_bitmask: Any = None) -> None:
+        """Rejection-sample the drafts of the speculating sequences (their 1 + k rows each; grammar_bitmask:
+        the guided ones' masks, rows numbered like those rows)."""
         scheduled = [sched.scheduled[i] for i, _ in verify]
         rows = np.concatenate([row + np.arange(1 + len(s.spec_token_ids)) for (_, row), s in zip(verify, scheduled)])
         outs = self.rejection_sampler(
             logits[self.xp.asarray(rows)], [s.request for s in scheduled], [s.spec_token_ids for s in scheduled],
-            [s.request.spec_draft_probs for s in scheduled], xp=self.xp)
+            [s.request.spec_draft_probs for s in scheduled], xp=self.xp, grammar_bitmask=grammar_bitmask)
         for (i, _), s, o in zip(verify, scheduled, outs):
             tokens = [SampledToken(t, lp, top) for t, lp, top in zip(o.token_ids, o.logprobs, o.top_logprobs)]
             results[i] = StepResult(tokens, num_draft_tokens=len(s.spec_token_ids), num_accepted_tokens=o.num_accepted)

@@ -13,8 +13,9 @@ n-gram drafts have a one-hot q (q(d) = 1, so acceptance is p(d), and the residua
 removed); greedy rows accept while the draft equals the argmax, and emit the argmax where they stop.
 
 p_j is the sampler's distribution, computed the same way as without speculation: penalties over the
-prompt, the output *and the drafts before row j*, the min_tokens ban counted the same way, then
-temperature, top_k, top_p, min_p (runtime/sampler.py's order and rules). Uniforms come from the
+prompt, the output *and the drafts before row j*, the min_tokens ban counted the same way, a guided
+sequence's grammar mask of the state after the drafts before row j, then temperature, top_k, top_p,
+min_p (runtime/sampler.py's order and rules). Uniforms come from the
 request's own generator when it is seeded, else from the shared one, k + 1 per random sequence.
 """
 
@@ -28,7 +29,7 @@ import numpy as np
 from pagedserve.cupy_kernels.backend import to_host
 
 from .sampler import Sampler
-from .sampling_ops import _inverse_cdf, _logsumexp_rows, apply_penalties_and_bans
+from .sampling_ops import _inverse_cdf, _logsumexp_rows, apply_penalties_and_bans, apply_token_bitmask
 from .sampling_params import SamplingParams, SamplingType
 
 
@@ -87,9 +88,10 @@ class RejectionSampler:
         self.generator = generator  # shared by unseeded requests (the Sampler's own)
 
     def __call__(self, logits: Any, requests: Sequence[Any], drafts: Sequence[Sequence[int]],
-                 draft_probs: Sequence[Any | None], xp: Any = np) -> list[VerifyOutput]:
+                 draft_probs: Sequence[Any | None], xp: Any = np, grammar_bitmask: Any = None) -> list[VerifyOutput]:
         """logits: [sum(k_i + 1), V] float32, sequence i's k_i + 1 rows in order; draft_probs[i]: [k_i, V]
-        or None (one-hot q)."""
+        or None (one-hot q); grammar_bitmask: structured_output.GrammarBitmask of the guided rows (numbered
+        like the logits rows) or None."""
         counts = [len(d) + 1 for d in drafts]
         if logits.shape[0] != sum(counts):
             raise ValueError(f"logits has {logits.shape[0]} rows, the drafts need {sum(counts)}")
@@ -100,6 +102,9 @@ class RejectionSampler:
         banned = [r.banned_token_ids(j) for r, d in zip(requests, drafts) for j in range(len(d) + 1)]
         processed = apply_penalties_and_bans(logits, row_params, [r.prompt_token_ids for r in row_req], row_out,
                                              banned if any(banned) else None, xp)
+        if grammar_bitmask is not None:
+            processed = apply_token_bitmask(processed, grammar_bitmask.rows, grammar_bitmask.bits, xp,
+                                            copy=processed is logits)
         greedy = [r.sampling_params.sampling_type == SamplingType.GREEDY for r in requests]
         accepted = [0] * len(requests)
         final = [0] * len(requests)

@@ -40,7 +40,9 @@ class SequenceGroup:
     seqs: list[Request] = field(default_factory=list)  # sample order; for beams: the live beams
     num_to_fork: int = 0  # samples still to fork from seqs[0] once its prefill completes
     beam: BeamSearchParams | None = None
-    beam_done: list[tuple[list[int], float]] = field(default_factory=list)  # (token ids, cum logprob)
+    # Finished hypotheses: (token ids, cum logprob, finish reason). "stop": it ended (end-of-sequence, or its
+    # grammar is complete, even on the last allowed token); "length": cut at max_tokens or max_model_len.
+    beam_done: list[tuple[list[int], float, str]] = field(default_factory=list)
     beam_pending: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     num_created: int = 1
     first: Request | None = None  # sequence 0: its timings are the request's timings
@@ -69,9 +71,8 @@ class SequenceGroup:
         if self.beam is not None:
             ranked = sorted(self.beam_done, key=lambda h: -length_penalized(h[1], len(h[0]), self.beam.length_penalty))
             return [CompletionOutput(index=i, text=decode(ids), token_ids=ids, cumulative_logprob=cum, logprobs=None,
-                                     finish_reason="stop" if ids and (ids[-1] in self.eos_token_ids
-                                                                      or len(ids) < self.beam.max_tokens) else "length")
-                    for i, (ids, cum) in enumerate(ranked[: self.beam.beam_width])]
+                                     finish_reason=reason)
+                    for i, (ids, cum, reason) in enumerate(ranked[: self.beam.beam_width])]
         samples = sorted(self.seqs, key=lambda s: s.sample_index)
         if len(samples) > self.params.n:  # best_of > n: keep the n most likely
             samples = sorted(samples, key=lambda s: -s.cumulative_logprob)[: self.params.n]

@@ -11,6 +11,9 @@ step, starting at 1.0, weight 1/2 on the newest); below `min_acceptance_rate` (0
 steps that accept nothing) it stops proposing and tries again once every `probe_interval` steps (16), so a
 sequence where drafts never pay spends at most about one step in 16 on them. An n-gram proposer that finds
 no match proposes nothing and costs nothing.
+
+Guided sequences (structured outputs) speculate too: their drafts are ones the grammar takes and each
+verify row is masked by the grammar's state after the drafts before it (spec_grammar.py).
 """
 
 from __future__ import annotations
@@ -18,14 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import numpy as np
-
 from pagedserve.models.llama import LlamaForCausalLM
 
 from .draft_proposer import DraftProposer, load_draft
-from .ngram_proposer import propose_ngram
 from .request import Request, RequestStatus
 from .spec_config import SpeculativeConfig
+from .spec_grammar import DraftGuide, guided_ngram_drafts
 
 _EMA_WEIGHT = 0.5
 
@@ -61,6 +62,7 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.draft = draft
         self.stats = SpecDecodeStats(config.method)
+        self.structured: Any = None  # the engine's StructuredOutputManager: guided sequences' grammars
 
     def free(self, seq_id: str) -> None:
         """The sequence left the running set (finished, aborted, preempted): drop its draft cache."""
@@ -83,8 +85,10 @@ class SpecDecoder:
                 continue
             if r.group is not None and r.group.beam is not None:
                 continue  # beams advance together from their proposals: no speculation
-            if r.group is not None and r.group.grammar is not None:
-                continue  # guided decoding: drafts are not checked against the grammar yet, so none are made
+            if r.group is not None and r.group.num_to_fork:
+                # The prompt's last token is still to come (chunked prefill left just it): the other samples
+                # fork from that step's one logits row, which a verify step would not hand them.
+                continue
             k = self.num_lookahead(r)
             if k <= 0 or not self._wants_to_speculate(r):
                 continue
@@ -93,13 +97,18 @@ class SpecDecoder:
         if not chosen:
             return
         if self.draft is not None:
-            for r, (drafts, q) in zip(chosen, self.draft.propose(chosen, ks)):
+            guide = DraftGuide(self.structured, chosen) if self.structured is not None else None
+            try:
+                proposals = self.draft.propose(chosen, ks, guide if guide is not None and guide.active else None)
+            finally:
+                if guide is not None:
+                    guide.rollback()  # the matchers move only with the tokens the target accepts
+            for r, (drafts, q) in zip(chosen, proposals):
                 r.spec_token_ids, r.spec_draft_probs = drafts, q
             return
         c = self.config
         for r, k in zip(chosen, ks):
-            drafts = propose_ngram(np.asarray(r.all_token_ids), k, c.prompt_lookup_min, c.prompt_lookup_max)
-            r.spec_token_ids = drafts.tolist()
+            r.spec_token_ids = guided_ngram_drafts(self.structured, r, k, c.prompt_lookup_min, c.prompt_lookup_max)
 
     def _wants_to_speculate(self, r: Request) -> bool:
         record = r.spec_state

@@ -4,9 +4,13 @@ The life of a constrained request:
 
     make_request     params validated (structured_outputs_params.py); group.grammar = compiler Future
     scheduler        the request stays waiting until its Future is done (Request.waiting_for_grammar)
-    each step        start_bitmask(seqs): a worker thread fills one bitmask row per constrained row
-                     while the forward runs (llguidance drops the GIL), then the sampler sets the
+    each step        start_bitmask(seqs, drafts): a worker thread fills one bitmask row per constrained
+                     row while the forward runs (llguidance drops the GIL), then the sampler sets the
                      logits of disallowed tokens to -inf (sampling_ops.apply_token_bitmask)
+    speculation      a speculating sequence's 1 + k verify rows get the masks of the states after
+                     each of its drafts (the matcher advanced tentatively, then rolled back), so every
+                     row's distribution is the guided one; drafts were checked when proposed
+                     (num_valid_drafts, spec_grammar.py)
     after sampling   accept(seq, token): the matcher advances; when the grammar can take nothing but
                      end-of-sequence the request finishes with finish_reason "stop"
 
@@ -124,6 +128,12 @@ class StructuredOutputManager:
         if parent.matcher is not None:
             child.matcher = parent.matcher.deep_copy()
 
+    def num_valid_drafts(self, seq: Any, drafts: Sequence[int]) -> int:
+        """How many leading drafts the sequence's grammar takes from its current state (the state is
+        unchanged: llguidance advances tentatively and rolls back)."""
+        m = self.matcher(seq)
+        return len(drafts) if m is None or not drafts else int(m.validate_tokens(list(drafts)))
+
     def accept(self, seq: Any, token_id: int) -> bool | None:
         """Advance the sequence's matcher by its new token. None: unconstrained; True: the grammar is
         complete (only end-of-sequence could follow, or it was just consumed); False: keep going."""
@@ -138,29 +148,56 @@ class StructuredOutputManager:
 
     # -- the step's bitmask -----------------------------------------------------------------------
 
-    def start_bitmask(self, seqs: Sequence[Any]) -> _PendingBitmask | None:
-        """Fill the bitmask of the constrained sequences among `seqs` (the sampler's rows, in order) in a
-        worker thread; None when none is constrained. .result() gives a GrammarBitmask."""
-        rows = [i for i, s in enumerate(seqs) if s.group is not None and s.group.grammar is not None]
-        if not rows:
+    def start_bitmask(self, seqs: Sequence[Any], drafts: Sequence[Sequence[int]] | None = None) -> _PendingBitmask | None:
+        """Fill the bitmask of the constrained sequences among `seqs` in a worker thread; None when none is
+        constrained. .result() gives a GrammarBitmask whose rows number the sampler's rows: sequence i has
+        1 + len(drafts[i]) of them (drafts: speculative verify rows; None = one row each), the first for
+        the matcher's state now, row j + 1 for the state after its first j + 1 drafts."""
+        guided = [i for i, s in enumerate(seqs) if s.group is not None and s.group.grammar is not None]
+        if not guided:
             return None
-        matchers = [self.matcher(seqs[i]) for i in rows]
+        counts = [1 + len(d) for d in drafts] if drafts is not None else [1] * len(seqs)
+        first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        entries = [(self.matcher(seqs[i]), list(drafts[i]) if drafts is not None else []) for i in guided]
+        rows = np.concatenate([first[i] + np.arange(counts[i]) for i in guided]).astype(np.int64)
+        return _PendingBitmask(self, self._worker().submit(self._fill, rows, entries))
+
+    def fill_now(self, matchers: Sequence[Any]) -> np.ndarray:
+        """The bitmask of each matcher's current state, filled on this thread: int32 [len, words]."""
+        return self._fill(np.arange(len(matchers), dtype=np.int64), [(m, []) for m in matchers]).bits
+
+    def _worker(self) -> ThreadPoolExecutor:
         if self._pool is None:
             import llguidance as llg
 
             self._executor = llg.LLExecutor()
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-bitmask")
-        words = (self.compiler.ll_tokenizer.vocab_size + 31) // 32
-        return _PendingBitmask(self, self._pool.submit(self._fill, np.asarray(rows, dtype=np.int64), matchers, words))
+        return self._pool
 
-    def _fill(self, rows: np.ndarray, matchers: list[Any], words: int) -> GrammarBitmask:
-        from llguidance.numpy import fill_next_token_bitmask_par
+    def _fill(self, rows: np.ndarray, entries: list[tuple[Any, list[int]]]) -> GrammarBitmask:
+        """entries: (matcher, drafts) in row order, each taking 1 + len(drafts) rows. llguidance advances a
+        matcher through its drafts and rolls it back; rows past a draft the grammar refuses (none, when
+        drafts were checked at proposal) stay all-allowed: the row before gives that draft probability 0,
+        so it is rejected and the rows after it are never used."""
+        from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
 
+        self._worker()
         t0 = time.perf_counter()
-        bits = np.zeros((len(matchers), words), dtype=np.int32)
-        fill_next_token_bitmask_par(self._executor, [(m, k) for k, m in enumerate(matchers)], bits)
+        words = (self.compiler.ll_tokenizer.vocab_size + 31) // 32
+        bits = np.full((len(rows), words), -1, dtype=np.int32)
+        at, plain, drafted = 0, [], []  # llguidance's draft variant refuses an empty draft list
+        for m, d in entries:
+            if d:
+                drafted.append((m, at, d))
+            else:
+                plain.append((m, at))
+            at += 1 + len(d)
+        if plain:
+            fill_next_token_bitmask_par(self._executor, plain, bits)
+        if drafted:
+            fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bits)
         self.mask_time_s += time.perf_counter() - t0
-        self.num_masked_tokens += len(matchers)
+        self.num_masked_tokens += len(rows)
         return GrammarBitmask(rows, bits)
 
     def shutdown(self) -> None:

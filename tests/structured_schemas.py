@@ -1,9 +1,10 @@
 """JSON Schemas of real-world shape for the structured-output tests and benchmark.
 
 Nested objects, arrays with minItems/maxItems, enums, integer and number ranges, required and optional
-properties, $defs/$ref, anyOf, string patterns and formats. Free-text strings carry a maxLength and
-numbers a multipleOf (cents, a tenth of a degree), as API schemas usually do: a sampling model at
-temperature 1.0 may otherwise write one string, or the digits of one number, until max_tokens.
+properties, $defs/$ref, anyOf, string patterns and formats. Free-text strings (and the date-time) carry
+a maxLength, numbers a multipleOf (cents, a tenth of a degree) and the tree a bounded depth, as API
+schemas usually do: a sampling model at temperature 1.0 may otherwise write one string, the digits of
+one number, or ever deeper nesting until max_tokens.
 `validate` checks a value the way the tests and the benchmark do.
 """
 
@@ -188,7 +189,7 @@ SCHEMAS: dict[str, dict] = {
     },
     "datetime_log": {
         "type": "object",
-        "properties": {"ts": {"type": "string", "format": "date-time"},
+        "properties": {"ts": {"type": "string", "format": "date-time", "maxLength": 25},  # no endless fractions
                        "level": {"enum": ["DEBUG", "INFO", "WARN", "ERROR"]}, "msg": NAME},
         "required": ["ts", "level", "msg"],
     },
@@ -218,12 +219,17 @@ SCHEMAS: dict[str, dict] = {
         },
         "required": ["name", "arguments"],
     },
-    "recursive_tree": {
-        "$defs": {"node": {"type": "object",
-                           "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
-                                          "kids": {"type": "array", "maxItems": 2, "items": {"$ref": "#/$defs/node"}}},
-                           "required": ["v"], "additionalProperties": False}},
-        "$ref": "#/$defs/node",
+    "tree_depth3": {  # a tree through $defs/$ref, nesting bounded (an unbounded $ref cycle may never close)
+        "$defs": {"leaf": {"type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9}},
+                           "required": ["v"], "additionalProperties": False},
+                  "branch": {"type": "object",
+                             "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
+                                            "kids": {"type": "array", "maxItems": 2, "items": {"$ref": "#/$defs/leaf"}}},
+                             "required": ["v"], "additionalProperties": False}},
+        "type": "object",
+        "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
+                       "kids": {"type": "array", "maxItems": 2, "items": {"$ref": "#/$defs/branch"}}},
+        "required": ["v"],
     },
     "score_card": {
         "type": "object",

@@ -290,3 +290,18 @@ def test_speculation_under_tensor_parallelism_keeps_greedy_tokens(data_dir):
     for spec in (NGRAM, {"method": "draft", "draft_num_layers": 1}):
         tokens, decoder = run(2, spec)
         assert tokens == plain and decoder.stats.num_draft_tokens > 0
+
+
+def test_samples_still_to_fork_are_not_lost_to_a_verify_step(tiny):
+    """Chunked prefill can leave just the prompt's last token, which looks like a decode: a verify step then
+    would complete the prompt without the other samples forking from it. No drafts until they have."""
+    e = make_engine(tiny, NGRAM, max_num_batched_tokens=8)
+    e.add_request("n2", [5, 6, 7, 8] * 2 + [5], SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=6,
+                                                                 ignore_eos=True))
+    e.step()  # 8 of the 9 prompt tokens
+    r = e.scheduler.running[0]
+    assert r.num_tokens - r.num_computed_tokens == 1
+    e.spec.propose(e.scheduler.running)
+    assert r.spec_token_ids == []  # prompt lookup would have matched [6, 7, 8]
+    out = run_all(e)["n2"].outputs
+    assert len(out) == 2 and all(len(c.token_ids) == 6 for c in out)

@@ -1,6 +1,6 @@
 """Structured outputs on the tiny committed model: validation, the bitmask, the compile cache, the
 scheduler's wait for a grammar, and guided requests under n > 1, preemption, chunked prefill and prefix
-caching. A random-weight model is the harsh case for a grammar: it picks among the allowed tokens
+caching (with speculative decoding: test_spec_grammar.py). A random-weight model is the harsh case for a grammar: it picks among the allowed tokens
 almost at random, so the mask alone keeps the output in the language."""
 
 from __future__ import annotations
@@ -267,19 +267,3 @@ def test_guided_beam_search(tiny):
     assert {c.text for c in out["c"].outputs} <= {"alpha", "beta", "gamma"} and len(out["c"].outputs) == 2
     with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputsParams"):
         BeamSearchParams(beam_width=2, structured_outputs="a")
-
-
-def test_guided_sequences_are_not_given_drafts_when_speculation_is_on(tiny):
-    """Drafts are not checked against a grammar yet, so a guided sequence never speculates: its output
-    conforms, the unguided request beside it still speculates, and nothing leaks."""
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "min_acceptance_rate": 0.0}
-    engine = make_engine(tiny, speculative_config=spec)
-    repetitive = [5, 6, 7, 8] * 12
-    engine.add_request("guided", repetitive, SamplingParams(temperature=0.0, max_tokens=20,
-                                                            structured_outputs=SO(regex=DATE)))
-    out = run_all(engine)["guided"].outputs[0]
-    assert re.fullmatch(DATE, out.text) and out.finish_reason == "stop", out
-    assert engine.get_stats().spec_num_draft_tokens == 0
-    engine.add_request("plain", repetitive, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
-    run_all(engine)
-    assert engine.get_stats().spec_num_draft_tokens > 0  # the same prompt unguided does speculate
