@@ -242,24 +242,6 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny, data_dir):
         make_engine(tiny, {"method": "draft", "draft_num_layers": 2})  # tiny-llama has 2 layers
 
 
-def test_a_sequence_whose_drafts_fail_stops_proposing_and_probes_every_16_steps():
-    from pagedserve.runtime.request import Request
-    from pagedserve.runtime.spec_decode import SpecDecoder
-
-    spec = SpecDecoder(SpeculativeConfig(method="ngram"), max_model_len=1000)
-    r = Request("a", [1], SamplingParams(max_tokens=100), 0.0)
-    assert spec._wants_to_speculate(r)
-    spec.observe(r, 4, 0)
-    assert spec._wants_to_speculate(r)  # one bad step is not enough
-    spec.observe(r, 4, 0)
-    asked = [spec._wants_to_speculate(r) for _ in range(32)]
-    assert [i for i, a in enumerate(asked) if a] == [15, 31]  # probes only
-    spec.observe(r, 4, 4)  # a probe that pays turns it back on
-    assert spec._wants_to_speculate(r) and spec._wants_to_speculate(r)
-    assert (spec.stats.num_drafts, spec.stats.num_draft_tokens, spec.stats.num_accepted_tokens) == (3, 12, 4)
-    assert spec.stats.mean_accepted_length == pytest.approx(1 + 4 / 3)
-
-
 def test_the_offline_api_takes_vllms_speculative_config(data_dir):
     from pagedserve.runtime.llm import LLM
 
