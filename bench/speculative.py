@@ -230,6 +230,8 @@ def run(args: argparse.Namespace) -> dict:
                   "prompt_lookup_min": args.prompt_lookup_min},
         "draft": {"method": "draft", "draft_num_layers": args.draft_layers, "num_speculative_tokens": 3},
     }
+    methods["ngram"].update(json.loads(args.ngram_config))
+    methods = {m: spec for m, spec in methods.items() if m == "off" or m in args.methods}
     results: dict = {}
     for workload in args.workloads:
         for streams in args.streams:
@@ -244,7 +246,7 @@ def run(args: argparse.Namespace) -> dict:
                     best = row.get(method)
                     if best is None or res["decode_cpu_s"] < best["decode_cpu_s"]:
                         row[method] = res
-            for method in ("ngram", "draft"):
+            for method in [m for m in methods if m != "off"]:
                 r = row[method]
                 if "per_prompt" in r:
                     for mine, off in zip(r["per_prompt"], row["off"]["per_prompt"]):
@@ -254,7 +256,7 @@ def run(args: argparse.Namespace) -> dict:
                 r["speedup"] = round(r["decode_tokens_per_cpu_s"] / row["off"]["decode_tokens_per_cpu_s"], 3)
                 r["speedup_wall"] = round(r["decode_tokens_per_s"] / row["off"]["decode_tokens_per_s"], 3)
             row["off"].pop("tokens")
-    if set(results) != {"repetitive", "chat"}:  # a partial run: the figures, no verdict
+    if set(results) != {"repetitive", "chat"} or set(methods) != {"off", "ngram", "draft"}:  # a partial run: no verdict
         return {"benchmark": NAME, "quick": args.quick, "claim": CLAIM, "environment": env, "results": results,
                 "config": {"model": loaded.name, "methods": methods}, "summary": {}}
     rep1 = results["repetitive"][f"streams_{args.streams[0]}"]["ngram"]["speedup"]
@@ -314,6 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--workloads", nargs="+", default=["repetitive", "chat"], choices=["repetitive", "chat", "json"],
                     help="json: guided decoding (not in the default run)")
     ap.add_argument("--draft-layers", type=int, default=None, help="self-draft layers; default 8 (1 with --quick)")
+    ap.add_argument("--methods", nargs="+", default=["ngram", "draft"], choices=["ngram", "draft"],
+                    help="methods run beside 'off' (default both)")
+    ap.add_argument("--ngram-config", default="{}",
+                    help='JSON merged into the n-gram speculative_config, e.g. \'{"min_acceptance_rate": 0}\'')
     ap.add_argument("--single-prompts", type=int, default=None,
                     help="single stream: how many of the workload's prompts run, one at a time (default all; 2 with --quick)")
     ap.add_argument("--cpu-threads", type=int, default=1,

@@ -17,6 +17,7 @@ verify row is masked by the grammar's state after the drafts before it (spec_gra
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -55,6 +56,9 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.draft = draft
         self.stats = SpecDecodeStats(config.method)
+        # The clock of step costs: on a CPU this process's CPU time (other processes on shared cores
+        # inflate wall time at random, not the ratio of a verify step to a decode step); on a GPU wall time.
+        self.clock = time.perf_counter if gpu else time.process_time
         self.policy = SpecPolicy(config.num_speculative_tokens, config.max_num_speculative_tokens,
                                  config.probe_interval, config.min_acceptance_rate, gpu, shadow=draft is None)
         self.structured: Any = None  # the engine's StructuredOutputManager: guided sequences' grammars

@@ -4,8 +4,8 @@ A verify step of a sequence with d drafts emits 1 + (accepted drafts) tokens and
 forward d rows larger. It pays when the tokens it is expected to add exceed what the extra rows cost,
 and both sides are measured, not assumed:
 
-Cost (StepCosts). The wall time of every step made only of decodes and verifies is recorded by its
-number of rows M (an exponential moving average per M). What a step of M rows costs against one of B
+Cost (StepCosts). The time of every step made only of decodes and verifies (its forward and sampling:
+this process's CPU time on the CPU backend, wall time on a GPU) is recorded by its number of rows M (an exponential moving average per M). What a step of M rows costs against one of B
 rows is then T(M) / T(B): the measured figures where there are some, the nearest measured M scaled by
 a prior shape where not (`CPU_PRIOR`, `GPU_PRIOR`). On this project's CPU backend one OpenBLAS thread
 runs a 1-row matmul as a GEMV and 2+ rows as a GEMM that repacks the weights, so a single stream's
