@@ -22,8 +22,13 @@ CPU-time rate is what an idle core would give, and it hardly moves when other pr
 cores, which the wall-clock rate does; speedups are taken from the CPU-time rates. The methods run in
 turn, --rounds times, and each keeps its fastest round.
 
-Speculation switches itself off per sequence where it loses (runtime/spec_decode.py): a sequence whose
-drafts were accepted at a moving-average rate below 25% stops proposing and probes again every 16 steps.
+Single stream means each of the workload's prompts alone, one after another, each in a fresh engine
+(4 copy/edit prompts, 8 chat ones; --single-prompts N takes the first N); the rates are over all of them,
+and per-prompt speedups are kept in the JSON. 8 streams run the first 8 prompts (cycling) together.
+
+Speculation switches itself on and off per sequence and step (runtime/spec_policy.py): drafts are
+verified only where the tokens they are expected to add beat the measured cost of the extra rows.
+--methods and --ngram-config (JSON merged into the n-gram config) are for A/B runs; those print no verdict.
 
     .venv/bin/python bench/speculative.py [--quick] [--model PATH] [--max-tokens 64] [--draft-layers 8] [--rounds 2]
 """

@@ -120,16 +120,17 @@ class SpecDecoder:
                 if self.draft is None:
                     policy.set_shadow(cand.record, lookups[n], cand.key.num_tokens)
         if chosen and self.draft is not None:
-            reqs = [x.key for x in chosen]
+            reqs, ks = [x.key for x in chosen], [x.num_drafts for x in chosen]
             guide = DraftGuide(self.structured, reqs) if self.structured is not None else None
+            started = self.clock()
             try:
-                proposals = self.draft.propose(reqs, [x.num_drafts for x in chosen],
-                                               guide if guide is not None and guide.active else None)
+                proposals = self.draft.propose(reqs, ks, guide if guide is not None and guide.active else None)
             finally:
                 if guide is not None:
                     guide.rollback()  # the matchers move only with the tokens the target accepts
             for r, (drafts, q) in zip(reqs, proposals):
                 r.spec_token_ids, r.spec_draft_probs = drafts, q
+            policy.observe_drafting(max(ks), self.clock() - started)
 
     def observe(self, r: Request, num_draft_tokens: int, num_accepted: int) -> None:
         """Count one verify step of `r` and let the policy learn from it."""

@@ -28,7 +28,8 @@ accepts nothing (up to 8x).
 
 Decision per step (choose). Given B decoding sequences, each candidate's d and expected gain g, the
 candidates are taken best gain-per-row first and the engine keeps the prefix that maximises expected
-tokens per second, (B + sum g) / T(B + sum d); none if speculating nothing is best. For one stream
+tokens per second, (B + sum g) / (T(B + sum d) + drafting), none if speculating nothing is best;
+drafting is 0 for n-gram and, for a draft model, its measured time per draft step times the longest d. For one stream
 this is "speculate iff 1 + g > T(1 + d) / T(1)".
 
 Adaptive k. Each sequence's k starts at num_speculative_tokens, doubles (up to
@@ -148,6 +149,7 @@ class SpecPolicy:
         self.shadow = shadow  # proposals are free to make (n-gram): check them without verifying
         self.costs = StepCosts(GPU_PRIOR if gpu else CPU_PRIOR)
         self.engine = Acceptance()
+        self.draft_step_seconds: float | None = None  # a draft model's time per draft token step (batched)
         self.num_shadow_checked = 0  # shadow drafts checked against the generated tokens (statistics)
 
     def new_record(self) -> SeqPolicy:
@@ -201,6 +203,19 @@ class SpecPolicy:
     def observe_step(self, num_rows: int, seconds: float) -> None:
         self.costs.observe(num_rows, seconds)
 
+    def observe_drafting(self, num_steps: int, seconds: float) -> None:
+        """A draft model ran num_steps decode steps (for all the chosen sequences at once) in `seconds`."""
+        if num_steps > 0:
+            per_step = seconds / num_steps
+            old = self.draft_step_seconds
+            self.draft_step_seconds = per_step if old is None else old + COST_EMA_WEIGHT * (per_step - old)
+
+    def _drafting(self, num_steps: int) -> float:
+        """What drafting num_steps tokens adds to a step, in the unit of self.costs (0 until both are measured)."""
+        if self.draft_step_seconds is None or not self.costs.seconds:
+            return 0.0
+        return self.draft_step_seconds * num_steps
+
     # -- the decision ----------------------------------------------------------------------------
 
     def choose(self, candidates: Sequence[Candidate], num_decoding: int) -> list[Candidate]:
@@ -218,11 +233,12 @@ class SpecPolicy:
         scored.sort(key=lambda t: -t[0])
         t_base = self.costs.estimate(base)
         best, best_n = base / t_base, 0
-        rows, gain = base, 0.0
+        rows, gain, longest = base, 0.0, 0
         for n, (_, g, c) in enumerate(scored, 1):
             rows += c.num_drafts
             gain += g
-            rate = (base + gain) / self.costs.estimate(rows)
+            longest = max(longest, c.num_drafts)  # a draft model runs as many steps as the longest proposal
+            rate = (base + gain) / (self.costs.estimate(rows) + self._drafting(longest))
             if rate > best:
                 best, best_n = rate, n
         chosen = [c for _, _, c in scored[:best_n]]

@@ -174,3 +174,13 @@ def test_max_num_speculative_tokens_defaults_and_validation():
     with pytest.raises(ValueError, match="max_num_speculative_tokens"):
         SpeculativeConfig(num_speculative_tokens=4, max_num_speculative_tokens=17)
     assert SpeculativeConfig.from_value({"method": "ngram", "min_acceptance_rate": None}).min_acceptance_rate is None
+
+
+def test_a_draft_models_own_time_counts_against_its_drafts():
+    p = policy(shadow=False, k_max=4)
+    p.observe_step(1, 0.020)
+    p.observe_step(5, 0.024)  # a GPU-like target: 4 more rows nearly free
+    rec = learned(p, 6, 10)
+    assert chosen(p, [Candidate("a", rec, 4)], 1) == ["a"]
+    p.observe_drafting(4, 0.040)  # but 4 draft steps take 10 ms each
+    assert chosen(p, [Candidate("a", rec, 4)], 1) == []
