@@ -23,8 +23,9 @@ exactly what verification would have accepted (greedy: equal tokens; sampling: a
 accepted with probability p(x), the chance the sampled token is x). So n-gram acceptance is learned
 for free while speculation is off and it switches back on as soon as the sequence starts copying
 again, without paying for failed probes. A draft model's proposals cost compute, so a sequence that
-stopped drafting probes again after `probe_interval` steps, doubling the wait after each probe that
-accepts nothing (up to 8x).
+stopped drafting probes again after `probe_interval` steps times what a probe costs in decode steps
+beyond the one it replaces (at least 1x), doubling the wait after each probe that accepts nothing (up
+to 8x): failed probes take at most about 1/probe_interval of the time.
 
 Decision per step (choose). Given B decoding sequences, each candidate's d and expected gain g, the
 candidates are taken best gain-per-row first and the engine keeps the prefix that maximises expected
@@ -211,9 +212,13 @@ class SpecPolicy:
             self.draft_step_seconds = per_step if old is None else old + COST_EMA_WEIGHT * (per_step - old)
 
     def _drafting(self, num_steps: int) -> float:
-        """What drafting num_steps tokens adds to a step, in the unit of self.costs (0 until both are measured)."""
-        if self.draft_step_seconds is None or not self.costs.seconds:
+        """What drafting num_steps tokens adds to a step, in the unit of self.costs. N-gram lookups: 0.
+        A draft model not yet timed is assumed as dear per step as a 1-row target step (its first run
+        also prefills the prompt in the draft), so it is tried once its probe wait is over, not at once."""
+        if self.shadow:
             return 0.0
+        if self.draft_step_seconds is None or not self.costs.seconds:
+            return num_steps * self.costs.estimate(1)
         return self.draft_step_seconds * num_steps
 
     # -- the decision ----------------------------------------------------------------------------
@@ -224,7 +229,7 @@ class SpecPolicy:
             return []
         if self.min_acceptance_rate is not None:
             return [c for c in candidates if self.acceptance_rate(c.record) >= self.min_acceptance_rate
-                    or self._probe_due(c.record)]
+                    or self._probe_due(c, base=max(1, num_decoding))]
         base = max(1, num_decoding)
         scored = []
         for c in candidates:
@@ -243,13 +248,17 @@ class SpecPolicy:
                 best, best_n = rate, n
         chosen = [c for _, _, c in scored[:best_n]]
         if not self.shadow:  # a draft model's sequences that have not drafted for long probe anyway
-            chosen += [c for _, _, c in scored[best_n:] if self._probe_due(c.record)]
+            chosen += [c for _, _, c in scored[best_n:] if self._probe_due(c, base)]
         return chosen
 
-    def _probe_due(self, record: SeqPolicy) -> bool:
+    def _probe_due(self, c: Candidate, base: int = 1) -> bool:
+        """A draft-model sequence off for long tries again; the wait is stretched by what a try costs (in
+        decode steps beyond the one it replaces), so failed tries take at most ~1/probe_interval of the time."""
         if self.shadow:
             return False
-        if record.steps_off + 1 >= self.probe_interval << record.backoff:
+        record = c.record
+        extra = (self.costs.estimate(base + c.num_drafts) + self._drafting(c.num_drafts)) / self.costs.estimate(base) - 1
+        if record.steps_off + 1 >= (self.probe_interval << record.backoff) * max(1.0, extra):
             record.probing = True
             return True
         return False

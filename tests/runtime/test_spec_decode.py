@@ -25,8 +25,9 @@ def tiny(data_dir):
 def specs(data_dir):
     return {
         "ngram": NGRAM,
-        "self_draft": {"method": "draft", "draft_num_layers": 1, "num_speculative_tokens": 3},
-        "other_draft": {"model": str(data_dir / "tiny-qwen2"), "num_speculative_tokens": 2},
+        # min_acceptance_rate 0: always speculate, whatever the policy would decide (these tests check exactness).
+        "self_draft": {"method": "draft", "draft_num_layers": 1, "num_speculative_tokens": 3, "min_acceptance_rate": 0.0},
+        "other_draft": {"model": str(data_dir / "tiny-qwen2"), "num_speculative_tokens": 2, "min_acceptance_rate": 0.0},
         # The target as its own draft: every draft accepted, so bonus tokens and cuts at max_tokens and
         # stop tokens inside a run of accepted drafts are exercised.
         "same_draft": {"model": str(data_dir / "tiny-llama"), "num_speculative_tokens": 5, "min_acceptance_rate": 0.0},
@@ -269,7 +270,7 @@ def test_speculation_under_tensor_parallelism_keeps_greedy_tokens(data_dir):
             e.shutdown()
 
     plain, _ = run(1, None)
-    for spec in (NGRAM, {"method": "draft", "draft_num_layers": 1}):
+    for spec in (NGRAM, {"method": "draft", "draft_num_layers": 1, "min_acceptance_rate": 0.0}):
         tokens, decoder = run(2, spec)
         assert tokens == plain and decoder.stats.num_draft_tokens > 0
 

@@ -100,16 +100,18 @@ def test_ngram_proposals_are_checked_unverified_and_speculation_comes_back_when_
     assert chosen(p, [cand], 1) == ["seq"]
 
 
-def test_a_draft_model_has_no_shadow_and_probes_with_a_doubling_wait():
+def test_a_draft_model_has_no_shadow_and_probes_with_a_doubling_wait_stretched_by_its_cost():
     p = policy(shadow=False, k_max=4)
-    cpu_costs(p)
+    p.observe_step(1, 0.020)
+    p.observe_step(5, 0.024)  # a GPU-like target and a cheap draft: a probe costs 0.3 decode steps more
+    p.observe_drafting(4, 0.002)
     rec = learned(p, 0, 8)
     p.set_shadow(rec, [1, 2], 10)
     assert rec.shadow is None  # drafting costs compute: nothing is proposed unverified
     cand = Candidate("seq", rec, 4)
 
     def steps_until_probe():
-        for n in range(1, 200):
+        for n in range(1, 500):
             if chosen(p, [cand], 1):
                 return n
             p.declined(rec)
@@ -122,6 +124,12 @@ def test_a_draft_model_has_no_shadow_and_probes_with_a_doubling_wait():
     assert steps_until_probe() == 64
     p.observe_verify(rec, 4, 3)  # a probe that pays resets the wait
     assert rec.backoff == 0
+    p = policy(shadow=False, k_max=4)  # a draft not timed yet counts as dear as the target per step
+    p.observe_step(1, 0.020)
+    p.observe_step(5, 0.024)
+    rec = learned(p, 0, 8)
+    cand = Candidate("seq2", rec, 4)
+    assert steps_until_probe() == 68  # a try costs 4.2 decode steps more: 16 * 4.2 = 67.2, the 68th step
 
 
 def test_k_doubles_after_full_acceptance_up_to_the_cap_and_halves_after_a_rejection():
@@ -177,10 +185,17 @@ def test_max_num_speculative_tokens_defaults_and_validation():
 
 
 def test_a_draft_models_own_time_counts_against_its_drafts():
-    p = policy(shadow=False, k_max=4)
-    p.observe_step(1, 0.020)
-    p.observe_step(5, 0.024)  # a GPU-like target: 4 more rows nearly free
-    rec = learned(p, 6, 10)
-    assert chosen(p, [Candidate("a", rec, 4)], 1) == ["a"]
-    p.observe_drafting(4, 0.040)  # but 4 draft steps take 10 ms each
-    assert chosen(p, [Candidate("a", rec, 4)], 1) == []
+    def engine(drafting_s=None):
+        p = policy(shadow=False, k_max=4)
+        p.observe_step(1, 0.020)
+        p.observe_step(5, 0.024)  # a GPU-like target: 4 more rows nearly free
+        if drafting_s is not None:
+            p.observe_drafting(4, drafting_s)
+        return p, Candidate("a", learned(p, 6, 10), 4)
+
+    p, cand = engine(0.004)  # 1 ms a draft step
+    assert chosen(p, [cand], 1) == ["a"]
+    p, cand = engine(0.040)  # 10 ms a draft step: 1.6 expected tokens do not pay 3.2 steps
+    assert chosen(p, [cand], 1) == []
+    p, cand = engine()  # not timed yet: assumed as dear as the target
+    assert chosen(p, [cand], 1) == []
