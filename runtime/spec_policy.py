@@ -25,7 +25,8 @@ for free while speculation is off and it switches back on as soon as the sequenc
 again, without paying for failed probes. A draft model's proposals cost compute, so a sequence that
 stopped drafting probes again after `probe_interval` steps times what a probe costs in decode steps
 beyond the one it replaces (at least 1x), doubling the wait after each probe that accepts nothing (up
-to 8x): failed probes take at most about 1/probe_interval of the time.
+to 8x): failed probes take at most about 1/probe_interval of the time. No probe is made where even
+drafts that were all accepted could not pay for their step and drafting.
 
 Decision per step (choose). Given B decoding sequences, each candidate's d and expected gain g, the
 candidates are taken best gain-per-row first and the engine keeps the prefix that maximises expected
@@ -50,6 +51,7 @@ PRIOR_WEIGHT = 2.0  # how many drafts' worth of evidence a prior counts for (eng
 SEQ_DECAY = 0.85  # per draft tried: a sequence remembers its last ~7 drafts
 ENGINE_DECAY = 0.98  # per draft tried: the engine remembers its last ~50
 COST_EMA_WEIGHT = 0.25  # weight of the newest step time in its row count's average
+UNTIMED_DRAFT_STEP = 0.5  # a draft model's step before it is timed, in 1-row target steps
 MAX_PROBE_BACKOFF = 3  # a draft-model probe waits probe_interval * 2^backoff steps, backoff <= 3
 
 # Prior shape of the step time against its rows M, in units of a 1-row step: 1 + jump [M > 1] + slope (M - 1).
@@ -213,12 +215,12 @@ class SpecPolicy:
 
     def _drafting(self, num_steps: int) -> float:
         """What drafting num_steps tokens adds to a step, in the unit of self.costs. N-gram lookups: 0.
-        A draft model not yet timed is assumed as dear per step as a 1-row target step (its first run
-        also prefills the prompt in the draft), so it is tried once its probe wait is over, not at once."""
+        A draft model not yet timed is assumed to cost half a 1-row target step per draft step (its first
+        run also prefills the prompt in the draft): tried after a probe wait where that could pay."""
         if self.shadow:
             return 0.0
         if self.draft_step_seconds is None or not self.costs.seconds:
-            return num_steps * self.costs.estimate(1)
+            return num_steps * UNTIMED_DRAFT_STEP * self.costs.estimate(1)
         return self.draft_step_seconds * num_steps
 
     # -- the decision ----------------------------------------------------------------------------
@@ -257,8 +259,10 @@ class SpecPolicy:
         if self.shadow:
             return False
         record = c.record
-        extra = (self.costs.estimate(base + c.num_drafts) + self._drafting(c.num_drafts)) / self.costs.estimate(base) - 1
-        if record.steps_off + 1 >= (self.probe_interval << record.backoff) * max(1.0, extra):
+        ratio = (self.costs.estimate(base + c.num_drafts) + self._drafting(c.num_drafts)) / self.costs.estimate(base)
+        if (base + c.num_drafts) / ratio <= base:
+            return False  # a try cannot pay even if every draft were accepted: nothing to find out
+        if record.steps_off + 1 >= (self.probe_interval << record.backoff) * max(1.0, ratio - 1):
             record.probing = True
             return True
         return False

@@ -124,12 +124,13 @@ def test_a_draft_model_has_no_shadow_and_probes_with_a_doubling_wait_stretched_b
     assert steps_until_probe() == 64
     p.observe_verify(rec, 4, 3)  # a probe that pays resets the wait
     assert rec.backoff == 0
-    p = policy(shadow=False, k_max=4)  # a draft not timed yet counts as dear as the target per step
+    p = policy(shadow=False, k_max=4)  # a dearer draft: 10 ms a draft step
     p.observe_step(1, 0.020)
     p.observe_step(5, 0.024)
+    p.observe_drafting(4, 0.040)
     rec = learned(p, 0, 8)
     cand = Candidate("seq2", rec, 4)
-    assert steps_until_probe() == 68  # a try costs 4.2 decode steps more: 16 * 4.2 = 67.2, the 68th step
+    assert steps_until_probe() == 36  # a try costs 2.2 decode steps more: 16 * 2.2 = 35.2, the 36th step
 
 
 def test_k_doubles_after_full_acceptance_up_to_the_cap_and_halves_after_a_rejection():
@@ -197,5 +198,16 @@ def test_a_draft_models_own_time_counts_against_its_drafts():
     assert chosen(p, [cand], 1) == ["a"]
     p, cand = engine(0.040)  # 10 ms a draft step: 1.6 expected tokens do not pay 3.2 steps
     assert chosen(p, [cand], 1) == []
-    p, cand = engine()  # not timed yet: assumed as dear as the target
+    p, cand = engine()  # not timed yet: half a target step per draft step, 2.2 steps for 1.6 tokens
     assert chosen(p, [cand], 1) == []
+
+
+def test_no_probe_where_even_drafts_all_accepted_could_not_pay():
+    p = policy(shadow=False, k_max=2, k=2)
+    p.observe_step(1, 0.020)
+    p.observe_step(3, 0.060)  # a CPU-like target: 2 more rows cost 2 decode steps
+    p.observe_drafting(2, 0.020)  # and 2 draft steps one more: 3 tokens at best for 4 steps' time
+    cand = Candidate("seq", learned(p, 0, 8), 2)
+    for _ in range(1000):
+        assert chosen(p, [cand], 1) == []
+        p.declined(cand.record)
