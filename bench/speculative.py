@@ -9,8 +9,8 @@ Two workloads (and a third on request), greedy, on the embedded SmolLM2 (chat te
               decoding): drafts are checked against the grammar and verify rows masked by it
               (runtime/spec_grammar.py), so this measures speculation on guided sequences.
 
-Methods: off, n-gram (prompt lookup, k = 4 to start, adaptive, n-grams of 2..4 tokens), and a self-draft (the target's own
-first --draft-layers layers, final norm and lm_head; k = 3). Each (workload, streams, method) runs in a
+Methods: off, n-gram (prompt lookup, k = 4 to start, adaptive, n-grams of 2..4 tokens), and a self-draft
+(the target's own first --draft-layers layers, final norm and lm_head; k = 3). Each (workload, streams, method) runs in a
 fresh engine; the figure is decode throughput: output tokens after each request's first one, divided
 by the time from the moment every request had its first token to the end (the prefill is the same for
 every method and is reported apart, in the end-to-end time). Greedy outputs are also checked equal to
@@ -159,7 +159,8 @@ def run_single(loaded, args: argparse.Namespace, spec: dict | None, batch: list[
     """Single stream: each prompt of the workload alone, one after another, each in a fresh engine (so
     nothing learned on one prompt helps the next); rates are over all of them, per-prompt figures kept."""
     runs = [run_one(loaded, args, spec, [p], workload) for p in batch]
-    res = {k: round(sum(r[k] for r in runs), 3) for k in ("output_tokens", "e2e_s", "decode_s", "e2e_cpu_s", "decode_cpu_s")}
+    res = {k: round(sum(r[k] for r in runs), 3)
+           for k in ("output_tokens", "e2e_s", "decode_s", "e2e_cpu_s", "decode_cpu_s")}
     decode_tokens = sum(r["decode_tokens"] for r in runs)
     res.update(e2e_tokens_per_s=round(res["output_tokens"] / res["e2e_s"], 2),
                decode_tokens_per_s=round(decode_tokens / res["decode_s"], 2),
@@ -280,7 +281,8 @@ def run(args: argparse.Namespace) -> dict:
     }
     return {"benchmark": NAME, "quick": args.quick, "claim": CLAIM,
             "config": {"model": loaded.name, "max_tokens": args.max_tokens, "streams": args.streams,
-                       "rounds": args.rounds, "single_stream_prompts": args.single_prompts, "speedup_from": "decode tokens per CPU second (process_time)",
+                       "rounds": args.rounds, "single_stream_prompts": args.single_prompts,
+                       "speedup_from": "decode tokens per CPU second (process_time)",
                        "draft_layers": args.draft_layers, "cpu_threads": args.cpu_threads, "device": args.device,
                        "sampling": "greedy", "methods": methods},
             "environment": env, "results": results, "summary": summary}
@@ -326,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ngram-config", default="{}",
                     help='JSON merged into the n-gram speculative_config, e.g. \'{"min_acceptance_rate": 0}\'')
     ap.add_argument("--single-prompts", type=int, default=None,
-                    help="single stream: how many of the workload's prompts run, one at a time (default all; 2 with --quick)")
+                    help="single stream: how many of the workload's prompts run, one at a time "
+                         "(default all; 2 with --quick)")
     ap.add_argument("--cpu-threads", type=int, default=1,
                     help="numpy BLAS threads (default 1: the CPU-time rates assume one thread)")
     ap.add_argument("--rounds", type=int, default=None, help="runs per method, fastest kept; default 2 (1 with --quick)")
@@ -336,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     args = build_parser().parse_args(argv)
-    plots.fill_defaults(args, quick={"max_tokens": 8, "streams": [1, 2], "draft_layers": 1, "rounds": 1, "single_prompts": 2},
+    plots.fill_defaults(args, quick={"max_tokens": 8, "streams": [1, 2], "draft_layers": 1, "rounds": 1,
+                                     "single_prompts": 2},
                         full={"max_tokens": 64, "streams": [1, 8], "draft_layers": 8, "rounds": 2, "single_prompts": 8},
                         positive=("max_tokens", "streams", "draft_layers", "rounds", "single_prompts"))
     plots.emit(NAME, run(args), args.out_dir, draw, not args.no_plot, t0)

@@ -71,7 +71,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
         rate = self.min_acceptance_rate
-        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0):
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
+                                 or not 0.0 <= rate <= 1.0):
             raise bad("min_acceptance_rate", "None or a number in [0, 1]")
         if self.model is not None and not isinstance(self.model, str):
             raise bad("model", "a path (str)")

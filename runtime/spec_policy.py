@@ -5,11 +5,12 @@ forward d rows larger. It pays when the tokens it is expected to add exceed what
 and both sides are measured, not assumed:
 
 Cost (StepCosts). The time of every step made only of decodes and verifies (its forward and sampling:
-this process's CPU time on the CPU backend, wall time on a GPU) is recorded by its number of rows M (an exponential moving average per M). What a step of M rows costs against one of B
-rows is then T(M) / T(B): the measured figures where there are some, the nearest measured M scaled by
+this process's CPU time on the CPU backend, wall time on a GPU) is recorded by its number of rows M
+(an exponential moving average per M). What a step of M rows costs against one of B rows is then
+T(M) / T(B): the measured figures where there are some, the nearest measured M scaled by
 a prior shape where not (`CPU_PRIOR`, `GPU_PRIOR`). On this project's CPU backend one OpenBLAS thread
 runs a 1-row matmul as a GEMV and 2+ rows as a GEMM that repacks the weights, so a single stream's
-verify step costs ~2.5-3.4 decode steps whatever d is up to ~12; on a GPU, or once a batch already
+verify step costs ~2.7-3.6 decode steps whatever d is up to ~12; on a GPU, or once a batch already
 has many rows, the same drafts cost little more than the rows they add.
 
 Gain (acceptance). Drafts are modelled as accepted one after another with probability a each, so d
@@ -61,7 +62,7 @@ GPU_PRIOR = (0.05, 0.01)
 
 
 class StepCosts:
-    """Measured wall time of decode/verify steps by their number of rows, with a prior shape where unmeasured."""
+    """Measured time of decode/verify steps by their number of rows, with a prior shape where unmeasured."""
 
     def __init__(self, prior: tuple[float, float]) -> None:
         self.jump, self.slope = prior
