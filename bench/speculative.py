@@ -10,8 +10,8 @@ Two workloads (and a third on request), greedy, on the embedded SmolLM2 (chat te
               (runtime/spec_grammar.py), so this measures speculation on guided sequences.
 
 Methods: off, n-gram (prompt lookup, k = 4 to start, adaptive, n-grams of 2..4 tokens), and a self-draft
-(the target's own first --draft-layers layers, final norm and lm_head; k = 3). Each (workload, streams, method) runs in a
-fresh engine; the figure is decode throughput: output tokens after each request's first one, divided
+(the target's own first --draft-layers layers, final norm and lm_head; k = 3). Each (workload, streams,
+method) runs in a fresh engine; the figure is decode throughput: output tokens after each request's first one, divided
 by the time from the moment every request had its first token to the end (the prefill is the same for
 every method and is reported apart, in the end-to-end time). Greedy outputs are also checked equal to
 the run without speculation.
