@@ -145,7 +145,7 @@ class SpecDecoder:
         self.policy.observe_verify(r.spec_state, num_draft_tokens, num_accepted)
 
     def observe_step(self, scheduled: Sequence[Any], num_rows: int, seconds: float) -> None:
-        """The wall time of a step's forward and sampling; only steps of decodes and verifies teach the costs."""
+        """A step's forward and sampling took `seconds` (self.clock); steps of decodes and verifies only."""
         if all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in scheduled):
             self.policy.observe_step(num_rows, seconds)
 
