@@ -9,9 +9,9 @@ Two workloads (and a third on request), greedy, on the embedded SmolLM2 (chat te
               decoding): drafts are checked against the grammar and verify rows masked by it
               (runtime/spec_grammar.py), so this measures speculation on guided sequences.
 
-Methods: off, n-gram (prompt lookup, k = 4, n-grams of 2..4 tokens), and a self-draft (the target's own
-first --draft-layers layers, final norm and lm_head; k = 3). Each (workload, streams, method) runs in a
-fresh engine; the figure is decode throughput: output tokens after each request's first one, divided
+Methods: off, n-gram (prompt lookup, k = 4 to start, adaptive, n-grams of 2..4 tokens), and a self-draft
+(the target's own first --draft-layers layers, final norm and lm_head; k = 3). Each (workload, streams,
+method) runs in a fresh engine; the figure is decode throughput: output tokens after each request's first one, divided
 by the time from the moment every request had its first token to the end (the prefill is the same for
 every method and is reported apart, in the end-to-end time). Greedy outputs are also checked equal to
 the run without speculation.
@@ -22,8 +22,13 @@ CPU-time rate is what an idle core would give, and it hardly moves when other pr
 cores, which the wall-clock rate does; speedups are taken from the CPU-time rates. The methods run in
 turn, --rounds times, and each keeps its fastest round.
 
-Speculation switches itself off per sequence where it loses (runtime/spec_decode.py): a sequence whose
-drafts were accepted at a moving-average rate below 25% stops proposing and probes again every 16 steps.
+Single stream means each of the workload's prompts alone, one after another, each in a fresh engine
+(4 copy/edit prompts, 8 chat ones; --single-prompts N takes the first N); the rates are over all of them,
+and per-prompt speedups are kept in the JSON. 8 streams run the first 8 prompts (cycling) together.
+
+Speculation switches itself on and off per sequence and step (runtime/spec_policy.py): drafts are
+verified only where the tokens they are expected to add beat the measured cost of the extra rows.
+--methods and --ngram-config (JSON merged into the n-gram config) are for A/B runs; those print no verdict.
 
     .venv/bin/python bench/speculative.py [--quick] [--model PATH] [--max-tokens 64] [--draft-layers 8] [--rounds 2]
 """
@@ -149,6 +154,27 @@ def prompts(tokenizer, workload: str, streams: int) -> list[list[int]]:
     return out
 
 
+def run_single(loaded, args: argparse.Namespace, spec: dict | None, batch: list[list[int]],
+               workload: str = "") -> dict:
+    """Single stream: each prompt of the workload alone, one after another, each in a fresh engine (so
+    nothing learned on one prompt helps the next); rates are over all of them, per-prompt figures kept."""
+    runs = [run_one(loaded, args, spec, [p], workload) for p in batch]
+    res = {k: round(sum(r[k] for r in runs), 3)
+           for k in ("output_tokens", "e2e_s", "decode_s", "e2e_cpu_s", "decode_cpu_s")}
+    decode_tokens = sum(r["decode_tokens"] for r in runs)
+    res.update(e2e_tokens_per_s=round(res["output_tokens"] / res["e2e_s"], 2),
+               decode_tokens_per_s=round(decode_tokens / res["decode_s"], 2),
+               decode_tokens_per_cpu_s=round(decode_tokens / res["decode_cpu_s"], 2),
+               tokens=[r["tokens"][0] for r in runs],
+               per_prompt=[{k: r[k] for k in ("decode_tokens", "decode_cpu_s", "decode_s")} for r in runs])
+    if spec is not None:
+        draft, acc, steps = (sum(r[k] for r in runs) for k in ("draft_tokens", "accepted_tokens", "verify_steps"))
+        res.update(draft_tokens=draft, accepted_tokens=acc, verify_steps=steps,
+                   acceptance_rate=round(acc / draft, 4) if draft else 0.0,
+                   mean_accepted_length=round(1 + acc / steps, 3) if steps else 0.0)
+    return res
+
+
 def run_one(loaded, args: argparse.Namespace, spec: dict | None, batch: list[list[int]], workload: str = "") -> dict:
     from pagedserve.runtime.config import EngineConfig
     from pagedserve.runtime.engine import LLMEngine
@@ -183,7 +209,7 @@ def run_one(loaded, args: argparse.Namespace, spec: dict | None, batch: list[lis
     if guided is not None:  # an output the grammar completed is a whole record of the schema
         assert all(isinstance(json.loads(c.text), dict) for c in finished.values() if c.finish_reason == "stop")
     decode_tokens = total - tokens_at_all_first
-    res = {"output_tokens": total, "e2e_s": round(end - t0, 3),
+    res = {"output_tokens": total, "decode_tokens": decode_tokens, "e2e_s": round(end - t0, 3),
            "e2e_tokens_per_s": round(total / (end - t0), 2),
            "decode_s": round(end - all_first_at, 3),
            "decode_tokens_per_s": round(decode_tokens / (end - all_first_at), 2) if end > all_first_at else None,
@@ -210,25 +236,33 @@ def run(args: argparse.Namespace) -> dict:
                   "prompt_lookup_min": args.prompt_lookup_min},
         "draft": {"method": "draft", "draft_num_layers": args.draft_layers, "num_speculative_tokens": 3},
     }
+    methods["ngram"].update(json.loads(args.ngram_config))
+    methods = {m: spec for m, spec in methods.items() if m == "off" or m in args.methods}
     results: dict = {}
     for workload in args.workloads:
         for streams in args.streams:
-            batch = prompts(loaded.tokenizer, workload, streams)
+            distinct = {"repetitive": len(REPETITIVE), "chat": len(CHAT), "json": 1}[workload]
+            batch = prompts(loaded.tokenizer, workload, streams if streams > 1 else min(args.single_prompts, distinct))
             row = results.setdefault(workload, {}).setdefault(f"streams_{streams}", {})
             for rnd in range(args.rounds):
                 for method, spec in methods.items():
                     plots.progress(f"{workload}, {streams} stream(s), {method}, round {rnd + 1}")
-                    res = run_one(loaded, args, spec, batch, workload)
+                    res = (run_single(loaded, args, spec, batch, workload) if streams == 1
+                           else run_one(loaded, args, spec, batch, workload))
                     best = row.get(method)
                     if best is None or res["decode_cpu_s"] < best["decode_cpu_s"]:
                         row[method] = res
-            for method in ("ngram", "draft"):
+            for method in [m for m in methods if m != "off"]:
                 r = row[method]
+                if "per_prompt" in r:
+                    for mine, off in zip(r["per_prompt"], row["off"]["per_prompt"]):
+                        mine["speedup"] = round((mine["decode_tokens"] / mine["decode_cpu_s"])
+                                                / (off["decode_tokens"] / off["decode_cpu_s"]), 3)
                 r["same_tokens_as_off"] = r.pop("tokens") == row["off"]["tokens"]
                 r["speedup"] = round(r["decode_tokens_per_cpu_s"] / row["off"]["decode_tokens_per_cpu_s"], 3)
                 r["speedup_wall"] = round(r["decode_tokens_per_s"] / row["off"]["decode_tokens_per_s"], 3)
             row["off"].pop("tokens")
-    if set(results) != {"repetitive", "chat"}:  # a partial run: the figures, no verdict
+    if set(results) != {"repetitive", "chat"} or set(methods) != {"off", "ngram", "draft"}:  # a partial run: no verdict
         return {"benchmark": NAME, "quick": args.quick, "claim": CLAIM, "environment": env, "results": results,
                 "config": {"model": loaded.name, "methods": methods}, "summary": {}}
     rep1 = results["repetitive"][f"streams_{args.streams[0]}"]["ngram"]["speedup"]
@@ -247,7 +281,8 @@ def run(args: argparse.Namespace) -> dict:
     }
     return {"benchmark": NAME, "quick": args.quick, "claim": CLAIM,
             "config": {"model": loaded.name, "max_tokens": args.max_tokens, "streams": args.streams,
-                       "rounds": args.rounds, "speedup_from": "decode tokens per CPU second (process_time)",
+                       "rounds": args.rounds, "single_stream_prompts": args.single_prompts,
+                       "speedup_from": "decode tokens per CPU second (process_time)",
                        "draft_layers": args.draft_layers, "cpu_threads": args.cpu_threads, "device": args.device,
                        "sampling": "greedy", "methods": methods},
             "environment": env, "results": results, "summary": summary}
@@ -288,6 +323,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--workloads", nargs="+", default=["repetitive", "chat"], choices=["repetitive", "chat", "json"],
                     help="json: guided decoding (not in the default run)")
     ap.add_argument("--draft-layers", type=int, default=None, help="self-draft layers; default 8 (1 with --quick)")
+    ap.add_argument("--methods", nargs="+", default=["ngram", "draft"], choices=["ngram", "draft"],
+                    help="methods run beside 'off' (default both)")
+    ap.add_argument("--ngram-config", default="{}",
+                    help='JSON merged into the n-gram speculative_config, e.g. \'{"min_acceptance_rate": 0}\'')
+    ap.add_argument("--single-prompts", type=int, default=None,
+                    help="single stream: how many of the workload's prompts run, one at a time "
+                         "(default all; 2 with --quick)")
     ap.add_argument("--cpu-threads", type=int, default=1,
                     help="numpy BLAS threads (default 1: the CPU-time rates assume one thread)")
     ap.add_argument("--rounds", type=int, default=None, help="runs per method, fastest kept; default 2 (1 with --quick)")
@@ -297,9 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     args = build_parser().parse_args(argv)
-    plots.fill_defaults(args, quick={"max_tokens": 8, "streams": [1, 2], "draft_layers": 1, "rounds": 1},
-                        full={"max_tokens": 64, "streams": [1, 8], "draft_layers": 8, "rounds": 2},
-                        positive=("max_tokens", "streams", "draft_layers", "rounds"))
+    plots.fill_defaults(args, quick={"max_tokens": 8, "streams": [1, 2], "draft_layers": 1, "rounds": 1,
+                                     "single_prompts": 2},
+                        full={"max_tokens": 64, "streams": [1, 8], "draft_layers": 8, "rounds": 2, "single_prompts": 8},
+                        positive=("max_tokens", "streams", "draft_layers", "rounds", "single_prompts"))
     plots.emit(NAME, run(args), args.out_dir, draw, not args.no_plot, t0)
     return 0
 

@@ -248,7 +248,10 @@ class LLMEngine:
                 self.structured.wait_for_any(timeout_s=0.05)  # only grammars left to compile: wait, do not spin
             return [o for o in failed if o is not None]
         try:
+            started = self.spec.clock() if self.spec is not None else 0.0
             results = self.runner.execute(sched, forks)
+            if self.spec is not None:  # what steps cost by their rows: the speculation policy's cost side
+                self.spec.observe_step(sched.scheduled, sched.num_batched_tokens, self.spec.clock() - started)
         except WorkerFailedError:  # a rank died: no request can run any more; the async engine stops
             raise
         except Exception as e:  # the batch's forward: every request in it fails, the others wait on

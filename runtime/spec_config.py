@@ -26,12 +26,19 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # ngram: shortest n-gram that counts as a match
     model: str | None = None  # draft: a GGUF file or HF directory with the target's vocabulary
     draft_num_layers: int | None = None  # draft without a model: the target's first N layers
-    # Switching off where speculation loses: a sequence whose drafts were accepted at a rate below
-    # this (exponential moving average over its verify steps, from an optimistic 1.0, weight 1/2 on
-    # the newest: two verify steps that accept nothing switch it off) stops proposing, and tries
-    # again every `probe_interval` steps. 0 keeps speculation always on. On a CPU a verify step of
-    # 1 + 4 tokens costs about 1.2-1.3 decode steps, which acceptance rates near 0.2-0.3 pay back.
-    min_acceptance_rate: float = 0.3
+    # Adaptive k (runtime/spec_policy.py): a sequence's k starts at num_speculative_tokens, doubles after a
+    # verify step that accepted all its drafts, halves after one that did not, never past this cap.
+    # None: 3 * num_speculative_tokens (at most 16) for ngram, whose extra drafts cost no lookup time,
+    # num_speculative_tokens (no growth) for a draft model, whose every draft is one more draft step.
+    max_num_speculative_tokens: int | None = None
+    # Switching off where speculation loses. None: a sequence verifies drafts on a step only when the
+    # tokens they are expected to add exceed what the extra rows cost, both measured (spec_policy.py).
+    # A number in [0, 1] instead: speculate while the sequence's estimated acceptance rate is at least
+    # this; 0 speculates always (tests; a device where a verify step costs no more than a decode).
+    min_acceptance_rate: float | None = None
+    # A draft model's sequence that stopped drafting tries again after this many steps (the wait doubles,
+    # up to 8x, after each try that accepts nothing). N-gram needs no probes: its proposals are checked
+    # against the generated tokens while it is off.
     probe_interval: int = 16
 
     def __post_init__(self) -> None:
@@ -53,13 +60,20 @@ class SpeculativeConfig:
         positive_int("prompt_lookup_max")
         positive_int("prompt_lookup_min")
         positive_int("probe_interval")
+        positive_int("max_num_speculative_tokens", allow_none=True)
+        if self.max_num_speculative_tokens is None:
+            k = self.num_speculative_tokens
+            self.max_num_speculative_tokens = min(16, max(k, 3 * k)) if self.method == "ngram" else k
+        if not self.num_speculative_tokens <= self.max_num_speculative_tokens <= 16:
+            raise bad("max_num_speculative_tokens", f"in [num_speculative_tokens ({self.num_speculative_tokens}), 16]")
         positive_int("draft_num_layers", allow_none=True)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
         rate = self.min_acceptance_rate
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
-            raise bad("min_acceptance_rate", "a number in [0, 1]")
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
+                                 or not 0.0 <= rate <= 1.0):
+            raise bad("min_acceptance_rate", "None or a number in [0, 1]")
         if self.model is not None and not isinstance(self.model, str):
             raise bad("model", "a path (str)")
         if self.method == "ngram" and (self.model is not None or self.draft_num_layers is not None):

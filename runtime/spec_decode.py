@@ -5,12 +5,11 @@ up to k draft tokens in `request.spec_token_ids`; the scheduler then books it as
 query, the model runner verifies the drafts (rejection_sampler.py) and the engine rolls back what was
 rejected. k is cut so a verify step can never run past max_tokens or max_model_len.
 
-Switching off where it loses. A draft costs target compute whether or not it is accepted, so each
-sequence keeps an exponential moving average of its acceptance rate (accepted / proposed per verify
-step, starting at 1.0, weight 1/2 on the newest); below `min_acceptance_rate` (0.3 by default: two verify
-steps that accept nothing) it stops proposing and tries again once every `probe_interval` steps (16), so a
-sequence where drafts never pay spends at most about one step in 16 on them. An n-gram proposer that finds
-no match proposes nothing and costs nothing.
+Whether a sequence speculates on a step, and with how many drafts, is runtime/spec_policy.py's
+decision: drafts are verified only when the tokens they are expected to add (acceptance learned per
+sequence and per engine, n-gram proposals also checked unverified against what the sequence then
+generates) exceed what the extra rows cost (step times measured by row count); k adapts to how much
+gets accepted. `min_acceptance_rate` replaces that by a fixed threshold (0: always speculate).
 
 Guided sequences (structured outputs) speculate too: their drafts are ones the grammar takes and each
 verify row is masked by the grammar's state after the drafts before it (spec_grammar.py).
@@ -18,6 +17,7 @@ verify row is masked by the grammar's state after the drafts before it (spec_gra
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -27,8 +27,7 @@ from .draft_proposer import DraftProposer, load_draft
 from .request import Request, RequestStatus
 from .spec_config import SpeculativeConfig
 from .spec_grammar import DraftGuide, guided_ngram_drafts
-
-_EMA_WEIGHT = 0.5
+from .spec_policy import Candidate, SpecPolicy
 
 
 @dataclass
@@ -48,20 +47,20 @@ class SpecDecodeStats:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-@dataclass
-class _SeqRecord:
-    acceptance: float = 1.0  # moving average of accepted / proposed (optimistic start)
-    steps_off: int = 0
-
-
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft: DraftProposer | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft: DraftProposer | None = None,
+                 gpu: bool = False) -> None:
         if (config.method == "draft") != (draft is not None):
             raise ValueError("a draft proposer is needed for method 'draft' and only then")
         self.config = config
         self.max_model_len = max_model_len
         self.draft = draft
         self.stats = SpecDecodeStats(config.method)
+        # The clock of step costs: on a CPU this process's CPU time (other processes on shared cores
+        # inflate wall time at random, not the ratio of a verify step to a decode step); on a GPU wall time.
+        self.clock = time.perf_counter if gpu else time.process_time
+        self.policy = SpecPolicy(config.num_speculative_tokens, config.max_num_speculative_tokens,
+                                 config.probe_interval, config.min_acceptance_rate, gpu, shadow=draft is None)
         self.structured: Any = None  # the engine's StructuredOutputManager: guided sequences' grammars
 
     def free(self, seq_id: str) -> None:
@@ -69,67 +68,86 @@ class SpecDecoder:
         if self.draft is not None:
             self.draft.free(seq_id)
 
-    def num_lookahead(self, r: Request) -> int:
+    def num_lookahead(self, r: Request, k: int | None = None) -> int:
         """Most drafts worth proposing: a verify step emits up to k + 1 tokens and writes k + 1 slots."""
         p = r.sampling_params
-        return max(0, min(self.config.num_speculative_tokens, p.max_tokens - r.num_output_tokens - 1,
-                          self.max_model_len - r.num_tokens - 1))
+        k = self.config.num_speculative_tokens if k is None else k
+        return max(0, min(k, p.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1))
 
     def propose(self, running: Sequence[Request]) -> None:
         """Set spec_token_ids (and spec_draft_probs) for the next step of every sequence that should speculate."""
-        chosen: list[Request] = []
-        ks: list[int] = []
+        policy, c = self.policy, self.config
+        candidates: list[Candidate] = []
+        lookups: list[list[int]] = []
+        num_decoding = 0
         for r in running:
             r.spec_token_ids, r.spec_draft_probs = [], None
             if r.status != RequestStatus.RUNNING or r.num_tokens - r.num_computed_tokens != 1:
                 continue
+            num_decoding += 1
             if r.group is not None and r.group.beam is not None:
                 continue  # beams advance together from their proposals: no speculation
             if r.group is not None and r.group.num_to_fork:
                 # The prompt's last token is still to come (chunked prefill left just it): the other samples
                 # fork from that step's one logits row, which a verify step would not hand them.
                 continue
-            k = self.num_lookahead(r)
-            if k <= 0 or not self._wants_to_speculate(r):
+            record = r.spec_state
+            if record is None:
+                record = r.spec_state = policy.new_record()
+            k = self.num_lookahead(r, record.k)
+            if self.draft is None:
+                tokens = r.all_token_ids
+                policy.catch_up(record, tokens)
+                if k <= 0:
+                    continue
+                drafts = guided_ngram_drafts(self.structured, r, k, c.prompt_lookup_min, c.prompt_lookup_max)
+                if not drafts:
+                    continue  # no match: nothing to verify or to check
+                lookups.append(drafts)
+                k = len(drafts)
+            elif k <= 0:
                 continue
-            chosen.append(r)
-            ks.append(k)
-        if not chosen:
-            return
-        if self.draft is not None:
-            guide = DraftGuide(self.structured, chosen) if self.structured is not None else None
+            candidates.append(Candidate(r, record, k))
+        chosen = policy.choose(candidates, num_decoding)
+        picked = {id(x) for x in chosen}
+        for n, cand in enumerate(candidates):
+            if id(cand) in picked:
+                cand.record.shadow = None  # verified instead
+                if self.draft is None:
+                    cand.key.spec_token_ids = lookups[n]
+            else:
+                policy.declined(cand.record)
+                if self.draft is None:
+                    policy.set_shadow(cand.record, lookups[n], cand.key.num_tokens)
+        if chosen and self.draft is not None:
+            reqs, ks = [x.key for x in chosen], [x.num_drafts for x in chosen]
+            guide = DraftGuide(self.structured, reqs) if self.structured is not None else None
+            started = self.clock()
             try:
-                proposals = self.draft.propose(chosen, ks, guide if guide is not None and guide.active else None)
+                proposals = self.draft.propose(reqs, ks, guide if guide is not None and guide.active else None)
             finally:
                 if guide is not None:
                     guide.rollback()  # the matchers move only with the tokens the target accepts
-            for r, (drafts, q) in zip(chosen, proposals):
+            for r, (drafts, q) in zip(reqs, proposals):
                 r.spec_token_ids, r.spec_draft_probs = drafts, q
-            return
-        c = self.config
-        for r, k in zip(chosen, ks):
-            r.spec_token_ids = guided_ngram_drafts(self.structured, r, k, c.prompt_lookup_min, c.prompt_lookup_max)
-
-    def _wants_to_speculate(self, r: Request) -> bool:
-        record = r.spec_state
-        if record is None:
-            record = r.spec_state = _SeqRecord()
-        if record.acceptance >= self.config.min_acceptance_rate:
-            return True
-        record.steps_off += 1
-        return record.steps_off % self.config.probe_interval == 0
+            policy.observe_drafting(max(ks), self.clock() - started)
 
     def observe(self, r: Request, num_draft_tokens: int, num_accepted: int) -> None:
-        """Count one verify step of `r` and update its moving acceptance rate."""
+        """Count one verify step of `r` and let the policy learn from it."""
         if num_draft_tokens <= 0:
             return
         s = self.stats
         s.num_drafts += 1
         s.num_draft_tokens += num_draft_tokens
         s.num_accepted_tokens += num_accepted
-        record = r.spec_state if r.spec_state is not None else _SeqRecord()
-        record.acceptance += _EMA_WEIGHT * (num_accepted / num_draft_tokens - record.acceptance)
-        r.spec_state = record
+        if r.spec_state is None:
+            r.spec_state = self.policy.new_record()
+        self.policy.observe_verify(r.spec_state, num_draft_tokens, num_accepted)
+
+    def observe_step(self, scheduled: Sequence[Any], num_rows: int, seconds: float) -> None:
+        """A step's forward and sampling took `seconds` (self.clock); steps of decodes and verifies only."""
+        if all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in scheduled):
+            self.policy.observe_step(num_rows, seconds)
 
 
 def build_spec_decoder(config: SpeculativeConfig | None, target: Callable[[], Any], backend: Any, num_blocks: int,
@@ -145,4 +163,4 @@ def build_spec_decoder(config: SpeculativeConfig | None, target: Callable[[], An
     if config.method == "draft":
         cfg, weights, name = load_draft(config.model, config.draft_num_layers, target(), use_cache)
         draft = DraftProposer(LlamaForCausalLM(cfg, weights, backend, source=name), num_blocks, block_size, seed)
-    return SpecDecoder(config, max_model_len, draft)
+    return SpecDecoder(config, max_model_len, draft, gpu=bool(getattr(backend, "is_gpu", False)))

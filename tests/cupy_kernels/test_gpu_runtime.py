@@ -339,8 +339,10 @@ def test_speculative_decoding_on_gpu_keeps_greedy_tokens_and_frees_both_pools():
                                                                             ignore_eos=True))]
     sampled = [("s", base * 2, SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=16, ignore_eos=True))]
     results = {}
-    for name, spec in (("off", None), ("ngram", {"method": "ngram", "prompt_lookup_min": 1}),
-                       ("draft", {"method": "draft", "draft_num_layers": 1, "num_speculative_tokens": 3})):
+    # min_acceptance_rate 0: always speculate (the policy could switch drafts off; this checks exactness).
+    for name, spec in (("off", None), ("ngram", {"method": "ngram", "prompt_lookup_min": 1, "min_acceptance_rate": 0.0}),
+                       ("draft", {"method": "draft", "draft_num_layers": 1, "num_speculative_tokens": 3,
+                                  "min_acceptance_rate": 0.0})):
         engine = LLMEngine(EngineConfig(device="cuda", num_kv_blocks=256, max_num_seqs=4, seed=0,
                                         speculative_config=spec), loaded=loaded)
         results[name] = _generate(engine, requests)
