@@ -161,10 +161,12 @@ def completion_bound(msg, headers: dict, deadline: float, s_per_token: float, s_
     messages, or the end of the stream): the deadline, plus its prefill (prompt tokens, from the headers)
     and the tokens it must generate before those messages: a best_of > n request sends nothing until all
     best_of samples have all their max_tokens; a streamed one, at most 9 tokens a sample."""
-    s = msg.sampling
-    max_tokens = s.max_tokens if s.HasField("max_tokens") else 16  # SamplingParams' default
-    n = s.n if s.HasField("n") else 1
-    best_of = s.best_of if s.HasField("best_of") and s.best_of else n
+    if REQUEST_ID_HEADER not in headers:  # refused: the status has already come, there is nothing to wait for
+        return deadline
+    s = msg.sampling  # admitted, so these passed the server's checks; unset ones take its defaults
+    max_tokens = max(1, s.max_tokens) if s.HasField("max_tokens") else 16  # SamplingParams' default
+    n = max(1, s.n) if s.HasField("n") else 1
+    best_of = max(n, s.best_of) if s.HasField("best_of") else n
     tokens = max_tokens * best_of if best_of > n else min(max_tokens, 9) * best_of
     prompt_tokens = int(headers.get(PROMPT_TOKENS_HEADER, 0))
     return deadline + s_per_token * tokens + s_per_prompt_token * prompt_tokens
