@@ -376,7 +376,9 @@ class GenerateStream:
 
     def admitted(self) -> Admission:
         """Wait for the response headers, which the server sends as soon as it admitted the request (before
-        generating anything). Raises PagedServeError if it refused the request (INVALID_ARGUMENT, ...)."""
+        generating anything). Raises PagedServeError if it refused the request (INVALID_ARGUMENT, ...).
+        Needs a server that sends them (this version on): an older one sends its headers with the first
+        chunk, and this then waits for the end of a stream nobody reads."""
         if self._admission is None:
             admission = _admission(self._call.initial_metadata())
             if admission is None:
