@@ -2,9 +2,12 @@
 
     streams        N concurrent Generate streams (queue limit raised): how many complete, how many are lost
     fuzz           N requests drawn by Hypothesis from the proto (bench/proto_fuzz.py), sent C at a time:
-                   each must answer OK, INVALID_ARGUMENT or RESOURCE_EXHAUSTED within the deadline; health
-                   must stay SERVING; the server's peak RSS (VmHWM) must stay within its memory budget
-                   (the engine.memory_budget log line)
+                   each must answer OK, INVALID_ARGUMENT or RESOURCE_EXHAUSTED within the deadline (a
+                   Generate answers with its admission headers, or its refusal); an admitted Generate must
+                   then get through what is read of it within its completion bound (completion_bound);
+                   nothing may be left running, waiting or holding a KV block afterwards; health must stay
+                   SERVING; the server's peak RSS (VmHWM) must stay within its memory budget (the
+                   engine.memory_budget log line). --partial FILE: the figures so far, every 50 requests
     cancels        N mid-stream cancels and N Abort RPCs, each at a random point that races completion:
                    KV blocks in use once the server is idle (must be 0)
     sigterm        SIGTERM while N streams run: each must finish or end UNAVAILABLE; exit status 0
