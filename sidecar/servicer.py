@@ -2,7 +2,8 @@
 
 Status codes: bad input -> INVALID_ARGUMENT (the ValueError's message, which names the field); full
 queue -> RESOURCE_EXHAUSTED; loading or draining -> UNAVAILABLE. A cancelled or timed-out RPC leaves
-the engine's async generator, which aborts the request and frees its blocks.
+the engine's async generator, which aborts the request and frees its blocks. Generate sends its response
+headers (request id, prompt tokens) as soon as the engine admits the request, before any generation.
 """
 
 from __future__ import annotations
