@@ -18,7 +18,7 @@ import dataclasses
 import threading
 import time
 from collections import deque
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 import anyio
 import structlog
@@ -28,6 +28,7 @@ from .executor import WorkerFailedError
 from .kv_connector import KVExport
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+from .sequence_group import SequenceGroup
 
 log = structlog.get_logger("pagedserve.engine")
 
@@ -150,8 +151,14 @@ class AsyncEngine:
     # -- requests ---------------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                       cache_salt: str | None = None, kv_export: KVExport | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs step by step. Leaving early (cancel, break) aborts it."""
+                       cache_salt: str | None = None, kv_export: KVExport | None = None,
+                       on_admitted: Callable[[SequenceGroup], Awaitable[None]] | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs step by step. Leaving early (cancel, break) aborts it.
+
+        on_admitted(group) is awaited once the request passed every check and was handed to the engine,
+        before any output: the server answers a client at once (gRPC headers) even when its first output
+        is far off (best_of > n sends nothing until every sample is done). If it raises, the request is
+        aborted like any reader that leaves early."""
         if not self.accepting or self._stop:
             raise EngineStoppedError("server is shutting down and accepts no new requests")
         if self.failure is not None:
@@ -184,6 +191,8 @@ class AsyncEngine:
         finished = False
         try:
             async with receive:
+                if on_admitted is not None:
+                    await on_admitted(request)
                 async for item in receive:
                     if isinstance(item, BaseException):
                         raise item

@@ -39,6 +39,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, Future] = OrderedDict()
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._unproducible: frozenset[int] | None = None
         self.compile_times_s: list[float] = []  # one per compile actually run (misses), for benchmarks
         self.num_hits = 0
 
@@ -54,6 +55,18 @@ class GrammarCompiler:
                 self._ll_tokenizer = llg.LLTokenizer(tok.backend.to_str(), n_vocab=n_vocab,
                                                      eos_token=list(tok.eos_token_ids) or None)
             return self._ll_tokenizer
+
+    def unproducible_bytes(self) -> frozenset[int]:
+        """The bytes no token of the vocabulary contains (a byte-level BPE may lack some control bytes:
+        SmolLM2 has no token for 0x06). A constraint that needs one can never be followed, and llguidance's
+        mask then lets a token through that its parser refuses (found by the reliability fuzz)."""
+        if self._unproducible is None:
+            ll = self.ll_tokenizer
+            seen: set[int] = set()
+            for t in range(ll.vocab_size):
+                seen.update(ll.decode_bytes([t]))
+            self._unproducible = frozenset(range(256)) - seen
+        return self._unproducible
 
     def submit(self, grammar_text: str) -> Future:
         """A Future of the template matcher for `grammar_text` (shared with every request that asks)."""

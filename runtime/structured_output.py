@@ -86,7 +86,26 @@ class StructuredOutputManager:
     # -- requests ---------------------------------------------------------------------------------
 
     def compile(self, params: StructuredOutputsParams) -> Future:
+        self.check_producible(params)
         return self.compiler.submit(params.grammar_text)
+
+    def check_producible(self, params: StructuredOutputsParams) -> None:
+        """ValueError if a regex, grammar or choice holds a character this vocabulary cannot produce: the
+        output could never match it (and llguidance would then let a wrong token through). Checked on
+        the text as written, so such a character is refused even where the constraint may not need it
+        (inside a character class, say); JSON schemas are exempt (JSON writes control bytes escaped)."""
+        kind = params.kind
+        if kind not in ("regex", "grammar", "choice"):
+            return
+        missing = self.compiler.unproducible_bytes()
+        if not missing:
+            return
+        for text in (params.choice if kind == "choice" else [getattr(params, kind)]):
+            if missing.isdisjoint(text.encode("utf-8", "surrogatepass")):
+                continue
+            ch = next(c for c in text if not missing.isdisjoint(c.encode("utf-8", "surrogatepass")))
+            raise ValueError(f"structured_outputs.{kind} holds {ch!r}, which no token of this model's vocabulary "
+                             f"can produce: the output could never match it")
 
     def track(self, group: Any) -> None:
         """An added group with a grammar: poll_failed reports it if its compile fails."""

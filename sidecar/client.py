@@ -39,6 +39,7 @@ from .pb import generation_pb2 as pb
 from .pb import generation_pb2_grpc as pb_grpc
 
 __all__ = [
+    "Admission",
     "AsyncGenerateStream",
     "AsyncPagedServeClient",
     "GenerateStream",
@@ -64,6 +65,12 @@ _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
 SAMPLING_FIELDS = frozenset(f.name for f in pb.SamplingParams.DESCRIPTOR.fields)
 # Guided decoding, as plain keywords: generate(prompt, json_schema={...}) (or regex=, choice=, ...).
 CONSTRAINT_KWARGS = frozenset(f.name for f in pb.StructuredOutputs.DESCRIPTOR.fields)
+
+# Generate's response headers (gRPC initial metadata), sent as soon as the server admits a request, before
+# any generation. The id is binary metadata (UTF-8 bytes): a client may choose any id, not only one that is
+# a valid ASCII header value.
+REQUEST_ID_HEADER = "pagedserve-request-id-bin"
+PROMPT_TOKENS_HEADER = "pagedserve-prompt-tokens"
 
 Prompt = Union[str, Sequence[int]]
 ChatMessage = Mapping[str, str]  # {"role": ..., "content": ...}, as in the OpenAI API
@@ -122,6 +129,23 @@ class GenerationChunk:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Generate's response headers: the server checked the request and handed it to the engine. They come
+    before any chunk, at once, however long the first chunk takes (best_of > n: until every sample is done)."""
+
+    request_id: str
+    prompt_tokens: int
+
+
+def _admission(metadata: Any) -> Admission | None:
+    values = dict(metadata or ())
+    if REQUEST_ID_HEADER not in values:  # refused: the call ended with a status and no headers of ours
+        return None
+    rid = values[REQUEST_ID_HEADER]
+    return Admission(rid.decode() if isinstance(rid, bytes) else rid, int(values.get(PROMPT_TOKENS_HEADER, 0)))
 
 
 @dataclass(frozen=True)
@@ -345,9 +369,23 @@ class GenerateStream:
         self._done = False
         self.request_id: str | None = request_id or None
         self.usage: Usage | None = None
+        self._admission: Admission | None = None
 
     def __iter__(self) -> GenerateStream:
         return self
+
+    def admitted(self) -> Admission:
+        """Wait for the response headers, which the server sends as soon as it admitted the request (before
+        generating anything). Raises PagedServeError if it refused the request (INVALID_ARGUMENT, ...).
+        Needs a server that sends them (this version on): an older one sends its headers with the first
+        chunk, and this then waits for the end of a stream nobody reads."""
+        if self._admission is None:
+            admission = _admission(self._call.initial_metadata())
+            if admission is None:
+                raise PagedServeError(self._call.code(), self._call.details() or "no response headers")
+            self._admission = admission
+            self.request_id = admission.request_id
+        return self._admission
 
     def __next__(self) -> GenerationChunk:
         while not self._done:
@@ -402,9 +440,20 @@ class AsyncGenerateStream:
         self._done = False
         self.request_id: str | None = request_id or None
         self.usage: Usage | None = None
+        self._admission: Admission | None = None
 
     def __aiter__(self) -> AsyncGenerateStream:
         return self
+
+    async def admitted(self) -> Admission:
+        """Wait for the response headers (see GenerateStream.admitted)."""
+        if self._admission is None:
+            admission = _admission(await self._call.initial_metadata())
+            if admission is None:
+                raise PagedServeError(await self._call.code(), await self._call.details() or "no response headers")
+            self._admission = admission
+            self.request_id = admission.request_id
+        return self._admission
 
     async def __anext__(self) -> GenerationChunk:
         while not self._done:

@@ -2,7 +2,8 @@
 
 Status codes: bad input -> INVALID_ARGUMENT (the ValueError's message, which names the field); full
 queue -> RESOURCE_EXHAUSTED; loading or draining -> UNAVAILABLE. A cancelled or timed-out RPC leaves
-the engine's async generator, which aborts the request and frees its blocks.
+the engine's async generator, which aborts the request and frees its blocks. Generate sends its response
+headers (request id, prompt tokens) as soon as the engine admits the request, before any generation.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pagedserve.runtime.outputs import RequestOutput
 from pagedserve.runtime.sampling_params import SamplingParams
 from pagedserve.runtime.structured_outputs_params import StructuredOutputsParams
 
+from .client import PROMPT_TOKENS_HEADER, REQUEST_ID_HEADER
 from .pb import generation_pb2 as pb
 from .pb import generation_pb2_grpc as pb_grpc
 
@@ -137,7 +139,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             params = sampling_params_from_proto(request.sampling)
             prompt = await _off_loop_if_large(request, self._prompt, engine, request)
             whole = (params.best_of or params.n) > params.n  # best_of: only the chosen n, at the end
-            outputs = engine.generate(request_id, prompt, params, cache_salt=request.cache_salt or None)
+            outputs = engine.generate(request_id, prompt, params, cache_salt=request.cache_salt or None,
+                                      on_admitted=lambda group: self._send_headers(context, request_id, group))
             async with contextlib.aclosing(outputs):  # leaving early aborts the request at once
                 async for out in outputs:
                     last = out
@@ -183,6 +186,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if n0 > 1 and m.first_token_time is not None and m.finished_time is not None:
                 tpot = (m.finished_time - m.first_token_time) / (n0 - 1)
         self.metrics.observe_request(outcome, time.monotonic() - start, ttft, tpot, prompt_tokens, generated)
+
+    async def _send_headers(self, context, request_id: str, group) -> None:
+        """Answer at once, before any generation: the request passed every check and is in the engine.
+        The headers carry its id and prompt length, so a client can tell an admitted request that is
+        still working (best_of > n sends no message until every sample is done) from a hung server."""
+        metadata = ((REQUEST_ID_HEADER, request_id.encode()), (PROMPT_TOKENS_HEADER, str(len(group.prompt_token_ids))))
+        try:
+            await asyncio.wait_for(context.send_initial_metadata(metadata), self.slow_reader_timeout)
+        except asyncio.TimeoutError:
+            raise SlowReaderError(f"the client took no headers for {self.slow_reader_timeout:g} s "
+                                  f"(slow_reader_timeout); the request was aborted") from None
+        except (grpc.aio.InternalError, grpc.aio.UsageError):  # the call already ended (see _write)
+            raise ClientGoneError() from None
 
     async def _write(self, context, message: pb.GenerateResponse) -> None:
         try:

@@ -77,6 +77,15 @@ class GenerationServicer:
         samples are interleaved; `Chunk.index` says which sample a chunk belongs to, and each sample
         ends with one chunk whose `finish_reason` is set.
 
+        Response headers (gRPC initial metadata) come as soon as the server has checked the request and
+        handed it to the engine, before anything is generated:
+        pagedserve-request-id-bin  the request's id (UTF-8; binary metadata, as an id may be any text)
+        pagedserve-prompt-tokens   tokens in the prompt (after the chat template), decimal
+        They are the server's answer that the request was admitted: a refused request gets none, only its
+        status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE). They say nothing about the first
+        token: time to first token is still the first `chunk`, which for best_of > n comes only once every
+        sample is done (the chosen n are sent whole, at the end).
+
         Cancelling the RPC (or letting its deadline pass) aborts the request; its KV blocks are freed at
         once.
         """

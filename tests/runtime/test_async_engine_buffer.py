@@ -92,3 +92,39 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(engine):
 
     # Encoding 520k characters takes far longer than the few loop turns a GIL-holding encode would allow.
     assert anyio.run(main) > 20
+
+
+def test_on_admitted_runs_before_any_output_and_a_failing_one_aborts(engine):
+    """The server's admission headers: on_admitted sees the checked request before its first output; if it
+    raises (the client went away), the request is aborted like any reader that leaves early."""
+    params = SamplingParams(n=1, best_of=3, temperature=0.8, seed=1, max_tokens=8, ignore_eos=True)
+    events = []
+
+    async def admitted(group):
+        events.append(("admitted", group.request_id, len(group.prompt_token_ids)))
+
+    async def refuse(group):
+        raise ConnectionError("the client is gone")
+
+    async def main():
+        ae = AsyncEngine(engine)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ae.run)
+            async for out in ae.generate("ok", [5, 6, 7], params, on_admitted=admitted):
+                events.append(("output", out.finished))
+            with pytest.raises(ConnectionError):
+                async for _ in ae.generate("gone", [5, 6, 7], params, on_admitted=refuse):
+                    pass
+            with pytest.raises(ValueError):  # refused before admission: on_admitted never runs
+                async for _ in ae.generate("bad", [5, 99999], params, on_admitted=admitted):
+                    pass
+            deadline = time.monotonic() + 30
+            while engine.has_unfinished_requests() or "gone" in ae._streams:
+                assert time.monotonic() < deadline
+                await anyio.sleep(0.01)
+            ae.stop()
+
+    anyio.run(main)
+    assert events[0] == ("admitted", "ok", 3) and events[-1] == ("output", True)
+    assert [e for e in events if e[0] == "admitted"] == [events[0]]
+    assert engine.kv_manager.usage().num_used_blocks == 0

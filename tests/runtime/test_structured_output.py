@@ -82,6 +82,22 @@ def test_bad_constraint_takes_no_block(tiny):
     assert not engine.has_unfinished_requests() and engine.kv_manager.usage().num_used_blocks == 0
 
 
+def test_a_character_the_vocabulary_cannot_produce_is_refused(smollm2_loaded):
+    # Found by the reliability fuzz: SmolLM2's byte-level vocabulary has no token holding byte 0x06, so
+    # a regex needing it can never match; llguidance's mask then let a wrong token through, its parser
+    # refused that token, and the request failed INTERNAL mid-stream. It is now refused up front.
+    from pagedserve.runtime.structured_output import StructuredOutputManager
+
+    manager = StructuredOutputManager(smollm2_loaded.tokenizer, smollm2_loaded.config.vocab_size)
+    missing = manager.compiler.unproducible_bytes()
+    assert 0x06 in missing and 0x1B not in missing and not missing & set(b"az{}\n")
+    for kwargs, field in [(dict(regex="vR8\u00bf\x1bz\x06"), "regex"), (dict(choice=["ok", "n\x06o"]), "choice")]:
+        with pytest.raises(ValueError, match=rf"structured_outputs\.{field} holds '\\x06', which no token"):
+            manager.compile(SO(**kwargs))
+    assert manager.compile(SO(regex="vR8\u00bf\x1bz")).result().is_error() is False  # ESC has a token
+    assert manager.compile(SO(json={"const": "a\u0006"})).result() is not None  # JSON escapes it: allowed
+
+
 # -- the bitmask ------------------------------------------------------------------------------------
 
 

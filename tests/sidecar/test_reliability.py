@@ -45,8 +45,14 @@ def test_concurrent_streams_all_complete_and_the_json_record(tmp_path):
 
 
 def test_fuzzed_requests_each_get_an_expected_answer(rel, tmp_path):
-    r = run(rel, "fuzz", tmp_path)
+    partial = tmp_path / "partial.json"
+    r = rel.run_one("fuzz", tmp_path, TINY, rel.QUICK, quick=True, partial=str(partial))
     assert r["requests"] == 300 and r["unexpected"] == 0, r["unexpected_examples"]
+    written = json.loads(partial.read_text())  # what a cut-off run would have left, here at the end
+    assert written["final"] and written == {k: v for k, v in r.items() if k in written}
+    # Every accepted Generate was answered by its headers (on admission), then ended within its bound.
+    assert 0 < r["generate_admitted"] == r["by_rpc"].get("Generate:OK", 0)
+    assert r["running_after"] == r["waiting_after"] == 0
     assert set(r["outcomes"]) <= {"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
     assert r["outcomes"].get("OK", 0) > 50 and r["outcomes"].get("INVALID_ARGUMENT", 0) > 50  # both paths ran
     assert r["always_serving"] and r["rss_within_budget"] and r["kv_blocks_used_after"] == 0 and r["exit_code"] == 0

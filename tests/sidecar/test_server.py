@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 import threading
@@ -14,7 +15,8 @@ from server_proc import TINY, ServerProcess, client_for, wait_idle
 
 from pagedserve.cupy_kernels.blas_threads import blas_info
 from pagedserve.runtime import LLM, SamplingParams
-from pagedserve.sidecar.client import PagedServeError
+from pagedserve.sidecar import client as client_mod
+from pagedserve.sidecar.client import AsyncPagedServeClient, PagedServeError
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +151,47 @@ def test_bad_input_is_invalid_argument_and_the_server_carries_on(server, offline
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert needle in err.value.message
         assert_serves_normally(c, offline)
+
+
+def test_headers_come_on_admission_before_a_best_of_request_is_done(server, offline):
+    # best_of > n sends no chunk until every sample is done; the headers must not wait for that. The
+    # request is still in the engine when its headers arrive, so the Abort RPC finds it and its one
+    # chunk is the aborted whole. (Before headers were sent on admission they came with that chunk,
+    # once the request had finished, and the Abort found nothing.)
+    with client_for(server) as c:
+        stream = c.generate([5, 6, 7], n=1, best_of=4, max_tokens=480, ignore_eos=True, seed=1,
+                            request_id="best-of-headers")
+        admission = stream.admitted()
+        assert admission == client_mod.Admission(request_id="best-of-headers", prompt_tokens=3)
+        assert c.abort("best-of-headers") is True
+        chunks = list(stream)
+        assert [ch.finish_reason for ch in chunks] == ["abort"]
+        assert stream.usage.request_id == "best-of-headers"
+        # A normal stream: the headers carry the id the server assigned (the one usage repeats later).
+        stream = c.generate("hello", max_tokens=2, temperature=0.0)
+        admission = stream.admitted()
+        list(stream)
+        assert admission.request_id == stream.usage.request_id and len(admission.request_id) == 32
+        assert admission.prompt_tokens == stream.usage.prompt_tokens > 0
+        # A refused request gets no headers: admitted() raises its status.
+        with pytest.raises(PagedServeError) as err:
+            c.generate("hi", best_of=2**31 - 1).admitted()
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "best_of" in err.value.message
+        assert_serves_normally(c, offline)
+
+
+async def _async_admission(server) -> tuple:
+    async with AsyncPagedServeClient(server.socket) as c:
+        stream = c.generate([5, 6, 7], n=2, best_of=3, max_tokens=4, ignore_eos=True, request_id="async-ids-\u00e9")
+        admission = await stream.admitted()
+        chunks = [ch async for ch in stream]
+        return admission, chunks
+
+
+def test_async_client_admission(server):
+    admission, chunks = asyncio.run(_async_admission(server))
+    assert admission == client_mod.Admission(request_id="async-ids-\u00e9", prompt_tokens=3)  # not ASCII: -bin header
+    assert sorted(ch.index for ch in chunks) == [0, 1] and all(len(ch.token_ids) == 4 for ch in chunks)
 
 
 def test_bad_chat_messages(server, offline):
