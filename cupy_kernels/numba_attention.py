@@ -1,22 +1,29 @@
 """Unified paged attention compiled with numba: prefill chunks and decodes in one varlen call, K/V read in
-place from the block pool (no gather copy), online softmax, grouped-query heads packed so a KV block is
-read once per group. Same signature and result (within float32 rounding) as paged_attention.paged_attention,
-the numpy reference it is tested against (tests/cupy_kernels/test_numba_attention.py).
+place from the block pool (no gather copy), grouped-query heads packed so a K/V row is read once for its G
+query heads. Same signature and result (within float32 rounding) as paged_attention.paged_attention, the
+numpy reference it is tested against (tests/cupy_kernels/test_numba_attention.py).
 
-Work is cut into items (sequence, kv head, tile of up to Q_TILE query tokens) and the items run in a
-`prange`, one item per thread at a time (chunk size 1: prefill tiles cost far more than decodes, so a
-static split would leave a thread idle). An item holds its G x tile query rows (G = query heads per kv
-head) and walks its sequence's block table:
+Work is cut into items (sequence, tile of up to Q_TILE query tokens: a decode is one item of one token),
+and consecutive items into CHUNKS_PER_THREAD chunks per thread of about equal cost, run in a `prange`
+taken dynamically (a thread slowed by another process on a shared host takes fewer). A chunk allocates its
+scratch once. An item holds its tile x H query rows and walks its sequence's blocks in order:
 
-    for each block b the tile can see:          K/V rows read in place: k_cache[block_table[b], :, h, :]
-        S = Q . K^T   [G*tile, block_size]      each K row is used by every query row of the group
-        causal mask: key position <= query position (rows past it are simply not computed)
-        m' = max(m, max S); P = exp(S - m'); l = l * exp(m - m') + sum P; acc = acc * exp(m - m') + P . V
+    for each segment of up to K_SEGMENT keys the tile can see (whole blocks):
+        S = Q . K^T                     each K row (all kv heads of a token: contiguous) read once,
+                                        used by the G query heads of its kv head; causal: key pos <= row pos
+        m' = max(m, max S); P = exp(S - m'); l = l * exp(m - m') + sum P     (one softmax per segment;
+        acc = acc * exp(m - m') + P . V                                       the rescale only past 512 keys)
     out = acc / l
 
-Batch invariance: a query row's arithmetic (its blocks, in order, and the fixed vector width of its dot
-products) depends only on its own sequence and position: not on the tile it landed in, the other
-sequences in the batch, whether its prompt was chunked, or the thread that ran it.
+A decode step reads every sequence's whole context from a pool far larger than the L3 cache, and blocks lie
+anywhere in it: the next block's rows are prefetched while this block is computed (K blocks while scores
+are computed, then the segment's first V block, and so on), which halved the CPU time of a 64-sequence
+decode step; the dot products are vectorised over head_dim.
+
+Batch invariance: a query row's arithmetic (its keys, in order, in segments at fixed positions, and the
+fixed vector width of its dot products, in the one loop nest every item runs) depends only on its own
+sequence and position: not on the tile it landed in, the other sequences in the batch, whether its prompt
+was chunked (a chunk of one token included), or the thread that ran it.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from . import paged_attention as reference
 from .numba_ops import fast_exp
 from .numba_setup import JIT, apply_threads, numba
 
-Q_TILE = 16  # query tokens per prefill work item: Q_TILE * H score rows share each K/V row read
+Q_TILE = 16  # query tokens per prefill item: its Q_TILE * H score rows share each K/V row read
 K_SEGMENT = 512  # keys whose scores are held at once; softmax is exact within a segment, rescaled across
 CHUNKS_PER_THREAD = 4  # work is cut into this many equal-cost chunks per thread, taken dynamically
 # Below this many multiply-adds (Q.K and P.V together) a call runs on one thread: waking the pool costs more.
