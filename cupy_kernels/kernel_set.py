@@ -102,17 +102,19 @@ def cuda_kernels() -> KernelSet:
 
 
 def cpu_kernels(choice: str = "auto") -> KernelSet:
-    """The CPU kernel set: "numba" (compiled) or "numpy" (the reference).
+    """The CPU kernel set: "numba" (compiled) or "numpy" (the reference); "auto" is numba when it imports.
 
-    "auto" is the numpy reference for now. On the 2-core test host, with numpy's OpenBLAS on 2 threads,
-    the numba set made the matmuls between its kernels several times slower (bench/throughput.py, 64
-    requests: 348 s against 24 s; with one BLAS thread both sets took the same time) and the cause is
-    not yet understood (docs/benchmarks.md). Until a quiet machine says otherwise, numba is opt-in.
+    Measured on the quiet 2-core test host with 2 OpenBLAS threads (docs/benchmarks.md, 2026-11-30 evening,
+    after the attention rework): 64 requests 426 vs 377 output tok/s, 256 requests 400 vs 335, one request
+    15.9-16.3 vs 16.8-17.3 ms/token, numba vs numpy. The earlier slowdown of the matmuls between numba
+    kernels belonged to a loaded machine: loaded, both sets suffer it alike.
     """
     if choice not in CPU_KERNEL_SETS:
         raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_SETS}, got {choice!r}")
-    if choice in ("numpy", "auto"):
+    if choice == "numpy":
         return numpy_kernels()
     if importlib.util.find_spec("numba") is None:
+        if choice == "auto":
+            return numpy_kernels()
         raise ValueError("cpu_kernels='numba' was asked for, but numba is not installed")
     return numba_kernels()

@@ -20,7 +20,7 @@ def test_every_set_has_every_op():
 
 def test_cpu_choice():
     assert get_backend("cpu", "numpy").ops is kernel_set.numpy_kernels()
-    assert get_backend("cpu").ops is kernel_set.numpy_kernels()  # "auto": the reference, for now
+    assert get_backend("cpu").ops is kernel_set.numba_kernels()  # "auto": numba, installed with the package
     assert get_backend("cpu", "numba").ops is kernel_set.numba_kernels()
     with pytest.raises(ValueError, match="cpu_kernels must be one of"):
         get_backend("cpu", "fast")
@@ -49,3 +49,10 @@ def test_to_host():
             return np.array([7])
 
     assert to_host(Device()).tolist() == [7]
+
+
+def test_auto_without_numba_is_the_reference(monkeypatch):
+    monkeypatch.setattr(kernel_set.importlib.util, "find_spec", lambda name: None)
+    assert kernel_set.cpu_kernels("auto") is kernel_set.numpy_kernels()
+    with pytest.raises(ValueError, match="numba is not installed"):
+        kernel_set.cpu_kernels("numba")

@@ -73,6 +73,16 @@ def test_chunk_and_tile_boundaries():
     check(*make_batch(rng, seqs, num_kv=2, group=3, head_dim=64, block_size=16))
 
 
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_contexts_longer_than_a_segment(block_size):
+    """Scores are held K_SEGMENT keys at a time and rescaled across segments: decodes and chunks whose
+    keys end on, just past and well past segment boundaries, and chunks that straddle one."""
+    rng = np.random.default_rng(12 + block_size)
+    seg = na.K_SEGMENT
+    seqs = [(seg, 1), (seg + 1, 1), (2 * seg + 37, 1), (seg + 20, 40), (seg, seg), (2 * seg + 5, 3)]
+    check(*make_batch(rng, seqs, num_kv=2, group=3, head_dim=64, block_size=block_size))
+
+
 def test_empty_batches_and_sequences_without_new_tokens():
     rng = np.random.default_rng(8)
     q, k, v, qsl, lens, tables = make_batch(rng, [(5, 1)], 1, 2, 64, 8)
@@ -93,10 +103,11 @@ def test_batch_invariant_and_chunking_invariant_bit_for_bit():
         alone = na.paged_attention(q[a:b], k, v, np.array([0, b - a], np.int32), lens[i : i + 1], tables[i : i + 1],
                                    0.125)
         np.testing.assert_array_equal(alone, together[a:b])
-    # Sequence 0's prompt as chunks of 30 + 25 + 15: each row sees the same keys in the same order.
+    # Sequence 0's prompt as chunks of 30 + 1 + 24 + 15 (a one-token chunk runs as a decode does): each row
+    # sees the same keys in the same order.
     a = int(qsl[0])
     parts = [na.paged_attention(q[a + s : a + e], k, v, np.array([0, e - s], np.int32), np.array([e], np.int32),
-                                tables[:1], 0.125) for s, e in ((0, 30), (30, 55), (55, 70))]
+                                tables[:1], 0.125) for s, e in ((0, 30), (30, 31), (31, 55), (55, 70))]
     np.testing.assert_array_equal(np.concatenate(parts), together[a : a + 70])
 
 
