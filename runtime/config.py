@@ -35,8 +35,8 @@ class EngineConfig:
     # else every core; with tensor_parallel_size N, cores / N per rank). On a host shared with busy
     # processes, fewer threads are faster.
     cpu_threads: int | None = None
-    # CPU kernels: "numba" (compiled, opt-in for now) or "numpy" (the reference); "auto" = numpy for now
-    # (cupy_kernels/kernel_set.cpu_kernels says why).
+    # CPU kernels: "numba" (compiled) or "numpy" (the reference); "auto" = numba when it imports, else numpy
+    # (cupy_kernels/kernel_set.cpu_kernels).
     cpu_kernels: str = "auto"
     use_weight_cache: bool = True
     # Tensor parallelism (runtime/executor.py): ranks that each hold 1/N of every layer's heads and MLP.

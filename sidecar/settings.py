@@ -33,7 +33,7 @@ class Settings:
     enable_cuda_graphs: bool = True
     cuda_graph_batch_sizes: str | None = None  # "1,2,4,8"; None = runtime.cuda_graphs' defaults
     cpu_threads: int | None = None  # numpy's BLAS threads; None = OPENBLAS_NUM_THREADS, else every core
-    cpu_kernels: str = "auto"  # "numba" (compiled, opt-in), "numpy" (the reference) or "auto" (numpy for now)
+    cpu_kernels: str = "auto"  # "numba" (compiled), "numpy" (the reference) or "auto" (numba if it imports)
     seed: int | None = 0
     tensor_parallel_size: int = 1  # ranks that split every layer (one process each; one GPU each on GPUs)
     distributed_executor: str = "mp"  # how ranks start: "mp" (local processes) or "ray" (Ray actors, several hosts)
