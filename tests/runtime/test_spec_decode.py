@@ -164,7 +164,7 @@ def _next3(engine, prompt, num, temperature, seed_base):
 
 @pytest.mark.slow
 def test_end_to_end_samples_match_the_distribution_without_speculation(tiny):
-    """4,000 samples of the next 3 tokens from one context, with a self-draft and without: one distribution.
+    """20,000 samples of the next 3 tokens from one context, with a self-draft and without: one distribution.
 
     The second token is a verified draft (accepted about 15% of the time here, so both the acceptance and the
     residual draw matter) and the third the bonus or the target's own. The 20,000-sample test of the rule itself,
@@ -172,7 +172,7 @@ def test_end_to_end_samples_match_the_distribution_without_speculation(tiny):
     """
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 512, size=17)]
     kw = dict(max_num_batched_tokens=4096, max_num_seqs=256, num_kv_blocks=2048)
-    num = 4000
+    num = 20_000
     plain = _next3(make_engine(tiny, **kw), prompt, num, 1.5, 0)
     spec = {"method": "draft", "draft_num_layers": 1, "num_speculative_tokens": 2, "min_acceptance_rate": 0.0}
     e = make_engine(tiny, spec, **kw)
