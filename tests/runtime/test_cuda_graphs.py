@@ -18,7 +18,6 @@ from pagedserve.models.batch import SeqChunk, build_forward_batch
 from pagedserve.models.device_batch import unpack_batch
 from pagedserve.models.kv_cache import allocate_kv_caches
 from pagedserve.models.llama import LlamaForCausalLM
-from pagedserve.models.loader import load_model
 from pagedserve.runtime.config import EngineConfig
 from pagedserve.runtime.cuda_graphs import (
     DEFAULT_BATCH_SIZES, ArenaAllocator, ArenaExhausted, DecodeGraphs, build_decode_graphs, context_buckets,
@@ -220,11 +219,6 @@ def test_build_decode_graphs_only_on_the_gpu_and_when_enabled():
     assert build_decode_graphs(EngineConfig(max_num_seqs=6), model, kv, 64, FakeCapturer(fail_on_capture=1)) is None
 
 
-@pytest.fixture(scope="module")
-def tiny(data_dir):
-    return load_model(data_dir / "tiny-llama")
-
-
 def test_engine_steps_through_graphs_give_the_eager_tokens(tiny):
     """The model runner's routing: decode steps replay graphs, prefill steps stay eager, and greedy and
     seeded outputs are the eager engine's."""
@@ -259,7 +253,6 @@ def test_engine_steps_through_graphs_give_the_eager_tokens(tiny):
     for k in eager:
         tol = len(eager[k][0]) * 2 * model_tol(tiny.config, scale)
         assert with_graphs[k][1] == pytest.approx(eager[k][1], rel=0, abs=tol)
-
 
 
 def test_context_buckets_double_the_partitions_up_to_max_model_len():

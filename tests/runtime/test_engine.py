@@ -5,15 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedserve.models.loader import load_model
 from pagedserve.runtime.config import EngineConfig
 from pagedserve.runtime.engine import LLMEngine
 from pagedserve.runtime.sampling_params import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def tiny(data_dir):
-    return load_model(data_dir / "tiny-llama")
 
 
 def make_engine(tiny, **kw):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.models.loader import load_model
 from pagedserve.runtime import model_runner
 from pagedserve.runtime.config import EngineConfig
 from pagedserve.runtime.engine import LLMEngine
@@ -18,11 +17,6 @@ from pagedserve.runtime.sampling_params import SamplingParams
 POISON = 499  # a token id that only the bad request's prompt holds
 GOOD = {f"good{i}": [3 + (i * 11 + j) % 400 for j in range(7 + 9 * i)] for i in range(4)}
 BAD_PROMPT = [5, 6, POISON, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
-
-
-@pytest.fixture(scope="module")
-def tiny(data_dir):
-    return load_model(data_dir / "tiny-llama")
 
 
 def make_engine(tiny):

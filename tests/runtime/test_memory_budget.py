@@ -4,17 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.models.loader import load_model
 from pagedserve.runtime import engine as engine_mod
 from pagedserve.runtime.config import EngineConfig
 from pagedserve.runtime.engine import LLMEngine
 from pagedserve.runtime.memory_budget import activation_bytes, host_memory_available, resident_bytes
 from pagedserve.runtime.worker import Worker
-
-
-@pytest.fixture(scope="module")
-def tiny(data_dir):
-    return load_model(data_dir / "tiny-llama")
 
 
 def test_budget_adds_up(tiny):

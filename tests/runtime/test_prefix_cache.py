@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
-from pagedserve.models.loader import load_model
 from pagedserve.runtime.block_pool import BlockPool
 from pagedserve.runtime.config import EngineConfig
 from pagedserve.runtime.engine import LLMEngine
 from pagedserve.runtime.kv_cache_manager import KVCacheManager
 from pagedserve.runtime.sampling_params import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def tiny(data_dir):
-    return load_model(data_dir / "tiny-llama")
 
 
 def engine(tiny, **kw):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedserve.models.loader import load_model
 from pagedserve.runtime.config import EngineConfig
 from pagedserve.runtime.engine import LLMEngine
 from pagedserve.runtime.kv_connector import (KVConnector, KVExport, KVHandshakeError, KVLoadResult, KVTransferError,
@@ -17,11 +16,6 @@ from pagedserve.runtime.kv_connector import (KVConnector, KVExport, KVHandshakeE
 from pagedserve.runtime.kv_shm import ShmSegment
 from pagedserve.runtime.request import RequestStatus
 from pagedserve.runtime.sampling_params import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def tiny(data_dir):
-    return load_model(data_dir / "tiny-llama")
 
 
 def make_engine(tiny, **kw):

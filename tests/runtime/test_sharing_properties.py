@@ -3,20 +3,13 @@ enough to preempt, keeps the block pool consistent after every step and ends wit
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from pagedserve.models.loader import load_model
 from pagedserve.runtime.beam_search import BeamSearchParams
 from pagedserve.runtime.config import EngineConfig
 from pagedserve.runtime.engine import LLMEngine
 from pagedserve.runtime.sampling_params import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def tiny(data_dir):
-    return load_model(data_dir / "tiny-llama")
 
 
 PREFIXES = [[7] * 40, list(range(3, 60)), [9, 8, 7] * 11]

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from chi_square import two_sample
 
-from pagedserve.models.loader import load_model
 from pagedserve.runtime.async_engine import _spec_fields
 from pagedserve.runtime.config import EngineConfig
 from pagedserve.runtime.engine import LLMEngine
@@ -15,11 +14,6 @@ from pagedserve.runtime.spec_config import SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
          "min_acceptance_rate": 0.0}
-
-
-@pytest.fixture(scope="module")
-def tiny(data_dir):
-    return load_model(data_dir / "tiny-llama")
 
 
 def specs(data_dir):

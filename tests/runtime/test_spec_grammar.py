@@ -12,7 +12,6 @@ import re
 import numpy as np
 import pytest
 
-from pagedserve.models.loader import load_model
 from pagedserve.runtime.beam_search import BeamSearchParams
 from pagedserve.runtime.config import EngineConfig
 from pagedserve.runtime.engine import LLMEngine
@@ -29,11 +28,6 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
 # A fragment the prompt repeats and the regex asks for again: prompt lookup finds it, the target takes it.
 ECHO_TEXT = "id=ab12-cd34; id=ab12-cd34; id="
 ECHO = r"ab12-cd34; id=ab12-cd34"
-
-
-@pytest.fixture(scope="module")
-def tiny(data_dir):
-    return load_model(data_dir / "tiny-llama")
 
 
 def specs(data_dir):

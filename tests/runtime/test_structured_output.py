@@ -11,7 +11,6 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from pagedserve.models.loader import load_model
 from pagedserve.runtime.config import EngineConfig
 from pagedserve.runtime.engine import LLMEngine
 from pagedserve.runtime.sampling_ops import apply_token_bitmask
@@ -19,11 +18,6 @@ from pagedserve.runtime.sampling_params import SamplingParams
 from pagedserve.runtime.structured_outputs_params import MAX_CONSTRAINT_CHARS, StructuredOutputsParams as SO
 
 DATE = r"[0-9]{4}-(0[1-9]|1[0-2])-[0-3][0-9]"
-
-
-@pytest.fixture(scope="module")
-def tiny(data_dir):
-    return load_model(data_dir / "tiny-llama")
 
 
 def make_engine(tiny, **kw):
