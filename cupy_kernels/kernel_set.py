@@ -63,10 +63,11 @@ def numpy_kernels() -> KernelSet:
 @functools.lru_cache(maxsize=None)
 def numba_kernels() -> KernelSet:
     """The numba kernels where there is one, the numpy reference elsewhere (embedding, matmuls)."""
-    from . import numba_attention, numba_ops  # imports (and configures) numba: only when asked for
+    from . import numba_attention, numba_ops, numba_prefill  # imports (and configures) numba: only when asked for
 
     numba_ops.warm_up()  # compiled now (or loaded from the on-disk cache), never during a request
     numba_attention.warm_up()
+    numba_prefill.warm_up()
     return _from_modules("numba", numba_ops, numba_attention, ops, paged_attention)
 
 

@@ -20,7 +20,10 @@ anywhere in it: the next block's rows are prefetched while this block is compute
 are computed, then the segment's first V block, and so on), which halved the CPU time of a 64-sequence
 decode step; the dot products are vectorised over head_dim.
 
-Batch invariance: a query row's arithmetic (its keys, in order, in segments at fixed positions, and the
+Long prefill chunks (numba_prefill.takes_blas_path: many new tokens over a long context) are computed by
+numba_prefill's BLAS matmuls instead, unless PAGEDSERVE_BATCH_INVARIANT=1; everything else by this loop nest.
+
+Batch invariance: in the loop nest, a query row's arithmetic (its keys, in order, in segments at fixed positions, and the
 fixed vector width of its dot products, in the one loop nest every item runs) depends only on its own
 sequence and position: not on the tile it landed in, the other sequences in the batch, whether its prompt
 was chunked (a chunk of one token included), or the thread that ran it.
@@ -28,11 +31,14 @@ was chunked (a chunk of one token included), or the thread that ran it.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from . import numba_prefill as prefill
 from . import paged_attention as reference
 from .numba_ops import fast_exp
 from .numba_setup import JIT, apply_threads, numba
@@ -43,6 +49,9 @@ CHUNKS_PER_THREAD = 4  # work is cut into this many equal-cost chunks per thread
 # Below this many multiply-adds (Q.K and P.V together) a call runs on one thread: waking the pool costs more.
 PARALLEL_MIN_MACS = 1 << 21
 _F32 = np.dtype(np.float32)
+# Every chunk through the loop nest (the same arithmetic for a row whether its prompt came in one chunk
+# or many), as vLLM's VLLM_BATCH_INVARIANT; by default long chunks take numba_prefill's BLAS path.
+BATCH_INVARIANT = os.environ.get("PAGEDSERVE_BATCH_INVARIANT", "") not in ("", "0")
 
 
 @numba.njit(**JIT)
@@ -233,6 +242,30 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     _check(query, k_cache, query_start_loc, seq_lens, block_tables)
     num_tokens, num_heads, head_dim = query.shape
     out = np.empty((num_tokens, num_heads, head_dim), dtype=_F32)
+    if num_tokens == 0:
+        return out
+    num_new = np.diff(query_start_loc)
+    long_chunks = np.zeros(0, dtype=bool) if BATCH_INVARIANT else prefill.takes_blas_path(num_new, seq_lens)
+    if long_chunks.any():
+        for i in np.flatnonzero(long_chunks):
+            prefill.prefill_sequence(query, k_cache, v_cache, int(query_start_loc[i]), int(query_start_loc[i + 1]),
+                                     int(seq_lens[i]), block_tables[i], scale, out)
+        rest = np.flatnonzero(~long_chunks)
+        if rest.size == 0:
+            return out
+        rows = np.concatenate([np.arange(query_start_loc[i], query_start_loc[i + 1]) for i in rest])
+        sub_qsl = np.zeros(rest.size + 1, dtype=np.int64)
+        np.cumsum(num_new[rest], out=sub_qsl[1:])
+        out[rows] = _loop_nest(query[rows], k_cache, v_cache, sub_qsl, seq_lens[rest], block_tables[rest], scale)
+        return out
+    return _loop_nest(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out)
+
+
+def _loop_nest(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out=None):
+    """The compiled kernel over a whole (checked) batch."""
+    num_tokens, num_heads, head_dim = query.shape
+    if out is None:
+        out = np.empty((num_tokens, num_heads, head_dim), dtype=_F32)
     if num_tokens == 0:
         return out
     macs = int(np.dot(seq_lens, np.diff(query_start_loc))) * num_heads * head_dim * 2

@@ -11,32 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from paged_batches import make_batch
 
 from pagedserve.cupy_kernels import numba_attention as na
 from pagedserve.cupy_kernels import paged_attention as pa
 
 EPS = np.finfo(np.float32).eps
-
-
-def make_batch(rng, seqs, num_kv, group, head_dim, block_size, num_blocks=None):
-    """seqs: [(context_len, num_new)]. Blocks are handed out in a shuffled order, tables padded with 0."""
-    max_blocks = max([-(-L // block_size) for L, _ in seqs] + [1])
-    need = sum(-(-L // block_size) for L, _ in seqs)
-    num_blocks = num_blocks or need + 3
-    k = rng.standard_normal((num_blocks, block_size, num_kv, head_dim)).astype(np.float32)
-    v = rng.standard_normal((num_blocks, block_size, num_kv, head_dim)).astype(np.float32)
-    ids = rng.permutation(num_blocks)
-    tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
-    used = 0
-    for i, (L, _) in enumerate(seqs):
-        nb = -(-L // block_size)
-        tables[i, :nb] = ids[used : used + nb]
-        used += nb
-    qsl = np.zeros(len(seqs) + 1, dtype=np.int32)
-    qsl[1:] = np.cumsum([n for _, n in seqs])
-    lens = np.array([L for L, _ in seqs], dtype=np.int32)
-    q = rng.standard_normal((int(qsl[-1]), num_kv * group, head_dim)).astype(np.float32)
-    return q, k, v, qsl, lens, tables
 
 
 def check(q, k, v, qsl, lens, tables):
@@ -92,8 +72,10 @@ def test_empty_batches_and_sequences_without_new_tokens():
     check(*make_batch(rng, [(5, 0), (9, 3), (4, 0)], 1, 2, 64, 8))
 
 
-def test_batch_invariant_and_chunking_invariant_bit_for_bit():
-    """A sequence's rows are the same bits alone, in any batch, and whether its prompt came in chunks."""
+def test_batch_invariant_and_chunking_invariant_bit_for_bit(monkeypatch):
+    """A sequence's rows are the same bits alone, in any batch, and (in the loop nest, which
+    PAGEDSERVE_BATCH_INVARIANT keeps every chunk in) whether its prompt came in chunks."""
+    monkeypatch.setattr(na, "BATCH_INVARIANT", True)
     rng = np.random.default_rng(9)
     seqs = [(70, 70), (40, 1), (100, 23), (17, 1)]
     q, k, v, qsl, lens, tables = make_batch(rng, seqs, num_kv=3, group=3, head_dim=64, block_size=16)

@@ -1,0 +1,98 @@
+"""The numba set's BLAS path for long prefill chunks (cupy_kernels/numba_prefill.py), and the routing in
+numba_attention.paged_attention, against the numpy reference.
+
+Tolerance as in test_numba_attention.py: 8 * (D + L) * eps * max|v| (a D-term dot product per score, an
+L-term weighted sum per output; inputs standard normal).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from paged_batches import make_batch
+
+from pagedserve.cupy_kernels import numba_attention as na
+from pagedserve.cupy_kernels import numba_prefill as npf
+from pagedserve.cupy_kernels import paged_attention as pa
+
+EPS = np.finfo(np.float32).eps
+
+
+def close_to_reference(batch, got):
+    q, k, v, qsl, lens, tables = batch
+    ref = pa.paged_attention(q, k, v, qsl, lens, tables, q.shape[2] ** -0.5)
+    tol = 8 * (q.shape[2] + int(lens.max())) * EPS * float(np.abs(v).max())
+    np.testing.assert_allclose(got, ref, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_long_chunks_match_the_reference(group, block_size):
+    """Whole prompts and chunks late in a long context, with row tiles that split the chunk unevenly."""
+    rng = np.random.default_rng(group * 10 + block_size)
+    seqs = [(300, 300), (700, 45), (460, 133)]
+    batch = make_batch(rng, seqs, num_kv=2, group=group, head_dim=64, block_size=block_size)
+    assert npf.takes_blas_path(np.array([n for _, n in seqs]), np.array([L for L, _ in seqs])).all()
+    got = na.paged_attention(*batch, 64 ** -0.5)
+    close_to_reference(batch, got)
+
+
+def test_row_tiles_split_a_chunk(monkeypatch):
+    """ROW_TILE rows that are not a multiple of the group, and a chunk spanning several tiles."""
+    monkeypatch.setattr(npf, "ROW_TILE", 20)  # 6 tokens x 3 heads = 18 rows per tile
+    rng = np.random.default_rng(3)
+    batch = make_batch(rng, [(900, 37)], num_kv=3, group=3, head_dim=64, block_size=16)
+    close_to_reference(batch, na.paged_attention(*batch, 0.125))
+
+
+def test_a_mixed_batch_routes_each_sequence_and_matches():
+    """Long chunks, short chunks, decodes and a sequence without new tokens in one call."""
+    rng = np.random.default_rng(4)
+    seqs = [(40, 1), (1000, 64), (90, 90), (5, 0), (333, 1), (640, 200), (20, 7), (100, 15), (40, 40)]
+    batch = make_batch(rng, seqs, num_kv=3, group=3, head_dim=64, block_size=16)
+    routed = npf.takes_blas_path(np.diff(batch[3]), batch[4])
+    assert routed.tolist() == [False, True, True, False, False, True, False, False, False]
+    close_to_reference(batch, na.paged_attention(*batch, 0.125))
+
+
+def test_batch_invariant_bit_for_bit_on_both_paths():
+    """A sequence's rows are the same bits alone as in a batch, on either path."""
+    rng = np.random.default_rng(5)
+    seqs = [(800, 120), (40, 1), (300, 300), (100, 23)]
+    q, k, v, qsl, lens, tables = make_batch(rng, seqs, num_kv=3, group=3, head_dim=64, block_size=16)
+    together = na.paged_attention(q, k, v, qsl, lens, tables, 0.125)
+    for i in range(len(seqs)):
+        a, b = qsl[i], qsl[i + 1]
+        alone = na.paged_attention(q[a:b], k, v, np.array([0, b - a], np.int32), lens[i:i + 1], tables[i:i + 1],
+                                   0.125)
+        np.testing.assert_array_equal(alone, together[a:b])
+
+
+def test_batch_invariant_mode_runs_long_chunks_through_the_loop_nest(monkeypatch):
+    """PAGEDSERVE_BATCH_INVARIANT: a long prompt in one chunk is the same bits as in small chunks."""
+    rng = np.random.default_rng(6)
+    q, k, v, qsl, lens, tables = make_batch(rng, [(400, 400)], num_kv=3, group=3, head_dim=64, block_size=16)
+    monkeypatch.setattr(na, "BATCH_INVARIANT", True)
+    whole = na.paged_attention(q, k, v, qsl, lens, tables, 0.125)
+    parts = [na.paged_attention(q[s:e], k, v, np.array([0, e - s], np.int32), np.array([e], np.int32), tables, 0.125)
+             for s, e in ((0, 30), (30, 31), (31, 400))]
+    np.testing.assert_array_equal(np.concatenate(parts), whole)
+    monkeypatch.setattr(na, "BATCH_INVARIANT", False)
+    close_to_reference((q, k, v, qsl, lens, tables), na.paged_attention(q, k, v, qsl, lens, tables, 0.125))
+
+
+def test_the_workspace_is_reused_and_grows(monkeypatch):
+    monkeypatch.setattr(npf, "_local", threading.local())  # a fresh thread's workspace
+    rng = np.random.default_rng(7)
+    small = make_batch(rng, [(200, 200)], num_kv=1, group=2, head_dim=64, block_size=16)
+    query = small[0].copy()
+    close_to_reference(small, na.paged_attention(*small, 0.125))
+    np.testing.assert_array_equal(small[0], query)  # one kv head: a tile's rows are a view; never scaled in place
+    first = npf._local.scores
+    close_to_reference(small, na.paged_attention(*small, 0.125))
+    assert npf._local.scores is first
+    big = make_batch(rng, [(1500, 100)], num_kv=1, group=2, head_dim=64, block_size=16)
+    close_to_reference(big, na.paged_attention(*big, 0.125))
+    assert npf._local.scores.size > first.size
