@@ -7,7 +7,7 @@ Why a second path: a chunk of n query tokens against L keys is two matmuls of n*
 loop nest, built for decodes (one row per key, reading K/V in place), ran at ~40 GFLOP/s: 1.6 s of a
 step's attention against ~0.2 s for OpenBLAS at ~360 GFLOP/s. The reference's numpy softmax (five passes
 over a [n*G, L] array, numpy's exp) then took twice the matmuls; here it is one pass per row, and rows are
-taken ROW_TILE at a time so the scores of a tile stay in the L2/L3 cache between the three steps.
+taken a tile at a time so a tile's scores stay in the L3 cache between the three steps.
 
 Per sequence and kv head:
 
@@ -37,9 +37,12 @@ from .numba_setup import JIT, JIT_EXACT, apply_threads, numba
 # shapes, bench/attention_paths.py) and small matmuls only pay BLAS's call and packing overheads.
 MIN_TOKENS = 16
 MIN_WORK = 16 * 128
-ROW_TILE = 512  # query rows (token, group head) per S tile: 512 x 4,000 keys x 4 B = 8 MB, in the L3 cache
+# Query rows (token, group head) per score tile: at most ROW_TILE, and fewer for long contexts so a tile's
+# scores (rows x context x 4 B) stay within TILE_BYTES, in the L3 cache between the three steps. One
+# tile per kv head for bench/jitter.py's 240-token chunks (720 rows x 4,000 keys = 11 MB).
+ROW_TILE = 768
+TILE_BYTES = 12 << 20
 _F32 = np.dtype(np.float32)
-PARALLEL = False
 
 
 @numba.njit(inline="always", **JIT_EXACT)
@@ -155,8 +158,11 @@ def prefill_sequence(query, k_cache, v_cache, start: int, end: int, context_len:
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     first_pos = context_len - n
-    apply_threads(parallel=PARALLEL)
-    tile_tokens = max(1, ROW_TILE // group)
+    # The copies and the softmax run on this thread alone, between BLAS calls on two: in parallel they
+    # gained nothing on a quiet machine (OpenBLAS's workers still spin for the core after each call), and
+    # beside another busy process steps went from ~0.45 to 4-6 s, matmuls included (jitter-like steps).
+    apply_threads(parallel=False)
+    tile_tokens = max(1, min(ROW_TILE, TILE_BYTES // (4 * context_len)) // group)
     rows = tile_tokens * group
     k, v, s, inv_den = _workspace(num_kv_heads, context_len, head_dim, rows)
     _GATHER(k_cache, block_table, context_len, k)
