@@ -24,6 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from common import loadavg, machine, model_flops_per_token, sgemm_gflops  # noqa: E402
 
+from pagedserve.cupy_kernels.blas_threads import blas_threads, reset_cpu_threads  # noqa: E402
 from pagedserve.models.loader import load_model  # noqa: E402
 from pagedserve.sidecar.logging_setup import configure_logging  # noqa: E402
 from pagedserve.runtime.config import EngineConfig  # noqa: E402
@@ -56,9 +57,10 @@ def timed_parts(model, seconds: dict[str, float]):
 
 
 def run(loaded, num_requests: int, prompt_len: int, output_len: int, max_num_batched_tokens: int,
-        breakdown: bool = False, cpu_kernels: str = "auto") -> dict:
+        breakdown: bool = False, cpu_kernels: str = "auto", cpu_threads: int | str | None = None) -> dict:
     engine = LLMEngine(EngineConfig(device="cpu", max_num_batched_tokens=max_num_batched_tokens,
-                                    max_num_seqs=256, seed=0, cpu_kernels=cpu_kernels), loaded=loaded)
+                                    max_num_seqs=256, seed=0, cpu_kernels=cpu_kernels, cpu_threads=cpu_threads),
+                       loaded=loaded)
     # Touch every page of the KV pool before the clock starts, as a long-running server's pages are (and as
     # vLLM's zero-filled pool is at start): first-touch page faults cost ~2.5 s per GiB on the test VM and
     # would otherwise be charged to whichever steps first write each block.
@@ -84,7 +86,9 @@ def run(loaded, num_requests: int, prompt_len: int, output_len: int, max_num_bat
     mean_ctx = prompt_len + output_len / 2
     flops = num_requests * (prompt_len * model_flops_per_token(cfg, prompt_len / 2, False)
                             + output_len * model_flops_per_token(cfg, mean_ctx, True))
-    return {"requests": num_requests, "cpu_kernels": engine.backend.ops.name, "prompt_len": prompt_len, "output_len": output_len,
+    tuner = engine.threads_tuner
+    return {"requests": num_requests, "cpu_kernels": engine.backend.ops.name,
+            "cpu_threads": cpu_threads, "threads_switches": tuner.switches if tuner else None, "prompt_len": prompt_len, "output_len": output_len,
             "max_num_batched_tokens": max_num_batched_tokens, "steps": steps, "seconds": round(elapsed, 2),
             "output_tokens_per_s": round(out_tokens / elapsed, 1),
             "total_tokens_per_s": round(num_requests * (prompt_len + output_len) / elapsed, 1),
@@ -111,14 +115,18 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true", help="time matmuls, attention and the rest separately")
     ap.add_argument("--cpu-kernels", nargs="+", default=["auto"], choices=["auto", "numba", "numpy"],
                     help="kernel sets to run, one after the other for each N (A/B in one run)")
+    ap.add_argument("--cpu-threads", nargs="+", default=[None], type=lambda v: v if v == "auto" else int(v),
+                    help="thread counts (or auto) to run, one after the other for each N and kernel set")
     args = ap.parse_args()
     configure_logging(level="warning", stream=sys.stderr)
     loaded = load_model(None)
     gflops = sgemm_gflops()
+    started_threads = blas_threads()
     for n in args.requests:
-        for kernels in args.cpu_kernels:
+        for kernels, threads in [(k, t) for k in args.cpu_kernels for t in args.cpu_threads]:
             result = run(loaded, n, args.prompt_len, args.output_len, args.max_num_batched_tokens, args.breakdown,
-                         kernels)
+                         kernels, threads)
+            reset_cpu_threads(started_threads)  # each setting starts from the same state
             result["sgemm_gflops"] = round(gflops, 1)
             result["mfu"] = round(result["model_gflops_per_s"] / gflops, 3)
             result["machine"] = machine()

@@ -69,3 +69,17 @@ def set_cpu_threads(count: int) -> None:
 
 def cpu_threads() -> int | None:
     return _cpu_threads
+
+
+def reset_cpu_threads(blas_count: int) -> None:
+    """Back to the state before any cpu_threads setting: BLAS at `blas_count` threads, numba's loops on its
+    whole pool (benchmarks that run several settings in one process)."""
+    global _cpu_threads
+    set_blas_threads(blas_count)
+    _cpu_threads = None
+
+
+# The BLAS thread count this process started with (OPENBLAS_NUM_THREADS, else every core), read when this
+# module is first imported, before any setting: cpu_threads="auto" tunes below it.
+STARTED_BLAS_THREADS: int | None = blas_threads()
+

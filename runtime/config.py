@@ -31,10 +31,11 @@ class EngineConfig:
     seed: int | None = 0
     # Most top logprobs a request may ask for (vLLM's max_logprobs); see runtime/request_limits.py.
     max_logprobs: int = 20
-    # Threads of numpy's BLAS (OpenBLAS) for the whole process; None = as started (OPENBLAS_NUM_THREADS,
-    # else every core; with tensor_parallel_size N, cores / N per rank). On a host shared with busy
-    # processes, fewer threads are faster.
-    cpu_threads: int | None = None
+    # Threads of numpy's BLAS (OpenBLAS) and numba's loops for the whole process; None = as started
+    # (OPENBLAS_NUM_THREADS, else every core; with tensor_parallel_size N, cores / N per rank). On a host
+    # shared with busy processes, fewer threads are faster: "auto" measures step cost and switches between
+    # all, half and one of the started threads as the host's load changes (runtime/cpu_threads_tuner.py).
+    cpu_threads: int | str | None = None
     # CPU kernels: "numba" (compiled) or "numpy" (the reference); "auto" = numba when it imports, else numpy
     # (cupy_kernels/kernel_set.cpu_kernels).
     cpu_kernels: str = "auto"
@@ -65,8 +66,14 @@ class EngineConfig:
         positive("max_model_len", allow_none=True)
         positive("kv_cache_memory_bytes", allow_none=True)
         positive("num_kv_blocks", allow_none=True)
-        positive("cpu_threads", allow_none=True)
         positive("tensor_parallel_size")
+        if self.cpu_threads != "auto":
+            if isinstance(self.cpu_threads, str):
+                raise ValueError(f"cpu_threads must be a positive integer or 'auto', got {self.cpu_threads!r}")
+            positive("cpu_threads", allow_none=True)
+        elif self.tensor_parallel_size > 1:
+            raise ValueError("cpu_threads='auto' tunes one process's threads: use a number with "
+                             f"tensor_parallel_size {self.tensor_parallel_size}")
         if self.distributed_executor_backend not in (None, "mp", "ray"):
             raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got "
                              f"{self.distributed_executor_backend!r}")

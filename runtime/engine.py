@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections import deque
 from typing import Iterable, Sequence
@@ -11,11 +12,12 @@ import numpy as np
 import structlog
 
 from pagedserve.cupy_kernels.backend import to_host
-from pagedserve.cupy_kernels.blas_threads import blas_info
+from pagedserve.cupy_kernels.blas_threads import STARTED_BLAS_THREADS, blas_info, set_cpu_threads
 from pagedserve.models.kv_cache import kv_bytes_per_block
 from pagedserve.models.loader import LoadedModel, load_model
 
 from .config import EngineConfig
+from .cpu_threads_tuner import CpuThreadsTuner
 from .detokenizer import IncrementalDetokenizer
 from .executor import WorkerFailedError, make_executor
 from .kv_cache_manager import KVCacheManager
@@ -90,6 +92,14 @@ class LLMEngine:
         if self.spec is not None:
             self.scheduler.release_hooks.append(self.spec.free)
             self.spec.structured = self.structured  # guided sequences' drafts are checked against their grammar
+        # cpu_threads="auto": the thread count follows measured step cost (runtime/cpu_threads_tuner.py).
+        self.threads_tuner = None
+        if config.cpu_threads == "auto" and not self.backend.is_gpu:
+            self.threads_tuner = CpuThreadsTuner(
+                STARTED_BLAS_THREADS or os.cpu_count() or 1, set_cpu_threads,
+                on_switch=lambda old, new, old_cost, new_cost: log.info(
+                    "engine.cpu_threads", threads=new, was=old, ms_per_token=round(1e3 * new_cost, 3),
+                    was_ms_per_token=round(1e3 * old_cost, 3)))
         self.groups: dict[str, SequenceGroup] = {}
         self.events = RequestEvents(config.log_requests)
         self._throughput: deque[tuple[float, int, int]] = deque()  # (time, output tokens, all tokens)
@@ -107,6 +117,13 @@ class LLMEngine:
                  kernels=self.backend.ops.name, model=self.model_name,
                  blas_threads=(self.blas or {}).get("num_threads"), blas_kernel=(self.blas or {}).get("architecture"),
                  tensor_parallel_size=self.executor.world_size)
+
+    @property
+    def cpu_threads(self) -> int | None:
+        """Threads the CPU backend runs at now (the tuner's choice under cpu_threads="auto")."""
+        if self.threads_tuner is not None:
+            return self.threads_tuner.current
+        return (self.blas or {}).get("num_threads")
 
     @property
     def model(self):
@@ -249,7 +266,11 @@ class LLMEngine:
             return [o for o in failed if o is not None]
         try:
             started = self.spec.clock() if self.spec is not None else 0.0
+            if self.threads_tuner is not None:
+                self.threads_tuner.before_step()
             results = self.runner.execute(sched, forks)
+            if self.threads_tuner is not None:
+                self.threads_tuner.after_step(sched.num_batched_tokens)
             if self.spec is not None:  # what steps cost by their rows: the speculation policy's cost side
                 self.spec.observe_step(sched.scheduled, sched.num_batched_tokens, self.spec.clock() - started)
         except WorkerFailedError:  # a rank died: no request can run any more; the async engine stops

@@ -55,8 +55,9 @@ class Worker:
             config = dataclasses.replace(config, enable_cuda_graphs=False)
         self.config = config
         self.rank, self.world_size = rank, world_size
-        if config.cpu_threads is not None:
+        if isinstance(config.cpu_threads, int):
             set_cpu_threads(config.cpu_threads)  # BLAS threads, and numba's when that kernel set runs
+        # "auto": the engine's CpuThreadsTuner sets them step by step, starting from the count at start.
         elif world_size > 1 and not os.environ.get("OPENBLAS_NUM_THREADS"):
             # N ranks on one host: split the cores rather than let every rank's OpenBLAS take them all.
             set_blas_threads(max(1, (os.cpu_count() or 1) // world_size))

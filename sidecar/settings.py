@@ -32,7 +32,9 @@ class Settings:
     gpu_memory_utilization: float = 0.9
     enable_cuda_graphs: bool = True
     cuda_graph_batch_sizes: str | None = None  # "1,2,4,8"; None = runtime.cuda_graphs' defaults
-    cpu_threads: int | None = None  # numpy's BLAS threads; None = OPENBLAS_NUM_THREADS, else every core
+    # numpy's BLAS and numba's threads; None = OPENBLAS_NUM_THREADS, else every core; "auto" = follow the
+    # measured step cost as the host's load changes (all, half or one of them)
+    cpu_threads: int | str | None = None
     cpu_kernels: str = "auto"  # "numba" (compiled), "numpy" (the reference) or "auto" (numba if it imports)
     seed: int | None = 0
     tensor_parallel_size: int = 1  # ranks that split every layer (one process each; one GPU each on GPUs)
@@ -170,10 +172,20 @@ def parse_batch_sizes(text: str | None) -> tuple[int, ...] | None:
                          f"got {text!r}") from None
 
 
-def _field_type(f: dataclasses.Field) -> type:
+def int_or_auto(text: str) -> int | str:
+    """A count, or the word auto."""
+    return "auto" if text.strip().lower() == "auto" else int(text)
+
+
+int_or_auto.__name__ = "an integer or 'auto'"
+
+
+def _field_type(f: dataclasses.Field) -> Any:
     t = str(f.type)
     if "bool" in t:
         return bool
+    if "int" in t and "str" in t:
+        return int_or_auto
     if "int" in t:
         return int
     if "float" in t:

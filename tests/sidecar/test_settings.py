@@ -68,6 +68,10 @@ def test_engine_switches_from_flags_and_environment():
     assert parse(env={"PAGEDSERVE_CPU_THREADS": "3"}).engine_config().cpu_threads == 3
     with pytest.raises(ValueError, match="cpu_threads must be a positive integer"):
         parse("--cpu-threads", "0")
+    assert parse("--cpu-threads", "auto").engine_config().cpu_threads == "auto"
+    assert parse(env={"PAGEDSERVE_CPU_THREADS": "AUTO"}).engine_config().cpu_threads == "auto"
+    with pytest.raises(ValueError, match="--cpu-threads: cannot parse 'fast' as an integer or 'auto'"):
+        parse("--cpu-threads", "fast")
     defaults = parse().engine_config()
     assert defaults.enable_prefix_caching and defaults.enable_cuda_graphs and defaults.cuda_graph_batch_sizes is None
     assert defaults.cpu_threads is None
