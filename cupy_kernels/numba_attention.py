@@ -45,6 +45,8 @@ from .numba_setup import JIT, apply_threads, numba
 
 Q_TILE = 16  # query tokens per prefill item: its Q_TILE * H score rows share each K/V row read
 K_SEGMENT = 512  # keys whose scores are held at once; softmax is exact within a segment, rescaled across
+RUN = 8  # keys per run in _scores and _accumulate (their loops are written out for 8)
+PREFETCH_BLOCKS = 2  # how far ahead the first pass over a segment prefetches K
 CHUNKS_PER_THREAD = 4  # work is cut into this many equal-cost chunks per thread, taken dynamically
 # Below this many multiply-adds (Q.K and P.V together) a call runs on one thread: waking the pool costs more.
 PARALLEL_MIN_MACS = 1 << 21
@@ -107,11 +109,70 @@ def _prefetch(typingctx, arr, index):
 
 
 @numba.njit(inline="always", **JIT)
-def _prefetch_row(cache, block, row, row_floats, block_floats):
-    """Prefetch token row `row` (all kv heads: row_floats contiguous floats) of `block`."""
+def _prefetch_part(cache, block, row, row_floats, block_floats, part, parts):
+    """Prefetch part `part` of `parts` of token rows row .. row + RUN - 1 of `block` (each row: all kv heads,
+    row_floats contiguous floats), one hint per 64-byte line. Hints are spread over the run's work in
+    parts: a burst of them overflows the core's queue of outstanding misses and the rest are dropped."""
     base = block * block_floats + row * row_floats
-    for off in range(0, row_floats, 16):  # one hint per 64-byte line
+    lines = (min(RUN, block_floats // row_floats - row) * row_floats + 15) // 16
+    for line in range(part * lines // parts, (part + 1) * lines // parts):
+        _prefetch(cache, base + line * 16)
+
+
+@numba.njit(inline="always", **JIT)
+def _prefetch_block(cache, block, block_floats):
+    """Prefetch all of `block` (block_floats contiguous floats), one hint per 64-byte line."""
+    base = block * block_floats
+    for off in range(0, block_floats, 16):
         _prefetch(cache, base + off)
+
+
+@numba.njit(inline="always", **JIT)
+def _scores(q, s, k_cache, r, block, h, off, j, nv, head_dim):
+    """Row r's scores for the keys of `block` (kv head h) from j: s[r, off + jj] = q[r] . K[block, jj, h].
+    RUN keys at once (their dot products share each load of q and keep their sums in registers) when the
+    row sees them all (nv: the keys of the block it sees), else one at a time up to nv."""
+    if j + RUN <= nv:
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+        for d in range(head_dim):
+            qd = q[r, d]
+            s0 += qd * k_cache[block, j, h, d]
+            s1 += qd * k_cache[block, j + 1, h, d]
+            s2 += qd * k_cache[block, j + 2, h, d]
+            s3 += qd * k_cache[block, j + 3, h, d]
+            s4 += qd * k_cache[block, j + 4, h, d]
+            s5 += qd * k_cache[block, j + 5, h, d]
+            s6 += qd * k_cache[block, j + 6, h, d]
+            s7 += qd * k_cache[block, j + 7, h, d]
+        o = off + j
+        s[r, o], s[r, o + 1], s[r, o + 2], s[r, o + 3] = s0, s1, s2, s3
+        s[r, o + 4], s[r, o + 5], s[r, o + 6], s[r, o + 7] = s4, s5, s6, s7
+    else:
+        for jj in range(j, nv):
+            dot = np.float32(0.0)
+            for d in range(head_dim):
+                dot += q[r, d] * k_cache[block, jj, h, d]
+            s[r, off + jj] = dot
+
+
+@numba.njit(inline="always", **JIT)
+def _accumulate(s, acc, v_cache, r, block, h, off, j, nv, head_dim):
+    """acc[r] += s[r, off + jj] * V[block, jj, h] over the keys from j: RUN of them in one pass over acc[r]
+    when row r sees them all, else one at a time up to nv."""
+    if j + RUN <= nv:
+        o = off + j
+        p0, p1, p2, p3 = s[r, o], s[r, o + 1], s[r, o + 2], s[r, o + 3]
+        p4, p5, p6, p7 = s[r, o + 4], s[r, o + 5], s[r, o + 6], s[r, o + 7]
+        for d in range(head_dim):
+            acc[r, d] += ((p0 * v_cache[block, j, h, d] + p1 * v_cache[block, j + 1, h, d])
+                          + (p2 * v_cache[block, j + 2, h, d] + p3 * v_cache[block, j + 3, h, d])
+                          + ((p4 * v_cache[block, j + 4, h, d] + p5 * v_cache[block, j + 5, h, d])
+                             + (p6 * v_cache[block, j + 6, h, d] + p7 * v_cache[block, j + 7, h, d])))
+    else:
+        for jj in range(j, nv):
+            p = s[r, off + jj]
+            for d in range(head_dim):
+                acc[r, d] += p * v_cache[block, jj, h, d]
 
 
 def _attention_chunks(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, items, bounds,
@@ -138,47 +199,48 @@ def _attention_chunks(query, k_cache, v_cache, query_start_loc, seq_lens, block_
             first_pos = seq_lens[seq] - (query_start_loc[seq + 1] - start)  # position of query token 0
             rows = (t1 - t0) * num_heads
             for r in range(rows):
-                src = query[start + t0 + r // num_heads, r % num_heads]
                 for d in range(head_dim):
-                    q[r, d] = src[d] * scale
+                    q[r, d] = query[start + t0 + r // num_heads, r % num_heads, d] * scale
                     acc[r, d] = 0.0
                 m[r], den[r] = -np.inf, 0.0
             num_keys = first_pos + t1  # the item's last row sees keys 0 .. first_pos + t1 - 1
             num_blocks = (num_keys + block_size - 1) // block_size
+            next_block = block_tables[items[w + 1, 0], 0] if w + 1 < bounds[c + 1] else -1
             for b0 in range(0, num_blocks, segment_blocks):
                 b1 = min(b0 + segment_blocks, num_blocks)
                 k0, k1 = b0 * block_size, min(b1 * block_size, num_keys)
-                # S = Q . K^T over the segment; key j is seen by tokens t >= j - first_pos (causal).
+                # S = Q . K^T over the segment, a run of RUN keys at a time; key j is seen by tokens
+                # t >= j - first_pos (causal). Each K row (all kv heads of a token: contiguous) is read
+                # in order; the next block's rows are prefetched as this block's are read.
                 for b in range(b0, b1):
-                    block = block_tables[seq, b]
-                    ahead = block_tables[seq, b + 1] if b + 1 < b1 else block_tables[seq, b0]
-                    for jj in range(min(block_size, num_keys - b * block_size)):
-                        _prefetch_row(k_cache if b + 1 < b1 else v_cache, ahead, jj, row_floats, block_floats)
-                        j = b * block_size + jj
-                        tv = max(t0, j - first_pos)
+                    block, off = block_tables[seq, b], (b - b0) * block_size
+                    if b + 1 < b1:
+                        ahead, ahead_cache = block_tables[seq, b + 1], k_cache
+                    else:
+                        ahead, ahead_cache = block_tables[seq, b0], v_cache
+                    n = min(block_size, k1 - k0 - off)
+                    for j in range(0, n, RUN):
                         for h in range(num_kv_heads):
-                            kr = k_cache[block, jj, h]
-                            for t in range(tv, t1):
+                            for t in range(max(t0, k0 + off + j - first_pos), t1):
+                                nv = min(n, first_pos + t + 1 - k0 - off)  # keys of the block token t sees
                                 r0 = (t - t0) * num_heads + h * group
                                 for r in range(r0, r0 + group):
-                                    qr = q[r]
-                                    dot = np.float32(0.0)
-                                    for d in range(head_dim):
-                                        dot += qr[d] * kr[d]
-                                    s[r, j - k0] = dot
+                                    if t == t1 - 1:
+                                        _prefetch_part(ahead_cache, ahead, j, row_floats, block_floats,
+                                                       r - r0 + h * group, num_heads)
+                                    _scores(q, s, k_cache, r, block, h, off, j, nv, head_dim)
                 # Softmax over the segment, rescaling what earlier segments summed (online softmax).
                 for r in range(rows):
                     seen = min(k1, first_pos + t0 + r // num_heads + 1) - k0
                     if seen <= 0:
                         continue
-                    sr = s[r]
                     m_new = m[r]
                     for j in range(seen):
-                        m_new = max(m_new, sr[j])
+                        m_new = max(m_new, s[r, j])
                     total = np.float32(0.0)
                     for j in range(seen):
-                        p = fast_exp(sr[j] - m_new)
-                        sr[j] = p
+                        p = fast_exp(s[r, j] - m_new)
+                        s[r, j] = p
                         total += p
                     if m[r] > -np.inf:  # not the first segment: rescale (contexts > K_SEGMENT only)
                         corr = fast_exp(m[r] - m_new)
@@ -187,28 +249,30 @@ def _attention_chunks(query, k_cache, v_cache, query_start_loc, seq_lens, block_
                             acc[r, d] *= corr
                     den[r] += total
                     m[r] = m_new
-                # acc += P . V over the segment.
+                # acc += P . V over the segment, in the same order.
                 for b in range(b0, b1):
-                    block = block_tables[seq, b]
-                    more = b + 1 < b1 or b1 < num_blocks
-                    ahead = block_tables[seq, b + 1] if b + 1 < num_blocks else block
-                    for jj in range(min(block_size, num_keys - b * block_size)):
-                        if more:
-                            _prefetch_row(v_cache if b + 1 < b1 else k_cache, ahead, jj, row_floats, block_floats)
-                        j = b * block_size + jj
-                        tv = max(t0, j - first_pos)
+                    block, off = block_tables[seq, b], (b - b0) * block_size
+                    if b + 1 < b1:
+                        ahead, ahead_cache = block_tables[seq, b + 1], v_cache
+                    elif b1 < num_blocks:
+                        ahead, ahead_cache = block_tables[seq, b1], k_cache
+                    else:
+                        ahead, ahead_cache = next_block, k_cache  # the chunk's next item (-1: none)
+                    n = min(block_size, k1 - k0 - off)
+                    for j in range(0, n, RUN):
                         for h in range(num_kv_heads):
-                            vr = v_cache[block, jj, h]
-                            for t in range(tv, t1):
+                            for t in range(max(t0, k0 + off + j - first_pos), t1):
+                                nv = min(n, first_pos + t + 1 - k0 - off)
                                 r0 = (t - t0) * num_heads + h * group
                                 for r in range(r0, r0 + group):
-                                    p, ar = s[r, j - k0], acc[r]
-                                    for d in range(head_dim):
-                                        ar[d] += p * vr[d]
+                                    if t == t1 - 1 and ahead >= 0:
+                                        _prefetch_part(ahead_cache, ahead, j, row_floats, block_floats,
+                                                       r - r0 + h * group, num_heads)
+                                    _accumulate(s, acc, v_cache, r, block, h, off, j, nv, head_dim)
             for r in range(rows):
-                o, ar, inv = out[start + t0 + r // num_heads, r % num_heads], acc[r], np.float32(1.0) / den[r]
+                inv = np.float32(1.0) / den[r]
                 for d in range(head_dim):
-                    o[d] = ar[d] * inv
+                    out[start + t0 + r // num_heads, r % num_heads, d] = acc[r, d] * inv
 
 
 _ATTENTION = numba.njit(parallel=True, **JIT)(_attention_chunks)
