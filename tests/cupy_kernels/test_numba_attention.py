@@ -116,10 +116,12 @@ def test_thread_count_changes_nothing(monkeypatch):
 
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_runs_of_keys_bit_for_bit_whatever_the_chunking(group, block_size):
-    """Keys go in runs of RUN within a block, the keys after a row's last full run one at a time: a row's
-    bits must not depend on which of its keys other rows of its tile see. A prompt ending mid-run, mid-
-    block and past a segment, as one chunk, as decodes (one token per call) and as chunks cut at odd places."""
+def test_runs_of_keys_bit_for_bit_whatever_the_chunking(group, block_size, monkeypatch):
+    """The loop nest takes keys in runs of RUN within a block, the keys after a row's last full run one at a
+    time: a row's bits must not depend on which of its keys other rows of its tile see. A prompt ending
+    mid-run, mid-block and past a segment, as one chunk, as decodes (one token per call) and as chunks cut
+    at odd places (PAGEDSERVE_BATCH_INVARIANT keeps the long chunks in the loop nest)."""
+    monkeypatch.setattr(na, "BATCH_INVARIANT", True)
     rng = np.random.default_rng(block_size * 10 + group)
     L = na.K_SEGMENT + 2 * block_size + na.RUN // 2 + 1
     q, k, v, qsl, lens, tables = make_batch(rng, [(L, L)], num_kv=2, group=group, head_dim=64,
