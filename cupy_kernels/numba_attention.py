@@ -9,21 +9,30 @@ taken dynamically (a thread slowed by another process on a shared host takes few
 scratch once. An item holds its tile x H query rows and walks its sequence's blocks in order:
 
     for each segment of up to K_SEGMENT keys the tile can see (whole blocks):
-        S = Q . K^T                     each K row (all kv heads of a token: contiguous) read once,
-                                        used by the G query heads of its kv head; causal: key pos <= row pos
+        S = Q . K^T                     K rows (all kv heads of a token: contiguous) read in order, a run of
+                                        RUN keys at a time, used by the G query heads of their kv head;
+                                        causal: key pos <= row pos
         m' = max(m, max S); P = exp(S - m'); l = l * exp(m - m') + sum P     (one softmax per segment;
         acc = acc * exp(m - m') + P . V                                       the rescale only past 512 keys)
     out = acc / l
 
-A decode step reads every sequence's whole context from a pool far larger than the L3 cache, and blocks lie
-anywhere in it: the next block's rows are prefetched while this block is computed (K blocks while scores
-are computed, then the segment's first V block, and so on), which halved the CPU time of a 64-sequence
-decode step; the dot products are vectorised over head_dim.
+A query row takes a run of RUN keys in one pass over head_dim when it sees them all: the RUN dot products
+share each load of q and keep their sums in registers, and its acc row is loaded and stored once per run
+instead of once per key; keys past the row's last full run go one at a time. A decode step reads every
+sequence's whole context from a pool far larger than the L3 cache, and blocks lie anywhere in it: the
+rows of the block one ahead in the chunk's reads (the next K block, the segment's first V block after the
+last K block, the next item's first K block after the last V block) are prefetched while a run is
+computed, a few hints per query head's share of the run. Inner loops index the arrays directly: a row view
+(`k_cache[b, j, h]`) costs a reference-count call each time it is made. Against the loop nest before
+(horizontal dot products key by key, acc updated key by key, hints row by row) this took a 64-sequence,
+192-token decode step over 30 layers from 38 to 29 ms on one thread (1-thread rates matter: in the engine,
+OpenBLAS's threads spin after each matmul and hold the second core).
 
 Long prefill chunks (numba_prefill.takes_blas_path: many new tokens over a long context) are computed by
 numba_prefill's BLAS matmuls instead, unless PAGEDSERVE_BATCH_INVARIANT=1; everything else by this loop nest.
 
-Batch invariance: in the loop nest, a query row's arithmetic (its keys, in order, in segments at fixed positions, and the
+Batch invariance: in the loop nest, a query row's arithmetic (its keys, in order, in segments at fixed
+positions, in runs at fixed positions within each block, the single keys after its last full run, and the
 fixed vector width of its dot products, in the one loop nest every item runs) depends only on its own
 sequence and position: not on the tile it landed in, the other sequences in the batch, whether its prompt
 was chunked (a chunk of one token included), or the thread that ran it.
@@ -45,6 +54,8 @@ from .numba_setup import JIT, apply_threads, numba
 
 Q_TILE = 16  # query tokens per prefill item: its Q_TILE * H score rows share each K/V row read
 K_SEGMENT = 512  # keys whose scores are held at once; softmax is exact within a segment, rescaled across
+RUN = 8  # keys per run in _scores and _accumulate (written out for 8; runs of 4 or 16 were slower)
+PREFETCH_BLOCKS = 1  # blocks ahead of the one being read whose rows are prefetched (1, 2, 3: the same speed)
 CHUNKS_PER_THREAD = 4  # work is cut into this many equal-cost chunks per thread, taken dynamically
 # Below this many multiply-adds (Q.K and P.V together) a call runs on one thread: waking the pool costs more.
 PARALLEL_MIN_MACS = 1 << 21
@@ -107,11 +118,64 @@ def _prefetch(typingctx, arr, index):
 
 
 @numba.njit(inline="always", **JIT)
-def _prefetch_row(cache, block, row, row_floats, block_floats):
-    """Prefetch token row `row` (all kv heads: row_floats contiguous floats) of `block`."""
-    base = block * block_floats + row * row_floats
-    for off in range(0, row_floats, 16):  # one hint per 64-byte line
+def _prefetch_part(cache, block, row, row_floats, block_size, part, part_floats):
+    """Prefetch part `part` (part_floats floats, a multiple of 16) of token rows row .. row + RUN - 1 of
+    `block` (each row: all kv heads, row_floats contiguous floats), one hint per 64-byte line. The hints
+    are spread over the run's work, one part per query head's share of it: issued as one burst per run,
+    the same hints left a 64-sequence decode step (1 thread) at 64 ms instead of 29 ms, probably because a
+    burst fills the core's queue of outstanding misses and the hints behind it are dropped."""
+    base = (block * block_size + row) * row_floats
+    end = min(RUN, block_size - row) * row_floats
+    for off in range(part * part_floats, min((part + 1) * part_floats, end), 16):
         _prefetch(cache, base + off)
+
+
+@numba.njit(inline="always", **JIT)
+def _scores(q, s, k_cache, r, block, h, off, j, nv, head_dim):
+    """Row r's scores for the keys of `block` (kv head h) from j: s[r, off + jj] = q[r] . K[block, jj, h].
+    RUN keys at once (their dot products share each load of q and keep their sums in registers) when the
+    row sees them all (nv: the keys of the block it sees), else one at a time up to nv."""
+    if j + RUN <= nv:
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+        for d in range(head_dim):
+            qd = q[r, d]
+            s0 += qd * k_cache[block, j, h, d]
+            s1 += qd * k_cache[block, j + 1, h, d]
+            s2 += qd * k_cache[block, j + 2, h, d]
+            s3 += qd * k_cache[block, j + 3, h, d]
+            s4 += qd * k_cache[block, j + 4, h, d]
+            s5 += qd * k_cache[block, j + 5, h, d]
+            s6 += qd * k_cache[block, j + 6, h, d]
+            s7 += qd * k_cache[block, j + 7, h, d]
+        o = off + j
+        s[r, o], s[r, o + 1], s[r, o + 2], s[r, o + 3] = s0, s1, s2, s3
+        s[r, o + 4], s[r, o + 5], s[r, o + 6], s[r, o + 7] = s4, s5, s6, s7
+    else:
+        for jj in range(j, nv):
+            dot = np.float32(0.0)
+            for d in range(head_dim):
+                dot += q[r, d] * k_cache[block, jj, h, d]
+            s[r, off + jj] = dot
+
+
+@numba.njit(inline="always", **JIT)
+def _accumulate(s, acc, v_cache, r, block, h, off, j, nv, head_dim):
+    """acc[r] += s[r, off + jj] * V[block, jj, h] over the keys from j: RUN of them in one pass over acc[r]
+    when row r sees them all, else one at a time up to nv."""
+    if j + RUN <= nv:
+        o = off + j
+        p0, p1, p2, p3 = s[r, o], s[r, o + 1], s[r, o + 2], s[r, o + 3]
+        p4, p5, p6, p7 = s[r, o + 4], s[r, o + 5], s[r, o + 6], s[r, o + 7]
+        for d in range(head_dim):
+            acc[r, d] += ((p0 * v_cache[block, j, h, d] + p1 * v_cache[block, j + 1, h, d])
+                          + (p2 * v_cache[block, j + 2, h, d] + p3 * v_cache[block, j + 3, h, d])
+                          + ((p4 * v_cache[block, j + 4, h, d] + p5 * v_cache[block, j + 5, h, d])
+                             + (p6 * v_cache[block, j + 6, h, d] + p7 * v_cache[block, j + 7, h, d])))
+    else:
+        for jj in range(j, nv):
+            p = s[r, off + jj]
+            for d in range(head_dim):
+                acc[r, d] += p * v_cache[block, jj, h, d]
 
 
 def _attention_chunks(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, items, bounds,
@@ -122,6 +186,8 @@ def _attention_chunks(query, k_cache, v_cache, query_start_loc, seq_lens, block_
     row_floats = num_kv_heads * head_dim
     block_floats = block_size * row_floats
     segment_blocks = K_SEGMENT // block_size
+    # A run's prefetch hints are issued in num_heads parts (one per query head's work), whole lines each.
+    part_floats = (RUN * row_floats + 16 * num_heads - 1) // (16 * num_heads) * 16
     for c in numba.prange(bounds.shape[0] - 1):
         # Scratch for the whole chunk, allocated once: rows are (token, query head) of one item.
         max_rows = 0
@@ -138,47 +204,54 @@ def _attention_chunks(query, k_cache, v_cache, query_start_loc, seq_lens, block_
             first_pos = seq_lens[seq] - (query_start_loc[seq + 1] - start)  # position of query token 0
             rows = (t1 - t0) * num_heads
             for r in range(rows):
-                src = query[start + t0 + r // num_heads, r % num_heads]
                 for d in range(head_dim):
-                    q[r, d] = src[d] * scale
+                    q[r, d] = query[start + t0 + r // num_heads, r % num_heads, d] * scale
                     acc[r, d] = 0.0
                 m[r], den[r] = -np.inf, 0.0
             num_keys = first_pos + t1  # the item's last row sees keys 0 .. first_pos + t1 - 1
             num_blocks = (num_keys + block_size - 1) // block_size
+            next_seq, next_blocks = 0, 0  # the chunk's next item: its sequence and how many blocks it reads
+            if w + 1 < bounds[c + 1]:
+                next_seq = items[w + 1, 0]
+                next_new = query_start_loc[next_seq + 1] - query_start_loc[next_seq]
+                next_keys = seq_lens[next_seq] - next_new + items[w + 1, 2]
+                next_blocks = min((next_keys + block_size - 1) // block_size, segment_blocks)
             for b0 in range(0, num_blocks, segment_blocks):
                 b1 = min(b0 + segment_blocks, num_blocks)
                 k0, k1 = b0 * block_size, min(b1 * block_size, num_keys)
-                # S = Q . K^T over the segment; key j is seen by tokens t >= j - first_pos (causal).
+                # S = Q . K^T over the segment, a run of RUN keys at a time; key j is seen by tokens
+                # t >= j - first_pos (causal). Each K row (all kv heads of a token: contiguous) is read
+                # in order; the next block's rows are prefetched as this block's are read.
                 for b in range(b0, b1):
-                    block = block_tables[seq, b]
-                    ahead = block_tables[seq, b + 1] if b + 1 < b1 else block_tables[seq, b0]
-                    for jj in range(min(block_size, num_keys - b * block_size)):
-                        _prefetch_row(k_cache if b + 1 < b1 else v_cache, ahead, jj, row_floats, block_floats)
-                        j = b * block_size + jj
-                        tv = max(t0, j - first_pos)
+                    block, off = block_tables[seq, b], (b - b0) * block_size
+                    ahead, ahead_cache = -1, k_cache  # the block PREFETCH_BLOCKS ahead in this chunk's reads
+                    if b + PREFETCH_BLOCKS < b1:
+                        ahead = block_tables[seq, b + PREFETCH_BLOCKS]
+                    elif b + PREFETCH_BLOCKS - b1 < b1 - b0:
+                        ahead, ahead_cache = block_tables[seq, b0 + b + PREFETCH_BLOCKS - b1], v_cache
+                    n = min(block_size, k1 - k0 - off)
+                    for j in range(0, n, RUN):
                         for h in range(num_kv_heads):
-                            kr = k_cache[block, jj, h]
-                            for t in range(tv, t1):
+                            for t in range(max(t0, k0 + off + j - first_pos), t1):
+                                nv = min(n, first_pos + t + 1 - k0 - off)  # keys of the block token t sees
                                 r0 = (t - t0) * num_heads + h * group
                                 for r in range(r0, r0 + group):
-                                    qr = q[r]
-                                    dot = np.float32(0.0)
-                                    for d in range(head_dim):
-                                        dot += qr[d] * kr[d]
-                                    s[r, j - k0] = dot
+                                    if t == t1 - 1 and ahead >= 0:  # the last token sees the whole run
+                                        _prefetch_part(ahead_cache, ahead, j, row_floats, block_size,
+                                                       r - r0 + h * group, part_floats)
+                                    _scores(q, s, k_cache, r, block, h, off, j, nv, head_dim)
                 # Softmax over the segment, rescaling what earlier segments summed (online softmax).
                 for r in range(rows):
                     seen = min(k1, first_pos + t0 + r // num_heads + 1) - k0
                     if seen <= 0:
                         continue
-                    sr = s[r]
                     m_new = m[r]
                     for j in range(seen):
-                        m_new = max(m_new, sr[j])
+                        m_new = max(m_new, s[r, j])
                     total = np.float32(0.0)
                     for j in range(seen):
-                        p = fast_exp(sr[j] - m_new)
-                        sr[j] = p
+                        p = fast_exp(s[r, j] - m_new)
+                        s[r, j] = p
                         total += p
                     if m[r] > -np.inf:  # not the first segment: rescale (contexts > K_SEGMENT only)
                         corr = fast_exp(m[r] - m_new)
@@ -187,28 +260,31 @@ def _attention_chunks(query, k_cache, v_cache, query_start_loc, seq_lens, block_
                             acc[r, d] *= corr
                     den[r] += total
                     m[r] = m_new
-                # acc += P . V over the segment.
+                # acc += P . V over the segment, in the same order.
                 for b in range(b0, b1):
-                    block = block_tables[seq, b]
-                    more = b + 1 < b1 or b1 < num_blocks
-                    ahead = block_tables[seq, b + 1] if b + 1 < num_blocks else block
-                    for jj in range(min(block_size, num_keys - b * block_size)):
-                        if more:
-                            _prefetch_row(v_cache if b + 1 < b1 else k_cache, ahead, jj, row_floats, block_floats)
-                        j = b * block_size + jj
-                        tv = max(t0, j - first_pos)
+                    block, off = block_tables[seq, b], (b - b0) * block_size
+                    ahead, ahead_cache, x = -1, v_cache, b + PREFETCH_BLOCKS - b1
+                    if x < 0:
+                        ahead = block_tables[seq, b + PREFETCH_BLOCKS]
+                    elif b1 < num_blocks:  # the next segment's K
+                        ahead, ahead_cache = block_tables[seq, min(b1 + x, num_blocks - 1)], k_cache
+                    elif x < next_blocks:  # the K of the chunk's next item
+                        ahead, ahead_cache = block_tables[next_seq, x], k_cache
+                    n = min(block_size, k1 - k0 - off)
+                    for j in range(0, n, RUN):
                         for h in range(num_kv_heads):
-                            vr = v_cache[block, jj, h]
-                            for t in range(tv, t1):
+                            for t in range(max(t0, k0 + off + j - first_pos), t1):
+                                nv = min(n, first_pos + t + 1 - k0 - off)
                                 r0 = (t - t0) * num_heads + h * group
                                 for r in range(r0, r0 + group):
-                                    p, ar = s[r, j - k0], acc[r]
-                                    for d in range(head_dim):
-                                        ar[d] += p * vr[d]
+                                    if t == t1 - 1 and ahead >= 0:
+                                        _prefetch_part(ahead_cache, ahead, j, row_floats, block_size,
+                                                       r - r0 + h * group, part_floats)
+                                    _accumulate(s, acc, v_cache, r, block, h, off, j, nv, head_dim)
             for r in range(rows):
-                o, ar, inv = out[start + t0 + r // num_heads, r % num_heads], acc[r], np.float32(1.0) / den[r]
+                inv = np.float32(1.0) / den[r]
                 for d in range(head_dim):
-                    o[d] = ar[d] * inv
+                    out[start + t0 + r // num_heads, r % num_heads, d] = acc[r, d] * inv
 
 
 _ATTENTION = numba.njit(parallel=True, **JIT)(_attention_chunks)

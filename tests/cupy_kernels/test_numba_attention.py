@@ -112,3 +112,26 @@ def test_thread_count_changes_nothing(monkeypatch):
     parallel = na.paged_attention(*batch, 0.125)
     monkeypatch.setattr(na, "PARALLEL_MIN_MACS", 1 << 62)
     np.testing.assert_array_equal(na.paged_attention(*batch, 0.125), parallel)
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_runs_of_keys_bit_for_bit_whatever_the_chunking(group, block_size, monkeypatch):
+    """The loop nest takes keys in runs of RUN within a block, the keys after a row's last full run one at a
+    time: a row's bits must not depend on which of its keys other rows of its tile see. A prompt ending
+    mid-run, mid-block and past a segment, as one chunk, as decodes (one token per call) and as chunks cut
+    at odd places (PAGEDSERVE_BATCH_INVARIANT keeps the long chunks in the loop nest)."""
+    monkeypatch.setattr(na, "BATCH_INVARIANT", True)
+    rng = np.random.default_rng(block_size * 10 + group)
+    L = na.K_SEGMENT + 2 * block_size + na.RUN // 2 + 1
+    q, k, v, qsl, lens, tables = make_batch(rng, [(L, L)], num_kv=2, group=group, head_dim=64,
+                                            block_size=block_size)
+    whole = check(q, k, v, qsl, lens, tables)
+
+    scale = 64 ** -0.5
+    parts = [na.paged_attention(q[s:e], k, v, np.array([0, e - s], np.int32), np.array([e], np.int32), tables, scale)
+             for s, e in ((0, 5), (5, 6), (6, 29), (29, L - 3), (L - 3, L - 2), (L - 2, L))]
+    np.testing.assert_array_equal(np.concatenate(parts), whole)
+    decodes = [na.paged_attention(q[t:t + 1], k, v, np.array([0, 1], np.int32), np.array([t + 1], np.int32), tables,
+                                  scale) for t in range(L - 40, L)]
+    np.testing.assert_array_equal(np.concatenate(decodes), whole[L - 40:])
