@@ -24,3 +24,16 @@ def make_batch(rng, seqs, num_kv, group, head_dim, block_size, num_blocks=None):
     lens = np.array([L for L, _ in seqs], dtype=np.int32)
     q = rng.standard_normal((int(qsl[-1]), num_kv * group, head_dim)).astype(np.float32)
     return q, k, v, qsl, lens, tables
+
+
+def assert_each_alone_equals_together(attention, batch, scale: float = 0.125) -> np.ndarray:
+    """Batch invariance: every sequence's rows computed alone are the same bits as in the whole batch.
+    Returns the whole batch's output."""
+    q, k, v, qsl, lens, tables = batch
+    together = attention(q, k, v, qsl, lens, tables, scale)
+    for i in range(len(lens)):
+        a, b = qsl[i], qsl[i + 1]
+        alone = attention(q[a:b], k, v, np.array([0, b - a], np.int32), lens[i:i + 1], tables[i:i + 1], scale)
+        np.testing.assert_array_equal(alone, together[a:b])
+    return together
+

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from paged_batches import make_batch
+from paged_batches import assert_each_alone_equals_together, make_batch
 
 from pagedserve.cupy_kernels import numba_attention as na
 from pagedserve.cupy_kernels import paged_attention as pa
@@ -78,13 +78,8 @@ def test_batch_invariant_and_chunking_invariant_bit_for_bit(monkeypatch):
     monkeypatch.setattr(na, "BATCH_INVARIANT", True)
     rng = np.random.default_rng(9)
     seqs = [(70, 70), (40, 1), (100, 23), (17, 1)]
-    q, k, v, qsl, lens, tables = make_batch(rng, seqs, num_kv=3, group=3, head_dim=64, block_size=16)
-    together = na.paged_attention(q, k, v, qsl, lens, tables, 0.125)
-    for i in range(len(seqs)):
-        a, b = qsl[i], qsl[i + 1]
-        alone = na.paged_attention(q[a:b], k, v, np.array([0, b - a], np.int32), lens[i : i + 1], tables[i : i + 1],
-                                   0.125)
-        np.testing.assert_array_equal(alone, together[a:b])
+    q, k, v, qsl, lens, tables = batch = make_batch(rng, seqs, num_kv=3, group=3, head_dim=64, block_size=16)
+    together = assert_each_alone_equals_together(na.paged_attention, batch)
     # Sequence 0's prompt as chunks of 30 + 1 + 24 + 15 (a one-token chunk runs as a decode does): each row
     # sees the same keys in the same order.
     a = int(qsl[0])

@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 import pytest
-from paged_batches import make_batch
+from paged_batches import assert_each_alone_equals_together, make_batch
 
 from pagedserve.cupy_kernels import numba_attention as na
 from pagedserve.cupy_kernels import numba_prefill as npf
@@ -61,13 +61,9 @@ def test_batch_invariant_bit_for_bit_on_both_paths():
     """A sequence's rows are the same bits alone as in a batch, on either path."""
     rng = np.random.default_rng(5)
     seqs = [(800, 120), (40, 1), (300, 300), (100, 23)]
-    q, k, v, qsl, lens, tables = make_batch(rng, seqs, num_kv=3, group=3, head_dim=64, block_size=16)
-    together = na.paged_attention(q, k, v, qsl, lens, tables, 0.125)
-    for i in range(len(seqs)):
-        a, b = qsl[i], qsl[i + 1]
-        alone = na.paged_attention(q[a:b], k, v, np.array([0, b - a], np.int32), lens[i:i + 1], tables[i:i + 1],
-                                   0.125)
-        np.testing.assert_array_equal(alone, together[a:b])
+    batch = make_batch(rng, seqs, num_kv=3, group=3, head_dim=64, block_size=16)
+    assert npf.takes_blas_path(np.diff(batch[3]), batch[4]).tolist() == [True, False, True, True]
+    assert_each_alone_equals_together(na.paged_attention, batch)
 
 
 def test_batch_invariant_mode_runs_long_chunks_through_the_loop_nest(monkeypatch):
