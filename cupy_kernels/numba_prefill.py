@@ -173,8 +173,8 @@ def prefill_sequence(query, k_cache, v_cache, start: int, end: int, context_len:
         for t0 in range(0, n, tile_tokens):
             t1 = min(t0 + tile_tokens, n)
             r = (t1 - t0) * group
-            # rows (token, group head), scaled: a new array (the reshape alone may be a view of the query)
-            q = query[start + t0:start + t1, heads].reshape(r, head_dim) * np.float32(scale)
+            # rows (token, group head), scaled: one new contiguous array (never a view of the query)
+            q = (query[start + t0:start + t1, heads] * np.float32(scale)).reshape(r, head_dim)
             np.matmul(q, k_h.T, out=s[:r])
             _SOFTMAX(s[:r], first_pos + t0, group, inv_den[:r])
             o = s[:r] @ v_h
