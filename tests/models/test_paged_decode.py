@@ -94,3 +94,24 @@ def test_numba_kernels_match_the_reference_on_a_mixed_batch():
         out[k] = model.forward(build_forward_batch(step, BLOCK), kv)
     assert_close_model(out["numba"], out["numpy"], cfg)
     assert (out["numba"].argmax(1) == out["numpy"].argmax(1)).all()
+
+
+def test_cpu_kv_pool_is_zeroed_writable_and_separate_per_layer():
+    """The CPU pool comes from anonymous memory (kv_cache.host_zeros), not numpy's allocator: it must
+    still be zero, writable, C-contiguous, and every layer's K and V their own memory."""
+    cfg = random_model(layers=3)[0]
+    kv = allocate_kv_caches(cfg, 5, BLOCK, get_backend("cpu"))
+    arrays = [a for pair in kv for a in pair]
+    assert len(arrays) == 6
+    for a in arrays:
+        assert a.shape == (5, BLOCK, cfg.num_key_value_heads, cfg.head_dim) and a.dtype == np.float32
+        assert a.flags.c_contiguous and a.flags.writeable and not a.any()
+    arrays[2][3, 1] = 7.0
+    assert arrays[2].sum() == 7.0 * cfg.num_key_value_heads * cfg.head_dim
+    assert all(not a.any() for i, a in enumerate(arrays) if i != 2)
+
+
+def test_host_zeros_of_no_elements():
+    from pagedserve.models.kv_cache import host_zeros
+
+    assert host_zeros((0, BLOCK, 2, 8), np.float32).shape == (0, BLOCK, 2, 8)
