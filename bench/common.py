@@ -6,6 +6,7 @@ import os
 import platform
 import time
 
+import pagedserve.cupy_kernels  # noqa: F401  (sets OpenBLAS's environment before numpy loads it)
 import numpy as np
 
 
@@ -51,7 +52,8 @@ def loadavg() -> list[float] | None:
 def machine() -> dict:
     return {"cpu_count": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
             "numpy": np.__version__, "blas_threads": blas_threads(), "blas_kernel": blas_kernel(),
-            "openblas_coretype_env": os.environ.get("OPENBLAS_CORETYPE")}
+            "openblas_coretype_env": os.environ.get("OPENBLAS_CORETYPE"),
+            "openblas_thread_timeout_env": os.environ.get("OPENBLAS_THREAD_TIMEOUT")}
 
 
 def model_flops_per_token(cfg, context_len: float, with_logits: bool) -> float:

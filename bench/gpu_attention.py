@@ -16,6 +16,7 @@ import json
 import math
 import sys
 
+import pagedserve.cupy_kernels  # noqa: F401  (sets OpenBLAS's environment before numpy loads it)
 import numpy as np
 
 try:  # run from a checkout without installing: the repository's folders are pagedserve's subpackages

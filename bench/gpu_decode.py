@@ -25,6 +25,7 @@ import json
 import sys
 import time
 
+import pagedserve.cupy_kernels  # noqa: F401  (sets OpenBLAS's environment before numpy loads it)
 import numpy as np
 
 try:

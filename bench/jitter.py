@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import pagedserve.cupy_kernels  # noqa: F401  (sets OpenBLAS's environment before numpy loads it)
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+import pagedserve.cupy_kernels  # noqa: F401  (sets OpenBLAS's environment before numpy loads it)
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,6 +19,7 @@ from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+import pagedserve.cupy_kernels  # noqa: F401  (sets OpenBLAS's environment before numpy loads it)
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -1,1 +1,3 @@
 """pagedserve.sidecar."""
+
+import pagedserve.cupy_kernels  # noqa: F401  (sets OpenBLAS's environment before numpy loads it)

@@ -78,3 +78,39 @@ def test_engine_applies_cpu_threads(restore_threads):
     assert bt.blas_threads() == 1
     with pytest.raises(ValueError, match="cpu_threads must be a positive integer"):
         EngineConfig(cpu_threads=0)
+
+
+def _fresh_python(code: str, **env_changes: str | None) -> str:
+    """Run `code` in a new interpreter (numpy not yet loaded) and return what it prints."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    for name, value in env_changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                          timeout=120).stdout.strip()
+
+
+SHOW = ("import os, pagedserve.cupy_kernels as k; "
+        "print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'), k.OPENBLAS_ENV_APPLIED)")
+
+
+def test_importing_pagedserve_first_sets_openblas_thread_timeout():
+    assert _fresh_python("import pagedserve.runtime; " + SHOW, OPENBLAS_THREAD_TIMEOUT=None) == "4 True"
+    # every subpackage sets it, whichever is imported first (its modules import numpy)
+    assert _fresh_python("import pagedserve.models.loader; " + SHOW, OPENBLAS_THREAD_TIMEOUT=None) == "4 True"
+
+
+def test_a_users_openblas_setting_wins():
+    assert _fresh_python("import pagedserve.runtime; " + SHOW, OPENBLAS_THREAD_TIMEOUT="12") == "12 True"
+
+
+def test_after_numpy_the_environment_is_left_alone():
+    """OpenBLAS has already read its environment: setting it now would only mislead child processes."""
+    assert _fresh_python("import numpy; import pagedserve.runtime; " + SHOW, OPENBLAS_THREAD_TIMEOUT=None) == \
+        "None False"
