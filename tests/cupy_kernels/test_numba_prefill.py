@@ -92,3 +92,27 @@ def test_the_workspace_is_reused_and_grows(monkeypatch):
     big = make_batch(rng, [(1500, 100)], num_kv=1, group=2, head_dim=64, block_size=16)
     close_to_reference(big, na.paged_attention(*big, 0.125))
     assert npf._local.scores.size > first.size
+
+
+def test_row_max_is_exact_at_every_length_and_alignment():
+    """The vector max (llvmlite intrinsic): every length around its lane and chain widths, rows starting
+    off a vector boundary, the max in the tail or in any lane, infinities."""
+    from pagedserve.cupy_kernels.numba_setup import numba
+
+    @numba.njit
+    def row_maxima(s, offset, n, out):
+        for r in range(s.shape[0]):
+            out[r] = npf._row_max(s[r, offset:offset + n], n)
+
+    rng = np.random.default_rng(3)
+    s = rng.standard_normal((64, 300)).astype(np.float32)
+    s[5, 7] = np.inf
+    s[6, :] = -np.inf
+    s[7, 299] = 100.0  # in the scalar tail of the longest rows
+    for r in range(8, 64):
+        s[r, r + 3] = 50.0 + r  # the max in a different lane and chain on each row
+    out = np.empty(64, dtype=np.float32)
+    for offset in (0, 1, 3):
+        for n in (1, 2, 15, 16, 17, 63, 64, 65, 127, 128, 129, 200, 300 - offset):
+            row_maxima(s, offset, n, out)
+            np.testing.assert_array_equal(out, s[:, offset:offset + n].max(axis=1), err_msg=f"{offset=} {n=}")
