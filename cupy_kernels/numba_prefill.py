@@ -14,7 +14,8 @@ Per sequence and kv head:
     K_h, V_h = the sequence's L key/value rows of head h, copied out of its blocks ([L, D] each, once)
     for each tile of query rows (token t, group g):
         S = Q_tile . K_h^T                      BLAS
-        P = exp(S - rowmax) on keys <= the row's position, 0 past it; l = row sum    (numba; Q pre-scaled)
+        P = 2^(S - rowmax) on keys <= the row's position, 0 past it; l = row sum     (numba; Q pre-scaled
+                                                                by scale * log2(e): S in log2 units)
         out rows = (P . V_h) / l                BLAS
 
 A row's result depends only on its own sequence and position (never on the batch): batch invariance
@@ -32,7 +33,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from .numba_ops import fast_exp
+from .numba_ops import fast_exp2
 from .numba_setup import JIT, JIT_EXACT, apply_threads, numba
 
 # A sequence's chunk takes this path when it has at least MIN_TOKENS new tokens and its (new tokens x
@@ -46,6 +47,7 @@ MIN_WORK = 16 * 128
 ROW_TILE = 768
 TILE_BYTES = 12 << 20
 _F32 = np.dtype(np.float32)
+LOG2_E = 1.4426950408889634
 
 
 _MAX_LANES = 16  # floats per vector in _row_max (one AVX-512 register; two AVX2 ones)
@@ -102,8 +104,8 @@ def _row_max(typingctx, row, n):
 
 
 def _masked_softmax_rows(s, first_pos, group, inv_den):
-    """In place over s [R, L] (scores, already scaled): row r (token r // group, at position
-    first_pos + r // group) keeps exp(s - max) on keys <= its position and 0 past it; inv_den[r] = 1 / the
+    """In place over s [R, L] (scores, already scaled, in log2 units): row r (token r // group, at position
+    first_pos + r // group) keeps 2^(s - max) on keys <= its position and 0 past it; inv_den[r] = 1 / the
     kept sum."""
     rows, keys = s.shape
     for r in numba.prange(rows):
@@ -112,7 +114,7 @@ def _masked_softmax_rows(s, first_pos, group, inv_den):
         m = _row_max(row, seen)
         total = np.float32(0.0)
         for j in range(seen):
-            p = fast_exp(row[j] - m)
+            p = fast_exp2(row[j] - m)
             row[j] = p
             total += p
         for j in range(seen, keys):
@@ -188,6 +190,8 @@ def prefill_sequence(query, k_cache, v_cache, start: int, end: int, context_len:
     tile_tokens = max(1, min(ROW_TILE, TILE_BYTES // (4 * context_len)) // group)
     rows = tile_tokens * group
     k, v, s, inv_den = _workspace(num_kv_heads, context_len, head_dim, rows)
+    # Scores in log2 units, so the softmax takes 2^x (fast_exp2, cheaper than exp): the same weights.
+    q_scale = np.float32(scale * LOG2_E)
     _GATHER(k_cache, block_table, context_len, k)
     _GATHER(v_cache, block_table, context_len, v)
     for h in range(num_kv_heads):
@@ -197,7 +201,7 @@ def prefill_sequence(query, k_cache, v_cache, start: int, end: int, context_len:
             t1 = min(t0 + tile_tokens, n)
             r = (t1 - t0) * group
             # rows (token, group head), scaled: one new contiguous array (never a view of the query)
-            q = (query[start + t0:start + t1, heads] * np.float32(scale)).reshape(r, head_dim)
+            q = (query[start + t0:start + t1, heads] * q_scale).reshape(r, head_dim)
             np.matmul(q, k_h.T, out=s[:r])
             _SOFTMAX(s[:r], first_pos + t0, group, inv_den[:r])
             o = s[:r] @ v_h

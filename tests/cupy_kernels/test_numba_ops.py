@@ -71,6 +71,24 @@ def test_fast_exp_within_two_ulp():
     assert (np.abs(got[: exact.size] - exact) <= 2 * np.spacing(exact.astype(np.float32))).all()
 
 
+
+def test_fast_exp2_within_two_ulp_on_the_softmax_range():
+    """2^x for x <= 0 (scores minus their row max, in log2 units), down to the clamp at -126."""
+    from pagedserve.cupy_kernels.numba_setup import numba
+
+    @numba.njit
+    def exp2_all(xs, out):
+        for i in range(xs.size):
+            out[i] = nb.fast_exp2(xs[i])
+
+    xs = np.concatenate([np.linspace(-126, 0, 200_001), np.linspace(-1, 0, 10_001)]).astype(np.float32)
+    got = np.empty_like(xs)
+    exp2_all(xs, got)
+    exact = np.exp2(xs.astype(np.float64))
+    assert (np.abs(got - exact) <= 2 * np.spacing(exact.astype(np.float32))).all()
+    exp2_all(np.array([-130.0, -1000.0], np.float32), got[:2])  # clamped: tiny, positive, never 0 or NaN
+    assert (got[:2] > 0).all() and (got[:2] < 1.2e-38).all()
+
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("rows", [0, 1, 37])
 def test_reshape_and_cache(block_size, rows):
