@@ -116,7 +116,7 @@ class LLMEngine:
                  num_token_slots=num_blocks * self.block_size, backend=self.backend.name,
                  kernels=self.backend.ops.name, model=self.model_name,
                  blas_threads=(self.blas or {}).get("num_threads"), blas_kernel=(self.blas or {}).get("architecture"),
-                 tensor_parallel_size=self.executor.world_size)
+                 tensor_parallel_size=self.executor.world_size, **worker.malloc)
 
     @property
     def cpu_threads(self) -> int | None:

@@ -24,6 +24,7 @@ import structlog
 
 from pagedserve.cupy_kernels.backend import get_backend
 from pagedserve.cupy_kernels.blas_threads import set_blas_threads, set_cpu_threads
+from pagedserve.cupy_kernels.host_malloc import tune_malloc
 from pagedserve.models.batch import ForwardBatch
 from pagedserve.models.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from pagedserve.models.llama import LlamaForCausalLM
@@ -62,6 +63,8 @@ class Worker:
             # N ranks on one host: split the cores rather than let every rank's OpenBLAS take them all.
             set_blas_threads(max(1, (os.cpu_count() or 1) // world_size))
         self.backend = get_backend(config.device, config.cpu_kernels)
+        # CPU: keep freed activation pages mapped between steps (cupy_kernels/host_malloc.py).
+        self.malloc = {} if self.backend.is_gpu else tune_malloc()
         if self.backend.is_gpu:  # device "auto" resolved to the GPU
             check_gpu_block_size(config.block_size)
             if world_size > 1:
