@@ -147,7 +147,7 @@ def add_rms_norm(x: np.ndarray, residual: np.ndarray | None, weight: np.ndarray,
     if residual is None:  # the first layer: x itself becomes the residual
         return rms_norm(x, weight, eps), x
     out = np.empty(x.shape, dtype=_F32)
-    _threads_for(_ADD_RMS_NORM, x.shape[0])(x, residual, weight, np.float32(eps), out, True)
+    _threads_for(_ADD_RMS_NORM, x.shape[0])(x, residual, _read_only(weight), np.float32(eps), out, True)
     return out, residual
 
 
@@ -155,8 +155,18 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     if x.dtype != _F32 or x.ndim != 2:
         return ops.rms_norm(x, weight, eps)
     out = np.empty(x.shape, dtype=_F32)
-    _threads_for(_ADD_RMS_NORM, x.shape[0])(x, x, weight, np.float32(eps), out, False)
+    _threads_for(_ADD_RMS_NORM, x.shape[0])(x, x, _read_only(weight), np.float32(eps), out, False)
     return out
+
+
+def _read_only(weight: np.ndarray) -> np.ndarray:
+    """The weight as a read-only view. Read-only is part of an array's numba type: the weight cache's
+    memory maps are read-only, weights converted in memory are not, and a second type would compile
+    during the first request. One type, compiled at warm-up, whichever way the weights came."""
+    if weight.flags.writeable:
+        weight = weight.view()
+        weight.flags.writeable = False
+    return weight
 
 
 # -- rotary ------------------------------------------------------------------------------------------
@@ -246,9 +256,10 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
 def warm_up() -> None:
     """Compile (or load from the cache) every kernel here for each array layout the model passes: q/k/v
     are views of the qkv projection, which numpy (and so numba) calls C-contiguous when there is one row
-    and strided otherwise. A type seen first during a request would compile then."""
+    and strided otherwise; the rotated key is a new array. A type seen first during a request would
+    compile then (tests/cupy_kernels/test_numba_warm_up.py runs the model and checks that none does)."""
     f32 = lambda *shape: np.ones(shape, dtype=_F32)  # noqa: E731
-    w, eps = f32(8), np.float32(1e-6)
+    w, eps = _read_only(f32(8)), np.float32(1e-6)
     _ADD_RMS_NORM(f32(2, 8), f32(2, 8), w, eps, f32(2, 8), True)
     _ADD_RMS_NORM(f32(2, 8), f32(2, 8), w, eps, f32(2, 8), False)
     _SILU_AND_MUL(f32(2, 8), f32(2, 4))
@@ -256,5 +267,7 @@ def warm_up() -> None:
     for rows in (1, 2):
         _ROTARY(f32(rows, 24)[:, :8].reshape(rows, 2, 4), f32(rows, 2), f32(rows, 2), f32(rows, 2, 4))
         qkv = f32(rows, 24)
-        reshape_and_cache(qkv[:, 8:16].reshape(rows, 2, 4), qkv[:, 16:].reshape(rows, 2, 4), cache, cache.copy(),
-                          np.zeros(rows, dtype=np.int64))
+        value = qkv[:, 16:].reshape(rows, 2, 4)
+        # the model's key comes out of apply_rotary (a new array); other callers pass the projection's view
+        for key in (f32(rows, 2, 4), qkv[:, 8:16].reshape(rows, 2, 4)):
+            reshape_and_cache(key, value, cache, cache.copy(), np.zeros(rows, dtype=np.int64))
