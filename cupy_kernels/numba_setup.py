@@ -11,6 +11,9 @@ Import this module, not numba, in the numba_*.py kernel files.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from typing import Any
 
 from .blas_threads import cpu_threads
 from .cache_dir import cache_root
@@ -51,3 +54,40 @@ def apply_threads(parallel: bool = True) -> None:
         want = min(cpu_threads() or numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS)
     if numba.get_num_threads() != want:
         numba.set_num_threads(want)
+
+
+def compile_aside(module: str, dispatcher: Any) -> subprocess.Popen | None:
+    """With an empty cache, start a child process compiling `module`'s kernels (its warm_up()) into the
+    on-disk cache, so that this process can compile others meanwhile on the other core; the caller waits
+    for it (finish_aside) and then loads them from the cache. The paged attention loop nest alone takes
+    ~7-8 s of the ~12 s a start with an empty cache spends compiling on the test VM. None when `dispatcher`
+    (a kernel of that module) already has a cache index, or when the cache cannot be inspected."""
+    try:
+        if os.path.exists(dispatcher._cache._cache_file._index_path):  # numba's cache layout (not public)
+            return None
+    except AttributeError:
+        return None
+    code = f"import {module} as m; m.warm_up()"
+    try:
+        return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
+    except OSError:
+        return None
+
+
+def finish_aside(child: subprocess.Popen | None, timeout: float = 300.0) -> None:
+    """Wait for compile_aside's child. Whatever became of it, the caller's warm_up() then loads the kernels
+    from the cache or compiles them itself: a failed or hung child costs time, never correctness."""
+    if child is None:
+        return
+    try:
+        _, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        return
+    if child.returncode != 0:
+        import structlog
+
+        structlog.get_logger("pagedserve.engine").warning(
+            "numba.compile_aside_failed", returncode=child.returncode, stderr=err.decode(errors="replace")[-2000:])

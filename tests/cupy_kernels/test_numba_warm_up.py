@@ -57,3 +57,45 @@ def test_a_forward_compiles_nothing_the_warm_up_did_not():
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "NONE []", proc.stdout[-3000:]
+
+
+EMPTY_CACHE_START = """
+import numpy as np
+from pagedserve.cupy_kernels import numba_attention, paged_attention
+from pagedserve.cupy_kernels.kernel_set import numba_kernels
+from pagedserve.cupy_kernels.numba_setup import compile_aside
+ops = numba_kernels()  # the child compiles the attention loop nest while this process compiles the rest
+assert compile_aside(numba_attention.__name__, numba_attention._ATTENTION) is None  # the cache is now filled
+rng = np.random.default_rng(0)
+k = rng.standard_normal((8, 16, 2, 16)).astype(np.float32)
+v = rng.standard_normal((8, 16, 2, 16)).astype(np.float32)
+q = rng.standard_normal((5, 4, 16)).astype(np.float32)
+args = (q, k, v, np.array([0, 4, 5]), np.array([40, 70]), np.array([[0, 1, 2, 3, 4], [5, 6, 7, 3, 2]], np.int32), 0.25)
+np.testing.assert_allclose(ops.paged_attention(*args), paged_attention.paged_attention(*args), rtol=0, atol=1e-4)
+print("OK")
+"""
+
+
+@pytest.mark.slow
+def test_an_empty_cache_compiles_attention_aside_and_loads_it(tmp_path):
+    env = {**__import__("os").environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", EMPTY_CACHE_START], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-3000:]
+    assert list(tmp_path.rglob("numba_attention._attention_chunks-*.nbi"))
+
+
+def test_a_failed_child_only_costs_time(tmp_path, capsys):
+    """finish_aside returns whatever the child did; the caller's warm_up then compiles in-process."""
+    from types import SimpleNamespace
+
+    from pagedserve.cupy_kernels.numba_setup import compile_aside, finish_aside
+
+    fake = SimpleNamespace(_cache=SimpleNamespace(_cache_file=SimpleNamespace(_index_path=str(tmp_path / "none"))))
+    child = compile_aside("pagedserve.no_such_module", fake)
+    assert child is not None
+    finish_aside(child)  # logs numba.compile_aside_failed, raises nothing
+    assert child.returncode != 0
+    (tmp_path / "none").write_text("")
+    assert compile_aside("pagedserve.no_such_module", fake) is None  # an index exists: nothing to do aside
+    assert compile_aside("pagedserve.no_such_module", object()) is None  # a cache it cannot inspect
