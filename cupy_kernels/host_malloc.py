@@ -40,6 +40,7 @@ def tune_malloc() -> dict:
         _result = {"malloc_tuned": False, "malloc_reason": "set by the environment"}
     else:
         libc = ctypes.CDLL(None)
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+        ok = (libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+              and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1)
         _result = {"malloc_tuned": ok, "malloc_reason": "mallopt" if ok else "mallopt refused"}
     return dict(_result)

@@ -183,9 +183,9 @@ def prefill_sequence(query, k_cache, v_cache, start: int, end: int, context_len:
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     first_pos = context_len - n
-    # The copies and the softmax run on cpu_threads threads, between BLAS calls: that gains only while
-    # OpenBLAS's workers sleep after each call (OPENBLAS_THREAD_TIMEOUT=4, cupy_kernels/__init__.py): with
-    # its default spin the softmax on two threads ran no faster than on one.
+    # The copies and the softmax run on cpu_threads threads, between BLAS calls. That gains only because
+    # OpenBLAS's workers soon sleep after a call (OPENBLAS_THREAD_TIMEOUT=18, cupy_kernels/__init__.py):
+    # with its default spin the softmax on two threads ran no faster than on one.
     apply_threads(parallel=True)
     tile_tokens = max(1, min(ROW_TILE, TILE_BYTES // (4 * context_len)) // group)
     rows = tile_tokens * group

@@ -101,9 +101,9 @@ SHOW = ("import os, pagedserve.cupy_kernels as k; "
 
 
 def test_importing_pagedserve_first_sets_openblas_thread_timeout():
-    assert _fresh_python("import pagedserve.runtime; " + SHOW, OPENBLAS_THREAD_TIMEOUT=None) == "4 True"
+    assert _fresh_python("import pagedserve.runtime; " + SHOW, OPENBLAS_THREAD_TIMEOUT=None) == "18 True"
     # every subpackage sets it, whichever is imported first (its modules import numpy)
-    assert _fresh_python("import pagedserve.models.loader; " + SHOW, OPENBLAS_THREAD_TIMEOUT=None) == "4 True"
+    assert _fresh_python("import pagedserve.models.loader; " + SHOW, OPENBLAS_THREAD_TIMEOUT=None) == "18 True"
 
 
 def test_a_users_openblas_setting_wins():
