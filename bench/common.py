@@ -33,6 +33,22 @@ def sgemm_gflops(n: int = 1024, seconds: float = 1.0) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
 
 
+
+def read_gbps(mib: int = 512, repeats: int = 3) -> float:
+    """GB/s at which numpy's BLAS streams the matrix of a matrix-vector product far larger than the caches
+    (its threads as set), the best of `repeats`. One request's decode streams every weight once per token:
+    at this rate that alone takes bench/throughput.py's weights_read_ms_per_token, a floor for its ms per
+    token. On the test VM the single-thread read rate moved by a quarter within an hour (its neighbours'
+    memory traffic), so figures from different hours differ by that much."""
+    a = np.ones(((mib << 18) // 4096, 4096), dtype=np.float32)
+    x = np.ones(4096, dtype=np.float32)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        a @ x
+        best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best / 1e9
+
 def blas_kernel() -> str | None:
     """The kernel numpy's BLAS runs (threadpoolctl's `architecture`: SkylakeX, Zen, Haswell, ...)."""
     from pagedserve.cupy_kernels.blas_threads import blas_info

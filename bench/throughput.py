@@ -23,7 +23,7 @@ import pagedserve.cupy_kernels  # noqa: F401  (sets OpenBLAS's environment befor
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import loadavg, machine, model_flops_per_token, sgemm_gflops  # noqa: E402
+from common import loadavg, machine, model_flops_per_token, read_gbps, sgemm_gflops  # noqa: E402
 
 from pagedserve.cupy_kernels.blas_threads import blas_threads, reset_cpu_threads  # noqa: E402
 from pagedserve.models.loader import load_model  # noqa: E402
@@ -107,6 +107,11 @@ def _breakdown(seconds: dict[str, float], elapsed: float, out_tokens: int) -> di
             "output_tokens_per_s_if_matmuls_were_all": round(out_tokens / linear, 1)}
 
 
+def loaded_weight_bytes(loaded) -> int:
+    """Bytes of the model's weights as served (the tied lm_head counted once)."""
+    return int(sum(w.nbytes for w in loaded.weights.values()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, nargs="+", default=[64, 256])
@@ -122,6 +127,7 @@ def main() -> None:
     configure_logging(level="warning", stream=sys.stderr)
     loaded = load_model(None)
     gflops = sgemm_gflops()
+    bandwidth = read_gbps()
     started_threads = blas_threads()
     for n in args.requests:
         for kernels, threads in [(k, t) for k in args.cpu_kernels for t in args.cpu_threads]:
@@ -130,6 +136,11 @@ def main() -> None:
             reset_cpu_threads(started_threads)  # each setting starts from the same state
             result["sgemm_gflops"] = round(gflops, 1)
             result["mfu"] = round(result["model_gflops_per_s"] / gflops, 3)
+            result["gemv_read_gbps"] = round(bandwidth, 1)
+            # one request: the time per token if every weight were read once per token at that bandwidth
+            if n == 1:
+                result["ms_per_output_token"] = round(1e3 * result["seconds"] / args.output_len, 2)
+                result["weights_read_ms_per_token"] = round(1e3 * loaded_weight_bytes(loaded) / 1e9 / bandwidth, 2)
             result["machine"] = machine()
             result["loadavg"] = loadavg()
             print(json.dumps(result), flush=True)
