@@ -67,6 +67,8 @@ def compile_aside(module: str, dispatcher: Any) -> subprocess.Popen | None:
             return None
     except AttributeError:
         return None
+    if not os.path.basename(sys.executable or "").startswith("python"):  # embedded: no interpreter to start
+        return None
     code = f"import {module} as m; m.warm_up()"
     try:
         return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
