@@ -7,9 +7,9 @@ one small module (say, the block pool) does not load the whole model stack.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import pagedserve.cupy_kernels  # noqa: F401  (sets OpenBLAS's environment before numpy loads it)
-from typing import Any
 
 _EXPORTS = {
     "LLM": ".llm",
