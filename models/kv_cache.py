@@ -47,5 +47,10 @@ def host_zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     count = int(np.prod(shape))
     if not hasattr(mmap, "MAP_ANONYMOUS"):  # not POSIX
         return np.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, max(count * dtype.itemsize, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    nbytes = count * dtype.itemsize
+    try:
+        buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as e:  # e.g. ENOMEM under strict overcommit: say what was asked for, as numpy would
+        raise MemoryError(f"cannot map {nbytes / (1 << 30):.2f} GiB for a KV cache array of shape {tuple(shape)}: "
+                          f"{e.strerror or e}; lower kv_cache_memory_bytes") from e
     return np.frombuffer(buf, dtype=dtype, count=count).reshape(shape)

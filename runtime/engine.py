@@ -12,6 +12,7 @@ import numpy as np
 import structlog
 
 from pagedserve.cupy_kernels.backend import to_host
+from pagedserve.cupy_kernels import OPENBLAS_ENV_APPLIED
 from pagedserve.cupy_kernels.blas_threads import STARTED_BLAS_THREADS, blas_info, set_cpu_threads
 from pagedserve.models.kv_cache import kv_bytes_per_block
 from pagedserve.models.loader import LoadedModel, load_model
@@ -116,7 +117,8 @@ class LLMEngine:
                  num_token_slots=num_blocks * self.block_size, backend=self.backend.name,
                  kernels=self.backend.ops.name, model=self.model_name,
                  blas_threads=(self.blas or {}).get("num_threads"), blas_kernel=(self.blas or {}).get("architecture"),
-                 tensor_parallel_size=self.executor.world_size, **worker.malloc)
+                 tensor_parallel_size=self.executor.world_size, **worker.malloc,
+                 openblas_env_applied=OPENBLAS_ENV_APPLIED)  # False: numpy was imported before pagedserve
 
     @property
     def cpu_threads(self) -> int | None:

@@ -115,3 +115,18 @@ def test_host_zeros_of_no_elements():
     from pagedserve.models.kv_cache import host_zeros
 
     assert host_zeros((0, BLOCK, 2, 8), np.float32).shape == (0, BLOCK, 2, 8)
+
+
+def test_host_zeros_says_what_it_could_not_map(monkeypatch):
+    import mmap
+
+    from pagedserve.models import kv_cache
+
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(kv_cache.mmap, "mmap", refuse)
+    with pytest.raises(MemoryError, match=r"cannot map 0\.25 GiB for a KV cache array of shape \(8192, 16, 2, 256\).*"
+                                          r"Cannot allocate memory; lower kv_cache_memory_bytes"):
+        kv_cache.host_zeros((8192, 16, 2, 256), np.float32)
+    assert mmap.mmap is refuse
