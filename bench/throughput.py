@@ -58,9 +58,12 @@ def timed_parts(model, seconds: dict[str, float]):
 
 
 def run(loaded, num_requests: int, prompt_len: int, output_len: int, max_num_batched_tokens: int,
-        breakdown: bool = False, cpu_kernels: str = "auto", cpu_threads: int | str | None = None) -> dict:
+        breakdown: bool = False, cpu_kernels: str = "auto", cpu_threads: int | str | None = None,
+        kv_cache_gib: float | None = None) -> dict:
+    kv_bytes = int(kv_cache_gib * (1 << 30)) if kv_cache_gib else None
     engine = LLMEngine(EngineConfig(device="cpu", max_num_batched_tokens=max_num_batched_tokens,
-                                    max_num_seqs=256, seed=0, cpu_kernels=cpu_kernels, cpu_threads=cpu_threads),
+                                    max_num_seqs=256, seed=0, cpu_kernels=cpu_kernels, cpu_threads=cpu_threads,
+                                    kv_cache_memory_bytes=kv_bytes),
                        loaded=loaded)
     # Touch every page of the KV pool before the clock starts, as a long-running server's pages are (and as
     # vLLM's zero-filled pool is at start): first-touch page faults cost ~2.5 s per GiB on the test VM and
@@ -118,6 +121,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="CPU KV pool size (default: the engine's, 2 GiB; 256 requests x 256 tokens need 2.9)")
     ap.add_argument("--breakdown", action="store_true", help="time matmuls, attention and the rest separately")
     ap.add_argument("--cpu-kernels", nargs="+", default=["auto"], choices=["auto", "numba", "numpy"],
                     help="kernel sets to run, one after the other for each N (A/B in one run)")
@@ -132,7 +137,8 @@ def main() -> None:
     for n in args.requests:
         for kernels, threads in [(k, t) for k in args.cpu_kernels for t in args.cpu_threads]:
             result = run(loaded, n, args.prompt_len, args.output_len, args.max_num_batched_tokens, args.breakdown,
-                         kernels, threads)
+                         kernels, threads, args.kv_cache_gib)
+            result["kv_cache_gib"] = args.kv_cache_gib
             reset_cpu_threads(started_threads)  # each setting starts from the same state
             # MFU against the better of the sgemm rates measured before and after the run: on a VM whose
             # neighbours come and go one 1 s sample can be 15% low, and MFU would then read high.
