@@ -245,9 +245,7 @@ def _attention_chunks(query, k_cache, v_cache, query_start_loc, seq_lens, block_
                     seen = min(k1, first_pos + t0 + r // num_heads + 1) - k0
                     if seen <= 0:
                         continue
-                    m_new = m[r]
-                    for j in range(seen):
-                        m_new = max(m_new, s[r, j])
+                    m_new = max(m[r], prefill.row_max(s[r], seen))  # exact: the same bits as a scalar max
                     total = np.float32(0.0)
                     for j in range(seen):
                         p = fast_exp(s[r, j] - m_new)

@@ -50,12 +50,12 @@ _F32 = np.dtype(np.float32)
 LOG2_E = 1.4426950408889634
 
 
-_MAX_LANES = 16  # floats per vector in _row_max (one AVX-512 register; two AVX2 ones)
+_MAX_LANES = 16  # floats per vector in row_max (one AVX-512 register; two AVX2 ones)
 _MAX_CHAINS = 4  # independent vector maxima, so the loop is not bound by one compare's latency
 
 
 @intrinsic
-def _row_max(typingctx, row, n):
+def row_max(typingctx, row, n):
     """max(row[:n]) of a C-contiguous float32 row, n >= 1, in vector lanes. numba's loops do not vectorise
     a float max (LLVM only does for functions marked free of NaNs), and eight scalar running maxima took
     0.15 ns per element on the test machine; _MAX_CHAINS vector ones take 0.04 ns. The result is exact
@@ -111,7 +111,7 @@ def _masked_softmax_rows(s, first_pos, group, inv_den):
     for r in numba.prange(rows):
         row = s[r]
         seen = min(keys, first_pos + r // group + 1)
-        m = _row_max(row, seen)
+        m = row_max(row, seen)
         total = np.float32(0.0)
         for j in range(seen):
             p = fast_exp2(row[j] - m)

@@ -102,7 +102,7 @@ def test_row_max_is_exact_at_every_length_and_alignment():
     @numba.njit
     def row_maxima(s, offset, n, out):
         for r in range(s.shape[0]):
-            out[r] = npf._row_max(s[r, offset:offset + n], n)
+            out[r] = npf.row_max(s[r, offset:offset + n], n)
 
     rng = np.random.default_rng(3)
     s = rng.standard_normal((64, 300)).astype(np.float32)
