@@ -68,7 +68,7 @@ def numba_kernels() -> KernelSet:
 
     # Compiled now (or loaded from the on-disk cache), never during a request. With an empty cache the
     # attention loop nest compiles in a child process meanwhile, on the other core (numba_setup).
-    child = compile_aside(numba_attention.__name__, numba_attention._ATTENTION)
+    child = compile_aside(numba_attention._ATTENTION)
     numba_ops.warm_up()
     numba_prefill.warm_up()
     finish_aside(child)

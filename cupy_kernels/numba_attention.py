@@ -49,7 +49,7 @@ from numba.extending import intrinsic
 
 from . import numba_prefill as prefill
 from . import paged_attention as reference
-from .numba_ops import fast_exp
+from .numba_ops import fast_exp, row_max
 from .numba_setup import JIT, apply_threads, numba
 
 Q_TILE = 16  # query tokens per prefill item: its Q_TILE * H score rows share each K/V row read
@@ -245,7 +245,7 @@ def _attention_chunks(query, k_cache, v_cache, query_start_loc, seq_lens, block_
                     seen = min(k1, first_pos + t0 + r // num_heads + 1) - k0
                     if seen <= 0:
                         continue
-                    m_new = max(m[r], prefill.row_max(s[r], seen))  # exact: the same bits as a scalar max
+                    m_new = max(m[r], row_max(s[r], seen))  # exact: the same bits as a scalar max
                     total = np.float32(0.0)
                     for j in range(seen):
                         p = fast_exp(s[r, j] - m_new)

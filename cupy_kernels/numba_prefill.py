@@ -29,11 +29,8 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from llvmlite import ir
-from numba.core import cgutils, types
-from numba.extending import intrinsic
 
-from .numba_ops import fast_exp2
+from .numba_ops import fast_exp2, row_max
 from .numba_setup import JIT, JIT_EXACT, apply_threads, numba
 
 # A sequence's chunk takes this path when it has at least MIN_TOKENS new tokens and its (new tokens x
@@ -48,59 +45,6 @@ ROW_TILE = 768
 TILE_BYTES = 12 << 20
 _F32 = np.dtype(np.float32)
 LOG2_E = 1.4426950408889634
-
-
-_MAX_LANES = 16  # floats per vector in row_max (one AVX-512 register; two AVX2 ones)
-_MAX_CHAINS = 4  # independent vector maxima, so the loop is not bound by one compare's latency
-
-
-@intrinsic
-def row_max(typingctx, row, n):
-    """max(row[:n]) of a C-contiguous float32 row, n >= 1, in vector lanes. numba's loops do not vectorise
-    a float max (LLVM only does for functions marked free of NaNs), and eight scalar running maxima took
-    0.15 ns per element on the test machine; _MAX_CHAINS vector ones take 0.04 ns. The result is exact
-    (a max does not round), the same whatever the lane split: compare-and-select, as x86's max does."""
-    if not (isinstance(row, types.Array) and row.ndim == 1 and row.layout == "C" and row.dtype == types.float32
-            and isinstance(n, types.Integer)):
-        return None
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        count = context.cast(builder, args[1], signature.args[1], types.intp)
-        intp = count.type
-        vec_t = ir.VectorType(ir.FloatType(), _MAX_LANES)
-
-        def const(value):
-            return ir.Constant(intp, value)
-
-        def larger(a, b):
-            return builder.select(builder.fcmp_ordered(">", b, a), b, a)
-
-        def load_vec(i):
-            return builder.load(builder.bitcast(builder.gep(data, [i]), vec_t.as_pointer()), align=4)
-
-        chains = [cgutils.alloca_once_value(builder, ir.Constant(vec_t, [float("-inf")] * _MAX_LANES))
-                  for _ in range(_MAX_CHAINS)]
-        big = _MAX_LANES * _MAX_CHAINS
-        n_big = builder.mul(builder.sdiv(count, const(big)), const(big))
-        n_vec = builder.mul(builder.sdiv(count, const(_MAX_LANES)), const(_MAX_LANES))
-        with cgutils.for_range_slice(builder, const(0), n_big, const(big), intp=intp) as (i, _):
-            for c, chain in enumerate(chains):
-                builder.store(larger(builder.load(chain), load_vec(builder.add(i, const(c * _MAX_LANES)))), chain)
-        with cgutils.for_range_slice(builder, n_big, n_vec, const(_MAX_LANES), intp=intp) as (i, _):
-            builder.store(larger(builder.load(chains[0]), load_vec(i)), chains[0])
-        vec = builder.load(chains[0])
-        for chain in chains[1:]:
-            vec = larger(vec, builder.load(chain))
-        best = builder.extract_element(vec, ir.Constant(ir.IntType(32), 0))
-        for lane in range(1, _MAX_LANES):
-            best = larger(best, builder.extract_element(vec, ir.Constant(ir.IntType(32), lane)))
-        result = cgutils.alloca_once_value(builder, best)
-        with cgutils.for_range_slice(builder, n_vec, count, const(1), intp=intp) as (i, _):
-            builder.store(larger(builder.load(result), builder.load(builder.gep(data, [i]))), result)
-        return builder.load(result)
-
-    return types.float32(row, n), codegen
 
 
 def _masked_softmax_rows(s, first_pos, group, inv_den):

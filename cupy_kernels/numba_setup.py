@@ -56,15 +56,16 @@ def apply_threads(parallel: bool = True) -> None:
         numba.set_num_threads(want)
 
 
-def compile_aside(module: str, dispatcher: Any) -> subprocess.Popen | None:
-    """With an empty cache, start a child process compiling `module`'s kernels (its warm_up()) into the
-    on-disk cache, so that this process can compile others meanwhile on the other core; the caller waits
-    for it (finish_aside) and then loads them from the cache. The paged attention loop nest alone takes
-    ~7-8 s of the ~12 s a start with an empty cache spends compiling on the test VM. None when `dispatcher`
-    (a kernel of that module) already has a cache index, or when the cache cannot be inspected."""
+def compile_aside(dispatcher: Any) -> subprocess.Popen | None:
+    """With an empty cache, start a child process compiling the kernels of `dispatcher`'s module (its
+    warm_up()) into the on-disk cache, so that this process can compile others meanwhile on the other core;
+    the caller waits for it (finish_aside) and then loads them from the cache. The paged attention loop nest
+    alone takes ~7-8 s of the ~12 s a start with an empty cache spends compiling on the test VM. None when
+    the kernel already has a cache index, or when the cache cannot be inspected."""
     try:
         if os.path.exists(dispatcher._cache._cache_file._index_path):  # numba's cache layout (not public)
             return None
+        module = dispatcher.py_func.__module__
     except AttributeError:
         return None
     if not os.path.basename(sys.executable or "").startswith("python"):  # embedded: no interpreter to start

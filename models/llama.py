@@ -125,7 +125,14 @@ class LlamaForCausalLM:
         self.activation_peaks: dict[str, float] = {}
 
     def _put(self, w: np.ndarray):
-        return self.backend.asarray(np.ascontiguousarray(w, dtype=self.backend.dtype))
+        """A weight as the backend holds it. Host weights are read-only views: nothing writes a weight
+        after load, and one array type (read-only is part of a numba type, and the weight cache's memory
+        maps are read-only) means the kernels compiled at warm-up serve every model, however it loaded."""
+        a = self.backend.asarray(np.ascontiguousarray(w, dtype=self.backend.dtype))
+        if isinstance(a, np.ndarray) and a.flags.writeable:
+            a = a.view()
+            a.flags.writeable = False
+        return a
 
     def _put_t(self, w: np.ndarray):
         """A matmul weight, [out, in] in the checkpoint, stored as [in, out] for ops.linear."""

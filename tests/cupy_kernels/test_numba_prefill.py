@@ -97,12 +97,13 @@ def test_the_workspace_is_reused_and_grows(monkeypatch):
 def test_row_max_is_exact_at_every_length_and_alignment():
     """The vector max (llvmlite intrinsic): every length around its lane and chain widths, rows starting
     off a vector boundary, the max in the tail or in any lane, infinities."""
+    from pagedserve.cupy_kernels import numba_ops
     from pagedserve.cupy_kernels.numba_setup import numba
 
     @numba.njit
     def row_maxima(s, offset, n, out):
         for r in range(s.shape[0]):
-            out[r] = npf.row_max(s[r, offset:offset + n], n)
+            out[r] = numba_ops.row_max(s[r, offset:offset + n], n)
 
     rng = np.random.default_rng(3)
     s = rng.standard_normal((64, 300)).astype(np.float32)

@@ -65,7 +65,7 @@ from pagedserve.cupy_kernels import numba_attention, paged_attention
 from pagedserve.cupy_kernels.kernel_set import numba_kernels
 from pagedserve.cupy_kernels.numba_setup import compile_aside
 ops = numba_kernels()  # the child compiles the attention loop nest while this process compiles the rest
-assert compile_aside(numba_attention.__name__, numba_attention._ATTENTION) is None  # the cache is now filled
+assert compile_aside(numba_attention._ATTENTION) is None  # the cache is now filled
 rng = np.random.default_rng(0)
 k = rng.standard_normal((8, 16, 2, 16)).astype(np.float32)
 v = rng.standard_normal((8, 16, 2, 16)).astype(np.float32)
@@ -91,11 +91,12 @@ def test_a_failed_child_only_costs_time(tmp_path, capsys):
 
     from pagedserve.cupy_kernels.numba_setup import compile_aside, finish_aside
 
-    fake = SimpleNamespace(_cache=SimpleNamespace(_cache_file=SimpleNamespace(_index_path=str(tmp_path / "none"))))
-    child = compile_aside("pagedserve.no_such_module", fake)
+    fake = SimpleNamespace(_cache=SimpleNamespace(_cache_file=SimpleNamespace(_index_path=str(tmp_path / "none"))),
+                           py_func=SimpleNamespace(__module__="pagedserve.no_such_module"))
+    child = compile_aside(fake)
     assert child is not None
     finish_aside(child)  # logs numba.compile_aside_failed, raises nothing
     assert child.returncode != 0
     (tmp_path / "none").write_text("")
-    assert compile_aside("pagedserve.no_such_module", fake) is None  # an index exists: nothing to do aside
-    assert compile_aside("pagedserve.no_such_module", object()) is None  # a cache it cannot inspect
+    assert compile_aside(fake) is None  # an index exists: nothing to do aside
+    assert compile_aside(object()) is None  # a cache it cannot inspect
