@@ -246,8 +246,9 @@ def embedding(table, ids):
     return cupy.take(table, ids, axis=0)
 
 
-def linear(x, weight_t, bias=None):
+def linear(x, weight_t, bias=None, quant=None):
     """x [T, in] @ weight_t [in, out] -> [T, out]: cuBLAS, float32 accumulation for float16 operands.
+    `quant` (host blocks of the same weight, ops.linear) is not used on the device.
 
     weight_t may be C- or F-contiguous (a tied lm_head is the embedding's transposed view); cuBLAS
     reads either layout in place.

@@ -63,13 +63,14 @@ def numpy_kernels() -> KernelSet:
 @functools.lru_cache(maxsize=None)
 def numba_kernels() -> KernelSet:
     """The numba kernels where there is one, the numpy reference elsewhere (embedding, matmuls)."""
-    from . import numba_attention, numba_ops, numba_prefill  # imports (and configures) numba: only when asked for
+    from . import numba_attention, numba_ops, numba_prefill, numba_quant  # imports (and configures) numba: only when asked for
     from .numba_setup import compile_aside, finish_aside
 
     # Compiled now (or loaded from the on-disk cache), never during a request. With an empty cache the
     # attention loop nest compiles in a child process meanwhile, on the other core (numba_setup).
     child = compile_aside(numba_attention._ATTENTION)
     numba_ops.warm_up()
+    numba_quant.warm_up()
     numba_prefill.warm_up()
     finish_aside(child)
     numba_attention.warm_up()

@@ -1,5 +1,6 @@
 """numba versions of the elementwise ops in ops.py (fused add+RMSNorm, rotary, SiLU-and-mul) and the KV
-cache write of paged_attention.py, and the CPU set's linear (numpy/OpenBLAS, the tied lm_head in tiles). Same
+cache write of paged_attention.py, and the CPU set's linear (GGUF blocks for few rows: numba_quant.py; else numpy/OpenBLAS,
+the tied lm_head in tiles). Same
 signatures and results as those numpy references, within float32 rounding; tests/cupy_kernels/test_numba_ops.py
 compares them. Also the numerics the attention kernels share: fast_exp, fast_exp2, row_max.
 
@@ -22,7 +23,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from . import ops
+from . import numba_quant, ops
 from .numba_setup import JIT, JIT_EXACT, apply_threads, numba
 
 # Rows from which the elementwise kernels use numba's thread pool (prange).
@@ -147,13 +148,16 @@ LM_HEAD_TILE = 2048
 LM_HEAD_MAX_ROWS = 128  # above, one call with the transposed operand is faster again (256 rows: 75 vs 91 ms)
 
 
-def linear(x: np.ndarray, weight_t: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    """ops.linear; a weight that is the transposed view of a contiguous [out, in] table (the tied
-    lm_head, `embed_tokens.T`) is multiplied as table_tile @ x.T, tile by tile of output columns, into
+def linear(x: np.ndarray, weight_t: np.ndarray, bias: np.ndarray | None = None, quant=None) -> np.ndarray:
+    """ops.linear. Up to numba_quant.QUANT_MAX_ROWS rows, a weight with GGUF blocks (`quant`) is read as
+    blocks (numba_quant.py: 0.6-1.1 byte per weight instead of 4). Otherwise a weight that is the
+    transposed view of a contiguous [out, in] table (the tied lm_head, `embed_tokens.T`) is multiplied as table_tile @ x.T, tile by tile of output columns, into
     the [T, out] result. OpenBLAS then streams each table row once as the wide operand instead of
     packing a transposed 113 MB operand per call: at 8-64 rows 25-35% less time per decode step's
     logits on one thread (the same bits with the native kernel we measured; in general within float32
     summation order), and no second copy of the table in memory. One row (a matvec) and many rows gain nothing and take the plain path."""
+    if quant is not None and x.ndim == 2 and x.shape[0] <= numba_quant.QUANT_MAX_ROWS:
+        return numba_quant.linear(x, quant, bias)
     if (bias is not None or x.ndim != 2 or x.dtype != _F32 or weight_t.dtype != _F32 or x.shape[0] < 2
             or x.shape[0] > LM_HEAD_MAX_ROWS or weight_t.shape[1] < 4 * LM_HEAD_TILE
             or not weight_t.T.flags.c_contiguous):

@@ -25,6 +25,13 @@ os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_root() / "numba"))
 # 16 requests: 12.2 s against 3.6 s with the numpy kernels). PASSIVE makes idle OpenMP threads sleep at
 # once; waking them costs microseconds per kernel. Read by libgomp when numba first starts its threads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# ...but not quite at once: a decode step with few sequences runs ~120 short parallel matmuls over GGUF
+# blocks (numba_quant.py), ~20 us each, and waking sleeping threads for each took longer than the work
+# (one request: 12.9 ms per step against 6.8 ms). libgomp's GOMP_SPINCOUNT overrides the policy's spin
+# count (0 for PASSIVE, 300,000 by default): 3,000 pauses (~0.1 ms on the test VM's Xeon) bridge the gap
+# between two kernels of a step; 300 did not, and the 64-request run (OpenBLAS matmuls) did not measurably
+# slow down (439-448 against 425-464 tok/s). A user's GOMP_SPINCOUNT wins.
+os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 import numba  # noqa: E402  (after NUMBA_CACHE_DIR: numba reads its config at import)
 

@@ -17,11 +17,13 @@ def embedding(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return table[ids]
 
 
-def linear(x: np.ndarray, weight_t: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+def linear(x: np.ndarray, weight_t: np.ndarray, bias: np.ndarray | None = None, quant=None) -> np.ndarray:
     """x [T, in] @ weight_t [in, out] -> [T, out].
 
     Weights are stored transposed from the Hugging Face [out, in] layout, once at load: on the CPU,
     OpenBLAS runs the small-M matmuls of decode steps 10-30% faster on an [in, out] operand.
+    `quant` (a quant.QuantWeight) is the same weight as the GGUF file's blocks, of which weight_t is the
+    exact dequantization; the reference reads weight_t, a compiled set may read the blocks instead.
     """
     out = x @ weight_t
     if bias is not None:

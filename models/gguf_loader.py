@@ -1,5 +1,11 @@
 """Loading llama-architecture GGUF files: config from metadata, tensors dequantized to float32.
 
+Matmul weights stored as Q8_0, Q4_0 or Q4_1 blocks are also kept as blocks (cupy_kernels/quant.py), under
+the float32 weight's name plus ".q4.qs", ".q4.scales", ".q4.mins" or ".q8.qs", ".q8.scales"
+(`quant_names`); the model reads them back with `quant_weight`. The CPU's numba kernels multiply a few
+rows by the blocks directly (numba_quant.py); everything else uses the float32 weights, which are the
+blocks' exact values.
+
 llama.cpp's converter reorders the rows of q and k so that rotary pairs are interleaved
 (GPT-J style); our rotary op uses the Hugging Face "rotate half" layout, so `unpermute_qk` puts the
 rows back. Tensor names are mapped to Hugging Face names so one model class serves both formats.
@@ -12,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from pagedserve.cupy_kernels.quant import QUANT_TYPES, QuantWeight, kind_of, make_quant_weight, split_blocks
 
 from .config import ModelConfig
 
@@ -122,8 +130,39 @@ def _dequantize(tensor, path) -> np.ndarray:
                          "which this gguf package cannot dequantize") from None
 
 
+def is_quant_name(name: str) -> bool:
+    return any(name.endswith(f".q{b}.{part}") for b in (4, 8) for part in ("qs", "scales", "mins"))
+
+
+def quant_names(name: str, kind: str) -> dict[str, str]:
+    """The block arrays' names for float32 weight `name`: {"qs": ..., "scales": ...[, "mins": ...]}."""
+    parts = ("qs", "scales", "mins") if kind == "q4" else ("qs", "scales")
+    return {part: f"{name}.{kind}.{part}" for part in parts}
+
+
+def quant_weight(weights: dict[str, np.ndarray], name: str) -> QuantWeight | None:
+    """The blocks of weight `name` when `weights` hold them (a GGUF model), else None."""
+    for kind in ("q4", "q8"):
+        names = quant_names(name, kind)
+        if all(n in weights for n in names.values()):
+            mins = weights[names["mins"]] if kind == "q4" else None
+            return make_quant_weight(kind, weights[names["qs"]], weights[names["scales"]], mins)
+    return None
+
+
+def _quant_arrays(tensor, hf_name: str, rows_fix) -> dict[str, np.ndarray]:
+    """The block arrays of a 2-D matmul weight stored as Q8_0/Q4_0/Q4_1 (empty for other tensors)."""
+    qtype = tensor.tensor_type.name
+    if qtype not in QUANT_TYPES or len(tensor.shape) != 2:
+        return {}
+    arrays = split_blocks(qtype, np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1))
+    names = quant_names(hf_name, kind_of(qtype))
+    return {names[part]: np.ascontiguousarray(rows_fix(a)) for part, a in arrays.items()}
+
+
 def load_gguf_weights(path: str | Path, reader=None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Config and float32 weights (Hugging Face names, HF q/k row order) of a llama GGUF file."""
+    """Config and float32 weights (Hugging Face names, HF q/k row order) of a llama GGUF file, plus the
+    block arrays of its quantized matmul weights (`quant_names`)."""
     reader = reader or open_gguf(path)
     config = gguf_config(reader, path)
     weights: dict[str, np.ndarray] = {}
@@ -140,9 +179,14 @@ def load_gguf_weights(path: str | Path, reader=None) -> tuple[ModelConfig, dict[
         if w.size != expected_numel:
             raise ValueError(f"{path}: tensor {name!r} dequantized to {w.size} values, expected {expected_numel}")
         w = w.reshape([int(d) for d in reversed(tensor.shape)])  # GGUF lists dims fastest-first
-        if ".attn_q." in name:
-            w = unpermute_qk(w, config.num_attention_heads)
-        elif ".attn_k." in name:
-            w = unpermute_qk(w, config.num_key_value_heads)
-        weights[hf_name] = np.ascontiguousarray(w)
+
+        def rows_fix(a):
+            if ".attn_q." in name:
+                return unpermute_qk(a, config.num_attention_heads)
+            if ".attn_k." in name:
+                return unpermute_qk(a, config.num_key_value_heads)
+            return a
+
+        weights[hf_name] = np.ascontiguousarray(rows_fix(w))
+        weights.update(_quant_arrays(tensor, hf_name, rows_fix))
     return config, weights

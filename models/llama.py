@@ -14,11 +14,13 @@ import numpy as np
 
 from pagedserve.cupy_kernels.backend import Backend, get_backend
 from pagedserve.cupy_kernels.collectives import SingleRank
+from pagedserve.cupy_kernels.quant import QuantWeight, concat_rows
 
 from . import activation_check
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .device_batch import to_device
+from .gguf_loader import quant_weight
 from .rope import rope_inv_freq
 from .tensor_parallel import TPShard
 from .weights_check import check_float16_range
@@ -33,6 +35,12 @@ class LayerWeights:
     post_norm: Any
     gate_up: Any  # [hidden, 2 * intermediate]
     down: Any  # [intermediate, hidden]
+    # The same four weights as GGUF blocks (cupy_kernels/quant.py), for the numba set's few-row matmuls;
+    # None for a model without them, on the GPU, and with the numpy reference set.
+    qkv_q: QuantWeight | None = None
+    o_proj_q: QuantWeight | None = None
+    gate_up_q: QuantWeight | None = None
+    down_q: QuantWeight | None = None
 
 
 def expected_shapes(config: ModelConfig, shard: TPShard | None = None) -> dict[str, tuple[int, ...]]:
@@ -116,6 +124,9 @@ class LlamaForCausalLM:
                 gate_up=put_t(np.concatenate([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])),
                 down=put_t(weights[p + "mlp.down_proj.weight"]),
             ))
+        self.lm_head_q = None
+        if self.backend.ops.name == "numba" and not shard.is_sharded:
+            self._attach_quant(weights)
         self.inv_freq = rope_inv_freq(config, weights.get("rope_freqs"))
         if self.backend.is_gpu:  # float64 on the device: cos/sin are computed there from device positions
             self.inv_freq = self.backend.asarray(self.inv_freq)
@@ -123,6 +134,31 @@ class LlamaForCausalLM:
         # Debug mode (models/activation_check.py): inf/NaN in the residual stream raises, per checkpoint.
         self.check_activations = activation_check.enabled_by_env()
         self.activation_peaks: dict[str, float] = {}
+
+    def _attach_quant(self, weights: dict[str, np.ndarray]) -> None:
+        """Keep the GGUF blocks of each matmul weight that has them (gguf_loader.quant_weight) beside the
+        float32 weight; a fused weight only when all its parts have blocks of one kind."""
+        def fused(*names: str) -> QuantWeight | None:
+            parts = [quant_weight(weights, name) for name in names]
+            if any(p is None for p in parts) or len({p.kind for p in parts}) != 1:
+                return None
+            return parts[0] if len(parts) == 1 else concat_rows(parts)
+
+        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        self.lm_head_q = fused(head)
+        for n, layer in enumerate(self.layers):
+            a, p = f"model.layers.{n}.self_attn.", f"model.layers.{n}.mlp."
+            layer.qkv_q = fused(*(a + f"{x}_proj.weight" for x in "qkv"))
+            layer.o_proj_q = fused(a + "o_proj.weight")
+            layer.gate_up_q = fused(p + "gate_proj.weight", p + "up_proj.weight")
+            layer.down_q = fused(p + "down_proj.weight")
+
+    @property
+    def quantized_matmuls(self) -> int:
+        """How many of the model's matmul weights carry GGUF blocks (logged at start)."""
+        ws = [self.lm_head_q] + [w for layer in self.layers
+                                 for w in (layer.qkv_q, layer.o_proj_q, layer.gate_up_q, layer.down_q)]
+        return sum(w is not None for w in ws)
 
     def _put(self, w: np.ndarray):
         """A weight as the backend holds it. Host weights are read-only views: nothing writes a weight
@@ -153,7 +189,7 @@ class LlamaForCausalLM:
         return self.comm.all_reduce(rows)
 
     def _logits(self, x: Any) -> Any:
-        logits = self.backend.ops.linear(x, self.lm_head).astype(np.float32, copy=False)
+        logits = self.backend.ops.linear(x, self.lm_head, quant=self.lm_head_q).astype(np.float32, copy=False)
         if not self.shard.is_sharded:
             return logits
         pad = self.vocab_per_rank - logits.shape[1]  # the last ranks may hold fewer rows than ceil(V / N)
@@ -180,7 +216,7 @@ class LlamaForCausalLM:
             x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
             if check:
                 activation_check.check_residual(residual, self.backend.xp, f"layer {n} input", peaks)
-            qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = ops.linear(x, layer.qkv, layer.qkv_bias, quant=layer.qkv_q)
             q = qkv[:, :q_size].reshape(t, self.num_heads, cfg.head_dim)
             k = qkv[:, q_size : q_size + kv_size].reshape(t, self.num_kv_heads, cfg.head_dim)
             v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, cfg.head_dim)
@@ -189,11 +225,12 @@ class LlamaForCausalLM:
             ops.reshape_and_cache(k, v, k_cache, v_cache, batch.slot_mapping)
             attn = ops.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
                                        batch.block_tables, self.scale)
-            hidden = self.comm.all_reduce(ops.linear(attn.reshape(t, q_size), layer.o_proj))  # row-parallel
+            hidden = self.comm.all_reduce(ops.linear(attn.reshape(t, q_size), layer.o_proj, quant=layer.o_proj_q))
             x, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
             if check:
                 activation_check.check_residual(residual, self.backend.xp, f"layer {n} after attention", peaks)
-            hidden = self.comm.all_reduce(ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up)), layer.down))
+            up = ops.silu_and_mul(ops.linear(x, layer.gate_up, quant=layer.gate_up_q))
+            hidden = self.comm.all_reduce(ops.linear(up, layer.down, quant=layer.down_q))  # row-parallel
         hidden = hidden[batch.logits_indices]
         residual = residual[batch.logits_indices]
         x, residual = ops.add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)

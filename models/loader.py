@@ -21,7 +21,7 @@ import numpy as np
 import tokenizers
 
 from .config import ModelConfig
-from .gguf_loader import load_gguf_weights, open_gguf
+from .gguf_loader import is_quant_name, load_gguf_weights, open_gguf
 from .hf_loader import load_hf_weights
 from .llama import check_weights
 from .tensor_parallel import TPShard, check_tensor_parallel, shard_weights
@@ -134,6 +134,8 @@ def load_model(model: str | Path | None = None, use_cache: bool = True, shard: T
         from_cache = False
     elif path.suffix == ".gguf":
         config, weights, tokenizer, from_cache = _load_gguf(path, use_cache, shard)
+        if shard.is_sharded:  # a rank multiplies its float32 slices; the blocks are for the one-process CPU set
+            weights = {k: v for k, v in weights.items() if not is_quant_name(k)}
     else:
         raise ValueError(f"{path}: not a model (expected a .gguf file or a Hugging Face model directory)")
     eos = tuple(dict.fromkeys(config.eos_token_ids + tokenizer.eos_token_ids))  # union, order kept

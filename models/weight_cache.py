@@ -1,8 +1,8 @@
 """A conversion cache for GGUF weights: dequantizing takes seconds, reading float32 safetensors does not.
 
 Entries live in `<cache root>/gguf-<sha256 of the GGUF file>-v<format>/` and hold model.safetensors
-(float32, Hugging Face names, q/k already un-permuted), config.json and the tokenizer files. Keying by
-content hash means a replaced or edited file never reuses a stale entry. Entries are written to a
+(float32, Hugging Face names, q/k already un-permuted, plus the block arrays of quantized matmul weights),
+config.json and the tokenizer files. Keying by content hash means a replaced or edited file never reuses a stale entry. Entries are written to a
 temporary directory and renamed into place, so a crash mid-write leaves no half entry behind.
 """
 
@@ -25,7 +25,7 @@ from .config import ModelConfig
 from .safetensors_io import read_safetensors
 from .tensor_parallel import TPShard, check_tensor_parallel
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: the GGUF blocks of quantized matmul weights are kept too (gguf_loader.quant_names)
 
 
 def file_sha256(path: str | Path) -> str:
@@ -57,6 +57,9 @@ def save_entry(root: Path, digest: str, config: ModelConfig, weights: dict[str, 
             os.replace(tmp, final)
         except OSError:  # another process won the race and wrote the same entry
             shutil.rmtree(tmp, ignore_errors=True)
+        for stale in root.glob(f"gguf-{digest}-v*"):  # the same file in an older format: never read again
+            if stale != final:
+                shutil.rmtree(stale, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

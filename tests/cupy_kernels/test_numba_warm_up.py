@@ -22,7 +22,9 @@ import numpy as np
 import numba
 from model_factory import random_model
 from pagedserve.cupy_kernels.backend import get_backend
-from pagedserve.cupy_kernels import numba_attention, numba_ops, numba_prefill
+from pagedserve.cupy_kernels import numba_attention, numba_ops, numba_prefill, numba_quant
+from model_factory import write_gguf
+from pagedserve.models.gguf_loader import load_gguf_weights
 from pagedserve.models.batch import SeqChunk, build_forward_batch
 from pagedserve.models.kv_cache import allocate_kv_caches
 from pagedserve.models.llama import LlamaForCausalLM
@@ -30,16 +32,21 @@ from pagedserve.models.llama import LlamaForCausalLM
 backend = get_backend("cpu", "numba")  # the warm-up runs here
 
 def signatures():
-    return {(m.__name__, name, sig) for m in (numba_ops, numba_attention, numba_prefill) for name in dir(m)
+    return {(m.__name__, name, sig) for m in (numba_ops, numba_attention, numba_prefill, numba_quant) for name in dir(m)
             if isinstance(getattr(m, name), numba.core.registry.CPUDispatcher)
             for sig in getattr(m, name).signatures}
 
 warm = signatures()
-for read_only in (False, True):  # weights converted in memory, or the weight cache's read-only maps
+# weights converted in memory, the weight cache's read-only maps, GGUF blocks of both kinds (numba_quant)
+for read_only, qtype in ((False, None), (True, None), (False, "Q4_1"), (True, "Q8_0")):
     cfg, weights = random_model(layers=2, heads=6, kv_heads=2, head_dim=16, hidden=96)
+    if qtype:
+        write_gguf(GGUF, cfg, weights, qtype)
+        cfg, weights = load_gguf_weights(GGUF)
     for w in weights.values():
         w.flags.writeable = not read_only
     model = LlamaForCausalLM(cfg, weights, backend)
+    assert (model.quantized_matmuls > 0) == bool(qtype)
     kv = allocate_kv_caches(cfg, 64, 16, backend)
     steps = [[SeqChunk([t % 90 + 1 for t in range(299)], 0, list(range(19)), 1)],  # long prompt: BLAS prefill path
              [SeqChunk([5], 299, list(range(19)), 1)],                    # one decode (one row)
@@ -51,10 +58,11 @@ print("NEW" if new else "NONE", sorted(str(s) for s in new))
 """
 
 
-def test_a_forward_compiles_nothing_the_warm_up_did_not():
+def test_a_forward_compiles_nothing_the_warm_up_did_not(tmp_path):
     tests = str(Path(__file__).resolve().parents[1])
-    proc = subprocess.run([sys.executable, "-c", f"TESTS = {tests!r}\n" + SCRIPT], capture_output=True, text=True,
-                          timeout=600)
+    gguf_path = str(tmp_path / "m.gguf")
+    proc = subprocess.run([sys.executable, "-c", f"TESTS = {tests!r}\nGGUF = {gguf_path!r}\n" + SCRIPT],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "NONE []", proc.stdout[-3000:]
 

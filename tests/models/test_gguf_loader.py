@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from model_factory import random_model, write_gguf
-from numerics import assert_close_model
+from numerics import assert_close_model, model_tol
 
 from pagedserve.models.batch import SeqChunk, build_forward_batch
 from pagedserve.cupy_kernels.backend import get_backend
-from pagedserve.models.gguf_loader import load_gguf_weights, unpermute_qk
+from pagedserve.cupy_kernels.quant import dequantize
+from pagedserve.models import weight_cache
+from pagedserve.models.gguf_loader import is_quant_name, load_gguf_weights, quant_weight, unpermute_qk
 from pagedserve.models.kv_cache import allocate_kv_caches
 from pagedserve.models.llama import LlamaForCausalLM
 
@@ -65,7 +69,6 @@ def test_quantized_types_dequantize_to_the_quantized_values(tmp_path, qtype, tol
 def test_tied_embeddings_when_output_weight_is_absent(tmp_path):
     cfg, w = random_model("llama", seed=13)
     w.pop("lm_head.weight")
-    from dataclasses import replace
 
     cfg = replace(cfg, tie_word_embeddings=True)
     path = tmp_path / "tied.gguf"
@@ -95,3 +98,43 @@ def test_unsupported_architecture(tmp_path):
     write_gguf(path, cfg, w, arch="falcon")
     with pytest.raises(ValueError, match="falcon.gguf.*unsupported GGUF architecture 'falcon'"):
         load_gguf_weights(path)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_quantized_matmuls_keep_their_blocks_and_decode_as_the_float32_weights(tmp_path, qtype):
+    """A Q8_0/Q4_1 file's matmul weights are kept as blocks too (through the conversion cache, q/k rows
+    un-permuted like the float32 weights), and the numba set's decode rows, which read the blocks, give the
+    numpy reference's logits (float32 weights) to float32 rounding."""
+    cfg, w = random_model("llama", seed=14, hidden=64, head_dim=16, heads=4, kv_heads=2)
+    w.pop("lm_head.weight")
+    cfg = replace(cfg, tie_word_embeddings=True)
+    path = tmp_path / f"m-{qtype}.gguf"
+    write_gguf(path, cfg, w, qtype)
+    gcfg, gw = load_gguf_weights(path)
+    stale = weight_cache.entry_dir(tmp_path / "cache", "d").with_name(f"gguf-d-v{weight_cache.CACHE_FORMAT - 1}")
+    stale.mkdir(parents=True)
+    weight_cache.save_entry(tmp_path / "cache", "d", gcfg, gw, {})
+    assert not stale.exists()  # an entry of the same file in the previous format is removed
+    _, cached, _ = weight_cache.load_entry(tmp_path / "cache", "d")
+    assert set(cached) == set(gw)
+    for weights in (gw, cached):
+        matmuls = [n for n, a in weights.items() if a.ndim == 2 and not is_quant_name(n)]
+        assert len(matmuls) == 1 + 7 * cfg.num_hidden_layers
+        for name in matmuls:
+            np.testing.assert_array_equal(dequantize(quant_weight(weights, name)), weights[name], name)
+    numba_model = LlamaForCausalLM(gcfg, cached, get_backend("cpu", "numba"))
+    reference = LlamaForCausalLM(gcfg, cached, get_backend("cpu", "numpy"))
+    assert numba_model.quantized_matmuls == 1 + 4 * gcfg.num_hidden_layers  # lm_head (tied) + 4 per layer
+    assert reference.quantized_matmuls == 0
+    prompts = [list(range(1, 20)), list(range(30, 41)), [7, 8, 9]]
+    outs = {}
+    for name, model in (("numba", numba_model), ("numpy", reference)):
+        kv = allocate_kv_caches(gcfg, 16, 16, model.backend)
+        tables = [[0, 1], [2, 3], [4, 5]]
+        prefill = build_forward_batch([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)], 16)
+        model.forward(prefill, kv)
+        decode = build_forward_batch([SeqChunk([5 + i], len(p), t) for i, (p, t) in enumerate(zip(prompts, tables))], 16)
+        outs[name] = model.forward(decode, kv)  # 3 rows: the blocks on numba
+    scale = float(np.abs(outs["numpy"]).max())
+    np.testing.assert_allclose(outs["numba"], outs["numpy"], rtol=0, atol=model_tol(gcfg, scale))
+    assert (outs["numba"].argmax(axis=1) == outs["numpy"].argmax(axis=1)).all()

@@ -19,6 +19,7 @@ import pytest
 from numerics import assert_close_model
 
 from pagedserve.models.batch import SeqChunk, build_forward_batch
+from pagedserve.models.gguf_loader import is_quant_name
 from pagedserve.models.loader import load_model
 from pagedserve.models.tensor_parallel import TPShard
 from pagedserve.runtime import LLM, SamplingParams
@@ -149,6 +150,8 @@ def test_a_rank_reads_its_slices_of_the_gguf_conversion_cache(smollm2_path, smol
                         ("model.embed_tokens.weight", np.s_[32768:49152]),
                         ("model.norm.weight", np.s_[:])]:
         np.testing.assert_array_equal(part.weights[name], full[name][index], err_msg=name)
+    # the GGUF blocks (for the one-process CPU set's few-row matmuls) stay behind: a rank has none
+    assert any(is_quant_name(n) for n in full) and not any(is_quant_name(n) for n in part.weights)
 
 
 def test_a_rank_killed_mid_generation_fails_the_step_at_once_and_for_good(data_dir):

@@ -1,0 +1,121 @@
+"""GGUF blocks (cupy_kernels/quant.py) and the numba matmul over them (numba_quant.py) against the references.
+
+quant.dequantize must give the gguf package's float32 values bit for bit (pagedserve's float32 weights are
+those). The kernel computes sum_b d_b * (sum_i q_i x_i) + sum_b m_b * (sum_i x_i) where the reference
+computes sum_i (d q_i + m) x_i: the products are exact, only the order and grouping of the float32 sums
+differ. Each term it adds is at most |d q x| or |m x| in size, so the tolerance is numerics.f32_tol with
+scale = the largest sum of those magnitudes over an output (and reduction length = the input size).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numerics import f32_tol
+
+from pagedserve.cupy_kernels import numba_ops, numba_quant, ops, quant
+
+gguf = pytest.importorskip("gguf")
+
+TYPES = ["Q8_0", "Q4_0", "Q4_1"]
+
+
+def quantized(qtype: str, out: int, inp: int, seed: int):
+    """Random float32 [out, in] quantized by the gguf package: (its blocks, its dequantization)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((out, inp)) * rng.uniform(0.01, 2.0, (out, 1))).astype(np.float32)
+    if out:
+        w[0, : min(inp, 40)] = 0.0  # a block of zeros: d = 0 (Q8_0), d = m = 0 (Q4_1)
+    t = gguf.GGMLQuantizationType[qtype]
+    raw = gguf.quants.quantize(w, t)
+    return raw, gguf.quants.dequantize(raw, t).astype(np.float32)
+
+
+def weight(qtype: str, raw: np.ndarray) -> quant.QuantWeight:
+    arrays = quant.split_blocks(qtype, raw)
+    return quant.make_quant_weight(quant.kind_of(qtype), arrays["qs"], arrays["scales"], arrays.get("mins"))
+
+
+def term_scale(x: np.ndarray, w: quant.QuantWeight) -> float:
+    """max over outputs of sum_i (|d q_i| + |m|) |x_i|: the size of the terms either order adds."""
+    full = quant.dequantize(w)
+    mins = 0.0 if w.mins is None else np.repeat(w.mins, quant.BLOCK, axis=1)
+    return float((np.abs(x) @ (np.abs(full - mins) + np.abs(mins)).T).max(initial=0.0))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_split_blocks_dequantize_bit_for_bit_as_gguf(qtype):
+    raw, expected = quantized(qtype, 7, 96, seed=1)
+    w = weight(qtype, raw)
+    assert w.shape == (7, 96)
+    assert not w.qs.flags.writeable and not w.scales.flags.writeable
+    np.testing.assert_array_equal(quant.dequantize(w), expected)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 11, 16])
+@pytest.mark.parametrize("out,inp", [(1, 32), (37, 64), (130, 576)])
+def test_kernel_matches_the_reference(qtype, rows, out, inp):
+    raw, _ = quantized(qtype, out, inp, seed=rows + out)
+    w = weight(qtype, raw)
+    x = (np.random.default_rng(rows).standard_normal((rows, inp)) * 2).astype(np.float32)
+    got = numba_quant.linear(x, w)
+    ref = quant.linear(x, w)
+    assert got.shape == (rows, out) and got.dtype == np.float32
+    np.testing.assert_allclose(got, ref, rtol=0, atol=f32_tol(term_scale(x, w), inp))
+
+
+def test_each_row_is_computed_alone():
+    """A row's result does not depend on which other rows share the call (the 4-, 2- and 1-row passes
+    compute it the same way): the same bits alone as in a batch of 7."""
+    raw, _ = quantized("Q4_1", 50, 128, seed=3)
+    w = weight("Q4_1", raw)
+    x = np.random.default_rng(4).standard_normal((7, 128)).astype(np.float32)
+    batch = numba_quant.linear(x, w)
+    for r in range(7):
+        np.testing.assert_array_equal(numba_quant.linear(x[r : r + 1], w)[0], batch[r])
+
+
+def test_strided_input_and_bias():
+    raw, _ = quantized("Q8_0", 20, 64, seed=5)
+    w = weight("Q8_0", raw)
+    x = np.random.default_rng(6).standard_normal((3, 128)).astype(np.float32)[:, ::2]  # not contiguous
+    bias = np.arange(20, dtype=np.float32)
+    got = numba_quant.linear(x, w, bias)
+    np.testing.assert_allclose(got, quant.linear(x, w) + bias, rtol=0, atol=f32_tol(term_scale(x, w) + 20, 64))
+
+
+def test_numba_linear_takes_the_blocks_for_few_rows_and_blas_beyond():
+    raw, dense = quantized("Q4_1", 40, 64, seed=7)
+    w = weight("Q4_1", raw)
+    weight_t = np.ascontiguousarray(dense.T)
+    rng = np.random.default_rng(8)
+    few = rng.standard_normal((numba_quant.QUANT_MAX_ROWS, 64)).astype(np.float32)
+    np.testing.assert_array_equal(numba_ops.linear(few, weight_t, quant=w), numba_quant.linear(few, w))
+    many = rng.standard_normal((numba_quant.QUANT_MAX_ROWS + 1, 64)).astype(np.float32)
+    np.testing.assert_array_equal(numba_ops.linear(many, weight_t, quant=w), ops.linear(many, weight_t))
+    # the reference ignores the blocks: weight_t is their exact value
+    np.testing.assert_array_equal(ops.linear(few, weight_t, quant=w), ops.linear(few, weight_t))
+
+
+def test_concat_rows_fuses_in_order():
+    parts = [weight("Q4_1", quantized("Q4_1", n, 64, seed=n)[0]) for n in (3, 5)]
+    fused = quant.concat_rows(parts)
+    np.testing.assert_array_equal(quant.dequantize(fused), np.concatenate([quant.dequantize(p) for p in parts]))
+    with pytest.raises(ValueError, match="cannot fuse"):
+        quant.concat_rows([parts[0], weight("Q8_0", quantized("Q8_0", 2, 64, seed=9)[0])])
+
+
+def test_bad_shapes_raise_value_errors():
+    raw, _ = quantized("Q4_1", 4, 64, seed=10)
+    w = weight("Q4_1", raw)
+    with pytest.raises(ValueError, match="input of shape"):
+        numba_quant.linear(np.ones((2, 32), np.float32), w)
+    with pytest.raises(ValueError, match="Q4_1 blocks must be"):
+        quant.split_blocks("Q4_1", raw[:, :-1])
+    with pytest.raises(ValueError, match="not one of"):
+        quant.split_blocks("Q5_K", raw)
+    with pytest.raises(ValueError, match="do not fit"):
+        quant.make_quant_weight("q4", w.qs[:, :-1], w.scales, w.mins)
+    with pytest.raises(ValueError, match="need mins"):
+        quant.make_quant_weight("q4", w.qs, w.scales, None)
