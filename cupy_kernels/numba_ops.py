@@ -1,8 +1,8 @@
 """numba versions of the elementwise ops in ops.py (fused add+RMSNorm, rotary, SiLU-and-mul) and the KV
-cache write of paged_attention.py, and the CPU set's linear (GGUF blocks for few rows: numba_quant.py; else numpy/OpenBLAS,
-the tied lm_head in tiles). Same
-signatures and results as those numpy references, within float32 rounding; tests/cupy_kernels/test_numba_ops.py
-compares them. Also the numerics the attention kernels share: fast_exp, fast_exp2, row_max.
+cache write of paged_attention.py, and the CPU set's linear (a few rows by GGUF blocks: numba_quant.py;
+otherwise numpy/OpenBLAS, the tied lm_head in tiles). Same signatures and results as those numpy
+references, within float32 rounding; tests/cupy_kernels/test_numba_ops.py compares them. Also the numerics
+the attention kernels share: fast_exp, fast_exp2, row_max.
 
 Why compile these at all: the numpy versions make several passes over [T, hidden] activations with a
 temporary each (add, square, sum, divide, multiply; negate, exp, add, divide, multiply) while one loop here
