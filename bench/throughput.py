@@ -110,9 +110,17 @@ def _breakdown(seconds: dict[str, float], elapsed: float, out_tokens: int) -> di
             "output_tokens_per_s_if_matmuls_were_all": round(out_tokens / linear, 1)}
 
 
-def loaded_weight_bytes(loaded) -> int:
-    """Bytes of the model's weights as served (the tied lm_head counted once)."""
-    return int(sum(w.nbytes for w in loaded.weights.values()))
+def decode_weight_bytes(loaded, kernels: str) -> int:
+    """Bytes of weights a one-row decode step reads (the tied lm_head counted once): float32 with the
+    numpy set; with numba, the GGUF blocks of the matmul weights that have them (numba_quant.py) and
+    float32 for the rest."""
+    from pagedserve.cupy_kernels.kernel_set import cpu_kernels
+    from pagedserve.models.gguf_loader import is_quant_name
+
+    blocks = cpu_kernels(kernels).name == "numba"
+    quantized = {n.rsplit(".", 2)[0] for n in loaded.weights if is_quant_name(n)}
+    return int(sum(w.nbytes for n, w in loaded.weights.items()
+                   if (is_quant_name(n) and blocks) or (not is_quant_name(n) and not (blocks and n in quantized))))
 
 
 def main() -> None:
@@ -150,7 +158,9 @@ def main() -> None:
             # one request: the time per token if every weight were read once per token at that bandwidth
             if n == 1:
                 result["ms_per_output_token"] = round(1e3 * result["seconds"] / args.output_len, 2)
-                result["weights_read_ms_per_token"] = round(1e3 * loaded_weight_bytes(loaded) / 1e9 / bandwidth, 2)
+                weight_bytes = decode_weight_bytes(loaded, kernels)
+                result["decode_weight_mb"] = round(weight_bytes / 1e6, 1)
+                result["weights_read_ms_per_token"] = round(1e3 * weight_bytes / 1e9 / bandwidth, 2)
             result["machine"] = machine()
             result["loadavg"] = loadavg()
             print(json.dumps(result), flush=True)
