@@ -259,6 +259,11 @@ def linear(x, weight_t, bias=None, quant=None):
     return out
 
 
+def pack_weight(w) -> None:
+    """Matmul weights stay [in, out] arrays on the device (ops.pack_weight)."""
+    return None
+
+
 def _rows(a, hidden: int, what: str):
     """a as a 2-D [rows, hidden] array with contiguous rows (a view when it can be)."""
     import cupy

@@ -1,7 +1,8 @@
 """The op table: one set of kernels per backend, chosen once when the backend is made.
 
     numpy   the reference (ops.py, paged_attention.py): plain numpy, runs everywhere
-    numba   CPU kernels compiled from Python (numba_ops.py, numba_attention.py); matmuls stay numpy/BLAS
+    numba   CPU kernels compiled from Python (numba_ops.py, numba_attention.py); matmuls on weights packed
+            at load (numba_gemm.py) or, for a few rows, on a GGUF file's blocks (numba_quant.py)
     cuda    CuPy + the .cu kernels (cuda_ops.py)
 
 models/ calls `backend.ops.linear(...)` and never asks what kind of array it holds. Every entry has the
@@ -22,7 +23,7 @@ from typing import Any, Callable
 from . import ops, paged_attention
 
 # The op names every kernel set provides, in the order of a forward pass.
-OP_NAMES = ("embedding", "linear", "rms_norm", "add_rms_norm", "rope_cos_sin", "apply_rotary", "silu_and_mul",
+OP_NAMES = ("embedding", "linear", "pack_weight", "rms_norm", "add_rms_norm", "rope_cos_sin", "apply_rotary", "silu_and_mul",
             "reshape_and_cache", "copy_blocks", "paged_attention")
 
 CPU_KERNEL_SETS = ("auto", "numba", "numpy")
@@ -33,6 +34,7 @@ class KernelSet:
     name: str  # "numpy", "numba" or "cuda"
     embedding: Callable[..., Any]
     linear: Callable[..., Any]
+    pack_weight: Callable[..., Any]
     rms_norm: Callable[..., Any]
     add_rms_norm: Callable[..., Any]
     rope_cos_sin: Callable[..., Any]
@@ -62,8 +64,8 @@ def numpy_kernels() -> KernelSet:
 
 @functools.lru_cache(maxsize=None)
 def numba_kernels() -> KernelSet:
-    """The numba kernels where there is one, the numpy reference elsewhere (embedding, matmuls)."""
-    from . import numba_attention, numba_ops, numba_prefill, numba_quant  # imports (and configures) numba: only when asked for
+    """The numba kernels where there is one, the numpy reference elsewhere (embedding, rope_cos_sin)."""
+    from . import numba_attention, numba_gemm, numba_ops, numba_prefill, numba_quant  # imports (and configures) numba: only when asked for
     from .numba_setup import compile_aside, finish_aside
 
     # Compiled now (or loaded from the on-disk cache), never during a request. With an empty cache the
@@ -71,6 +73,7 @@ def numba_kernels() -> KernelSet:
     child = compile_aside(numba_attention._ATTENTION)
     numba_ops.warm_up()
     numba_quant.warm_up()
+    numba_gemm.warm_up()
     numba_prefill.warm_up()
     finish_aside(child)
     numba_attention.warm_up()
@@ -105,7 +108,8 @@ _DEVICE_ARG = {"embedding": 0, "linear": 0, "rms_norm": 0, "add_rms_norm": 0, "r
 def cuda_kernels() -> KernelSet:
     from . import cuda_ops
 
-    return KernelSet("cuda", **{op: _device_only(getattr(cuda_ops, op), _DEVICE_ARG[op], op) for op in OP_NAMES})
+    return KernelSet("cuda", **{op: getattr(cuda_ops, op) if op not in _DEVICE_ARG
+                                else _device_only(getattr(cuda_ops, op), _DEVICE_ARG[op], op) for op in OP_NAMES})
 
 
 def cpu_kernels(choice: str = "auto") -> KernelSet:

@@ -50,6 +50,7 @@ from numba.extending import intrinsic
 from . import numba_prefill as prefill
 from . import paged_attention as reference
 from .numba_ops import fast_exp, row_max
+from . import numba_setup
 from .numba_setup import JIT, apply_threads, numba
 
 Q_TILE = 16  # query tokens per prefill item: its Q_TILE * H score rows share each K/V row read
@@ -62,7 +63,7 @@ PARALLEL_MIN_MACS = 1 << 21
 _F32 = np.dtype(np.float32)
 # Every chunk through the loop nest (the same arithmetic for a row whether its prompt came in one chunk
 # or many), as vLLM's VLLM_BATCH_INVARIANT; by default long chunks take numba_prefill's BLAS path.
-BATCH_INVARIANT = os.environ.get("PAGEDSERVE_BATCH_INVARIANT", "") not in ("", "0")
+BATCH_INVARIANT = numba_setup.BATCH_INVARIANT
 
 
 @numba.njit(**JIT)

@@ -1,6 +1,6 @@
 """numba versions of the elementwise ops in ops.py (fused add+RMSNorm, rotary, SiLU-and-mul) and the KV
-cache write of paged_attention.py, and the CPU set's linear (a few rows by GGUF blocks: numba_quant.py;
-otherwise numpy/OpenBLAS, the tied lm_head in tiles). Same signatures and results as those numpy
+cache write of paged_attention.py, and the CPU set's linear (weights packed at load: numba_gemm.py; a few
+rows by GGUF blocks: numba_quant.py). Same signatures and results as those numpy
 references, within float32 rounding; tests/cupy_kernels/test_numba_ops.py compares them. Also the numerics
 the attention kernels share: fast_exp, fast_exp2, row_max.
 
@@ -23,7 +23,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from . import numba_quant, ops
+from . import numba_gemm, numba_quant, numba_setup, ops
 from .numba_setup import JIT, JIT_EXACT, apply_threads, numba
 
 # Rows from which the elementwise kernels use numba's thread pool (prange).
@@ -140,35 +140,24 @@ def row_max(typingctx, row, n):
 
     return types.float32(row, n), codegen
 
-# -- linear (the tied lm_head) ------------------------------------------------------------------------
+# -- linear ---------------------------------------------------------------------------------------------
 
-# Output columns per tile when the weight is a transposed view (tied lm_head): a [tile, hidden] slab of the
-# embedding table is 4.5 MB for SmolLM2 and its [tile, M] product stays in L2.
-LM_HEAD_TILE = 2048
-LM_HEAD_MAX_ROWS = 128  # above, one call with the transposed operand is faster again (256 rows: 75 vs 91 ms)
+def linear(x: np.ndarray, weight_t, bias: np.ndarray | None = None, quant=None) -> np.ndarray:
+    """ops.linear on this set's weights, packed at load (pack_weight): up to numba_quant.QUANT_MAX_ROWS rows,
+    a weight with GGUF blocks (`quant`) is read as blocks (numba_quant.py: 0.75-1.1 byte per weight
+    instead of 4; unless PAGEDSERVE_BATCH_INVARIANT), anything else by the packed GEMM (numba_gemm.py). A
+    plain [in, out] array (a weight of another dtype) takes numpy's matmul."""
+    if isinstance(weight_t, numba_gemm.PackedWeight):
+        if quant is not None and x.shape[0] <= numba_quant.QUANT_MAX_ROWS and not numba_setup.BATCH_INVARIANT:
+            return numba_quant.linear(x, quant, bias)
+        return numba_gemm.matmul(x, weight_t, bias)
+    return ops.linear(x, weight_t, bias)
 
 
-def linear(x: np.ndarray, weight_t: np.ndarray, bias: np.ndarray | None = None, quant=None) -> np.ndarray:
-    """ops.linear. Up to numba_quant.QUANT_MAX_ROWS rows, a weight with GGUF blocks (`quant`) is read as
-    blocks (numba_quant.py: 0.6-1.1 byte per weight instead of 4). Otherwise a weight that is the
-    transposed view of a contiguous [out, in] table (the tied lm_head, `embed_tokens.T`) is multiplied as table_tile @ x.T, tile by tile of output columns, into
-    the [T, out] result. OpenBLAS then streams each table row once as the wide operand instead of
-    packing a transposed 113 MB operand per call: at 8-64 rows 25-35% less time per decode step's
-    logits on one thread (the same bits with the native kernel we measured; in general within float32
-    summation order), and no second copy of the table in memory. One row (a matvec) and many rows gain nothing and take the plain path."""
-    if quant is not None and x.ndim == 2 and x.shape[0] <= numba_quant.QUANT_MAX_ROWS:
-        return numba_quant.linear(x, quant, bias)
-    if (bias is not None or x.ndim != 2 or x.dtype != _F32 or weight_t.dtype != _F32 or x.shape[0] < 2
-            or x.shape[0] > LM_HEAD_MAX_ROWS or weight_t.shape[1] < 4 * LM_HEAD_TILE
-            or not weight_t.T.flags.c_contiguous):
-        return ops.linear(x, weight_t, bias)
-    table = weight_t.T  # [out, in], contiguous
-    out = np.empty((x.shape[0], table.shape[0]), dtype=_F32)
-    xt = np.ascontiguousarray(x.T)
-    for start in range(0, table.shape[0], LM_HEAD_TILE):
-        stop = min(start + LM_HEAD_TILE, table.shape[0])
-        out[:, start:stop] = (table[start:stop] @ xt).T
-    return out
+def pack_weight(w: np.ndarray) -> numba_gemm.PackedWeight | None:
+    """The form this set's linear wants a float32 [out, in] matmul weight in: column panels
+    (numba_gemm.py); None for another dtype (the caller then keeps the [in, out] array)."""
+    return numba_gemm.pack(w) if np.asarray(w).dtype == _F32 else None
 
 
 # -- add + RMSNorm ------------------------------------------------------------------------------------

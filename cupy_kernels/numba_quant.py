@@ -11,12 +11,13 @@ activations of up to four rows multiplied against them before the next block is 
 with xsum[r, b] the sum of row r's 32 activations of block b (computed once per call). The inner sum
 keeps 16 float32 lanes per row across all blocks of a weight row and adds them up once at its end.
 numba does not vectorise this loop (the per-block scale breaks its reduction), so the loop body is
-written as LLVM vector IR (an @intrinsic, as numba_ops.row_max): 2.5 ms for the 30 layers' four
-matmuls at one row against OpenBLAS's 11 ms on the float32 weights (quiet 2-core test VM, 2 threads).
+written as LLVM vector IR (an @intrinsic, as numba_ops.row_max): 2.5-3.2 ms for the 30 layers' four
+matmuls at one row against 10-11 ms reading the float32 weights (OpenBLAS or numba_gemm; quiet 2-core
+test VM, 2 threads).
 
 The products are exact (quant.py), so the result is the float32 reference's up to the order of the sums.
-Above QUANT_MAX_ROWS rows OpenBLAS's float32 GEMM is faster (it is compute-bound there, and so is
-this), and numba_ops.linear takes that path.
+Above QUANT_MAX_ROWS rows the packed float32 GEMM (numba_gemm.py) is faster (both are compute-bound
+there, and it does fewer operations per product), and numba_ops.linear takes that path.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from numba.extending import intrinsic
 from .numba_setup import JIT, apply_threads, numba
 from .quant import BLOCK, QuantWeight
 
-# Rows up to which a quantized weight takes this kernel (measured crossover with the float32 GEMM on the
-# test VM: 16 rows 25.7 vs 28.8 ms, 24 rows 47.8 vs 34.9 ms for the 30 layers).
-QUANT_MAX_ROWS = 16
+# Rows up to which a quantized weight takes this kernel; above, the packed float32 GEMM (numba_gemm.py) is
+# faster. SmolLM2's 30 layers on the test VM, this kernel vs the GEMM: 1 row 3.1 vs 10.2 ms, 4 rows 6.2 vs
+# 10.9, 8 rows 10.5 vs 12.0, 10 rows 15.3 vs 12.7, 16 rows 25.9 vs 13.9.
+QUANT_MAX_ROWS = 8
 _LANES = 16  # float32 lanes per accumulator (one AVX-512 register, two AVX2 ones)
 _ROWS = (4, 2, 1)  # rows per pass over a weight row: one intrinsic each
 

@@ -47,6 +47,10 @@ if not numba.config.CACHE_DIR:  # numba was imported before us without a cache d
 # and exact division. The order it picks is fixed at compile time for a given input layout, and these
 # kernels only ever see C-contiguous inputs: a row's result depends only on that row, never on the batch.
 JIT_EXACT = dict(cache=True, nogil=True, error_model="numpy")
+# PAGEDSERVE_BATCH_INVARIANT=1 (as vLLM's VLLM_BATCH_INVARIANT): a row's result never depends on the batch
+# it ran in, at some cost. numba_attention keeps every prefill chunk in its loop nest; numba_ops.linear
+# keeps every matmul on the packed GEMM (numba_gemm.py), never the GGUF-block kernel for a few rows.
+BATCH_INVARIANT = os.environ.get("PAGEDSERVE_BATCH_INVARIANT", "") not in ("", "0")
 JIT = dict(JIT_EXACT, fastmath={"reassoc", "contract"})
 
 

@@ -31,6 +31,12 @@ def linear(x: np.ndarray, weight_t: np.ndarray, bias: np.ndarray | None = None, 
     return out
 
 
+def pack_weight(w: np.ndarray) -> None:
+    """The form linear wants a [out, in] matmul weight in, when it is not the [in, out] array: None here
+    (and in the CUDA set); the numba set packs column panels (numba_gemm.py)."""
+    return None
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """Root-mean-square norm over the last axis, computed in float32."""
     x32 = x.astype(np.float32, copy=False)

@@ -111,15 +111,3 @@ def test_reshape_and_cache(block_size, rows):
             nb.reshape_and_cache(key, value, got_k, got_v, np.full(rows, num_blocks * block_size))
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 64, nb.LM_HEAD_MAX_ROWS + 1])
-def test_linear_tied_lm_head_in_tiles(rows, monkeypatch):
-    """Each logit is a K-term dot product either way; BLAS may order it differently by call shape, so
-    the bound is float32 summation's: K * eps * sum |x_i w_i| per element."""
-    monkeypatch.setattr(nb, "LM_HEAD_TILE", 16)
-    rng = np.random.default_rng(rows)
-    table = rng.standard_normal((16 * 4 + 5, 24)).astype(np.float32)  # [vocab, hidden], a ragged last tile
-    x = rng.standard_normal((rows, 24)).astype(np.float32)
-    bound = 24 * EPS * (np.abs(x) @ np.abs(table.T))
-    assert (np.abs(nb.linear(x, table.T) - ops.linear(x, table.T)) <= bound).all()
-    w = rng.standard_normal((24, 7)).astype(np.float32)  # an ordinary [in, out] weight: the plain path
-    np.testing.assert_array_equal(nb.linear(x, w), ops.linear(x, w))

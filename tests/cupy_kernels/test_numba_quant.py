@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from numerics import f32_tol
 
-from pagedserve.cupy_kernels import numba_ops, numba_quant, ops, quant
+from pagedserve.cupy_kernels import numba_gemm, numba_ops, numba_quant, numba_setup, ops, quant
 
 gguf = pytest.importorskip("gguf")
 
@@ -85,16 +85,19 @@ def test_strided_input_and_bias():
     np.testing.assert_allclose(got, quant.linear(x, w) + bias, rtol=0, atol=f32_tol(term_scale(x, w) + 20, 64))
 
 
-def test_numba_linear_takes_the_blocks_for_few_rows_and_blas_beyond():
+def test_numba_linear_takes_the_blocks_for_few_rows_and_the_packed_gemm_beyond(monkeypatch):
     raw, dense = quantized("Q4_1", 40, 64, seed=7)
     w = weight("Q4_1", raw)
-    weight_t = np.ascontiguousarray(dense.T)
+    packed = numba_gemm.pack(dense)
     rng = np.random.default_rng(8)
     few = rng.standard_normal((numba_quant.QUANT_MAX_ROWS, 64)).astype(np.float32)
-    np.testing.assert_array_equal(numba_ops.linear(few, weight_t, quant=w), numba_quant.linear(few, w))
+    np.testing.assert_array_equal(numba_ops.linear(few, packed, quant=w), numba_quant.linear(few, w))
     many = rng.standard_normal((numba_quant.QUANT_MAX_ROWS + 1, 64)).astype(np.float32)
-    np.testing.assert_array_equal(numba_ops.linear(many, weight_t, quant=w), ops.linear(many, weight_t))
-    # the reference ignores the blocks: weight_t is their exact value
+    np.testing.assert_array_equal(numba_ops.linear(many, packed, quant=w), numba_gemm.matmul(many, packed))
+    monkeypatch.setattr(numba_setup, "BATCH_INVARIANT", True)  # then every row count takes the GEMM
+    np.testing.assert_array_equal(numba_ops.linear(few, packed, quant=w), numba_gemm.matmul(few, packed))
+    # the reference ignores the blocks: its [in, out] weight is their exact value
+    weight_t = np.ascontiguousarray(dense.T)
     np.testing.assert_array_equal(ops.linear(few, weight_t, quant=w), ops.linear(few, weight_t))
 
 

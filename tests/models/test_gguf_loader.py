@@ -138,3 +138,29 @@ def test_quantized_matmuls_keep_their_blocks_and_decode_as_the_float32_weights(t
     scale = float(np.abs(outs["numpy"]).max())
     np.testing.assert_allclose(outs["numba"], outs["numpy"], rtol=0, atol=model_tol(gcfg, scale))
     assert (outs["numba"].argmax(axis=1) == outs["numpy"].argmax(axis=1)).all()
+
+
+def test_batch_invariant_mode_gives_a_decode_row_the_same_bits_in_any_batch(tmp_path, monkeypatch):
+    """PAGEDSERVE_BATCH_INVARIANT: every matmul on the packed GEMM (never the block kernel for few rows),
+    so one sequence's decode logits are the same bits alone and beside 11 others (past the 8-row switch)."""
+    from pagedserve.cupy_kernels import numba_setup
+
+    cfg, w = random_model("llama", seed=15, hidden=64, head_dim=16, heads=4, kv_heads=2)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, cfg, w, "Q4_1")
+    gcfg, gw = load_gguf_weights(path)
+    model = LlamaForCausalLM(gcfg, gw, get_backend("cpu", "numba"))
+    assert model.quantized_matmuls > 0
+    kv = allocate_kv_caches(gcfg, 32, 16, model.backend)
+    prompts = [[(3 * i + j) % 90 + 1 for j in range(5 + i)] for i in range(12)]
+    tables = [[2 * i, 2 * i + 1] for i in range(12)]
+    model.forward(build_forward_batch([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)], 16), kv)
+
+    def decode(rows):
+        return model.forward(build_forward_batch([SeqChunk([7], len(prompts[i]), tables[i]) for i in rows], 16), kv)
+
+    monkeypatch.setattr(numba_setup, "BATCH_INVARIANT", True)
+    alone, batch = decode([0]), decode(range(12))
+    np.testing.assert_array_equal(alone[0], batch[0])
+    monkeypatch.setattr(numba_setup, "BATCH_INVARIANT", False)  # one row on the blocks: float32 rounding apart
+    np.testing.assert_allclose(decode([0])[0], alone[0], rtol=0, atol=model_tol(gcfg, float(np.abs(alone).max())))

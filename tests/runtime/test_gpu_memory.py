@@ -13,6 +13,7 @@ from pagedserve.cupy_kernels.backend import Backend
 from pagedserve.cupy_kernels.kernel_set import numpy_kernels
 from pagedserve.models.device_batch import unpack_batch
 from pagedserve.models.kv_cache import kv_bytes_per_block
+from pagedserve.cupy_kernels.backend import get_backend
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.runtime import gpu_memory
 from pagedserve.runtime.config import EngineConfig
@@ -83,7 +84,7 @@ def test_weight_bytes_count_views_once():
     assert array_bytes([a, a.T, a[2:], None, np.zeros(3, np.float16)]) == 160 + 6
     for arch in ("llama", "qwen2"):  # qwen2 here: tied embeddings (lm_head is the embedding's view) and biases
         cfg, weights = random_model(arch)
-        model = LlamaForCausalLM(cfg, weights)
+        model = LlamaForCausalLM(cfg, weights, get_backend("cpu", "numpy"))  # [in, out] arrays, as on a GPU
         expected = sum(w.nbytes for w in weights.values())
         assert model_weight_bytes(model) == expected
 
@@ -121,7 +122,7 @@ def test_profile_runs_the_forwards_and_sampler_and_does_the_arithmetic(monkeypat
     default_pool = types.SimpleNamespace(free_all_blocks=lambda: cuda.calls.append("pool.free_all_blocks"))
     xp = types.SimpleNamespace(**{n: getattr(np, n) for n in dir(np) if not n.startswith("_")})
     xp.cuda, xp.get_default_memory_pool = cuda, lambda: default_pool
-    model = LlamaForCausalLM(cfg, weights)
+    model = LlamaForCausalLM(cfg, weights, get_backend("cpu", "numpy"))  # weights as [in, out] arrays, as on a GPU
     model.backend = Backend("cupy", xp, np.dtype(np.float32), numpy_kernels())  # the GPU path, on numpy arrays
     forwards = []
     real_forward = model.forward
@@ -154,7 +155,7 @@ def test_profile_failures_say_what_was_profiled(monkeypatch):
     xp = types.SimpleNamespace(**{n: getattr(np, n) for n in dir(np) if not n.startswith("_")})
     xp.cuda = _FakeCuda(0)
     xp.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
-    model = LlamaForCausalLM(cfg, weights)
+    model = LlamaForCausalLM(cfg, weights, get_backend("cpu", "numpy"))
     model.backend = Backend("cupy", xp, np.dtype(np.float32), numpy_kernels())
 
     def boom(batch, kv):

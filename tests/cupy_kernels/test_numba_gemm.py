@@ -1,0 +1,82 @@
+"""The numba set's packed float32 GEMM (cupy_kernels/numba_gemm.py) against numpy's matmul (ops.linear).
+
+Each output of the kernel is one FMA chain over k in order; numpy's BLAS sums in its own order. Both are
+float32 dot products of length `in`: the tolerance is numerics.f32_tol with scale = the largest
+sum_k |x_k w_k| over the outputs. Batch invariance (a row's bits do not depend on the other rows of the
+call, its place in an 8-row tile, or the thread count) is checked bit for bit.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+from numerics import f32_tol
+
+from pagedserve.cupy_kernels import numba_gemm, numba_ops, ops
+
+
+def weight(out: int, inp: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((out, inp)).astype(np.float32)
+
+
+@pytest.mark.parametrize("out", [1, 31, 32, 33, 100])
+def test_pack_round_trip_and_shape(out):
+    w = weight(out, 24, out)
+    p = numba_gemm.pack(w)
+    assert p.shape == (24, out) and p.dtype == np.float32 and not p.panels.flags.writeable
+    assert p.panels.shape == (-(-out // numba_gemm.PANEL), 24, numba_gemm.PANEL)
+    np.testing.assert_array_equal(numba_gemm.unpack(p), w)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 8, 9, 15, 17, 64])
+@pytest.mark.parametrize("out,inp", [(1, 7), (33, 64), (96, 576)])
+def test_matmul_matches_numpy(rows, out, inp):
+    w = weight(out, inp, rows + out)
+    x = np.random.default_rng(rows).standard_normal((rows, inp)).astype(np.float32)
+    got = numba_gemm.matmul(x, numba_gemm.pack(w))
+    ref = ops.linear(x, np.ascontiguousarray(w.T))
+    assert got.shape == (rows, out) and got.dtype == np.float32 and got.flags.c_contiguous
+    scale = float((np.abs(x) @ np.abs(w).T).max(initial=0.0))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=f32_tol(scale, inp))
+
+
+def test_rows_are_batch_and_thread_invariant_bit_for_bit():
+    p = numba_gemm.pack(weight(70, 100, 1))
+    x = np.random.default_rng(2).standard_normal((23, 100)).astype(np.float32)
+    batch = numba_gemm.matmul(x, p)  # tiles of 8, 8, 4, 2, 1 rows
+    for r in (0, 7, 8, 20, 22):
+        np.testing.assert_array_equal(numba_gemm.matmul(x[r : r + 1], p)[0], batch[r])
+        np.testing.assert_array_equal(numba_gemm.matmul(x[r : r + 5], p)[0], batch[r])
+    threads = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = numba_gemm._matmul  # the compiled kernel, on one thread
+        out = np.empty((23, 96), dtype=np.float32)
+        one(np.ascontiguousarray(x), p.panels, out)
+    finally:
+        numba.set_num_threads(threads)
+    np.testing.assert_array_equal(out[:, :70], batch)
+
+
+def test_bias_strided_input_and_bad_shapes():
+    w = weight(40, 32, 3)
+    p = numba_gemm.pack(w)
+    x = np.random.default_rng(4).standard_normal((3, 64)).astype(np.float32)[:, ::2]
+    bias = np.arange(40, dtype=np.float32)
+    scale = float((np.abs(x) @ np.abs(w).T).max()) + 40
+    np.testing.assert_allclose(numba_gemm.matmul(x, p, bias), x @ w.T + bias, rtol=0, atol=f32_tol(scale, 32))
+    with pytest.raises(ValueError, match="input of shape"):
+        numba_gemm.matmul(np.ones((2, 31), np.float32), p)
+    with pytest.raises(ValueError, match=r"must be \[out, in\]"):
+        numba_gemm.pack(np.ones(5, np.float32))
+
+
+def test_the_set_packs_float32_only_and_multiplies_either_form():
+    w = weight(20, 16, 5)
+    assert numba_ops.pack_weight(w.astype(np.float16)) is None
+    assert ops.pack_weight(w) is None
+    x = np.random.default_rng(6).standard_normal((4, 16)).astype(np.float32)
+    np.testing.assert_array_equal(numba_ops.linear(x, numba_ops.pack_weight(w)), numba_gemm.matmul(x, numba_gemm.pack(w)))
+    w16 = np.ascontiguousarray(w.T.astype(np.float16))
+    np.testing.assert_array_equal(numba_ops.linear(x.astype(np.float16), w16), ops.linear(x.astype(np.float16), w16))
