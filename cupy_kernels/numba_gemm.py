@@ -9,7 +9,8 @@ that panel format from the start, once:
 
 so a panel (32 output columns, every k) is one contiguous stream. The kernel keeps an 8-row x 32-column
 tile of the output in sixteen 16-lane registers and walks k: two vector loads of the panel, one
-broadcast of each of the 8 activation rows, sixteen FMAs. Panels are shared out over the threads (prange);
+broadcast of each of the 8 activation rows, sixteen FMAs (without AVX-512: 16-column panels, 6-row
+tiles in 8-lane registers). Panels are shared out over the threads (prange);
 a panel (73 KB for in = 576) stays in L2 while every row block of the activations passes over it.
 
 Measured on the test VM (SmolLM2's 30 layers, four matmuls each, 2 threads, native OpenBLAS beside it):
@@ -32,9 +33,26 @@ from numba.extending import intrinsic
 
 from .numba_setup import JIT, apply_threads, numba
 
-PANEL = 32  # output columns per panel (two 16-lane registers per row)
-_LANES = 16
-_TILE_ROWS = (8, 4, 2, 1)  # rows per pass over a panel: one kernel each
+
+
+def _has_avx512() -> bool:
+    """Whether numba compiles for AVX-512 here (NUMBA_CPU_FEATURES when set, as numba itself reads it)."""
+    features = numba.config.CPU_FEATURES
+    if features is not None:
+        return "+avx512f" in features.split(",")
+    from llvmlite import binding
+
+    return bool(binding.get_host_cpu_features().get("avx512f", False))
+
+
+# The tile must fit the vector registers: AVX-512 has 32 of 16 floats, an 8 x 32 tile takes 16 (+2 for the
+# panel row, +1 broadcast). AVX2 has 16 of 8 floats: a 6 x 16 tile (12 + 2 + 1), as OpenBLAS's Haswell
+# kernel; 8 x 32 there spills and ran at 168 GFLOP/s against 221 for 6 x 16 (64 rows, AVX2 code on the
+# test VM; OpenBLAS's Haswell kernel 185).
+AVX512 = _has_avx512()
+PANEL = 32 if AVX512 else 16  # output columns per panel: two vector registers per row
+_LANES = PANEL // 2
+_BIG_ROWS = 8 if AVX512 else 6  # rows per pass over a panel, then 4, 2 and 1 for the rest
 
 
 @dataclass(frozen=True)
@@ -152,7 +170,7 @@ def _tile_kernel(rows: int):
     return tile
 
 
-_TILE8, _TILE4, _TILE2, _TILE1 = (_tile_kernel(r) for r in _TILE_ROWS)
+_TILE_BIG, _TILE4, _TILE2, _TILE1 = (_tile_kernel(r) for r in (_BIG_ROWS, 4, 2, 1))
 
 
 @numba.njit(parallel=True, **JIT)
@@ -166,9 +184,9 @@ def _matmul(x, panels, out):
     for p in numba.prange(count):
         b_at = p * k * PANEL
         r = 0
-        while r + 8 <= m:
-            _TILE8(a, r * k, k, b, b_at, k, c, r * n + p * PANEL, n)
-            r += 8
+        while r + _BIG_ROWS <= m:
+            _TILE_BIG(a, r * k, k, b, b_at, k, c, r * n + p * PANEL, n)
+            r += _BIG_ROWS
         if r + 4 <= m:
             _TILE4(a, r * k, k, b, b_at, k, c, r * n + p * PANEL, n)
             r += 4

@@ -118,6 +118,7 @@ class LLMEngine:
                  kernels=self.backend.ops.name, model=self.model_name,
                  blas_threads=(self.blas or {}).get("num_threads"), blas_kernel=(self.blas or {}).get("architecture"),
                  tensor_parallel_size=self.executor.world_size, **worker.malloc,
+                 gguf_block_matmuls=worker.model.quantized_matmuls,  # numba: few-row matmuls on GGUF blocks
                  openblas_env_applied=OPENBLAS_ENV_APPLIED)  # False: numpy was imported before pagedserve
 
     @property

@@ -80,3 +80,33 @@ def test_the_set_packs_float32_only_and_multiplies_either_form():
     np.testing.assert_array_equal(numba_ops.linear(x, numba_ops.pack_weight(w)), numba_gemm.matmul(x, numba_gemm.pack(w)))
     w16 = np.ascontiguousarray(w.T.astype(np.float16))
     np.testing.assert_array_equal(numba_ops.linear(x.astype(np.float16), w16), ops.linear(x.astype(np.float16), w16))
+
+
+AVX2_CHECK = """
+import numpy as np
+from pagedserve.cupy_kernels import numba_gemm
+assert not numba_gemm.AVX512 and numba_gemm.PANEL == 16, (numba_gemm.AVX512, numba_gemm.PANEL)
+rng = np.random.default_rng(0)
+w = rng.standard_normal((37, 40)).astype(np.float32)
+p = numba_gemm.pack(w)
+for rows in range(14):  # 6-row tiles, then 4, 2, 1
+    x = rng.standard_normal((rows, 40)).astype(np.float32)
+    got = numba_gemm.matmul(x, p)
+    scale = float((np.abs(x) @ np.abs(w).T).max(initial=0.0))
+    assert np.abs(got - x @ w.T).max(initial=0.0) <= 1e-5 * max(scale, 1.0), rows
+print("OK")
+"""
+
+
+def test_without_avx512_the_kernel_uses_16_column_panels_and_6_row_tiles(tmp_path):
+    """numba compiles for what NUMBA_CPU_FEATURES says: AVX2 code (16 vector registers of 8 floats) takes
+    the smaller tile, and the results stay right (this machine runs AVX2 code too)."""
+    import os
+    import subprocess
+    import sys
+
+    features = "+avx,+avx2,+fma,+sse4.2,+popcnt,+bmi,+bmi2,+f16c,+lzcnt,+movbe,+xsave"
+    env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": features,
+           "NUMBA_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-2000:]
