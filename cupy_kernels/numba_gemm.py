@@ -8,14 +8,16 @@ that panel format from the start, once:
     panels[p, k, j] = W[32 p + j, k]      W the [out, in] checkpoint weight; [out / 32, in, 32] float32
 
 so a panel (32 output columns, every k) is one contiguous stream. The kernel keeps an 8-row x 32-column
-tile of the output in sixteen 16-lane registers and walks k: two vector loads of the panel, one
-broadcast of each of the 8 activation rows, sixteen FMAs (without AVX-512: 16-column panels, 6-row
-tiles in 8-lane registers). Panels are shared out over the threads (prange);
-a panel (73 KB for in = 576) stays in L2 while every row block of the activations passes over it.
+tile of the output in sixteen 16-lane registers and walks k: two vector loads of the panel, one broadcast
+of each of the 8 activation rows, sixteen FMAs, and a prefetch of the panel 64 rows of k ahead (without
+AVX-512: 16-column panels and 6-row tiles in 8-lane registers). Panels are shared out over the threads
+(prange); a panel (73 KB for in = 576) stays in L2 while every row block of the activations passes over it.
 
-Measured on the test VM (SmolLM2's 30 layers, four matmuls each, 2 threads, native OpenBLAS beside it):
-1 row 9.9 vs 11.4 ms, 8 rows 11.3 vs 23.1, 64 rows 33.4 vs 46.4 (407 vs 293 GFLOP/s), 256 rows 114 vs
-131, 2,048 rows 900 vs 1,000 (483 vs 436 GFLOP/s).
+Measured on the test VM (SmolLM2's 30 layers, four matmuls each, 2 threads, against numpy's OpenBLAS on
+[in, out] weights, its native kernel): 1 row 9.9 vs 11.4 ms, 8 rows 11.3 vs 23.1, 64 rows 33.4 vs 46.4
+(407 vs 293 GFLOP/s), 256 rows 114 vs 131, 2,048 rows 900 vs 1,000 (483 vs 436 GFLOP/s); the prefetch
+then took 64 rows to 30.1-30.8 ms (440-451 GFLOP/s). Few rows are bound by memory bandwidth, which moves
+with the VM's neighbours (1 row: 5.8-10 ms from one hour to the next).
 
 Numerics: each output is one FMA chain over k in order, the same bits whatever the number of rows in the
 call, the row's place in its tile, or the thread count (tests/cupy_kernels/test_numba_gemm.py); against
@@ -53,6 +55,9 @@ AVX512 = _has_avx512()
 PANEL = 32 if AVX512 else 16  # output columns per panel: two vector registers per row
 _LANES = PANEL // 2
 _BIG_ROWS = 8 if AVX512 else 6  # rows per pass over a panel, then 4, 2 and 1 for the rest
+# Panel rows (k) ahead of the current one to prefetch: 8 KB on AVX-512. SmolLM2's layers at 64 rows
+# 33.1 -> 30.1-30.8 ms (32 ahead: 30.7-31.1; 128: 30.7-31.2; 256: 31.1-31.3).
+_PREFETCH_K = 64
 
 
 @dataclass(frozen=True)
@@ -149,9 +154,16 @@ def _tile_kernel(rows: int):
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * _LANES)) for _ in range(halves)]
                     for _ in range(rows)]
             starts = [builder.add(a_at, builder.mul(lda, const(r))) for r in range(rows)]
+            prefetch = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] + [ir.IntType(32)] * 3),
+                "llvm.prefetch.p0i8")
+            read, keep, data_cache = (ir.Constant(ir.IntType(32), v) for v in (0, 3, 1))
             with cgutils.for_range(builder, k_v, intp=intp) as loop:
                 kk = loop.index
                 at = builder.add(b_at, builder.mul(kk, const(PANEL)))
+                for line in range(0, PANEL, 16):  # 16 floats per 64-byte line; past the end a prefetch is a no-op
+                    ahead = builder.gep(b_ptr, [builder.add(at, const(_PREFETCH_K * PANEL + line))])
+                    builder.call(prefetch, [builder.bitcast(ahead, ir.IntType(8).as_pointer()), read, keep, data_cache])
                 panel = [builder.load(vec_at(b_ptr, builder.add(at, const(h * _LANES))), align=4)
                          for h in range(halves)]
                 for r in range(rows):

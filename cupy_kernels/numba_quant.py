@@ -31,9 +31,10 @@ from .numba_setup import JIT, apply_threads, numba
 from .quant import BLOCK, QuantWeight
 
 # Rows up to which a quantized weight takes this kernel; above, the packed float32 GEMM (numba_gemm.py) is
-# faster. SmolLM2's 30 layers on the test VM, this kernel vs the GEMM: 1 row 3.1 vs 10.2 ms, 4 rows 6.2 vs
-# 10.9, 8 rows 10.5 vs 12.0, 10 rows 15.3 vs 12.7, 16 rows 25.9 vs 13.9.
-QUANT_MAX_ROWS = 8
+# faster. SmolLM2's 30 layers on the test VM, this kernel vs the GEMM (which streams 425 MB, so its few-row
+# times follow the host's memory bandwidth): 1 row 4.1 vs 10.0 ms, 4 rows 6.2 vs 9.6, 6 rows 9.0 vs 10.7,
+# 8 rows 11.8 vs 9.9, 16 rows 25.1 vs 12.1.
+QUANT_MAX_ROWS = 6
 _LANES = 16  # float32 lanes per accumulator (one AVX-512 register, two AVX2 ones)
 _ROWS = (4, 2, 1)  # rows per pass over a weight row: one intrinsic each
 

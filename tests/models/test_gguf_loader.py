@@ -142,7 +142,7 @@ def test_quantized_matmuls_keep_their_blocks_and_decode_as_the_float32_weights(t
 
 def test_batch_invariant_mode_gives_a_decode_row_the_same_bits_in_any_batch(tmp_path, monkeypatch):
     """PAGEDSERVE_BATCH_INVARIANT: every matmul on the packed GEMM (never the block kernel for few rows),
-    so one sequence's decode logits are the same bits alone and beside 11 others (past the 8-row switch)."""
+    so one sequence's decode logits are the same bits alone and beside 11 others (past the switch at QUANT_MAX_ROWS)."""
     from pagedserve.cupy_kernels import numba_setup
 
     cfg, w = random_model("llama", seed=15, hidden=64, head_dim=16, heads=4, kv_heads=2)
