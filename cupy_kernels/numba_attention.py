@@ -29,7 +29,7 @@ computed, a few hints per query head's share of the run. Inner loops index the a
 OpenBLAS's threads spin after each matmul and hold the second core).
 
 Long prefill chunks (numba_prefill.takes_blas_path: many new tokens over a long context) are computed by
-numba_prefill's BLAS matmuls instead, unless PAGEDSERVE_BATCH_INVARIANT=1; everything else by this loop nest.
+numba_prefill's matmuls instead, unless PAGEDSERVE_BATCH_INVARIANT=1; everything else by this loop nest.
 
 Batch invariance: in the loop nest, a query row's arithmetic (its keys, in order, in segments at fixed
 positions, in runs at fixed positions within each block, the single keys after its last full run, and the
@@ -62,7 +62,7 @@ CHUNKS_PER_THREAD = 4  # work is cut into this many equal-cost chunks per thread
 PARALLEL_MIN_MACS = 1 << 21
 _F32 = np.dtype(np.float32)
 # Every chunk through the loop nest (the same arithmetic for a row whether its prompt came in one chunk
-# or many), as vLLM's VLLM_BATCH_INVARIANT; by default long chunks take numba_prefill's BLAS path.
+# or many), as vLLM's VLLM_BATCH_INVARIANT; by default long chunks take numba_prefill's matmul path.
 BATCH_INVARIANT = numba_setup.BATCH_INVARIANT
 
 

@@ -186,7 +186,9 @@ _TILE_BIG, _TILE4, _TILE2, _TILE1 = (_tile_kernel(r) for r in (_BIG_ROWS, 4, 2, 
 
 
 @numba.njit(parallel=True, **JIT)
-def _matmul(x, panels, out):
+def matmul_into(x, panels, out):
+    """out [m, panels * PANEL] = x [m, k] @ the weight of `panels` [count, k, PANEL]; all C-contiguous
+    float32 (the kernel itself: `matmul` checks, allocates and slices; numba_prefill calls it directly)."""
     m, k = x.shape
     count = panels.shape[0]
     n = count * PANEL
@@ -218,7 +220,7 @@ def matmul(x: np.ndarray, w: PackedWeight, bias: np.ndarray | None = None) -> np
     out = np.empty((x.shape[0], padded), dtype=np.float32)
     if x.shape[0]:
         apply_threads(parallel=True)
-        _matmul(x, w.panels, out)
+        matmul_into(x, w.panels, out)
     if padded != w.out_features:
         out = np.ascontiguousarray(out[:, : w.out_features])
     if bias is not None:

@@ -1,22 +1,27 @@
-"""Long prefill chunks for the numba set's paged attention: Q.K^T and P.V as BLAS matmuls, the masked
-softmax between them compiled with numba. Same result as paged_attention.paged_attention (the numpy
-reference) within float32 rounding; tests/cupy_kernels/test_numba_prefill.py compares them.
+"""Long prefill chunks for the numba set's paged attention: Q.K^T and P.V through numba_gemm's register-
+tiled kernel, the masked softmax between them compiled with numba. Same result as
+paged_attention.paged_attention (the numpy reference) within float32 rounding;
+tests/cupy_kernels/test_numba_prefill.py compares them.
 
 Why a second path: a chunk of n query tokens against L keys is two matmuls of n*G x 64 x L per kv head
 (G query heads share a kv head). At n = 240, L = 4,000 (bench/jitter.py's last chunks) numba_attention's
 loop nest, built for decodes (one row per key, reading K/V in place), ran at ~40 GFLOP/s: 1.6 s of a
-step's attention against ~0.2 s for OpenBLAS at ~360 GFLOP/s. The reference's numpy softmax (five passes
-over a [n*G, L] array, numpy's exp) then took twice the matmuls; here it is one pass per row, and rows are
-taken a tile at a time so a tile's scores stay in the L3 cache between the three steps.
+step's attention against ~0.2 s as matmuls. The reference's numpy softmax (five passes over a [n*G, L]
+array, numpy's exp) then took twice the matmuls; here it is one pass per row, and rows are taken a tile at
+a time so a tile's scores stay in the L3 cache between the three steps.
+
+The matmuls were OpenBLAS's until the packed GEMM: 2 x 0.83 ms per kv head at n*G = 720, L = 3,900
+against 0.72 + 0.69, and for short prompts (128 tokens, 256 requests in bench/throughput.py) 0.8 ms per
+sequence and layer against 0.26 (OpenBLAS's threads, asleep 75 us after a call, likely woke for each).
 
 Per sequence and kv head:
 
-    K_h, V_h = the sequence's L key/value rows of head h, copied out of its blocks ([L, D] each, once)
+    K_h, V_h = the sequence's L key/value rows of head h, copied out of its blocks into panels (once)
     for each tile of query rows (token t, group g):
-        S = Q_tile . K_h^T                      BLAS
+        S = Q_tile . K_h^T                      packed GEMM (K_h as the weight)
         P = 2^(S - rowmax) on keys <= the row's position, 0 past it; l = row sum     (numba; Q pre-scaled
                                                                 by scale * log2(e): S in log2 units)
-        out rows = (P . V_h) / l                BLAS
+        out rows = (P . V_h) / l                packed GEMM (V_h^T as the weight)
 
 A row's result depends only on its own sequence and position (never on the batch): batch invariance
 holds. It is not the same arithmetic as numba_attention's loop nest, so a prompt computed in one chunk
@@ -30,12 +35,13 @@ import threading
 
 import numpy as np
 
+from .numba_gemm import PANEL, matmul_into
 from .numba_ops import fast_exp2, row_max
 from .numba_setup import JIT, JIT_EXACT, apply_threads, numba
 
 # A sequence's chunk takes this path when it has at least MIN_TOKENS new tokens and its (new tokens x
 # context) work is at least MIN_WORK: below that the loop nest is as fast (measured on 2 cores, SmolLM2
-# shapes, bench/attention_paths.py) and small matmuls only pay BLAS's call and packing overheads.
+# shapes, bench/attention_paths.py) and small matmuls only pay the calls' overheads.
 MIN_TOKENS = 16
 MIN_WORK = 16 * 128
 # Query rows (token, group head) per score tile: at most ROW_TILE, and fewer for long contexts so a tile's
@@ -74,22 +80,29 @@ def takes_blas_path(num_new: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
     return (num_new >= MIN_TOKENS) & (num_new * seq_lens >= MIN_WORK)
 
 
-def _gather_heads(cache, block_table, context_len, out):
-    """out[h, p] = the sequence's row p of kv head h, for p < context_len: [KV, L, D] contiguous, so each
-    head's rows are one plain matrix for BLAS. One pass over the sequence's blocks, in parallel."""
-    block_size, num_kv_heads, head_dim = cache.shape[1], cache.shape[2], cache.shape[3]
-    num_blocks = (context_len + block_size - 1) // block_size
-    for b in numba.prange(num_blocks):
-        block = block_table[b]
-        for i in range(min(block_size, context_len - b * block_size)):
-            p = b * block_size + i
+def _gather_panels(k_cache, v_cache, block_table, context_len, kp, vp):
+    """The sequence's keys and values, out of its blocks, in numba_gemm's panel layout (P = PANEL):
+    kp[h, c, d, j] = K[h, c P + j, d] (the keys as a [L, D] weight: S = Q . K^T), vp[h, c, p, j] =
+    V[h, p, c P + j] (the values as a [D, L] weight: O = P . V); positions past context_len and head dims
+    past D are zero (a score there is masked to 0, and 0 * garbage could be NaN). Parallel over panels."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    panel = kp.shape[3]
+    for c in numba.prange(kp.shape[1]):
+        for j in range(panel):
+            p = c * panel + j
+            inside = p < context_len
+            block = block_table[p // block_size] if inside else 0
+            i = p % block_size
             for h in range(num_kv_heads):
-                src, dst = cache[block, i, h], out[h, p]
                 for d in range(head_dim):
-                    dst[d] = src[d]
+                    kp[h, c, d, j] = k_cache[block, i, h, d] if inside else np.float32(0.0)
+                for cv in range(vp.shape[1]):
+                    for jv in range(panel):
+                        d = cv * panel + jv
+                        vp[h, cv, p, jv] = v_cache[block, i, h, d] if inside and d < head_dim else np.float32(0.0)
 
 
-_GATHER = numba.njit(parallel=True, **JIT_EXACT)(_gather_heads)
+_GATHER = numba.njit(parallel=True, **JIT_EXACT)(_gather_panels)
 
 
 _local = threading.local()
@@ -104,18 +117,19 @@ def _buffer(name: str, size: int) -> np.ndarray:
     return buf
 
 
-def _workspace(num_kv_heads: int, context_len: int, head_dim: int, rows: int):
-    """K and V copies [KV, L, D], scores [rows, L] and row factors, views of buffers kept per thread.
-    Fresh multi-megabyte arrays each layer cost more than the copy itself: the allocator hands them out
-    as new pages, and first-touch page faults ran at ~2.5 s per GiB on the test VM (3 ms of a 12 ms layer
-    at 4,000 keys). The scores get a buffer of their own: numpy's matmul, seeing `out` share a base array
-    with an operand, took a path 50x slower than BLAS."""
-    kv = num_kv_heads * context_len * head_dim
-    k_and_v = _buffer("kv", 2 * kv)
-    scores = _buffer("scores", rows * context_len + rows)
-    return (k_and_v[:kv].reshape(num_kv_heads, context_len, head_dim),
-            k_and_v[kv:2 * kv].reshape(num_kv_heads, context_len, head_dim),
-            scores[:rows * context_len].reshape(rows, context_len), scores[rows * context_len:rows * (context_len + 1)])
+def _workspace(num_kv_heads: int, key_panels: int, value_panels: int, head_dim: int, rows: int):
+    """Key and value panels, scores [rows, padded context] and row factors, views of buffers kept per
+    thread. Fresh multi-megabyte arrays each layer cost more than the copy itself: the allocator hands
+    them out as new pages, and first-touch page faults ran at ~2.5 s per GiB on the test VM (3 ms of a
+    12 ms layer at 4,000 keys)."""
+    padded = key_panels * PANEL
+    kv = num_kv_heads * key_panels * head_dim * PANEL
+    vv = num_kv_heads * value_panels * padded * PANEL
+    k_and_v = _buffer("kv", kv + vv)
+    scores = _buffer("scores", rows * padded + rows)
+    return (k_and_v[:kv].reshape(num_kv_heads, key_panels, head_dim, PANEL),
+            k_and_v[kv:kv + vv].reshape(num_kv_heads, value_panels, padded, PANEL),
+            scores[:rows * padded].reshape(rows, padded), scores[rows * padded:rows * (padded + 1)])
 
 
 def prefill_sequence(query, k_cache, v_cache, start: int, end: int, context_len: int, block_table, scale: float,
@@ -127,35 +141,41 @@ def prefill_sequence(query, k_cache, v_cache, start: int, end: int, context_len:
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     first_pos = context_len - n
-    # The copies and the softmax run on cpu_threads threads, between BLAS calls. That gains only because
-    # OpenBLAS's workers soon sleep after a call (OPENBLAS_THREAD_TIMEOUT=18, cupy_kernels/__init__.py):
-    # with its default spin the softmax on two threads ran no faster than on one.
     apply_threads(parallel=True)
-    tile_tokens = max(1, min(ROW_TILE, TILE_BYTES // (4 * context_len)) // group)
+    key_panels = -(-context_len // PANEL)
+    value_panels = -(-head_dim // PANEL)
+    padded = key_panels * PANEL
+    tile_tokens = max(1, min(ROW_TILE, TILE_BYTES // (4 * padded)) // group)
     rows = tile_tokens * group
-    k, v, s, inv_den = _workspace(num_kv_heads, context_len, head_dim, rows)
+    kp, vp, s, inv_den = _workspace(num_kv_heads, key_panels, value_panels, head_dim, rows)
     # Scores in log2 units, so the softmax takes 2^x (fast_exp2, cheaper than exp): the same weights.
     q_scale = np.float32(scale * LOG2_E)
-    _GATHER(k_cache, block_table, context_len, k)
-    _GATHER(v_cache, block_table, context_len, v)
+    _GATHER(k_cache, v_cache, block_table, context_len, kp, vp)
     for h in range(num_kv_heads):
         heads = slice(h * group, (h + 1) * group)
-        k_h, v_h = k[h], v[h]
         for t0 in range(0, n, tile_tokens):
             t1 = min(t0 + tile_tokens, n)
             r = (t1 - t0) * group
             # rows (token, group head), scaled: one new contiguous array (never a view of the query)
             q = (query[start + t0:start + t1, heads] * q_scale).reshape(r, head_dim)
-            np.matmul(q, k_h.T, out=s[:r])
+            matmul_into(q, kp[h], s[:r])
             _SOFTMAX(s[:r], first_pos + t0, group, inv_den[:r])
-            o = s[:r] @ v_h
+            o = np.empty((r, value_panels * PANEL), dtype=_F32)
+            matmul_into(s[:r], vp[h], o)
+            o = o[:, :head_dim]
             o *= inv_den[:r, None]
             out[start + t0:start + t1, heads] = o.reshape(t1 - t0, group, head_dim)
 
 
 def warm_up() -> None:
-    """Compile (or load from the cache) the softmax for the argument types prefill_sequence passes."""
+    """Compile (or load from the cache) the softmax, the gather and the GEMM for the argument types
+    prefill_sequence passes (writable panels: the workspace's, where the model's weights are read-only)."""
     s = np.ones((4, 3), dtype=_F32)
     _SOFTMAX(s[:2], 1, 2, np.empty(2, dtype=_F32))
     cache = np.ones((2, 4, 1, 4), dtype=_F32)
-    _GATHER(cache, np.zeros(2, dtype=np.int32), 5, np.empty((1, 5, 4), dtype=_F32))
+    kp = np.empty((1, 1, 4, PANEL), dtype=_F32)
+    vp = np.empty((1, 1, PANEL, PANEL), dtype=_F32)
+    _GATHER(cache, cache, np.zeros(2, dtype=np.int32), 5, kp, vp)
+    scores = np.empty((2, PANEL), dtype=_F32)
+    matmul_into(np.ones((2, 4), dtype=_F32), kp[0], scores[:2])
+    matmul_into(scores[:2], vp[0], np.empty((2, PANEL), dtype=_F32))

@@ -51,7 +51,7 @@ def test_rows_are_batch_and_thread_invariant_bit_for_bit():
     threads = numba.get_num_threads()
     try:
         numba.set_num_threads(1)
-        one = numba_gemm._matmul  # the compiled kernel, on one thread
+        one = numba_gemm.matmul_into  # the compiled kernel, on one thread
         out = np.empty((23, 96), dtype=np.float32)
         one(np.ascontiguousarray(x), p.panels, out)
     finally:
