@@ -18,6 +18,15 @@ def test_every_set_has_every_op():
         assert all(callable(getattr(ks, op)) for op in kernel_set.OP_NAMES)
 
 
+def test_pack_weight_takes_a_host_weight_at_load_in_every_set():
+    """pack_weight runs on the checkpoint's host array before anything is uploaded, so even the CUDA set
+    takes it (and keeps [in, out] arrays: None); the numba set packs float32 panels."""
+    w = np.ones((40, 8), np.float32)
+    assert kernel_set.cuda_kernels().pack_weight(w) is None
+    assert kernel_set.numpy_kernels().pack_weight(w) is None
+    assert kernel_set.numba_kernels().pack_weight(w).shape == (8, 40)
+
+
 def test_cpu_choice():
     assert get_backend("cpu", "numpy").ops is kernel_set.numpy_kernels()
     assert get_backend("cpu").ops is kernel_set.numba_kernels()  # "auto": numba, installed with the package
