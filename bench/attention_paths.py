@@ -1,6 +1,7 @@
 """The numba set's two paged-attention paths for one prefill chunk: the loop nest (numba_attention) and the
-BLAS path (numba_prefill), timed side by side over chunk sizes and context lengths. Where the BLAS path
-wins sets numba_prefill.MIN_TOKENS / MIN_WORK. SmolLM2-135M's shapes (9 query heads, 3 kv heads, head_dim
+matmul path (numba_prefill; OpenBLAS until the packed GEMM replaced it, hence the "blas" JSON keys), timed
+side by side over chunk sizes and context lengths. Where the matmul path wins sets
+numba_prefill.MIN_TOKENS / MIN_WORK. SmolLM2-135M's shapes (9 query heads, 3 kv heads, head_dim
 64, block 16) by default; the pool is larger than the L3 cache and its blocks shuffled, as in a server.
 
 Prints one JSON line per (context, new tokens): milliseconds per layer for each path (median of --reps),
@@ -25,6 +26,7 @@ from common import loadavg, machine, sgemm_gflops  # noqa: E402
 
 from pagedserve.cupy_kernels import numba_attention as na  # noqa: E402
 from pagedserve.cupy_kernels import numba_prefill  # noqa: E402
+from pagedserve.cupy_kernels import numba_setup  # noqa: E402
 
 
 def batch(rng, context: int, new: int, heads: int, kv_heads: int, head_dim: int, block_size: int, pool_blocks: int):
@@ -36,8 +38,8 @@ def batch(rng, context: int, new: int, heads: int, kv_heads: int, head_dim: int,
 
 
 def time_path(args_, invariant: bool, reps: int) -> float:
-    """ms per call through the loop nest (invariant) or the BLAS path (thresholds lifted)."""
-    na.BATCH_INVARIANT = invariant
+    """ms per call through the loop nest (invariant) or the matmul path (thresholds lifted)."""
+    numba_setup.BATCH_INVARIANT = invariant
     limits = numba_prefill.MIN_TOKENS, numba_prefill.MIN_WORK
     numba_prefill.MIN_TOKENS, numba_prefill.MIN_WORK = 2, 0
     try:
@@ -49,7 +51,7 @@ def time_path(args_, invariant: bool, reps: int) -> float:
             times.append(time.perf_counter() - t0)
         return float(np.median(times)) * 1e3
     finally:
-        na.BATCH_INVARIANT = False
+        numba_setup.BATCH_INVARIANT = False
         numba_prefill.MIN_TOKENS, numba_prefill.MIN_WORK = limits
 
 
@@ -70,7 +72,7 @@ def main() -> None:
                 continue
             b = batch(rng, context, new, heads, kv_heads, head_dim, block_size, pool_blocks)
             nest, blas = time_path(b, True, args.reps), time_path(b, False, args.reps)
-            routed = bool(numba_prefill.takes_blas_path(np.array([new]), np.array([context]))[0])
+            routed = bool(numba_prefill.takes_matmul_path(np.array([new]), np.array([context]))[0])
             print(json.dumps({"context": context, "new_tokens": new, "ms_loop_nest": round(nest, 3),
                               "ms_blas_path": round(blas, 3), "blas_faster": blas < nest, "routed_to_blas": routed,
                               "sgemm_gflops": round(gflops, 1), "machine": machine(), "loadavg": loadavg()}),

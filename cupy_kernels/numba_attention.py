@@ -28,7 +28,7 @@ computed, a few hints per query head's share of the run. Inner loops index the a
 192-token decode step over 30 layers from 38 to 29 ms on one thread (1-thread rates matter: in the engine,
 OpenBLAS's threads spin after each matmul and hold the second core).
 
-Long prefill chunks (numba_prefill.takes_blas_path: many new tokens over a long context) are computed by
+Long prefill chunks (numba_prefill.takes_matmul_path: many new tokens over a long context) are computed by
 numba_prefill's matmuls instead, unless PAGEDSERVE_BATCH_INVARIANT=1; everything else by this loop nest.
 
 Batch invariance: in the loop nest, a query row's arithmetic (its keys, in order, in segments at fixed
@@ -40,7 +40,6 @@ was chunked (a chunk of one token included), or the thread that ran it.
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 from llvmlite import ir
@@ -48,9 +47,9 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from . import numba_prefill as prefill
+from . import numba_setup
 from . import paged_attention as reference
 from .numba_ops import fast_exp, row_max
-from . import numba_setup
 from .numba_setup import JIT, apply_threads, numba
 
 Q_TILE = 16  # query tokens per prefill item: its Q_TILE * H score rows share each K/V row read
@@ -61,9 +60,6 @@ CHUNKS_PER_THREAD = 4  # work is cut into this many equal-cost chunks per thread
 # Below this many multiply-adds (Q.K and P.V together) a call runs on one thread: waking the pool costs more.
 PARALLEL_MIN_MACS = 1 << 21
 _F32 = np.dtype(np.float32)
-# Every chunk through the loop nest (the same arithmetic for a row whether its prompt came in one chunk
-# or many), as vLLM's VLLM_BATCH_INVARIANT; by default long chunks take numba_prefill's matmul path.
-BATCH_INVARIANT = numba_setup.BATCH_INVARIANT
 
 
 @numba.njit(**JIT)
@@ -320,7 +316,10 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     if num_tokens == 0:
         return out
     num_new = np.diff(query_start_loc)
-    long_chunks = np.zeros(0, dtype=bool) if BATCH_INVARIANT else prefill.takes_blas_path(num_new, seq_lens)
+    # numba_setup.BATCH_INVARIANT: every chunk through the loop nest (a row's arithmetic the same whether its
+    # prompt came in one chunk or many); by default long chunks take numba_prefill's matmul path.
+    long_chunks = (np.zeros(0, dtype=bool) if numba_setup.BATCH_INVARIANT
+                   else prefill.takes_matmul_path(num_new, seq_lens))
     if long_chunks.any():
         for i in np.flatnonzero(long_chunks):
             prefill.prefill_sequence(query, k_cache, v_cache, int(query_start_loc[i]), int(query_start_loc[i + 1]),

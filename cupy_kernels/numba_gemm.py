@@ -108,7 +108,8 @@ def unpack(p: PackedWeight) -> np.ndarray:
     return np.ascontiguousarray(p.panels.transpose(0, 2, 1).reshape(count * PANEL, k)[: p.out_features])
 
 
-def _splat(builder, value, vec_t):
+def splat(builder, value, vec_t):
+    """LLVM IR: a vector of vec_t with `value` in every lane (for the intrinsics here and in numba_quant)."""
     undef = ir.Constant(vec_t, ir.Undefined)
     first = builder.insert_element(undef, value, ir.Constant(ir.IntType(32), 0))
     return builder.shuffle_vector(first, undef, ir.Constant(ir.VectorType(ir.IntType(32), vec_t.count),
@@ -167,7 +168,7 @@ def _tile_kernel(rows: int):
                 panel = [builder.load(vec_at(b_ptr, builder.add(at, const(h * _LANES))), align=4)
                          for h in range(halves)]
                 for r in range(rows):
-                    x = _splat(builder, builder.load(builder.gep(a_ptr, [builder.add(starts[r], kk)])), vf)
+                    x = splat(builder, builder.load(builder.gep(a_ptr, [builder.add(starts[r], kk)])), vf)
                     for h in range(halves):
                         builder.store(builder.call(fma, [x, panel[h], builder.load(accs[r][h])]), accs[r][h])
             for r in range(rows):

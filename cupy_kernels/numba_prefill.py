@@ -75,7 +75,7 @@ def _masked_softmax_rows(s, first_pos, group, inv_den):
 _SOFTMAX = numba.njit(parallel=True, **JIT)(_masked_softmax_rows)
 
 
-def takes_blas_path(num_new: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+def takes_matmul_path(num_new: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
     """Which sequences of a batch this path computes: long chunks, by their own sizes only."""
     return (num_new >= MIN_TOKENS) & (num_new * seq_lens >= MIN_WORK)
 

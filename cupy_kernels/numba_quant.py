@@ -27,6 +27,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from .numba_gemm import splat
 from .numba_setup import JIT, apply_threads, numba
 from .quant import BLOCK, QuantWeight
 
@@ -37,13 +38,6 @@ from .quant import BLOCK, QuantWeight
 QUANT_MAX_ROWS = 6
 _LANES = 16  # float32 lanes per accumulator (one AVX-512 register, two AVX2 ones)
 _ROWS = (4, 2, 1)  # rows per pass over a weight row: one intrinsic each
-
-
-def _splat(builder, value, vec_t):
-    undef = ir.Constant(vec_t, ir.Undefined)
-    first = builder.insert_element(undef, value, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(first, undef, ir.Constant(ir.VectorType(ir.IntType(32), vec_t.count),
-                                                            [0] * vec_t.count))
 
 
 def _lane_sum(builder, vec):
@@ -96,7 +90,7 @@ def _block_dot(kind: str, rows: int):
             accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * _LANES)) for _ in range(rows)]
             with cgutils.for_range(builder, builder.sdiv(k_v, const(BLOCK)), intp=intp) as loop:
                 b = loop.index
-                d = _splat(builder, builder.load(builder.gep(dptr, [b])), vf)
+                d = splat(builder, builder.load(builder.gep(dptr, [b])), vf)
                 if kind == "q4":  # 16 bytes: weights 0-15 in the low nibbles, 16-31 in the high ones
                     wide = builder.zext(load_bytes(builder.mul(b, const(BLOCK // 2))), vi32)
                     first = builder.sitofp(builder.and_(wide, ir.Constant(vi32, [15] * _LANES)), vf)

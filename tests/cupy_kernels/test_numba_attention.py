@@ -14,6 +14,7 @@ import pytest
 from paged_batches import assert_each_alone_equals_together, make_batch
 
 from pagedserve.cupy_kernels import numba_attention as na
+from pagedserve.cupy_kernels import numba_setup
 from pagedserve.cupy_kernels import paged_attention as pa
 
 EPS = np.finfo(np.float32).eps
@@ -75,7 +76,7 @@ def test_empty_batches_and_sequences_without_new_tokens():
 def test_batch_invariant_and_chunking_invariant_bit_for_bit(monkeypatch):
     """A sequence's rows are the same bits alone, in any batch, and (in the loop nest, which
     PAGEDSERVE_BATCH_INVARIANT keeps every chunk in) whether its prompt came in chunks."""
-    monkeypatch.setattr(na, "BATCH_INVARIANT", True)
+    monkeypatch.setattr(numba_setup, "BATCH_INVARIANT", True)
     rng = np.random.default_rng(9)
     seqs = [(70, 70), (40, 1), (100, 23), (17, 1)]
     q, k, v, qsl, lens, tables = batch = make_batch(rng, seqs, num_kv=3, group=3, head_dim=64, block_size=16)
@@ -116,7 +117,7 @@ def test_runs_of_keys_bit_for_bit_whatever_the_chunking(group, block_size, monke
     time: a row's bits must not depend on which of its keys other rows of its tile see. A prompt ending
     mid-run, mid-block and past a segment, as one chunk, as decodes (one token per call) and as chunks cut
     at odd places (PAGEDSERVE_BATCH_INVARIANT keeps the long chunks in the loop nest)."""
-    monkeypatch.setattr(na, "BATCH_INVARIANT", True)
+    monkeypatch.setattr(numba_setup, "BATCH_INVARIANT", True)
     rng = np.random.default_rng(block_size * 10 + group)
     L = na.K_SEGMENT + 2 * block_size + na.RUN // 2 + 1
     q, k, v, qsl, lens, tables = make_batch(rng, [(L, L)], num_kv=2, group=group, head_dim=64,

@@ -1,4 +1,4 @@
-"""The numba set's BLAS path for long prefill chunks (cupy_kernels/numba_prefill.py), and the routing in
+"""The numba set's matmul path for long prefill chunks (cupy_kernels/numba_prefill.py), and the routing in
 numba_attention.paged_attention, against the numpy reference.
 
 Tolerance as in test_numba_attention.py: 8 * (D + L) * eps * max|v| (a D-term dot product per score, an
@@ -14,6 +14,7 @@ import pytest
 from paged_batches import assert_each_alone_equals_together, make_batch
 
 from pagedserve.cupy_kernels import numba_attention as na
+from pagedserve.cupy_kernels import numba_setup
 from pagedserve.cupy_kernels import numba_prefill as npf
 from pagedserve.cupy_kernels import paged_attention as pa
 
@@ -34,7 +35,7 @@ def test_long_chunks_match_the_reference(group, block_size):
     rng = np.random.default_rng(group * 10 + block_size)
     seqs = [(300, 300), (700, 45), (460, 133)]
     batch = make_batch(rng, seqs, num_kv=2, group=group, head_dim=64, block_size=block_size)
-    assert npf.takes_blas_path(np.array([n for _, n in seqs]), np.array([L for L, _ in seqs])).all()
+    assert npf.takes_matmul_path(np.array([n for _, n in seqs]), np.array([L for L, _ in seqs])).all()
     got = na.paged_attention(*batch, 64 ** -0.5)
     close_to_reference(batch, got)
 
@@ -52,7 +53,7 @@ def test_a_mixed_batch_routes_each_sequence_and_matches():
     rng = np.random.default_rng(4)
     seqs = [(40, 1), (1000, 64), (90, 90), (5, 0), (333, 1), (640, 200), (20, 7), (100, 15), (40, 40)]
     batch = make_batch(rng, seqs, num_kv=3, group=3, head_dim=64, block_size=16)
-    routed = npf.takes_blas_path(np.diff(batch[3]), batch[4])
+    routed = npf.takes_matmul_path(np.diff(batch[3]), batch[4])
     assert routed.tolist() == [False, True, True, False, False, True, False, False, False]
     close_to_reference(batch, na.paged_attention(*batch, 0.125))
 
@@ -62,7 +63,7 @@ def test_batch_invariant_bit_for_bit_on_both_paths():
     rng = np.random.default_rng(5)
     seqs = [(800, 120), (40, 1), (300, 300), (100, 23)]
     batch = make_batch(rng, seqs, num_kv=3, group=3, head_dim=64, block_size=16)
-    assert npf.takes_blas_path(np.diff(batch[3]), batch[4]).tolist() == [True, False, True, True]
+    assert npf.takes_matmul_path(np.diff(batch[3]), batch[4]).tolist() == [True, False, True, True]
     assert_each_alone_equals_together(na.paged_attention, batch)
 
 
@@ -70,12 +71,12 @@ def test_batch_invariant_mode_runs_long_chunks_through_the_loop_nest(monkeypatch
     """PAGEDSERVE_BATCH_INVARIANT: a long prompt in one chunk is the same bits as in small chunks."""
     rng = np.random.default_rng(6)
     q, k, v, qsl, lens, tables = make_batch(rng, [(400, 400)], num_kv=3, group=3, head_dim=64, block_size=16)
-    monkeypatch.setattr(na, "BATCH_INVARIANT", True)
+    monkeypatch.setattr(numba_setup, "BATCH_INVARIANT", True)
     whole = na.paged_attention(q, k, v, qsl, lens, tables, 0.125)
     parts = [na.paged_attention(q[s:e], k, v, np.array([0, e - s], np.int32), np.array([e], np.int32), tables, 0.125)
              for s, e in ((0, 30), (30, 31), (31, 400))]
     np.testing.assert_array_equal(np.concatenate(parts), whole)
-    monkeypatch.setattr(na, "BATCH_INVARIANT", False)
+    monkeypatch.setattr(numba_setup, "BATCH_INVARIANT", False)
     close_to_reference((q, k, v, qsl, lens, tables), na.paged_attention(q, k, v, qsl, lens, tables, 0.125))
 
 
