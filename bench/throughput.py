@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-gib", type=float, default=None,
-                    help="CPU KV pool size (default: the engine's, 2 GiB; 256 requests x 256 tokens need 2.9)")
+                    help="CPU KV pool size (default: the engine's, 4 GiB; 256 requests x 256 tokens need 2.9)")
     ap.add_argument("--breakdown", action="store_true", help="time matmuls, attention and the rest separately")
     ap.add_argument("--cpu-kernels", nargs="+", default=["auto"], choices=["auto", "numba", "numpy"],
                     help="kernel sets to run, one after the other for each N (A/B in one run)")

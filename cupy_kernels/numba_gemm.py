@@ -62,7 +62,8 @@ _PREFETCH_K = 64
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A matmul weight [out, in] as column panels [ceil(out / 32), in, 32] (the last one zero-padded);
+    """A matmul weight [out, in] as column panels [ceil(out / PANEL), in, PANEL] (the last one zero-padded;
+    PANEL is 32 with AVX-512, else 16);
     stands where the other sets hold the [in, out] array (`shape`, `dtype`, `nbytes` as that array's)."""
 
     panels: np.ndarray

@@ -9,7 +9,10 @@ from pagedserve.cupy_kernels.kernel_set import CPU_KERNEL_SETS
 
 from .spec_config import SpeculativeConfig
 
-DEFAULT_CPU_KV_BYTES = 2 << 30  # 2 GiB of KV cache on the CPU backend
+# KV cache on the CPU backend when kv_cache_memory_bytes is unset: 4 GiB, vLLM's CPU default (its
+# VLLM_CPU_KVCACHE_SPACE unset), or half of what the host has available where that is less
+# (memory_budget.default_cpu_kv_bytes). Pages of the pool are held only once written.
+DEFAULT_CPU_KV_BYTES = 4 << 30
 
 
 @dataclass
@@ -22,7 +25,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     block_size: int = 16
-    kv_cache_memory_bytes: int | None = None  # CPU: bytes for the KV pool (None = 2 GiB)
+    kv_cache_memory_bytes: int | None = None  # CPU: bytes for the KV pool (None = DEFAULT_CPU_KV_BYTES)
     num_kv_blocks: int | None = None  # overrides the byte budget (tests use it to force preemption)
     gpu_memory_utilization: float = 0.9
     # GPU: replay decode steps from CUDA graphs captured per batch size (runtime/cuda_graphs.py).

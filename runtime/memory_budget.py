@@ -26,6 +26,8 @@ from pathlib import Path
 
 from pagedserve.models.config import ModelConfig
 
+from .config import DEFAULT_CPU_KV_BYTES
+
 GIB = float(1 << 30)
 # Python objects per running request (token lists, detokenizer state, logprob dicts): generous.
 PER_REQUEST_BYTES = 4 << 20
@@ -84,6 +86,17 @@ def resident_bytes() -> int:
     except (OSError, ValueError, IndexError):
         return 0
     return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_cpu_kv_bytes(available: int | None) -> int:
+    """The CPU KV pool when kv_cache_memory_bytes is unset: DEFAULT_CPU_KV_BYTES (4 GiB), or half of
+    `available` (host_memory_available's bytes) where that is less, so the defaults start on a small
+    host or under a tight cgroup instead of being refused. A pool too short for the load preempts and
+    recomputes requests, burning cores the applications beside the sidecar share, so the default
+    leans to memory, which the pool holds only once its pages are written."""
+    if available is None:
+        return DEFAULT_CPU_KV_BYTES
+    return min(DEFAULT_CPU_KV_BYTES, available // 2 >> 20 << 20)
 
 
 def host_memory_available() -> tuple[int | None, str]:

@@ -31,9 +31,10 @@ from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.loader import LoadedModel, load_model
 from pagedserve.models.tensor_parallel import TPShard, check_tensor_parallel, shard_weights
 
-from .config import DEFAULT_CPU_KV_BYTES, EngineConfig, check_gpu_block_size
+from .config import EngineConfig, check_gpu_block_size
 from .cuda_graphs import DecodeGraphs, build_decode_graphs
 from .gpu_memory import profile_kv_cache
+from .memory_budget import default_cpu_kv_bytes, host_memory_available
 
 log = structlog.get_logger("pagedserve.engine")
 
@@ -93,15 +94,22 @@ class Worker:
         return kv_bytes_per_block(self.model_config, self.config.block_size, self.backend.dtype.itemsize, self.shard)
 
     def determine_num_kv_blocks(self, max_model_len: int) -> int:
-        """How many KV blocks this rank can hold. CPU: kv_cache_memory_bytes is the whole engine's budget,
-        split evenly across ranks. GPU: a profile forward measures what is left (gpu_memory.py)."""
+        """How many KV blocks this rank can hold. CPU: kv_cache_memory_bytes (unset: 4 GiB or half of what the
+        host has available, memory_budget.default_cpu_kv_bytes) is the whole engine's budget, split evenly
+        across ranks. GPU: a profile forward measures what is left (gpu_memory.py)."""
         per_block = self.kv_bytes_per_block()
         if self.backend.is_gpu:
             sizing = profile_kv_cache(self.model, self.config, max_model_len, self.config.block_size, per_block)
             log.info("engine.kv_sizing", model=self.model_name, rank=self.rank, **sizing.log_fields())
             self.kv_sizing = sizing
             return sizing.num_blocks
-        budget = (self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES) // self.world_size
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None:
+            available, source = host_memory_available()
+            budget = default_cpu_kv_bytes(available)
+            log.info("engine.kv_cache_default", rank=self.rank, kv_cache_gib=round(budget / 2**30, 3),
+                     available_gib=round(available / 2**30, 3) if available else None, available_from=source)
+        budget //= self.world_size
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"the KV cache budget of {budget} bytes (per rank) holds no block of {per_block} bytes")

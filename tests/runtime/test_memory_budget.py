@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.runtime import engine as engine_mod
-from pagedserve.runtime.config import EngineConfig
+from pagedserve.runtime import worker as worker_mod
+from pagedserve.runtime.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from pagedserve.runtime.engine import LLMEngine
-from pagedserve.runtime.memory_budget import activation_bytes, host_memory_available, resident_bytes
+from pagedserve.runtime.memory_budget import (activation_bytes, default_cpu_kv_bytes, host_memory_available,
+                                               resident_bytes)
 from pagedserve.runtime.worker import Worker
 
 
@@ -38,3 +40,22 @@ def test_settings_beyond_the_host_are_refused_before_the_pool_is_allocated(tiny,
     msg = str(err.value)
     assert "KV pool 1.00 GiB" in msg and "only 0.10 GiB is available (MemAvailable)" in msg, msg
     assert "lower kv_cache_memory_bytes" in msg and not allocated
+
+
+def test_default_cpu_pool_is_vllms_4_gib_or_half_of_what_the_host_has():
+    assert default_cpu_kv_bytes(None) == DEFAULT_CPU_KV_BYTES == 4 << 30
+    assert default_cpu_kv_bytes(64 << 30) == 4 << 30
+    assert default_cpu_kv_bytes(3 << 30) == (3 << 30) // 2
+    assert default_cpu_kv_bytes((1 << 30) + 12345) == 512 << 20  # whole MiB
+
+
+@pytest.mark.parametrize("available_mib, expect_gib", [(1 << 16, 4.0), (1024, 0.5)])
+def test_engine_default_pool_follows_the_host(tiny, monkeypatch, available_mib, expect_gib):
+    """Unset kv_cache_memory_bytes: the pool is 4 GiB on a roomy host and shrinks on a small one instead of
+    being refused at start (the start check sees the same host). Only the pool's size is under test."""
+    monkeypatch.setattr(worker_mod, "host_memory_available", lambda: (available_mib << 20, "MemAvailable"))
+    monkeypatch.setattr(engine_mod, "host_memory_available", lambda: (None, "unknown"))
+    monkeypatch.setattr(Worker, "initialize_cache", lambda self, *a: None)
+    e = LLMEngine(EngineConfig(device="cpu"), loaded=tiny)
+    per_block = e.executor.driver_worker.kv_bytes_per_block()
+    assert e.num_kv_blocks == int(expect_gib * (1 << 30)) // per_block
