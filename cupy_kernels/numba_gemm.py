@@ -11,7 +11,8 @@ so a panel (32 output columns, every k) is one contiguous stream. The kernel kee
 tile of the output in sixteen 16-lane registers and walks k: two vector loads of the panel, one broadcast
 of each of the 8 activation rows, sixteen FMAs, and a prefetch of the panel 64 rows of k ahead (without
 AVX-512: 16-column panels and 6-row tiles in 8-lane registers). Panels are shared out over the threads
-(prange); a panel (73 KB for in = 576) stays in L2 while every row block of the activations passes over it.
+(prange); a panel (73 KB for in = 576) stays in L2 while every tile of a block of ROW_BLOCK activation
+rows passes over it, and the block itself stays in L2 while the thread's panels pass over it.
 
 Measured on the test VM (SmolLM2's 30 layers, four matmuls each, 2 threads, against numpy's OpenBLAS on
 [in, out] weights, its native kernel): 1 row 9.9 vs 11.4 ms, 8 rows 11.3 vs 23.1, 64 rows 33.4 vs 46.4
@@ -58,6 +59,16 @@ _BIG_ROWS = 8 if AVX512 else 6  # rows per pass over a panel, then 4, 2 and 1 fo
 # Panel rows (k) ahead of the current one to prefetch: 8 KB on AVX-512. SmolLM2's layers at 64 rows
 # 33.1 -> 30.1-30.8 ms (32 ahead: 30.7-31.1; 128: 30.7-31.2; 256: 31.1-31.3).
 _PREFETCH_K = 64
+# Activation rows per pass over the panels: a block of them (120 x 576 floats = 276 KB) stays in L2 while
+# every panel of the thread passes over it. Unblocked, 256 rows (590 KB at in = 576) overflow a 512 KB L2
+# (AMD Zen 3) and were read again from L3 for every panel. AVX2 host, 2 threads: SmolLM2's four layer
+# matmuls at 256 rows, six layers cycled, ran at a median of 82-85 GFLOP/s unblocked and 164-167 blocked
+# (OpenBLAS 150-155; 7 interleaved rounds); in the engine the gain is smaller (the 256-request throughput run
+# within the host's noise, 209 vs 199-226 tok/s; bench/jitter.py's p99 at budget 256, whose steps are
+# 256-row chunks, 816 and 1,041 ms against 1,156 and 1,216 unblocked, interleaved runs). 96 rows did as well
+# as 120, 192 worse; also cutting k (256-row slices of a panel kept in L1) made 1-64 rows slower. A multiple
+# of both tile heights (6, 8): tiles fall where they did, and each output's FMA chain is unchanged.
+ROW_BLOCK = 120
 
 
 @dataclass(frozen=True)
@@ -197,20 +208,22 @@ def matmul_into(x, panels, out):
     a = x.reshape(m * k)
     b = panels.reshape(count * k * PANEL)
     c = out.reshape(m * n)
-    for p in numba.prange(count):
-        b_at = p * k * PANEL
-        r = 0
-        while r + _BIG_ROWS <= m:
-            _TILE_BIG(a, r * k, k, b, b_at, k, c, r * n + p * PANEL, n)
-            r += _BIG_ROWS
-        if r + 4 <= m:
-            _TILE4(a, r * k, k, b, b_at, k, c, r * n + p * PANEL, n)
-            r += 4
-        if r + 2 <= m:
-            _TILE2(a, r * k, k, b, b_at, k, c, r * n + p * PANEL, n)
-            r += 2
-        if r < m:
-            _TILE1(a, r * k, k, b, b_at, k, c, r * n + p * PANEL, n)
+    for m0 in range(0, m, ROW_BLOCK):  # one parallel pass over the panels per block of rows
+        m1 = min(m0 + ROW_BLOCK, m)
+        for p in numba.prange(count):
+            b_at = p * k * PANEL
+            r = m0
+            while r + _BIG_ROWS <= m1:
+                _TILE_BIG(a, r * k, k, b, b_at, k, c, r * n + p * PANEL, n)
+                r += _BIG_ROWS
+            if r + 4 <= m1:
+                _TILE4(a, r * k, k, b, b_at, k, c, r * n + p * PANEL, n)
+                r += 4
+            if r + 2 <= m1:
+                _TILE2(a, r * k, k, b, b_at, k, c, r * n + p * PANEL, n)
+                r += 2
+            if r < m1:
+                _TILE1(a, r * k, k, b, b_at, k, c, r * n + p * PANEL, n)
 
 
 def matmul(x: np.ndarray, w: PackedWeight, bias: np.ndarray | None = None) -> np.ndarray:

@@ -29,7 +29,7 @@ def test_pack_round_trip_and_shape(out):
     np.testing.assert_array_equal(numba_gemm.unpack(p), w)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 8, 9, 15, 17, 64])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 8, 9, 15, 17, 64, 2 * numba_gemm.ROW_BLOCK + 13])
 @pytest.mark.parametrize("out,inp", [(1, 7), (33, 64), (96, 576)])
 def test_matmul_matches_numpy(rows, out, inp):
     w = weight(out, inp, rows + out)
@@ -57,6 +57,17 @@ def test_rows_are_batch_and_thread_invariant_bit_for_bit():
     finally:
         numba.set_num_threads(threads)
     np.testing.assert_array_equal(out[:, :70], batch)
+
+
+def test_rows_past_one_row_block_are_the_bits_of_a_lone_row():
+    """Rows are multiplied a block of ROW_BLOCK at a time: a row in the second or third block (and in a
+    remainder tile of the last) gets the bits it gets alone or in the first block."""
+    p = numba_gemm.pack(weight(40, 64, 5))
+    m = 2 * numba_gemm.ROW_BLOCK + 7
+    x = np.random.default_rng(6).standard_normal((m, 64)).astype(np.float32)
+    batch = numba_gemm.matmul(x, p)
+    for r in (0, numba_gemm.ROW_BLOCK - 1, numba_gemm.ROW_BLOCK, 2 * numba_gemm.ROW_BLOCK + 3, m - 1):
+        np.testing.assert_array_equal(numba_gemm.matmul(x[r : r + 1], p)[0], batch[r])
 
 
 def test_bias_strided_input_and_bad_shapes():
