@@ -381,6 +381,15 @@ def silu_and_mul(x):
     return out
 
 
+def logsumexp_rows(x, row_max=None):
+    """ops.logsumexp_rows on the device (CuPy's reductions; the sampler's one pass over the logits)."""
+    import cupy
+
+    from . import ops
+
+    return ops.logsumexp_rows(x, row_max, cupy)
+
+
 # ---------------------------------------------------------------------------------------------
 # paged_attention.py counterparts
 # ---------------------------------------------------------------------------------------------

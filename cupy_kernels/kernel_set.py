@@ -24,7 +24,7 @@ from . import ops, paged_attention
 
 # The op names every kernel set provides, in the order of a forward pass.
 OP_NAMES = ("embedding", "linear", "pack_weight", "rms_norm", "add_rms_norm", "rope_cos_sin", "apply_rotary", "silu_and_mul",
-            "reshape_and_cache", "copy_blocks", "paged_attention")
+            "reshape_and_cache", "copy_blocks", "paged_attention", "logsumexp_rows")
 
 CPU_KERNEL_SETS = ("auto", "numba", "numpy")
 
@@ -43,6 +43,7 @@ class KernelSet:
     reshape_and_cache: Callable[..., Any]
     copy_blocks: Callable[..., Any]
     paged_attention: Callable[..., Any]
+    logsumexp_rows: Callable[..., Any]  # the sampler's (runtime/sampler.py)
 
 
 def _from_modules(name: str, *modules: Any) -> KernelSet:
@@ -101,7 +102,7 @@ def _device_only(fn: Callable[..., Any], arg: int, op: str) -> Callable[..., Any
 # Which argument must be a device array for each CUDA op (the data, not the host metadata).
 _DEVICE_ARG = {"embedding": 0, "linear": 0, "rms_norm": 0, "add_rms_norm": 0, "rope_cos_sin": 1,
                "apply_rotary": 0, "silu_and_mul": 0, "reshape_and_cache": 0, "copy_blocks": 0,
-               "paged_attention": 0}
+               "paged_attention": 0, "logsumexp_rows": 0}
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,6 +9,8 @@ heads, KV = key/value heads, D = head dim.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 
@@ -102,3 +104,25 @@ def silu_and_mul(x: np.ndarray) -> np.ndarray:
     np.divide(gate, out, out=out)
     out *= up
     return out
+
+
+# Rows per chunk of logsumexp_rows's full-vocabulary temporaries on the CPU: a few rows of V float32 stay in L2.
+_CPU_ROW_CHUNK = 4
+
+
+def logsumexp_rows(x: Any, row_max: Any = None, xp: Any = np) -> Any:
+    """log(sum(exp(x), axis=1)) of a [B, V] float32 array, stably: the sampler's log-normaliser (a chosen
+    token's logprob is its logit minus this). row_max: x.max(axis=1) when the caller has it (saves a pass).
+    xp: numpy here, cupy for the CUDA set (cuda_ops.logsumexp_rows)."""
+    m = x.max(axis=1) if row_max is None else row_max
+    s = xp.empty_like(m)
+    num_rows = x.shape[0]
+    chunk = _CPU_ROW_CHUNK if xp is np else max(num_rows, 1)
+    buf = xp.empty((min(chunk, num_rows), x.shape[1]), dtype=x.dtype)
+    for start in range(0, num_rows, chunk):
+        stop = min(start + chunk, num_rows)
+        b = buf[: stop - start]
+        xp.subtract(x[start:stop], m[start:stop, None], out=b)
+        xp.exp(b, out=b)
+        s[start:stop] = b.sum(axis=1)
+    return m + xp.log(s)

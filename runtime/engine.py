@@ -79,7 +79,7 @@ class LLMEngine:
         # GPU: decode CUDA graphs are captured now, against these very KV caches.
         self.executor.initialize_cache(num_blocks, self.max_model_len)
         self.kv_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(self.executor, self.kv_manager, Sampler(config.seed))
+        self.runner = ModelRunner(self.executor, self.kv_manager, Sampler(config.seed, self.backend.ops.logsumexp_rows))
         # Guided decoding: grammars compile in a worker thread; costs nothing until a request has one.
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
         self.runner.structured = self.structured

@@ -65,9 +65,12 @@ class SamplerOutput:
 class Sampler:
     """Turns a [B, V] batch of logits into one token per row; see the module docstring."""
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, logsumexp_rows: Any = None) -> None:
         # Shared by every row that has no generator of its own (unseeded requests).
         self.generator = np.random.default_rng(seed)
+        # The backend's kernel for the chosen tokens' log-normaliser (backend.ops.logsumexp_rows: one
+        # compiled pass per row with the numba set); None: ops.logsumexp_rows for whatever xp is passed.
+        self.logsumexp_rows = logsumexp_rows
 
     def __call__(
         self,
@@ -123,7 +126,10 @@ class Sampler:
         row_max = None
         if not random_rows and processed is logits:
             row_max = logits[xp.arange(num_rows), tokens]
-        lse = _logsumexp_rows(logits, xp, row_max)
+        if self.logsumexp_rows is not None:
+            lse = self.logsumexp_rows(logits, row_max)
+        else:
+            lse = _logsumexp_rows(logits, xp, row_max)
         chosen = logits[xp.arange(num_rows), tokens] - lse
         groups = self._top_logprob_arrays(logits, lse, params, xp)
         # One transfer for everything the host needs (on a device: the step's only sync).

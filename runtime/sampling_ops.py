@@ -11,6 +11,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from pagedserve.cupy_kernels import ops
+
 from pagedserve.runtime.sampling_params import SamplingParams
 
 # A top_p-only row (no top_k) looks for its nucleus among its 64 most likely tokens, then its
@@ -18,8 +20,6 @@ from pagedserve.runtime.sampling_params import SamplingParams
 # With SmolLM2-135M logits at temperature <= 1 and top_p <= 0.95 the nucleus has a median of
 # 2-10 tokens and at most ~600, so the first stages serve nearly every row.
 NUCLEUS_CANDIDATES = (64, 1024)
-# Rows per chunk for full-vocab temporaries on CPU: a few rows of V float32 stay in L2.
-_CPU_ROW_CHUNK = 4
 # Height of the [_GROUPS, V / _GROUPS] grid a row is viewed as by the two-level helpers below.
 # Reducing over the grid's rows is a cheap, vectorised pass in numpy (unlike reducing many short
 # contiguous blocks), so the helpers replace a full-width argpartition or cumsum by one such pass
@@ -41,22 +41,8 @@ def _flat_keys(
 
 
 def _logsumexp_rows(x: Any, xp: Any, row_max: Any = None) -> Any:
-    """log(sum(exp(x), axis=1)) for a [B, V] float32 array, computed stably.
-
-    row_max: x.max(axis=1) when the caller already has it (saves a pass).
-    """
-    m = x.max(axis=1) if row_max is None else row_max
-    s = xp.empty_like(m)
-    num_rows = x.shape[0]
-    chunk = _CPU_ROW_CHUNK if xp is np else max(num_rows, 1)
-    buf = xp.empty((min(chunk, num_rows), x.shape[1]), dtype=x.dtype)
-    for start in range(0, num_rows, chunk):
-        stop = min(start + chunk, num_rows)
-        b = buf[: stop - start]
-        xp.subtract(x[start:stop], m[start:stop, None], out=b)
-        xp.exp(b, out=b)
-        s[start:stop] = b.sum(axis=1)
-    return m + xp.log(s)
+    """log(sum(exp(x), axis=1)) for a [B, V] float32 array (ops.logsumexp_rows, for either array module)."""
+    return ops.logsumexp_rows(x, row_max, xp)
 
 
 def _top_candidates(x: Any, c: int, xp: Any) -> tuple[Any, Any]:

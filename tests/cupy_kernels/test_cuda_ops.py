@@ -31,6 +31,7 @@ import pytest
 from pagedserve.cupy_kernels import cuda_ops, ops
 from pagedserve.cupy_kernels import paged_attention as pa
 from pagedserve.cupy_kernels.kernel_set import cuda_kernels
+from numerics import f32_tol
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 ERRORS_ENV = "PAGEDSERVE_GPU_ERRORS"
@@ -424,6 +425,17 @@ def test_apply_rotary():
     record("rope_cos_sin", max_abs_err=np.abs(to_host(cos_d) - cos).max())
     np.testing.assert_allclose(to_host(cos_d), cos, atol=1e-6)
     np.testing.assert_allclose(to_host(sin_d), sin, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_logsumexp_rows():
+    """The sampler's log-normaliser on the device against the float64 reference (a sum of 49,152 exps)."""
+    cp = _cp()
+    x = (np.random.default_rng(9).standard_normal((7, 49152)) * 8).astype(np.float32)
+    ref = ops.logsumexp_rows(x.astype(np.float64))
+    got = to_host(cuda.logsumexp_rows(cp.asarray(x)))
+    record("logsumexp_rows", max_abs_err=float(np.abs(got - ref).max()))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=f32_tol(float(np.abs(ref).max()), 49152) + 1e-5)
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ import pytest
 from pagedserve.cupy_kernels import numba_ops as nb
 from pagedserve.cupy_kernels import ops
 from pagedserve.cupy_kernels import paged_attention as pa
+from numerics import f32_tol
 
 EPS = np.finfo(np.float32).eps
 ROWS = [0, 1, 5, nb.PARALLEL_MIN_ROWS + 3]  # empty, one row (C-contiguous views), serial, parallel
@@ -60,6 +61,26 @@ def test_silu_and_mul(rows):
     ref = ops.silu_and_mul(x)
     got = nb.silu_and_mul(x)
     np.testing.assert_allclose(got, ref, rtol=8 * EPS, atol=1e-30)
+
+
+@pytest.mark.parametrize("rows,vocab", [(0, 9), (1, 1), (1, 49152), (3, 1000), (5, 4 * nb.LOGSUMEXP_PARALLEL_MIN // 5 + 7)])
+@pytest.mark.parametrize("given_max", [False, True])
+def test_logsumexp_rows(rows, vocab, given_max):
+    """The sampler's log-normaliser: a sum of `vocab` exps (each within 2 ulp), then a log and an add. Masked
+    (-inf) and very negative logits contribute about nothing, as they do to the float64 truth."""
+    rng = np.random.default_rng(rows * 7 + vocab)
+    x = (rng.standard_normal((rows, vocab)) * 8).astype(np.float32)
+    if rows and vocab > 4:
+        x[0, :3] = [-np.inf, -1e30, 30.0]
+    ref = ops.logsumexp_rows(x.astype(np.float64)) if rows else np.zeros(0)
+    got = nb.logsumexp_rows(x, x.max(axis=1) if given_max else None)
+    assert got.shape == (rows,) and got.dtype == np.float32
+    scale = float(np.abs(ref).max(initial=1.0))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=f32_tol(scale, vocab) + 4 * EPS * scale)
+    # the numpy reference the numpy set uses, in float32, agrees to the same bound
+    np.testing.assert_allclose(ops.logsumexp_rows(x), ref, rtol=0, atol=f32_tol(scale, vocab) + 4 * EPS * scale)
+    with pytest.raises(ValueError, match="row_max of shape"):
+        nb.logsumexp_rows(np.ones((2, 3), np.float32), np.ones(3, np.float32))
 
 
 def test_fast_exp_within_two_ulp():
