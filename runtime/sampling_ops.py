@@ -12,7 +12,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from pagedserve.cupy_kernels import ops
-
 from pagedserve.runtime.sampling_params import SamplingParams
 
 # A top_p-only row (no top_k) looks for its nucleus among its 64 most likely tokens, then its
