@@ -40,7 +40,6 @@ was chunked (a chunk of one token included), or the thread that ran it.
 
 from __future__ import annotations
 
-
 import numpy as np
 from llvmlite import ir
 from numba.core import cgutils, types

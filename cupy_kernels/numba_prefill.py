@@ -118,18 +118,21 @@ def _buffer(name: str, size: int) -> np.ndarray:
 
 
 def _workspace(num_kv_heads: int, key_panels: int, value_panels: int, head_dim: int, rows: int):
-    """Key and value panels, scores [rows, padded context] and row factors, views of buffers kept per
-    thread. Fresh multi-megabyte arrays each layer cost more than the copy itself: the allocator hands
+    """Key and value panels, scores [rows, padded context], row factors and P.V's output [rows, padded
+    head dim], views of buffers kept per thread. Fresh multi-megabyte arrays each layer cost more than the copy itself: the allocator hands
     them out as new pages, and first-touch page faults ran at ~2.5 s per GiB on the test VM (3 ms of a
     12 ms layer at 4,000 keys)."""
     padded = key_panels * PANEL
     kv = num_kv_heads * key_panels * head_dim * PANEL
     vv = num_kv_heads * value_panels * padded * PANEL
     k_and_v = _buffer("kv", kv + vv)
-    scores = _buffer("scores", rows * padded + rows)
+    width = value_panels * PANEL
+    scores = _buffer("scores", rows * (padded + 1 + width))
+    at = rows * (padded + 1)
     return (k_and_v[:kv].reshape(num_kv_heads, key_panels, head_dim, PANEL),
             k_and_v[kv:kv + vv].reshape(num_kv_heads, value_panels, padded, PANEL),
-            scores[:rows * padded].reshape(rows, padded), scores[rows * padded:rows * (padded + 1)])
+            scores[:rows * padded].reshape(rows, padded), scores[rows * padded:at],
+            scores[at:at + rows * width].reshape(rows, width))
 
 
 def prefill_sequence(query, k_cache, v_cache, start: int, end: int, context_len: int, block_table, scale: float,
@@ -147,7 +150,7 @@ def prefill_sequence(query, k_cache, v_cache, start: int, end: int, context_len:
     padded = key_panels * PANEL
     tile_tokens = max(1, min(ROW_TILE, TILE_BYTES // (4 * padded)) // group)
     rows = tile_tokens * group
-    kp, vp, s, inv_den = _workspace(num_kv_heads, key_panels, value_panels, head_dim, rows)
+    kp, vp, s, inv_den, pv = _workspace(num_kv_heads, key_panels, value_panels, head_dim, rows)
     # Scores in log2 units, so the softmax takes 2^x (fast_exp2, cheaper than exp): the same weights.
     q_scale = np.float32(scale * LOG2_E)
     _GATHER(k_cache, v_cache, block_table, context_len, kp, vp)
@@ -160,9 +163,8 @@ def prefill_sequence(query, k_cache, v_cache, start: int, end: int, context_len:
             q = (query[start + t0:start + t1, heads] * q_scale).reshape(r, head_dim)
             matmul_into(q, kp[h], s[:r])
             _SOFTMAX(s[:r], first_pos + t0, group, inv_den[:r])
-            o = np.empty((r, value_panels * PANEL), dtype=_F32)
-            matmul_into(s[:r], vp[h], o)
-            o = o[:, :head_dim]
+            matmul_into(s[:r], vp[h], pv[:r])
+            o = pv[:r, :head_dim]
             o *= inv_den[:r, None]
             out[start + t0:start + t1, heads] = o.reshape(t1 - t0, group, head_dim)
 
