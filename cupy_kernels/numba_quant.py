@@ -6,14 +6,25 @@ it is bound by streaming the weights from memory: 540 MB of float32 per step for
 weights one 16-byte (Q4) or 32-byte (Q8) load, the quants widened to float32 in vector registers, and the
 activations of up to four rows multiplied against them before the next block is loaded.
 
-    y[r, n] = sum_b d[n, b] * (sum_i q[n, b, i] * x[r, 32 b + i])  +  sum_b m[n, b] * xsum[r, b]
+Each block is dequantized in registers to its float32 weights w = d q + m (Q4; for Q4_0 m = -8 d) or
+w = d q (Q8), the exact values of the float32 weights (quant.py), and each row adds w x with one FMA per
+weight into two 16-lane accumulators (the block's first and second 16 weights: two independent chains),
+summed once at the end of the weight row:
 
-with xsum[r, b] the sum of row r's 32 activations of block b (computed once per call). The inner sum
-keeps 16 float32 lanes per row across all blocks of a weight row and adds them up once at its end.
-numba does not vectorise this loop (the per-block scale breaks its reduction), so the loop body is
-written as LLVM vector IR (an @intrinsic, as numba_ops.row_max): 2.5-3.2 ms for the 30 layers' four
-matmuls at one row against 10-11 ms reading the float32 weights (OpenBLAS or numba_gemm; quiet 2-core
-test VM, 2 threads).
+    y[r, n] = sum_b sum_i w[n, b, i] x[r, 32 b + i]
+
+With AVX-512 the Q4 weights come from a table: the block's 16 possible values d * (0..15) + m, one FMA,
+then one vpermps per 16 nibbles looks them up (no int-to-float conversions). numba does not vectorise
+this loop (the per-block scale breaks its reduction), so the loop body is written as LLVM vector IR (an
+@intrinsic, as numba_ops.row_max). A weight row is reached by pointer arithmetic, so the loop over rows
+makes no array views (numba reference-counts each one).
+
+SmolLM2's 30 layers' four matmuls, 2 threads, medians of 9 interleaved rounds against the kernel before (which
+multiplied sum_i q x by d per block and added sum_b m * (sum of the block's x) per output, with views):
+on an AVX-512 Xeon (Emerald Rapids, 2 vCPUs of a noisy host) 1 row 9.8 -> 8.0 ms, 2 rows 11.9 -> 9.0,
+4 rows 18.5 -> 12.4, 6 rows 29.8 -> 20.9; the Q8 lm_head 2.4 -> 2.3 ms. Compiled as AVX2 code on the same
+host: 1 row 13.2 -> 10.9 ms, 3 rows 24.3 -> 17.7, 4 rows (3 + 1) 24.0 -> 24.1. On the earlier AMD Zen 4
+VM the old kernel took 2.5-3.2 ms at 1 row; figures move with the host far more than between kernels.
 
 The products are exact (quant.py), so the result is the float32 reference's up to the order of the sums.
 Above QUANT_MAX_ROWS rows the packed float32 GEMM (numba_gemm.py) is faster (both are compute-bound
@@ -27,17 +38,21 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from .numba_gemm import splat
+from .numba_gemm import AVX512, splat
 from .numba_setup import JIT, apply_threads, numba
 from .quant import BLOCK, QuantWeight
 
 # Rows up to which a quantized weight takes this kernel; above, the packed float32 GEMM (numba_gemm.py) is
 # faster. SmolLM2's 30 layers on the test VM, this kernel vs the GEMM (which streams 425 MB, so its few-row
 # times follow the host's memory bandwidth): 1 row 4.1 vs 10.0 ms, 4 rows 6.2 vs 9.6, 6 rows 9.0 vs 10.7,
-# 8 rows 11.8 vs 9.9, 16 rows 25.1 vs 12.1.
+# 8 rows 11.8 vs 9.9, 16 rows 25.1 vs 12.1. With the table lookup on the Xeon: 4 rows 12.5 vs 22.1 ms,
+# 6 rows 20.6 vs 25.3, 8 rows 23.8 vs 22.5, 10 rows 34.5 vs 30.5.
 QUANT_MAX_ROWS = 6
 _LANES = 16  # float32 lanes per accumulator (one AVX-512 register, two AVX2 ones)
-_ROWS = (4, 2, 1)  # rows per pass over a weight row: one intrinsic each
+# Rows per pass over a weight row (one intrinsic each), then 2 and 1 for the rest. Each row keeps two
+# accumulators: 4 rows take 8 of AVX-512's 32 registers; in AVX2 code each is two of 16 registers, so
+# 4 rows would spill and 3 do not.
+_BIG_ROWS = 4 if AVX512 else 3
 
 
 def _lane_sum(builder, vec):
@@ -51,32 +66,47 @@ def _lane_sum(builder, vec):
     return builder.extract_element(vec, ir.Constant(i32, 0))
 
 
-def _block_dot(kind: str, rows: int):
-    """An intrinsic dot(qs_row, scales_row, x_flat, start, k) -> UniTuple(float32, rows): for one weight
-    row, sum_b d_b * sum_i q_bi * x[start + j k + 32 b + i] for j < rows (the Q4 mins term is left to the
-    caller). `qs_row` int8 (q8) or uint8 (q4), all arrays 1-D C-contiguous, k a multiple of 32."""
-    qdtype = types.int8 if kind == "q8" else types.uint8
+def _block_dot(rows: int):
+    """An intrinsic dot(qs, scales, mins, n, x_flat, start, k) -> UniTuple(float32, rows): for weight row n,
+    sum_i w_i * x[start + j k + i] for j < rows, with w the row's dequantized weights: block b is
+    d[n, b] q + m[n, b] when `qs` is uint8 (q4, two quants a byte), d[n, b] q when it is int8 (q8; `mins`
+    is then not read). qs, scales and mins 2-D and x 1-D, all C-contiguous; k a multiple of 32. The row is
+    found by pointer arithmetic, not as a view."""
 
     @intrinsic
-    def dot(typingctx, qs, scales, x, start, k):
-        for a, dt in ((qs, qdtype), (scales, types.float32), (x, types.float32)):
-            if not (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype == dt):
-                return None
-        if not (isinstance(start, types.Integer) and isinstance(k, types.Integer)):
+    def dot(typingctx, qs, scales, mins, n, x, start, k):
+        if not isinstance(qs, types.Array) or qs.dtype not in (types.int8, types.uint8):
             return None
-        sig = types.UniTuple(types.float32, rows)(qs, scales, x, start, k)
+        kind = "q8" if qs.dtype == types.int8 else "q4"
+        for a, ndim in ((qs, 2), (scales, 2), (mins, 2), (x, 1)):
+            if not (isinstance(a, types.Array) and a.ndim == ndim and a.layout == "C"
+                    and (a is qs or a.dtype == types.float32)):
+                return None
+        if not all(isinstance(v, types.Integer) for v in (n, start, k)):
+            return None
+        sig = types.UniTuple(types.float32, rows)(qs, scales, mins, n, x, start, k)
 
         def codegen(context, builder, signature, args):
-            qptr = context.make_array(signature.args[0])(context, builder, args[0]).data
-            dptr = context.make_array(signature.args[1])(context, builder, args[1]).data
-            xptr = context.make_array(signature.args[2])(context, builder, args[2]).data
-            start_v = context.cast(builder, args[3], signature.args[3], types.intp)
-            k_v = context.cast(builder, args[4], signature.args[4], types.intp)
+            n_v = context.cast(builder, args[3], signature.args[3], types.intp)
+
+            def row(i):  # pointer to row n of 2-D C-contiguous array argument i
+                arr = context.make_array(signature.args[i])(context, builder, args[i])
+                width = builder.extract_value(arr.shape, 1)
+                return builder.gep(arr.data, [builder.mul(n_v, width)])
+
+            qptr, dptr, mptr = row(0), row(1), row(2)
+            xptr = context.make_array(signature.args[4])(context, builder, args[4]).data
+            start_v = context.cast(builder, args[5], signature.args[5], types.intp)
+            k_v = context.cast(builder, args[6], signature.args[6], types.intp)
             intp = start_v.type
             vf = ir.VectorType(ir.FloatType(), _LANES)
             vi8, vi32 = ir.VectorType(ir.IntType(8), _LANES), ir.VectorType(ir.IntType(32), _LANES)
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
                                                  f"llvm.fma.v{_LANES}f32")
+            permute = None
+            if kind == "q4" and AVX512:
+                permute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vi32]),
+                                                         "llvm.x86.avx512.permvar.sf.512")
 
             def const(v):
                 return ir.Constant(intp, v)
@@ -87,25 +117,35 @@ def _block_dot(kind: str, rows: int):
             def load_x(offset):
                 return builder.load(builder.bitcast(builder.gep(xptr, [offset]), vf.as_pointer()), align=4)
 
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * _LANES)) for _ in range(rows)]
+            # two accumulators per row (the block's first and second 16 weights): two independent FMA chains
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * _LANES)) for _ in range(2)]
+                    for _ in range(rows)]
             with cgutils.for_range(builder, builder.sdiv(k_v, const(BLOCK)), intp=intp) as loop:
                 b = loop.index
                 d = splat(builder, builder.load(builder.gep(dptr, [b])), vf)
                 if kind == "q4":  # 16 bytes: weights 0-15 in the low nibbles, 16-31 in the high ones
+                    m = splat(builder, builder.load(builder.gep(mptr, [b])), vf)
                     wide = builder.zext(load_bytes(builder.mul(b, const(BLOCK // 2))), vi32)
-                    first = builder.sitofp(builder.and_(wide, ir.Constant(vi32, [15] * _LANES)), vf)
-                    second = builder.sitofp(builder.lshr(wide, ir.Constant(vi32, [4] * _LANES)), vf)
+                    high = builder.lshr(wide, ir.Constant(vi32, [4] * _LANES))
+                    if permute is not None:  # the block's 16 possible weights d q + m, looked up by nibble
+                        table = builder.call(fma, [d, ir.Constant(vf, [float(i) for i in range(16)]), m])
+                        first = builder.call(permute, [table, wide])  # vpermps reads the low 4 bits
+                        second = builder.call(permute, [table, high])
+                    else:
+                        low = builder.and_(wide, ir.Constant(vi32, [15] * _LANES))
+                        first = builder.call(fma, [d, builder.sitofp(low, vf), m])
+                        second = builder.call(fma, [d, builder.sitofp(high, vf), m])
                 else:  # 32 signed bytes
                     at = builder.mul(b, const(BLOCK))
-                    first = builder.sitofp(builder.sext(load_bytes(at), vi32), vf)
-                    second = builder.sitofp(builder.sext(load_bytes(builder.add(at, const(_LANES))), vi32), vf)
+                    first = builder.fmul(d, builder.sitofp(builder.sext(load_bytes(at), vi32), vf))
+                    second = builder.fmul(d, builder.sitofp(builder.sext(load_bytes(builder.add(at, const(_LANES))),
+                                                                         vi32), vf))
                 x_at = builder.add(start_v, builder.mul(b, const(BLOCK)))
                 for j in range(rows):
                     at = builder.add(x_at, builder.mul(k_v, const(j)))
-                    s = builder.fmul(second, load_x(builder.add(at, const(_LANES))))
-                    s = builder.call(fma, [first, load_x(at), s])
-                    builder.store(builder.call(fma, [d, s, builder.load(accs[j])]), accs[j])
-            sums = [_lane_sum(builder, builder.load(a)) for a in accs]
+                    for acc, w, x_off in ((accs[j][0], first, at), (accs[j][1], second, builder.add(at, const(_LANES)))):
+                        builder.store(builder.call(fma, [w, load_x(x_off), builder.load(acc)]), acc)
+            sums = [_lane_sum(builder, builder.fadd(builder.load(a), builder.load(c))) for a, c in accs]
             return context.make_tuple(builder, signature.return_type, sums)
 
         return sig, codegen
@@ -113,58 +153,27 @@ def _block_dot(kind: str, rows: int):
     return dot
 
 
-_Q4_4, _Q4_2, _Q4_1 = (_block_dot("q4", r) for r in _ROWS)
-_Q8_4, _Q8_2, _Q8_1 = (_block_dot("q8", r) for r in _ROWS)
-
-
-@numba.njit(inline="always", **JIT)
-def _mins_term(mins_row, xsum, r):
-    s = np.float32(0.0)
-    for b in range(mins_row.shape[0]):
-        s += mins_row[b] * xsum[r, b]
-    return s
+_DOT_BIG, _DOT2, _DOT1 = (_block_dot(r) for r in (_BIG_ROWS, 2, 1))
 
 
 @numba.njit(parallel=True, **JIT)
-def _q4_matmul(x, xsum, qs, scales, mins, out):
+def _matmul(x, qs, scales, mins, out):
     m, k = x.shape
     flat = x.reshape(m * k)
     for n in numba.prange(scales.shape[0]):
-        q, d, mn = qs[n], scales[n], mins[n]
         r = 0
-        while r + 4 <= m:
-            a = _Q4_4(q, d, flat, r * k, k)
-            for j in range(4):
-                out[r + j, n] = a[j] + _mins_term(mn, xsum, r + j)
-            r += 4
-        if r + 2 <= m:
-            a = _Q4_2(q, d, flat, r * k, k)
-            for j in range(2):
-                out[r + j, n] = a[j] + _mins_term(mn, xsum, r + j)
-            r += 2
-        if r < m:
-            out[r, n] = _Q4_1(q, d, flat, r * k, k)[0] + _mins_term(mn, xsum, r)
-
-
-@numba.njit(parallel=True, **JIT)
-def _q8_matmul(x, qs, scales, out):
-    m, k = x.shape
-    flat = x.reshape(m * k)
-    for n in numba.prange(scales.shape[0]):
-        q, d = qs[n], scales[n]
-        r = 0
-        while r + 4 <= m:
-            a = _Q8_4(q, d, flat, r * k, k)
-            for j in range(4):
+        while r + _BIG_ROWS <= m:
+            a = _DOT_BIG(qs, scales, mins, n, flat, r * k, k)
+            for j in range(_BIG_ROWS):
                 out[r + j, n] = a[j]
-            r += 4
+            r += _BIG_ROWS
         if r + 2 <= m:
-            a = _Q8_2(q, d, flat, r * k, k)
+            a = _DOT2(qs, scales, mins, n, flat, r * k, k)
             for j in range(2):
                 out[r + j, n] = a[j]
             r += 2
         if r < m:
-            out[r, n] = _Q8_1(q, d, flat, r * k, k)[0]
+            out[r, n] = _DOT1(qs, scales, mins, n, flat, r * k, k)[0]
 
 
 def linear(x: np.ndarray, w: QuantWeight, bias: np.ndarray | None = None) -> np.ndarray:
@@ -177,11 +186,7 @@ def linear(x: np.ndarray, w: QuantWeight, bias: np.ndarray | None = None) -> np.
     out = np.empty((x.shape[0], out_features), dtype=np.float32)
     if x.shape[0]:
         apply_threads(parallel=True)
-        if w.kind == "q4":
-            xsum = x.reshape(x.shape[0], -1, BLOCK).sum(axis=2, dtype=np.float32)
-            _q4_matmul(x, xsum, w.qs, w.scales, w.mins, out)
-        else:
-            _q8_matmul(x, w.qs, w.scales, out)
+        _matmul(x, w.qs, w.scales, w.scales if w.mins is None else w.mins, out)
     if bias is not None:
         out += bias
     return out

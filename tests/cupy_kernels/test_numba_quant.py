@@ -1,10 +1,11 @@
 """GGUF blocks (cupy_kernels/quant.py) and the numba matmul over them (numba_quant.py) against the references.
 
 quant.dequantize must give the gguf package's float32 values bit for bit (pagedserve's float32 weights are
-those). The kernel computes sum_b d_b * (sum_i q_i x_i) + sum_b m_b * (sum_i x_i) where the reference
-computes sum_i (d q_i + m) x_i: the products are exact, only the order and grouping of the float32 sums
-differ. Each term it adds is at most |d q x| or |m x| in size, so the tolerance is numerics.f32_tol with
-scale = the largest sum of those magnitudes over an output (and reduction length = the input size).
+those). The kernel dequantizes each block in registers to those exact values (d q + m, or d q) and adds
+w x with one FMA per weight, as the reference's sum_i (d q_i + m) x_i does with rounded products: only the
+order of the float32 sums (and the products' rounding) differ. Each term is at most (|d q| + |m|) |x| in
+size, so the tolerance is numerics.f32_tol with scale = the largest sum of those magnitudes over an output
+(and reduction length = the input size).
 """
 
 from __future__ import annotations
@@ -122,3 +123,44 @@ def test_bad_shapes_raise_value_errors():
         quant.make_quant_weight("q4", w.qs[:, :-1], w.scales, w.mins)
     with pytest.raises(ValueError, match="need mins"):
         quant.make_quant_weight("q4", w.qs, w.scales, None)
+
+
+AVX2_CHECK = """
+import math
+import numpy as np
+from pagedserve.cupy_kernels import numba_gemm, numba_quant, quant
+assert not numba_gemm.AVX512 and numba_quant._BIG_ROWS == 3, (numba_gemm.AVX512, numba_quant._BIG_ROWS)
+rng = np.random.default_rng(0)
+for kind in ("q4", "q8"):
+    out, inp = 37, 96
+    qs = (rng.integers(0, 256, (out, inp // 2), dtype=np.uint8) if kind == "q4"
+          else rng.integers(-128, 128, (out, inp), dtype=np.int8))
+    scales = rng.uniform(-0.1, 0.1, (out, inp // 32)).astype(np.float16).astype(np.float32)
+    mins = rng.uniform(-1, 1, (out, inp // 32)).astype(np.float16).astype(np.float32) if kind == "q4" else None
+    w = quant.make_quant_weight(kind, qs, scales, mins)
+    full = quant.dequantize(w)
+    for rows in range(9):  # 3-row passes, then 2 and 1
+        x = rng.standard_normal((rows, inp)).astype(np.float32)
+        got = numba_quant.linear(x, w)
+        scale = float((np.abs(x) @ np.abs(full).T).max(initial=0.0))
+        tol = 8 * math.sqrt(2 * inp) * 2.0 ** -24 * scale  # numerics.f32_tol
+        assert np.abs(got - x @ full.T).max(initial=0.0) <= tol, (kind, rows)
+        for r in range(rows):
+            assert np.array_equal(numba_quant.linear(x[r : r + 1], w)[0], got[r]), (kind, rows, r)
+print("OK")
+"""
+
+
+def test_without_avx512_the_kernel_converts_quants_and_takes_3_rows_a_pass(tmp_path):
+    """AVX2 code (NUMBA_CPU_FEATURES without AVX-512) has no vpermps table lookup: the quants go through
+    int-to-float conversions, and 3 rows a pass keep the accumulators in 16 registers. Results stay right,
+    a row the same bits alone as in a batch."""
+    import os
+    import subprocess
+    import sys
+
+    features = "+avx,+avx2,+fma,+sse4.2,+popcnt,+bmi,+bmi2,+f16c,+lzcnt,+movbe,+xsave"
+    env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": features,
+           "NUMBA_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-2000:]
