@@ -98,6 +98,21 @@ def test_bad_metadata_is_refused_before_reading_the_pool():
         na.paged_attention(q, k, v, qsl, lens + 100, tables, 0.125)
     with pytest.raises(ValueError, match="query_start_loc"):
         na.paged_attention(q, k, v, qsl + 1, lens, tables, 0.125)
+    q2, k2, v2, qsl2, lens2, tables2 = make_batch(rng, [(20, 4), (9, 2)], 1, 1, 64, 8)
+    falling = qsl2.copy()
+    falling[1] = falling[2] + 1  # a sequence with -1 new tokens, the next with 3 more than it has
+    with pytest.raises(ValueError, match="query_start_loc"):
+        na.paged_attention(q2, k2, v2, falling, lens2, tables2, 0.125)
+    with pytest.raises(ValueError, match="shorter than its new tokens"):
+        na.paged_attention(q2, k2, v2, qsl2, np.array([3, 2], np.int32), tables2, 0.125)
+    bad = tables2.copy()
+    bad[1, -1] = -1  # the last entry of the table, past what the sequence uses: still refused
+    with pytest.raises(IndexError, match="block id"):
+        na.paged_attention(q2, k2, v2, qsl2, lens2, bad, 0.125)
+    with pytest.raises(ValueError, match="integers"):
+        na.paged_attention(q2, k2, v2, qsl2, lens2, tables2.astype(np.float32), 0.125)
+    # what the checks return: sum of context x new tokens, and the most new tokens of a sequence
+    assert na._check(q2, k2, qsl2.astype(np.int64), lens2.astype(np.int64), tables2) == (20 * 4 + 9 * 2, 4)
 
 
 def test_thread_count_changes_nothing(monkeypatch):
