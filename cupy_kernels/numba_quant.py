@@ -53,6 +53,12 @@ _LANES = 16  # float32 lanes per accumulator (one AVX-512 register, two AVX2 one
 # accumulators: 4 rows take 8 of AVX-512's 32 registers; in AVX2 code each is two of 16 registers, so
 # 4 rows would spill and 3 do not.
 _BIG_ROWS = 4 if AVX512 else 3
+# Weight rows ahead whose blocks each row's pass hints into the cache (llvm.prefetch). The hardware
+# prefetcher follows each stream only within a 4 KB page and has three per thread here (quants, scales,
+# mins). Medians of 11 rounds interleaved in one process, SmolLM2's 30 layers and its Q8 lm_head, 2
+# threads, Emerald Rapids VM: 1 row 6.4-7.9 -> 5.4-7.2 ms and the lm_head 1.9-2.2 -> 1.3-1.6; 4 rows
+# 9.8-13.2 -> 9.6-13.7 (unchanged); 2, 6 and 8 rows ahead did about as well as 4 at 1 row.
+_PREFETCH_ROWS = 4
 
 
 def _lane_sum(builder, vec):
@@ -99,17 +105,32 @@ def _block_dot(rows: int):
             start_v = context.cast(builder, args[5], signature.args[5], types.intp)
             k_v = context.cast(builder, args[6], signature.args[6], types.intp)
             intp = start_v.type
+
+            def const(v):
+                return ir.Constant(intp, v)
+
             vf = ir.VectorType(ir.FloatType(), _LANES)
             vi8, vi32 = ir.VectorType(ir.IntType(8), _LANES), ir.VectorType(ir.IntType(32), _LANES)
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
                                                  f"llvm.fma.v{_LANES}f32")
+            # Hint the lines of the weight row _PREFETCH_ROWS ahead (its quants, scales and mins) into the
+            # cache while this one is computed; a prefetch past the end of an array never faults.
+            prefetch = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] + [ir.IntType(32)] * 3),
+                "llvm.prefetch.p0i8")
+            read_keep = [ir.Constant(ir.IntType(32), v) for v in (0, 3, 1)]  # read, keep in all levels, data
+            q_bytes = k_v if kind == "q8" else builder.sdiv(k_v, const(2))
+            f_bytes = builder.mul(builder.sdiv(k_v, const(BLOCK)), const(4))
+            for base, nbytes in ((qptr, q_bytes), (dptr, f_bytes)) + (((mptr, f_bytes),) if kind == "q4" else ()):
+                ahead = builder.gep(builder.bitcast(base, ir.IntType(8).as_pointer()),
+                                    [builder.mul(nbytes, const(_PREFETCH_ROWS))])
+                with cgutils.for_range(builder, builder.sdiv(builder.add(nbytes, const(63)), const(64)),
+                                       intp=intp) as line:
+                    builder.call(prefetch, [builder.gep(ahead, [builder.mul(line.index, const(64))])] + read_keep)
             permute = None
             if kind == "q4" and AVX512:
                 permute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vi32]),
                                                          "llvm.x86.avx512.permvar.sf.512")
-
-            def const(v):
-                return ir.Constant(intp, v)
 
             def load_bytes(offset):
                 return builder.load(builder.bitcast(builder.gep(qptr, [offset]), vi8.as_pointer()), align=1)
