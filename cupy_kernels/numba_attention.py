@@ -291,8 +291,8 @@ def _attention_chunks(query, k_cache, v_cache, query_start_loc, seq_lens, block_
                       out):
     for c in numba.prange(bounds.shape[0] - 1):
         # int64 c: the parfor types its index uint64 where the loop body was typed with int64 (two compiles)
-        _ATTENTION_CHUNK(np.int64(c), query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, items, bounds,
-                         out)
+        _ATTENTION_CHUNK(np.int64(c), query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                         items, bounds, out)
 
 
 _ATTENTION = numba.njit(parallel=True, **JIT)(_attention_chunks)
@@ -336,7 +336,8 @@ def _check(query, k_cache, query_start_loc, seq_lens, block_tables) -> tuple[int
         raise ValueError(f"paged_attention: query {query.shape} does not fit a cache of {k_cache.shape}")
     if block_tables.dtype.kind not in "iu":
         raise ValueError(f"paged_attention: block_tables must hold integers, not {block_tables.dtype}")
-    code, macs, most = _scan(query_start_loc, seq_lens, block_tables, query.shape[0], k_cache.shape[0], k_cache.shape[1])
+    code, macs, most = _scan(query_start_loc, seq_lens, block_tables, query.shape[0], k_cache.shape[0],
+                             k_cache.shape[1])
     if code == 1:
         raise ValueError("paged_attention: query_start_loc must rise from 0 to the number of query tokens")
     if code == 2:

@@ -19,14 +19,15 @@ this loop (the per-block scale breaks its reduction), so the loop body is writte
 @intrinsic, as numba_ops.row_max). A weight row is reached by pointer arithmetic, so the loop over rows
 makes no array views (numba reference-counts each one).
 
-SmolLM2's 30 layers' four matmuls, 2 threads, medians of 9 interleaved rounds against the kernel before (which
-multiplied sum_i q x by d per block and added sum_b m * (sum of the block's x) per output, with views):
+SmolLM2's 30 layers' four matmuls, 2 threads, medians of 9 interleaved rounds against the kernel before
+(which multiplied sum_i q x by d per block and added sum_b m * (sum of the block's x) per output, with views):
 on an AVX-512 Xeon (Emerald Rapids, 2 vCPUs of a noisy host) 1 row 9.8 -> 8.0 ms, 2 rows 11.9 -> 9.0,
 4 rows 18.5 -> 12.4, 6 rows 29.8 -> 20.9; the Q8 lm_head 2.4 -> 2.3 ms. Compiled as AVX2 code on the same
 host: 1 row 13.2 -> 10.9 ms, 3 rows 24.3 -> 17.7, 4 rows (3 + 1) 24.0 -> 24.1. On the earlier AMD Zen 4
 VM the old kernel took 2.5-3.2 ms at 1 row; figures move with the host far more than between kernels.
 
-The products are exact (quant.py), so the result is the float32 reference's up to the order of the sums.
+The weights are exact (quant.py), so the result differs from the float32 reference only in rounding (the
+order of the sums; each product is fused into its sum).
 Above QUANT_MAX_ROWS rows the packed float32 GEMM (numba_gemm.py) is faster (both are compute-bound
 there, and it does fewer operations per product), and numba_ops.linear takes that path.
 """
@@ -115,14 +116,14 @@ def _block_dot(rows: int):
                                                  f"llvm.fma.v{_LANES}f32")
             # Hint the lines of the weight row _PREFETCH_ROWS ahead (its quants, scales and mins) into the
             # cache while this one is computed; a prefetch past the end of an array never faults.
+            byte_ptr = ir.IntType(8).as_pointer()
             prefetch = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] + [ir.IntType(32)] * 3),
-                "llvm.prefetch.p0i8")
+                builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr] + [ir.IntType(32)] * 3), "llvm.prefetch.p0i8")
             read_keep = [ir.Constant(ir.IntType(32), v) for v in (0, 3, 1)]  # read, keep in all levels, data
             q_bytes = k_v if kind == "q8" else builder.sdiv(k_v, const(2))
             f_bytes = builder.mul(builder.sdiv(k_v, const(BLOCK)), const(4))
             for base, nbytes in ((qptr, q_bytes), (dptr, f_bytes)) + (((mptr, f_bytes),) if kind == "q4" else ()):
-                ahead = builder.gep(builder.bitcast(base, ir.IntType(8).as_pointer()),
+                ahead = builder.gep(builder.bitcast(base, byte_ptr),
                                     [builder.mul(nbytes, const(_PREFETCH_ROWS))])
                 with cgutils.for_range(builder, builder.sdiv(builder.add(nbytes, const(63)), const(64)),
                                        intp=intp) as line:
@@ -158,13 +159,13 @@ def _block_dot(rows: int):
                         second = builder.call(fma, [d, builder.sitofp(high, vf), m])
                 else:  # 32 signed bytes
                     at = builder.mul(b, const(BLOCK))
-                    first = builder.fmul(d, builder.sitofp(builder.sext(load_bytes(at), vi32), vf))
-                    second = builder.fmul(d, builder.sitofp(builder.sext(load_bytes(builder.add(at, const(_LANES))),
-                                                                         vi32), vf))
+                    first, second = (builder.fmul(d, builder.sitofp(builder.sext(load_bytes(offset), vi32), vf))
+                                     for offset in (at, builder.add(at, const(_LANES))))
                 x_at = builder.add(start_v, builder.mul(b, const(BLOCK)))
                 for j in range(rows):
                     at = builder.add(x_at, builder.mul(k_v, const(j)))
-                    for acc, w, x_off in ((accs[j][0], first, at), (accs[j][1], second, builder.add(at, const(_LANES)))):
+                    halves = ((accs[j][0], first, at), (accs[j][1], second, builder.add(at, const(_LANES))))
+                    for acc, w, x_off in halves:
                         builder.store(builder.call(fma, [w, load_x(x_off), builder.load(acc)]), acc)
             sums = [_lane_sum(builder, builder.fadd(builder.load(a), builder.load(c))) for a, c in accs]
             return context.make_tuple(builder, signature.return_type, sums)
