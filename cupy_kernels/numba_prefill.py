@@ -119,9 +119,9 @@ def _buffer(name: str, size: int) -> np.ndarray:
 
 def _workspace(num_kv_heads: int, key_panels: int, value_panels: int, head_dim: int, rows: int):
     """Key and value panels, scores [rows, padded context], row factors and P.V's output [rows, padded
-    head dim], views of buffers kept per thread. Fresh multi-megabyte arrays each layer cost more than the copy itself: the allocator hands
-    them out as new pages, and first-touch page faults ran at ~2.5 s per GiB on the test VM (3 ms of a
-    12 ms layer at 4,000 keys)."""
+    head dim], views of buffers kept per thread. Fresh multi-megabyte arrays each layer cost more than the
+    copy itself: the allocator hands them out as new pages, and first-touch page faults ran at ~2.5 s per
+    GiB on the test VM (3 ms of a 12 ms layer at 4,000 keys)."""
     padded = key_panels * PANEL
     kv = num_kv_heads * key_panels * head_dim * PANEL
     vv = num_kv_heads * value_panels * padded * PANEL

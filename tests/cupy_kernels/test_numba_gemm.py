@@ -11,6 +11,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 import pytest
+from avx2_code import run_as_avx2
 from numerics import f32_tol
 
 from pagedserve.cupy_kernels import numba_gemm, numba_ops, ops
@@ -112,12 +113,5 @@ print("OK")
 def test_without_avx512_the_kernel_uses_16_column_panels_and_6_row_tiles(tmp_path):
     """numba compiles for what NUMBA_CPU_FEATURES says: AVX2 code (16 vector registers of 8 floats) takes
     the smaller tile, and the results stay right (this machine runs AVX2 code too)."""
-    import os
-    import subprocess
-    import sys
-
-    features = "+avx,+avx2,+fma,+sse4.2,+popcnt,+bmi,+bmi2,+f16c,+lzcnt,+movbe,+xsave"
-    env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": features,
-           "NUMBA_CACHE_DIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    proc = run_as_avx2(AVX2_CHECK, tmp_path)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-2000:]

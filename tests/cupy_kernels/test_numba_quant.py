@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from avx2_code import run_as_avx2
 from numerics import f32_tol
 
 from pagedserve.cupy_kernels import numba_gemm, numba_ops, numba_quant, numba_setup, ops, quant
@@ -126,8 +127,8 @@ def test_bad_shapes_raise_value_errors():
 
 
 AVX2_CHECK = """
-import math
 import numpy as np
+from numerics import f32_tol
 from pagedserve.cupy_kernels import numba_gemm, numba_quant, quant
 assert not numba_gemm.AVX512 and numba_quant._BIG_ROWS == 3, (numba_gemm.AVX512, numba_quant._BIG_ROWS)
 rng = np.random.default_rng(0)
@@ -143,8 +144,7 @@ for kind in ("q4", "q8"):
         x = rng.standard_normal((rows, inp)).astype(np.float32)
         got = numba_quant.linear(x, w)
         scale = float((np.abs(x) @ np.abs(full).T).max(initial=0.0))
-        tol = 8 * math.sqrt(2 * inp) * 2.0 ** -24 * scale  # numerics.f32_tol
-        assert np.abs(got - x @ full.T).max(initial=0.0) <= tol, (kind, rows)
+        assert np.abs(got - x @ full.T).max(initial=0.0) <= f32_tol(scale, inp), (kind, rows)
         for r in range(rows):
             assert np.array_equal(numba_quant.linear(x[r : r + 1], w)[0], got[r]), (kind, rows, r)
 print("OK")
@@ -155,12 +155,5 @@ def test_without_avx512_the_kernel_converts_quants_and_takes_3_rows_a_pass(tmp_p
     """AVX2 code (NUMBA_CPU_FEATURES without AVX-512) has no vpermps table lookup: the quants go through
     int-to-float conversions, and 3 rows a pass keep the accumulators in 16 registers. Results stay right,
     a row the same bits alone as in a batch."""
-    import os
-    import subprocess
-    import sys
-
-    features = "+avx,+avx2,+fma,+sse4.2,+popcnt,+bmi,+bmi2,+f16c,+lzcnt,+movbe,+xsave"
-    env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": features,
-           "NUMBA_CACHE_DIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    proc = run_as_avx2(AVX2_CHECK, tmp_path)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-2000:]
