@@ -18,15 +18,15 @@ scratch once. An item holds its tile x H query rows and walks its sequence's blo
 
 A query row takes a run of RUN keys in one pass over head_dim when it sees them all: the RUN dot products
 share each load of q and keep their sums in registers, and its acc row is loaded and stored once per run
-instead of once per key; keys past the row's last full run go one at a time. A decode step reads every
-sequence's whole context from a pool far larger than the L3 cache, and blocks lie anywhere in it: the
-rows of the block one ahead in the chunk's reads (the next K block, the segment's first V block after the
-last K block, the next item's first K block after the last V block) are prefetched while a run is
-computed, a few hints per query head's share of the run. Inner loops index the arrays directly: a row view
-(`k_cache[b, j, h]`) costs a reference-count call each time it is made. Against the loop nest before
-(horizontal dot products key by key, acc updated key by key, hints row by row) this took a 64-sequence,
-192-token decode step over 30 layers from 38 to 29 ms on one thread (1-thread rates matter: in the engine,
-OpenBLAS's threads spin after each matmul and hold the second core).
+instead of once per key (both runs are LLVM vector IR: numba_attention_ir.py); keys past the row's last full
+run go one at a time. A decode step reads every sequence's whole context from a pool far larger than the L3
+cache, and blocks lie anywhere in it: the rows of the block one ahead in the chunk's reads (the next K block,
+the segment's first V block after the last K block, the next item's first K block after the last V block) are
+prefetched while a run is computed, a few hints per query head's share of the run. Inner loops index the
+arrays directly: a row view (`k_cache[b, j, h]`) costs a reference-count call each time it is made. Against
+the loop nest before (horizontal dot products key by key, acc updated key by key, hints row by row) this took
+a 64-sequence, 192-token decode step over 30 layers from 38 to 29 ms on one thread (1-thread rates matter: in
+the engine, OpenBLAS's threads spin after each matmul and hold the second core).
 
 Long prefill chunks (numba_prefill.takes_matmul_path: many new tokens over a long context) are computed by
 numba_prefill's matmuls instead, unless PAGEDSERVE_BATCH_INVARIANT=1; everything else by this loop nest.
@@ -45,6 +45,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from . import numba_attention_ir as ir_loops
 from . import numba_prefill as prefill
 from . import numba_setup
 from . import paged_attention as reference
@@ -53,7 +54,7 @@ from .numba_setup import JIT, JIT_EXACT, apply_threads, numba
 
 Q_TILE = 16  # query tokens per prefill item: its Q_TILE * H score rows share each K/V row read
 K_SEGMENT = 512  # keys whose scores are held at once; softmax is exact within a segment, rescaled across
-RUN = 8  # keys per run in _scores and _accumulate (written out for 8; runs of 4 or 16 were slower)
+RUN = ir_loops.RUN  # keys per run in _scores and _accumulate (written out for 8; runs of 4 or 16 were slower)
 PREFETCH_BLOCKS = 1  # blocks ahead of the one being read whose rows are prefetched (1, 2, 3: the same speed)
 CHUNKS_PER_THREAD = 4  # work is cut into this many equal-cost chunks per thread, taken dynamically
 # Below this many multiply-adds (Q.K and P.V together) a call runs on one thread: waking the pool costs more.
@@ -130,8 +131,14 @@ def _prefetch_part(cache, block, row, row_floats, block_size, part, part_floats)
 def _scores(q, s, k_cache, r, block, h, off, j, nv, head_dim):
     """Row r's scores for the keys of `block` (kv head h) from j: s[r, off + jj] = q[r] . K[block, jj, h].
     RUN keys at once (their dot products share each load of q and keep their sums in registers) when the
-    row sees them all (nv: the keys of the block it sees), else one at a time up to nv."""
-    if j + RUN <= nv:
+    row sees them all (nv: the keys of the block it sees), else one at a time up to nv. The run is vector IR
+    (numba_attention_ir.dot_run) when head_dim is a multiple of its LANES, else the numba loop below."""
+    if j + RUN <= nv and head_dim % ir_loops.LANES == 0:
+        row_floats = k_cache.shape[2] * head_dim
+        key = (block * k_cache.shape[1] + j) * row_floats + h * head_dim
+        ir_loops.dot_run(ir_loops.address(q), r * head_dim, ir_loops.address(k_cache), key, row_floats, head_dim,
+                         ir_loops.address(s), r * s.shape[1] + off + j)
+    elif j + RUN <= nv:
         s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
         for d in range(head_dim):
             qd = q[r, d]
@@ -157,8 +164,14 @@ def _scores(q, s, k_cache, r, block, h, off, j, nv, head_dim):
 @numba.njit(inline="always", **JIT)
 def _accumulate(s, acc, v_cache, r, block, h, off, j, nv, head_dim):
     """acc[r] += s[r, off + jj] * V[block, jj, h] over the keys from j: RUN of them in one pass over acc[r]
-    when row r sees them all, else one at a time up to nv."""
-    if j + RUN <= nv:
+    when row r sees them all (numba_attention_ir.axpy_run when head_dim is a multiple of its LANES, else the
+    numba loop below), else one at a time up to nv."""
+    if j + RUN <= nv and head_dim % ir_loops.LANES == 0:
+        row_floats = v_cache.shape[2] * head_dim
+        value = (block * v_cache.shape[1] + j) * row_floats + h * head_dim
+        ir_loops.axpy_run(ir_loops.address(s), r * s.shape[1] + off + j, ir_loops.address(v_cache), value, row_floats,
+                          head_dim, ir_loops.address(acc), r * head_dim)
+    elif j + RUN <= nv:
         o = off + j
         p0, p1, p2, p3 = s[r, o], s[r, o + 1], s[r, o + 2], s[r, o + 3]
         p4, p5, p6, p7 = s[r, o + 4], s[r, o + 5], s[r, o + 6], s[r, o + 7]

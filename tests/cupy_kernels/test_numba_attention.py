@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from avx2_code import run_as_avx2
 from paged_batches import assert_each_alone_equals_together, make_batch
 
 from pagedserve.cupy_kernels import numba_attention as na
@@ -44,6 +45,40 @@ def test_random_mixed_batches(group, block_size):
             seqs.append((L, n))
         check(*make_batch(rng, seqs, num_kv=int(rng.integers(1, 4)), group=group, head_dim=64,
                           block_size=block_size))
+
+
+@pytest.mark.parametrize("head_dim", [8, 16, 24, 128])
+def test_head_dims_on_both_inner_loops(head_dim):
+    """Runs of keys take the vector-IR loops (numba_attention_ir) when head_dim is a multiple of its LANES
+    (16 with AVX-512, 8 without) and numba's loops otherwise: both against the reference, and a decode
+    row the same bits alone as in a batch."""
+    rng = np.random.default_rng(head_dim)
+    seqs = [(70, 1), (45, 45), (100, 9), (9, 1)]
+    check(*make_batch(rng, seqs, num_kv=2, group=3, head_dim=head_dim, block_size=16))
+    assert_each_alone_equals_together(na.paged_attention, make_batch(rng, seqs, 2, 3, head_dim, 16))
+
+
+AVX2_CHECK = """
+import numpy as np
+from paged_batches import make_batch
+from pagedserve.cupy_kernels import numba_attention as na, numba_attention_ir, paged_attention as pa
+assert numba_attention_ir.LANES == 8, numba_attention_ir.LANES
+rng = np.random.default_rng(0)
+for head_dim in (8, 64, 12):  # runs as 8 or 1 vector pieces; 12: numba's loops
+    q, k, v, qsl, lens, tables = make_batch(rng, [(70, 1), (45, 45), (600, 3)], 2, 3, head_dim, 16)
+    got = na.paged_attention(q, k, v, qsl, lens, tables, 0.125)
+    ref = pa.paged_attention(q, k, v, qsl, lens, tables, 0.125)
+    tol = 8 * (head_dim + 600) * np.finfo(np.float32).eps * float(np.abs(v).max())
+    assert np.abs(got - ref).max() <= tol, (head_dim, float(np.abs(got - ref).max()), tol)
+print("OK")
+"""
+
+
+def test_without_avx512_the_runs_take_8_lane_pieces(tmp_path):
+    """AVX2 code (NUMBA_CPU_FEATURES without AVX-512) cuts head_dim into 8-float pieces (8 keys' 16-lane
+    sums would take all 16 of its registers); results stay right."""
+    proc = run_as_avx2(AVX2_CHECK, tmp_path)
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-2000:]
 
 
 def test_chunk_and_tile_boundaries():

@@ -1,0 +1,162 @@
+"""The two inner loops of the numba attention loop nest (numba_attention.py), written as LLVM vector IR:
+a run of RUN dot products (scores) and a run of RUN scaled rows added to an accumulator (P . V).
+
+As numba loops they ran at 15 and 9 GMAC/s on one thread of the Emerald Rapids VM (cache-resident data):
+LLVM's Intel tuning vectorised at 256 bits, every dot product ended in its own horizontal sum, and the
+accumulate loop was versioned behind run-time checks that the accumulator might alias the cache. Here a
+key's dot product is a chain of FMAs over LANES-float pieces of head_dim; the RUN partial vectors are
+summed together by a transpose tree (each level pairs the vectors up and halves the lanes per key: 7
+shuffle pairs for 8 keys instead of 8 horizontal sums); the accumulate is loads, FMAs and one store per
+piece. Same data, same thread: 26 and 18 GMAC/s. Whole kernel, 64 sequences x 192 tokens decoding (one
+layer, a pool far larger than the cache): 1 thread 1.59 -> 1.46 ms, 2 threads 1.22 -> 1.06; 256 sequences,
+2 threads, 4.82 -> 4.14 ms (medians of 15 interleaved rounds).
+
+The arrays come in as addresses (`address`, taken once per call of the loop nest's helpers): an array
+passed to an intrinsic inside the loop nest was reference-counted at each call, two atomic operations
+that took 30% of the kernel's time.
+
+A row's rounding depends only on the compiled code, the same for every row, call and thread: a dot
+product sums its pieces in order (one FMA each), then the lanes in the tree's order; an accumulate adds the
+RUN products, written ((p0 v0 + p1 v1) + (p2 v2 + p3 v3)) + ((p4 v4 + p5 v5) + (p6 v6 + p7 v7)), to acc
+(numba's fastmath flags, which the attention kernels compile with, let LLVM reorder that sum once, at
+compile time).
+LANES is 16 with AVX-512 (one register) and 8 without (8 keys' 16-lane sums, two registers each, would
+take all 16 of AVX2's). Both need head_dim to be a multiple of LANES; the loop nest takes its numba
+loops otherwise.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+from .numba_gemm import AVX512, splat
+
+LANES = 16 if AVX512 else 8  # float32 lanes per vector piece of head_dim
+RUN = 8  # keys per call (numba_attention.RUN)
+
+
+def _reduce_tree(builder, vectors):
+    """The lane sums of len(vectors) LANES-wide vectors as one vector of len(vectors) floats, key k in lane
+    k. Each level pairs the vectors up and, per pair, gathers the first half of every key's lanes of both
+    into one vector and the second halves into another, and adds the two: the lanes per key and the number
+    of vectors halve. With one vector left, it folds into itself until one lane per key remains."""
+    i32 = ir.IntType(32)
+    keys_per_vec, width = 1, LANES  # each vector holds keys_per_vec keys of `width` lanes, key-major
+    vecs = list(vectors)
+    while len(vecs) > 1:
+        half = width // 2
+        lo = [g * width + i for g in range(keys_per_vec) for i in range(half)]
+        hi = [g * width + half + i for g in range(keys_per_vec) for i in range(half)]
+        n = LANES  # lanes of the first operand: the second's are numbered from here
+        lo_mask = ir.Constant(ir.VectorType(i32, LANES), lo + [n + i for i in lo])
+        hi_mask = ir.Constant(ir.VectorType(i32, LANES), hi + [n + i for i in hi])
+        vecs = [builder.fadd(builder.shuffle_vector(a, b, lo_mask), builder.shuffle_vector(a, b, hi_mask))
+                for a, b in zip(vecs[0::2], vecs[1::2])]
+        keys_per_vec, width = keys_per_vec * 2, half
+    vec, count = vecs[0], LANES
+    while width > 1:
+        half = width // 2
+        lo = [g * width + i for g in range(keys_per_vec) for i in range(half)]
+        hi = [g * width + half + i for g in range(keys_per_vec) for i in range(half)]
+        vec = builder.fadd(builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(i32, len(lo)), lo)),
+                           builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(i32, len(hi)), hi)))
+        count, width = len(lo), half
+    assert count == keys_per_vec == len(vectors)
+    return vec
+
+
+def _flat_pointer(context, builder, array_type, array, offset):
+    """Pointer to float32 element `offset` from the address `array` (an integer)."""
+    data = builder.inttoptr(context.cast(builder, array, array_type, types.intp), ir.FloatType().as_pointer())
+    return builder.gep(data, [offset])
+
+
+@intrinsic
+def address(typingctx, arr):
+    """The address of a C-contiguous float32 array's first element, as an integer (for dot_run and axpy_run:
+    an array passed to an intrinsic inside the loop nest is reference-counted at each call)."""
+    if not _c_float32(arr):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.ptrtoint(data, context.get_value_type(types.intp))
+
+    return types.intp(arr), codegen
+
+
+def _c_float32(*arrays) -> bool:
+    return all(isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C" for a in arrays)
+
+
+@intrinsic
+def dot_run(typingctx, q, q_at, k, k_at, stride, head_dim, s, s_at):
+    """s[s_at + i] = sum_d q[q_at + d] * k[k_at + i stride + d] for i < RUN (flat offsets into C-contiguous
+    float32 arrays; head_dim a multiple of LANES)."""
+    if not all(isinstance(v, types.Integer) for v in (q, q_at, k, k_at, stride, head_dim, s, s_at)):
+        return None
+    sig = types.none(q, q_at, k, k_at, stride, head_dim, s, s_at)
+
+    def codegen(context, builder, signature, args):
+        at = [context.cast(builder, args[i], signature.args[i], types.intp) for i in (1, 3, 4, 5, 7)]
+        q_at_v, k_at_v, stride_v, d_v, s_at_v = at
+        intp = q_at_v.type
+        qptr = _flat_pointer(context, builder, signature.args[0], args[0], q_at_v)
+        kptr = _flat_pointer(context, builder, signature.args[2], args[2], k_at_v)
+        sptr = _flat_pointer(context, builder, signature.args[6], args[6], s_at_v)
+        vf = ir.VectorType(ir.FloatType(), LANES)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{LANES}f32")
+
+        def load(ptr, offset):
+            return builder.load(builder.bitcast(builder.gep(ptr, [offset]), vf.as_pointer()), align=4)
+
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * LANES)) for _ in range(RUN)]
+        key_offsets = [builder.mul(stride_v, ir.Constant(intp, i)) for i in range(RUN)]
+        with cgutils.for_range(builder, builder.sdiv(d_v, ir.Constant(intp, LANES)), intp=intp) as loop:
+            c = builder.mul(loop.index, ir.Constant(intp, LANES))
+            qv = load(qptr, c)
+            for acc, ko in zip(accs, key_offsets):
+                builder.store(builder.call(fma, [qv, load(kptr, builder.add(ko, c)), builder.load(acc)]), acc)
+        sums = _reduce_tree(builder, [builder.load(a) for a in accs])
+        builder.store(sums, builder.bitcast(sptr, sums.type.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def axpy_run(typingctx, p, p_at, v, v_at, stride, head_dim, acc, acc_at):
+    """acc[acc_at + d] += sum_i p[p_at + i] v[v_at + i stride + d] over d < head_dim, the RUN terms summed
+    as ((p0 v0 + p1 v1) + (p2 v2 + p3 v3)) + ((p4 v4 + p5 v5) + (p6 v6 + p7 v7)) (flat offsets into
+    C-contiguous float32 arrays; head_dim a multiple of LANES)."""
+    if not all(isinstance(x, types.Integer) for x in (p, p_at, v, v_at, stride, head_dim, acc, acc_at)):
+        return None
+    sig = types.none(p, p_at, v, v_at, stride, head_dim, acc, acc_at)
+
+    def codegen(context, builder, signature, args):
+        at = [context.cast(builder, args[i], signature.args[i], types.intp) for i in (1, 3, 4, 5, 7)]
+        p_at_v, v_at_v, stride_v, d_v, acc_at_v = at
+        intp = p_at_v.type
+        pptr = _flat_pointer(context, builder, signature.args[0], args[0], p_at_v)
+        vptr = _flat_pointer(context, builder, signature.args[2], args[2], v_at_v)
+        aptr = _flat_pointer(context, builder, signature.args[6], args[6], acc_at_v)
+        vf = ir.VectorType(ir.FloatType(), LANES)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{LANES}f32")
+
+        def vec_ptr(ptr, offset):
+            return builder.bitcast(builder.gep(ptr, [offset]), vf.as_pointer())
+
+        ps = [splat(builder, builder.load(builder.gep(pptr, [ir.Constant(intp, i)])), vf) for i in range(RUN)]
+        row_offsets = [builder.mul(stride_v, ir.Constant(intp, i)) for i in range(RUN)]
+        with cgutils.for_range(builder, builder.sdiv(d_v, ir.Constant(intp, LANES)), intp=intp) as loop:
+            c = builder.mul(loop.index, ir.Constant(intp, LANES))
+            rows = [builder.load(vec_ptr(vptr, builder.add(o, c)), align=4) for o in row_offsets]
+            pairs = [builder.call(fma, [ps[i + 1], rows[i + 1], builder.fmul(ps[i], rows[i])])
+                     for i in range(0, RUN, 2)]
+            total = builder.fadd(builder.fadd(pairs[0], pairs[1]), builder.fadd(pairs[2], pairs[3]))
+            out = vec_ptr(aptr, c)
+            builder.store(builder.fadd(builder.load(out, align=4), total), out, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
