@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from typing import Any
 
 from .blas_threads import cpu_threads
@@ -54,17 +55,24 @@ BATCH_INVARIANT = os.environ.get("PAGEDSERVE_BATCH_INVARIANT", "") not in ("", "
 JIT = dict(JIT_EXACT, fastmath={"reassoc", "contract"})
 
 
-def apply_threads(parallel: bool = True) -> None:
-    """Set this thread's count for numba's parallel loops before a kernel call: `cpu_threads` (at most the
-    pool numba started with; all of it when unset), or 1 for work too small to share. Each kernel is
-    compiled once, parallel, and runs on one thread this way: a serial compilation could vectorise its
-    loops differently and round differently, and results would then depend on the batch's size.
-    numba's count is per calling thread (the engine steps in a worker thread); reading it costs ~1 us."""
+def apply_threads(parallel: bool = True) -> int:
+    """Set this thread's count for numba's parallel loops before a kernel call, and return it: `cpu_threads`
+    (at most the pool numba started with; all of it when unset), or 1 for work too small to share. Each
+    kernel is compiled once, parallel, and runs on one thread this way: a serial compilation could vectorise
+    its loops differently and round differently, and results would then depend on the batch's size.
+    numba's count is per calling thread (the engine steps in a worker thread). Reading it costs ~1.4 us,
+    and a one-request decode step makes ~330 kernel calls: the count this function last set in this thread
+    is remembered instead (numba.set_num_threads called elsewhere goes unseen until the count changes)."""
     want = 1
     if parallel:
         want = min(cpu_threads() or numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS)
-    if numba.get_num_threads() != want:
+    if getattr(_applied, "count", None) != want:
         numba.set_num_threads(want)
+        _applied.count = want
+    return want
+
+
+_applied = threading.local()  # .count: what apply_threads last set in this thread
 
 
 def compile_aside(dispatcher: Any) -> subprocess.Popen | None:
