@@ -7,10 +7,11 @@ that panel format from the start, once:
 
     panels[p, k, j] = W[32 p + j, k]      W the [out, in] checkpoint weight; [out / 32, in, 32] float32
 
-so a panel (32 output columns, every k) is one contiguous stream. The kernel keeps an 8-row x 32-column
-tile of the output in sixteen 16-lane registers and walks k: two vector loads of the panel, one broadcast
-of each of the 8 activation rows, sixteen FMAs, and a prefetch of the panel 64 rows of k ahead (without
-AVX-512: 16-column panels and 6-row tiles in 8-lane registers). Panels are shared out over the threads
+so a panel (32 output columns, every k) is one contiguous stream. The kernel keeps a 12-row x 32-column
+tile of the output in twenty-four 16-lane registers and walks k: two vector loads of the panel, one
+broadcast of each of the 12 activation rows, 24 FMAs, and a prefetch of the panel 64 rows of k ahead
+(without AVX-512: 16-column panels and 6-row tiles in 8-lane registers). The figures below were measured
+with 8-row tiles (_BIG_ROWS has the 12-row ones'). Panels are shared out over the threads
 (prange); a panel (73 KB for in = 576) stays in L2 while every tile of a block of ROW_BLOCK activation
 rows passes over it, and the block itself stays in L2 while the thread's panels pass over it.
 
@@ -49,13 +50,18 @@ def _has_avx512() -> bool:
 
 
 # The tile must fit the vector registers: AVX-512 has 32 of 16 floats, an 8 x 32 tile takes 16 (+2 for the
-# panel row, +1 broadcast). AVX2 has 16 of 8 floats: a 6 x 16 tile (12 + 2 + 1), as OpenBLAS's Haswell
+# panel row, +1 broadcast), a 12 x 32 one 24 (_BIG_ROWS). AVX2 has 16 of 8 floats: a 6 x 16 tile (12 + 2 + 1), as OpenBLAS's Haswell
 # kernel; 8 x 32 there spills and ran at 168 GFLOP/s against 221 for 6 x 16 (64 rows, AVX2 code on the
 # test VM; OpenBLAS's Haswell kernel 185).
 AVX512 = _has_avx512()
 PANEL = 32 if AVX512 else 16  # output columns per panel: two vector registers per row
 _LANES = PANEL // 2
-_BIG_ROWS = 8 if AVX512 else 6  # rows per pass over a panel, then 4, 2 and 1 for the rest
+# Rows per pass over a panel, then 8 (AVX-512), 4, 2 and 1 for the rest. 12 rows x 2 vectors = 24
+# accumulators of AVX-512's 32 registers (+ 2 panel vectors and a broadcast). Against 8-row tiles on the
+# Emerald Rapids VM, SmolLM2's four layer matmuls, 2 threads, medians of 15 interleaved rounds: 64 rows
+# 240 -> 253 GFLOP/s, 256 rows 168 -> 181, 2,048 rows 226 -> 236 (the same bits: each output is one FMA
+# chain in k order whatever the tile).
+_BIG_ROWS = 12 if AVX512 else 6
 # Panel rows (k) ahead of the current one to prefetch: 8 KB on AVX-512. SmolLM2's layers at 64 rows
 # 33.1 -> 30.1-30.8 ms (32 ahead: 30.7-31.1; 128: 30.7-31.2; 256: 31.1-31.3).
 _PREFETCH_K = 64
@@ -67,7 +73,7 @@ _PREFETCH_K = 64
 # within the host's noise, 209 vs 199-226 tok/s; bench/jitter.py's p99 at budget 256, whose steps are
 # 256-row chunks, 816 and 1,041 ms against 1,156 and 1,216 unblocked, interleaved runs). 96 rows did as well
 # as 120, 192 worse; also cutting k (256-row slices of a panel kept in L1) made 1-64 rows slower. A multiple
-# of both tile heights (6, 8): tiles fall where they did, and each output's FMA chain is unchanged.
+# of both big-tile heights (6, 12): tiles fall where they did, and each output's FMA chain is unchanged.
 ROW_BLOCK = 120
 
 
@@ -195,7 +201,7 @@ def _tile_kernel(rows: int):
     return tile
 
 
-_TILE_BIG, _TILE4, _TILE2, _TILE1 = (_tile_kernel(r) for r in (_BIG_ROWS, 4, 2, 1))
+_TILE_BIG, _TILE8, _TILE4, _TILE2, _TILE1 = (_tile_kernel(r) for r in (_BIG_ROWS, 8, 4, 2, 1))
 
 
 @numba.njit(parallel=True, **JIT)
@@ -216,6 +222,9 @@ def matmul_into(x, panels, out):
             while r + _BIG_ROWS <= m1:
                 _TILE_BIG(a, r * k, k, b, b_at, k, c, r * n + p * PANEL, n)
                 r += _BIG_ROWS
+            if r + 8 <= m1:  # AVX-512 only: AVX2's 6-row tiles leave at most 5
+                _TILE8(a, r * k, k, b, b_at, k, c, r * n + p * PANEL, n)
+                r += 8
             if r + 4 <= m1:
                 _TILE4(a, r * k, k, b, b_at, k, c, r * n + p * PANEL, n)
                 r += 4
