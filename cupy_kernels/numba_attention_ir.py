@@ -66,17 +66,11 @@ def _reduce_tree(builder, vectors):
     return vec
 
 
-def _flat_pointer(context, builder, array_type, array, offset):
-    """Pointer to float32 element `offset` from the address `array` (an integer)."""
-    data = builder.inttoptr(context.cast(builder, array, array_type, types.intp), ir.FloatType().as_pointer())
-    return builder.gep(data, [offset])
-
-
 @intrinsic
 def address(typingctx, arr):
     """The address of a C-contiguous float32 array's first element, as an integer (for dot_run and axpy_run:
     an array passed to an intrinsic inside the loop nest is reference-counted at each call)."""
-    if not _c_float32(arr):
+    if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and arr.layout == "C"):
         return None
 
     def codegen(context, builder, signature, args):
@@ -86,77 +80,73 @@ def address(typingctx, arr):
     return types.intp(arr), codegen
 
 
-def _c_float32(*arrays) -> bool:
-    return all(isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C" for a in arrays)
+def _run(body):
+    """An intrinsic f(a, a_at, b, b_at, stride, head_dim, c, c_at) -> None over three float32 arrays given as
+    addresses (`address`) and flat offsets into them: `body(builder, a, b, c, stride, head_dim)` emits the
+    loop, given pointers to a[a_at], b[b_at] and c[c_at] and intp values."""
+
+    @intrinsic
+    def run(typingctx, a, a_at, b, b_at, stride, head_dim, c, c_at):
+        if not all(isinstance(v, types.Integer) for v in (a, a_at, b, b_at, stride, head_dim, c, c_at)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            ints = [context.cast(builder, v, t, types.intp) for v, t in zip(args, signature.args)]
+            f32p = ir.FloatType().as_pointer()
+            a_ptr, b_ptr, c_ptr = (builder.gep(builder.inttoptr(ints[i], f32p), [ints[i + 1]]) for i in (0, 2, 6))
+            body(builder, a_ptr, b_ptr, c_ptr, ints[4], ints[5])
+            return context.get_dummy_value()
+
+        return types.none(a, a_at, b, b_at, stride, head_dim, c, c_at), codegen
+
+    return run
 
 
-@intrinsic
-def dot_run(typingctx, q, q_at, k, k_at, stride, head_dim, s, s_at):
-    """s[s_at + i] = sum_d q[q_at + d] * k[k_at + i stride + d] for i < RUN (flat offsets into C-contiguous
-    float32 arrays; head_dim a multiple of LANES)."""
-    if not all(isinstance(v, types.Integer) for v in (q, q_at, k, k_at, stride, head_dim, s, s_at)):
-        return None
-    sig = types.none(q, q_at, k, k_at, stride, head_dim, s, s_at)
+def _vector_ops(builder):
+    """(the LANES-float vector type, llvm.fma on it, a function giving a vector pointer at ptr + offset)."""
+    vf = ir.VectorType(ir.FloatType(), LANES)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{LANES}f32")
 
-    def codegen(context, builder, signature, args):
-        at = [context.cast(builder, args[i], signature.args[i], types.intp) for i in (1, 3, 4, 5, 7)]
-        q_at_v, k_at_v, stride_v, d_v, s_at_v = at
-        intp = q_at_v.type
-        qptr = _flat_pointer(context, builder, signature.args[0], args[0], q_at_v)
-        kptr = _flat_pointer(context, builder, signature.args[2], args[2], k_at_v)
-        sptr = _flat_pointer(context, builder, signature.args[6], args[6], s_at_v)
-        vf = ir.VectorType(ir.FloatType(), LANES)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{LANES}f32")
+    def at(ptr, offset):
+        return builder.bitcast(builder.gep(ptr, [offset]), vf.as_pointer())
 
-        def load(ptr, offset):
-            return builder.load(builder.bitcast(builder.gep(ptr, [offset]), vf.as_pointer()), align=4)
-
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * LANES)) for _ in range(RUN)]
-        key_offsets = [builder.mul(stride_v, ir.Constant(intp, i)) for i in range(RUN)]
-        with cgutils.for_range(builder, builder.sdiv(d_v, ir.Constant(intp, LANES)), intp=intp) as loop:
-            c = builder.mul(loop.index, ir.Constant(intp, LANES))
-            qv = load(qptr, c)
-            for acc, ko in zip(accs, key_offsets):
-                builder.store(builder.call(fma, [qv, load(kptr, builder.add(ko, c)), builder.load(acc)]), acc)
-        sums = _reduce_tree(builder, [builder.load(a) for a in accs])
-        builder.store(sums, builder.bitcast(sptr, sums.type.as_pointer()), align=4)
-        return context.get_dummy_value()
-
-    return sig, codegen
+    return vf, fma, at
 
 
-@intrinsic
-def axpy_run(typingctx, p, p_at, v, v_at, stride, head_dim, acc, acc_at):
-    """acc[acc_at + d] += sum_i p[p_at + i] v[v_at + i stride + d] over d < head_dim, the RUN terms summed
-    as ((p0 v0 + p1 v1) + (p2 v2 + p3 v3)) + ((p4 v4 + p5 v5) + (p6 v6 + p7 v7)) (flat offsets into
-    C-contiguous float32 arrays; head_dim a multiple of LANES)."""
-    if not all(isinstance(x, types.Integer) for x in (p, p_at, v, v_at, stride, head_dim, acc, acc_at)):
-        return None
-    sig = types.none(p, p_at, v, v_at, stride, head_dim, acc, acc_at)
+def _dot_body(builder, q, k, s, stride, head_dim):
+    """s[i] = sum_d q[d] * k[i stride + d] for i < RUN."""
+    vf, fma, at = _vector_ops(builder)
+    intp = stride.type
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * LANES)) for _ in range(RUN)]
+    key_offsets = [builder.mul(stride, ir.Constant(intp, i)) for i in range(RUN)]
+    with cgutils.for_range(builder, builder.sdiv(head_dim, ir.Constant(intp, LANES)), intp=intp) as loop:
+        c = builder.mul(loop.index, ir.Constant(intp, LANES))
+        qv = builder.load(at(q, c), align=4)
+        for acc, ko in zip(accs, key_offsets):
+            key = builder.load(at(k, builder.add(ko, c)), align=4)
+            builder.store(builder.call(fma, [qv, key, builder.load(acc)]), acc)
+    sums = _reduce_tree(builder, [builder.load(a) for a in accs])
+    builder.store(sums, builder.bitcast(s, sums.type.as_pointer()), align=4)
 
-    def codegen(context, builder, signature, args):
-        at = [context.cast(builder, args[i], signature.args[i], types.intp) for i in (1, 3, 4, 5, 7)]
-        p_at_v, v_at_v, stride_v, d_v, acc_at_v = at
-        intp = p_at_v.type
-        pptr = _flat_pointer(context, builder, signature.args[0], args[0], p_at_v)
-        vptr = _flat_pointer(context, builder, signature.args[2], args[2], v_at_v)
-        aptr = _flat_pointer(context, builder, signature.args[6], args[6], acc_at_v)
-        vf = ir.VectorType(ir.FloatType(), LANES)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{LANES}f32")
 
-        def vec_ptr(ptr, offset):
-            return builder.bitcast(builder.gep(ptr, [offset]), vf.as_pointer())
+def _axpy_body(builder, p, v, acc, stride, head_dim):
+    """acc[d] += sum_i p[i] v[i stride + d] over d < head_dim, the RUN terms as
+    ((p0 v0 + p1 v1) + (p2 v2 + p3 v3)) + ((p4 v4 + p5 v5) + (p6 v6 + p7 v7))."""
+    vf, fma, at = _vector_ops(builder)
+    intp = stride.type
+    ps = [splat(builder, builder.load(builder.gep(p, [ir.Constant(intp, i)])), vf) for i in range(RUN)]
+    row_offsets = [builder.mul(stride, ir.Constant(intp, i)) for i in range(RUN)]
+    with cgutils.for_range(builder, builder.sdiv(head_dim, ir.Constant(intp, LANES)), intp=intp) as loop:
+        c = builder.mul(loop.index, ir.Constant(intp, LANES))
+        rows = [builder.load(at(v, builder.add(o, c)), align=4) for o in row_offsets]
+        pairs = [builder.call(fma, [ps[i + 1], rows[i + 1], builder.fmul(ps[i], rows[i])]) for i in range(0, RUN, 2)]
+        total = builder.fadd(builder.fadd(pairs[0], pairs[1]), builder.fadd(pairs[2], pairs[3]))
+        out = at(acc, c)
+        builder.store(builder.fadd(builder.load(out, align=4), total), out, align=4)
 
-        ps = [splat(builder, builder.load(builder.gep(pptr, [ir.Constant(intp, i)])), vf) for i in range(RUN)]
-        row_offsets = [builder.mul(stride_v, ir.Constant(intp, i)) for i in range(RUN)]
-        with cgutils.for_range(builder, builder.sdiv(d_v, ir.Constant(intp, LANES)), intp=intp) as loop:
-            c = builder.mul(loop.index, ir.Constant(intp, LANES))
-            rows = [builder.load(vec_ptr(vptr, builder.add(o, c)), align=4) for o in row_offsets]
-            pairs = [builder.call(fma, [ps[i + 1], rows[i + 1], builder.fmul(ps[i], rows[i])])
-                     for i in range(0, RUN, 2)]
-            total = builder.fadd(builder.fadd(pairs[0], pairs[1]), builder.fadd(pairs[2], pairs[3]))
-            out = vec_ptr(aptr, c)
-            builder.store(builder.fadd(builder.load(out, align=4), total), out, align=4)
-        return context.get_dummy_value()
 
-    return sig, codegen
+# dot_run(q, q_at, k, k_at, stride, head_dim, s, s_at): s[s_at + i] = sum_d q[q_at + d] * k[k_at + i stride + d]
+# for i < RUN. axpy_run(p, p_at, v, v_at, stride, head_dim, acc, acc_at): acc[acc_at + d] += sum_i p[p_at + i]
+# v[v_at + i stride + d] for d < head_dim. Arrays as addresses, offsets in floats; head_dim a multiple of LANES.
+dot_run = _run(_dot_body)
+axpy_run = _run(_axpy_body)
