@@ -362,8 +362,11 @@ def _check(query, k_cache, query_start_loc, seq_lens, block_tables) -> tuple[int
 
 
 def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float) -> np.ndarray:
-    """Unified paged attention over a flat varlen batch: query [T, H, D] -> out [T, H, D] (float32)."""
-    if query.dtype != _F32 or k_cache.dtype != _F32 or v_cache.dtype != _F32:
+    """Unified paged attention over a flat varlen batch: query [T, H, D] -> out [T, H, D] (float32). A cache of
+    another dtype, or one that is not C-contiguous (the vector-IR runs address it as one), takes the numpy
+    reference."""
+    if (query.dtype != _F32 or k_cache.dtype != _F32 or v_cache.dtype != _F32
+            or not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous)):
         return reference.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
     query_start_loc = np.asarray(query_start_loc, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)

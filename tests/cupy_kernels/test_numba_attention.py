@@ -58,6 +58,20 @@ def test_head_dims_on_both_inner_loops(head_dim):
     assert_each_alone_equals_together(na.paged_attention, make_batch(rng, seqs, 2, 3, head_dim, 16))
 
 
+def test_a_cache_that_is_not_c_contiguous_takes_the_reference():
+    """The vector-IR runs read the pool by address as a C-contiguous array; a strided view of one (every
+    other block) is still attended right, by the numpy reference."""
+    rng = np.random.default_rng(21)
+    q, k, v, qsl, lens, tables = make_batch(rng, [(40, 1), (23, 5)], 2, 3, 64, 16)
+    wide_k = np.zeros((2 * k.shape[0],) + k.shape[1:], np.float32)
+    wide_v = np.zeros_like(wide_k)
+    wide_k[::2], wide_v[::2] = k, v
+    strided_k, strided_v = wide_k[::2], wide_v[::2]
+    assert not strided_k.flags.c_contiguous
+    got = na.paged_attention(q, strided_k, strided_v, qsl, lens, tables, 0.125)
+    np.testing.assert_array_equal(got, pa.paged_attention(q, k, v, qsl, lens, tables, 0.125))
+
+
 AVX2_CHECK = """
 import numpy as np
 from paged_batches import make_batch
