@@ -50,17 +50,17 @@ def _has_avx512() -> bool:
 
 
 # The tile must fit the vector registers: AVX-512 has 32 of 16 floats, an 8 x 32 tile takes 16 (+2 for the
-# panel row, +1 broadcast), a 12 x 32 one 24 (_BIG_ROWS). AVX2 has 16 of 8 floats: a 6 x 16 tile (12 + 2 + 1), as OpenBLAS's Haswell
-# kernel; 8 x 32 there spills and ran at 168 GFLOP/s against 221 for 6 x 16 (64 rows, AVX2 code on the
-# test VM; OpenBLAS's Haswell kernel 185).
+# panel row, +1 broadcast), a 12 x 32 one 24 (_BIG_ROWS). AVX2 has 16 of 8 floats: a 6 x 16 tile (12 + 2
+# + 1), as OpenBLAS's Haswell kernel; 8 x 32 there spills and ran at 168 GFLOP/s against 221 for 6 x 16
+# (64 rows, AVX2 code on the test VM; OpenBLAS's Haswell kernel 185).
 AVX512 = _has_avx512()
 PANEL = 32 if AVX512 else 16  # output columns per panel: two vector registers per row
 _LANES = PANEL // 2
 # Rows per pass over a panel, then 8 (AVX-512), 4, 2 and 1 for the rest. 12 rows x 2 vectors = 24
 # accumulators of AVX-512's 32 registers (+ 2 panel vectors and a broadcast). Against 8-row tiles on the
 # Emerald Rapids VM, SmolLM2's four layer matmuls, 2 threads, medians of 15 interleaved rounds: 64 rows
-# 240 -> 253 GFLOP/s, 256 rows 168 -> 181, 2,048 rows 226 -> 236 (the same bits: each output is one FMA
-# chain in k order whatever the tile).
+# 257.6 -> 271.6 GFLOP/s, 256 rows 172.1 -> 183.7, 2,048 rows 109.4 -> 114.6 (a slow phase of the host).
+# The same bits: each output is one FMA chain in k order whatever the tile.
 _BIG_ROWS = 12 if AVX512 else 6
 # Panel rows (k) ahead of the current one to prefetch: 8 KB on AVX-512. SmolLM2's layers at 64 rows
 # 33.1 -> 30.1-30.8 ms (32 ahead: 30.7-31.1; 128: 30.7-31.2; 256: 31.1-31.3).
