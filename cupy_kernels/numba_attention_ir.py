@@ -30,40 +30,10 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from .numba_gemm import AVX512, splat
+from .numba_gemm import AVX512, lane_sums, splat
 
 LANES = 16 if AVX512 else 8  # float32 lanes per vector piece of head_dim
 RUN = 8  # keys per call (numba_attention.RUN)
-
-
-def _reduce_tree(builder, vectors):
-    """The lane sums of len(vectors) LANES-wide vectors as one vector of len(vectors) floats, key k in lane
-    k. Each level pairs the vectors up and, per pair, gathers the first half of every key's lanes of both
-    into one vector and the second halves into another, and adds the two: the lanes per key and the number
-    of vectors halve. With one vector left, it folds into itself until one lane per key remains."""
-    i32 = ir.IntType(32)
-    keys_per_vec, width = 1, LANES  # each vector holds keys_per_vec keys of `width` lanes, key-major
-    vecs = list(vectors)
-    while len(vecs) > 1:
-        half = width // 2
-        lo = [g * width + i for g in range(keys_per_vec) for i in range(half)]
-        hi = [g * width + half + i for g in range(keys_per_vec) for i in range(half)]
-        n = LANES  # lanes of the first operand: the second's are numbered from here
-        lo_mask = ir.Constant(ir.VectorType(i32, LANES), lo + [n + i for i in lo])
-        hi_mask = ir.Constant(ir.VectorType(i32, LANES), hi + [n + i for i in hi])
-        vecs = [builder.fadd(builder.shuffle_vector(a, b, lo_mask), builder.shuffle_vector(a, b, hi_mask))
-                for a, b in zip(vecs[0::2], vecs[1::2])]
-        keys_per_vec, width = keys_per_vec * 2, half
-    vec, count = vecs[0], LANES
-    while width > 1:
-        half = width // 2
-        lo = [g * width + i for g in range(keys_per_vec) for i in range(half)]
-        hi = [g * width + half + i for g in range(keys_per_vec) for i in range(half)]
-        vec = builder.fadd(builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(i32, len(lo)), lo)),
-                           builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(i32, len(hi)), hi)))
-        count, width = len(lo), half
-    assert count == keys_per_vec == len(vectors)
-    return vec
 
 
 @intrinsic
@@ -125,7 +95,7 @@ def _dot_body(builder, q, k, s, stride, head_dim):
         for acc, ko in zip(accs, key_offsets):
             key = builder.load(at(k, builder.add(ko, c)), align=4)
             builder.store(builder.call(fma, [qv, key, builder.load(acc)]), acc)
-    sums = _reduce_tree(builder, [builder.load(a) for a in accs])
+    sums = lane_sums(builder, [builder.load(a) for a in accs])
     builder.store(sums, builder.bitcast(s, sums.type.as_pointer()), align=4)
 
 
