@@ -409,9 +409,10 @@ def _loop_nest(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
         context_macs = int(np.dot(seq_lens, np.diff(query_start_loc)))
     macs = context_macs * num_heads * head_dim * 2
     threads = apply_threads(parallel=macs >= PARALLEL_MIN_MACS)
-    items, bounds = _work_items(query_start_loc, seq_lens, Q_TILE, threads * CHUNKS_PER_THREAD)
+    # One thread: one chunk (each chunk allocates its scratch), and no schedule to set (the context ~7 us).
+    items, bounds = _work_items(query_start_loc, seq_lens, Q_TILE, threads * CHUNKS_PER_THREAD if threads > 1 else 1)
     args = (query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, np.float32(scale), items, bounds, out)
-    if threads == 1:  # one thread takes the chunks in order: no schedule to set (the context costs ~7 us)
+    if threads == 1:
         _ATTENTION(*args)
     else:
         with numba.parallel_chunksize(1):
