@@ -50,7 +50,7 @@ from . import numba_prefill as prefill
 from . import numba_setup
 from . import paged_attention as reference
 from .numba_ops import fast_exp, row_max
-from .numba_setup import JIT, JIT_EXACT, apply_threads, numba
+from .numba_setup import JIT, JIT_EXACT, apply_threads, call_compiled, native_address, numba
 
 Q_TILE = 16  # query tokens per prefill item: its Q_TILE * H score rows share each K/V row read
 K_SEGMENT = 512  # keys whose scores are held at once; softmax is exact within a segment, rescaled across
@@ -296,16 +296,18 @@ def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, bloc
 
 # The chunk is its own (serial) function and the parallel one only a prange over chunks: compiled inside
 # the prange, the loop nest went through numba's parfor passes, which took 3x as long to compile (11.7
-# s against 4.0 on the Emerald Rapids VM) for the same machine code loop.
+# s against 4.0 on the Emerald Rapids VM) for the same machine code loop. The prange calls it by address
+# (numba_setup.call_compiled): called by name, its module was linked into the prange's body and into the
+# parallel kernel, and optimised and emitted again in each (13.0 s for the two against 0.8 now).
 _ATTENTION_CHUNK = numba.njit(**JIT)(_attention_chunk)
 
 
-def _attention_chunks(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, items, bounds,
-                      out):
+def _attention_chunks(chunk_address, query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, items,
+                      bounds, out):
     for c in numba.prange(bounds.shape[0] - 1):
         # int64 c: the parfor types its index uint64 where the loop body was typed with int64 (two compiles)
-        _ATTENTION_CHUNK(np.int64(c), query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                         items, bounds, out)
+        call_compiled(chunk_address, (np.int64(c), query, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                                      scale, items, bounds, out))
 
 
 _ATTENTION = numba.njit(parallel=True, **JIT)(_attention_chunks)
@@ -412,12 +414,32 @@ def _loop_nest(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
     # One thread: one chunk (each chunk allocates its scratch), and no schedule to set (the context ~7 us).
     items, bounds = _work_items(query_start_loc, seq_lens, Q_TILE, threads * CHUNKS_PER_THREAD if threads > 1 else 1)
     args = (query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, np.float32(scale), items, bounds, out)
+    address = _chunk_address(args)
     if threads == 1:
-        _ATTENTION(*args)
+        _ATTENTION(address, *args)
     else:
         with numba.parallel_chunksize(1):
-            _ATTENTION(*args)
+            _ATTENTION(address, *args)
     return out
+
+
+_CHUNK_ADDRESSES: dict = {}
+
+
+def _chunk_address(args) -> int:
+    """The loop nest's machine code for these arguments' types. The usual case (every array C-contiguous,
+    aligned and writable: numba's C layout) is keyed by the block table's dtype alone; numba.typeof (~9 us an
+    array) only for others."""
+    query, k_cache, v_cache, query_start_loc, seq_lens, block_tables = args[:6]
+    if (query.flags.carray and k_cache.flags.carray and v_cache.flags.carray and query_start_loc.flags.carray
+            and seq_lens.flags.carray and block_tables.flags.carray):
+        key = block_tables.dtype.num
+    else:
+        key = tuple(numba.typeof(a) for a in args[:6])
+    address = _CHUNK_ADDRESSES.get(key)
+    if address is None:
+        address = _CHUNK_ADDRESSES[key] = native_address(_ATTENTION_CHUNK, (np.int64(0), *args))
+    return address
 
 
 def warm_up() -> None:
@@ -426,5 +448,6 @@ def warm_up() -> None:
     qsl, lens = np.array([0, 2, 3], dtype=np.int64), np.array([2, 5], dtype=np.int64)
     items, bounds = _work_items(qsl, lens, Q_TILE, 2)
     _scan(qsl, lens, np.zeros((2, 2), dtype=np.int32), 3, 2, 4)
-    _ATTENTION(np.ones((3, 2, 4), _F32), cache, cache, qsl, lens, np.zeros((2, 2), dtype=np.int32), np.float32(1.0),
-               items, bounds, np.empty((3, 2, 4), _F32))
+    args = (np.ones((3, 2, 4), _F32), cache, cache, qsl, lens, np.zeros((2, 2), dtype=np.int32), np.float32(1.0),
+            items, bounds, np.empty((3, 2, 4), _F32))
+    _ATTENTION(_chunk_address(args), *args)

@@ -35,6 +35,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 import numba  # noqa: E402  (after NUMBA_CACHE_DIR: numba reads its config at import)
+from numba.core import cgutils, types  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
 
 if not numba.config.CACHE_DIR:  # numba was imported before us without a cache dir: point it there now
     numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
@@ -75,21 +77,23 @@ def apply_threads(parallel: bool = True) -> int:
 _applied = threading.local()  # .count: what apply_threads last set in this thread
 
 
-def compile_aside(dispatcher: Any) -> subprocess.Popen | None:
-    """With an empty cache, start a child process compiling the kernels of `dispatcher`'s module (its
-    warm_up()) into the on-disk cache, so that this process can compile others meanwhile on the other core;
-    the caller waits for it (finish_aside) and then loads them from the cache. The paged attention loop nest
-    alone takes ~7-8 s of the ~12 s a start with an empty cache spends compiling on the test VM. None when
-    the kernel already has a cache index, or when the cache cannot be inspected."""
-    try:
-        if os.path.exists(dispatcher._cache._cache_file._index_path):  # numba's cache layout (not public)
+def compile_aside(*dispatchers: Any) -> subprocess.Popen | None:
+    """With an empty cache, start a child process compiling the kernels of the modules of `dispatchers` (each
+    module's warm_up()) into the on-disk cache, so that this process can compile others meanwhile on the other
+    core; the caller waits for it (finish_aside) and then loads them from the cache. A module is left out when
+    its dispatcher (one its warm_up compiles) already has a cache index. None when no module is left, or
+    when the cache cannot be inspected."""
+    modules = []
+    for dispatcher in dispatchers:
+        try:
+            if os.path.exists(dispatcher._cache._cache_file._index_path):  # numba's cache layout (not public)
+                continue
+            modules.append(dispatcher.py_func.__module__)
+        except AttributeError:
             return None
-        module = dispatcher.py_func.__module__
-    except AttributeError:
+    if not modules or not os.path.basename(sys.executable or "").startswith("python"):  # embedded: no interpreter
         return None
-    if not os.path.basename(sys.executable or "").startswith("python"):  # embedded: no interpreter to start
-        return None
-    code = f"import {module} as m; m.warm_up()"
+    code = "; ".join(f"import {m} as m; m.warm_up()" for m in dict.fromkeys(modules))
     try:
         return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)
@@ -113,3 +117,40 @@ def finish_aside(child: subprocess.Popen | None, timeout: float = 300.0) -> None
 
         structlog.get_logger("pagedserve.engine").warning(
             "numba.compile_aside_failed", returncode=child.returncode, stderr=err.decode(errors="replace")[-2000:])
+
+
+# --- Calling a compiled kernel by its address -------------------------------------------------------------
+# A numba function that calls another links the callee's machine-independent module into its own and
+# optimises and emits the whole again; a parallel kernel does so twice more (the prange body is a function of
+# its own). For the paged attention loop nest that was ~7 of the ~13 s its parallel kernel took to compile.
+# A kernel called through `call_compiled` is compiled (and cached) once, as its own function; the caller
+# holds only an indirect call, whose address it gets at run time (never baked into cached machine code).
+
+@intrinsic
+def call_compiled(typingctx, address, args):
+    """Call the numba-compiled function at `address` (numba's calling convention, returning None) with the
+    values of the tuple `args`, whose types must be those it was compiled for (native_address); an exception
+    it raises propagates to the caller."""
+    if not isinstance(address, types.Integer) or not isinstance(args, types.BaseTuple):
+        return None
+    arg_types = tuple(args.types)
+
+    def codegen(context, builder, signature, llargs):
+        fnty = context.call_conv.get_function_type(types.none, arg_types)
+        fn = builder.inttoptr(llargs[0], fnty.as_pointer())
+        values = [builder.extract_value(llargs[1], i) for i in range(len(arg_types))]
+        status, _ = context.call_conv.call_function(builder, fn, types.none, arg_types, values)
+        with cgutils.if_unlikely(builder, status.is_error):
+            context.call_conv.return_status_propagate(builder, status)
+        return context.get_dummy_value()
+
+    return types.none(address, args), codegen
+
+
+def native_address(dispatcher: Any, args: tuple) -> int:
+    """The address of `dispatcher`'s machine code for the types of `args` (compiled, or loaded from the
+    cache, first), for call_compiled."""
+    arg_types = tuple(numba.typeof(a) for a in args)
+    dispatcher.compile(arg_types)
+    result = dispatcher.overloads[arg_types]
+    return result.library.get_pointer_to_function(result.fndesc.llvm_func_name)

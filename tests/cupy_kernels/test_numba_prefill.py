@@ -118,3 +118,13 @@ def test_row_max_is_exact_at_every_length_and_alignment():
         for n in (1, 2, 15, 16, 17, 63, 64, 65, 127, 128, 129, 200, 300 - offset):
             row_maxima(s, offset, n, out)
             np.testing.assert_array_equal(out, s[:, offset:offset + n].max(axis=1), err_msg=f"{offset=} {n=}")
+
+
+def test_prefill_runs_the_gemm_compiled_for_the_model_weights():
+    """The workspace panels go to the GEMM as read-only views: the machine code numba_gemm.warm_up made for
+    the model's (read-only) packed weights, not a second compile."""
+    from pagedserve.cupy_kernels import numba_gemm
+
+    numba_gemm.warm_up()
+    npf.warm_up()
+    assert [sig[1].mutable for sig in numba_gemm.matmul_into.signatures] == [False]

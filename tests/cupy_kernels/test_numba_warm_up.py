@@ -108,3 +108,56 @@ def test_a_failed_child_only_costs_time(tmp_path, capsys):
     (tmp_path / "none").write_text("")
     assert compile_aside(fake) is None  # an index exists: nothing to do aside
     assert compile_aside(object()) is None  # a cache it cannot inspect
+
+
+def test_compile_aside_takes_the_modules_without_a_cache_index(tmp_path, monkeypatch):
+    """One child for every module whose marker kernel has no cache index yet, each module once."""
+    from types import SimpleNamespace
+
+    from pagedserve.cupy_kernels import numba_setup
+
+    def fake(index: str, module: str):
+        return SimpleNamespace(_cache=SimpleNamespace(_cache_file=SimpleNamespace(_index_path=str(tmp_path / index))),
+                               py_func=SimpleNamespace(__module__=module))
+
+    started = []
+    monkeypatch.setattr(numba_setup.subprocess, "Popen", lambda argv, **kw: started.append(argv) or "child")
+    (tmp_path / "cached").write_text("")
+    a, b, c = fake("a", "pkg.mod_a"), fake("cached", "pkg.mod_b"), fake("c", "pkg.mod_c")
+    assert numba_setup.compile_aside(a, b, c, fake("a2", "pkg.mod_a")) == "child"
+    assert started[-1][1:] == ["-c", "import pkg.mod_a as m; m.warm_up(); import pkg.mod_c as m; m.warm_up()"]
+    assert numba_setup.compile_aside(b) is None and len(started) == 1  # everything cached: no child
+
+
+def test_call_compiled_runs_a_kernel_by_address_and_propagates_its_errors():
+    """A kernel calling another through call_compiled gets the callee's results and its exceptions (inside a
+    prange numba wraps those in a SystemError, as for a direct call); the callee is compiled once, on its own."""
+    import numpy as np
+
+    from pagedserve.cupy_kernels.numba_setup import call_compiled, native_address, numba
+
+    @numba.njit
+    def part(i, x, out):
+        if x[i] < 0:
+            raise ValueError("negative input")
+        out[i] = 2.0 * x[i] + i
+
+    @numba.njit(parallel=True)
+    def run_all(address, x, out):
+        for i in numba.prange(x.shape[0]):
+            call_compiled(address, (np.int64(i), x, out))
+
+    x, out = np.arange(8, dtype=np.float64), np.zeros(8)
+    address = native_address(part, (np.int64(0), x, out))
+    run_all(address, x, out)
+    np.testing.assert_array_equal(out, 2.0 * x + np.arange(8))
+    assert len(part.signatures) == 1
+
+    @numba.njit
+    def run_serially(address, x, out):
+        for i in range(x.shape[0]):
+            call_compiled(address, (np.int64(i), x, out))
+
+    x[3] = -1.0
+    with pytest.raises(ValueError, match="negative input"):
+        run_serially(address, x, out)
