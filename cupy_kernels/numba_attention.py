@@ -130,31 +130,17 @@ def _prefetch_part(cache, block, row, row_floats, block_size, part, part_floats)
 @numba.njit(inline="always", **JIT)
 def _scores(q, s, k_cache, r, block, h, off, j, nv, head_dim):
     """Row r's scores for the keys of `block` (kv head h) from j: s[r, off + jj] = q[r] . K[block, jj, h].
-    RUN keys at once (their dot products share each load of q and keep their sums in registers) when the
-    row sees them all (nv: the keys of the block it sees), else one at a time up to nv. The run is vector IR
-    (numba_attention_ir.dot_run) when head_dim is a multiple of its LANES, else the numba loop below."""
+    RUN keys at once (their dot products share each load of q and keep their sums in registers, in vector IR:
+    numba_attention_ir.dot_run) when the row sees them all (nv: the keys of the block it sees) and head_dim is
+    a multiple of the IR's LANES; else one key at a time up to nv. (An 8-key numba loop for other head dims
+    cost ~1 s of the loop nest's compile; SmolLM2's 64, and 80, 96, 128, 256 are multiples of 16.)"""
     if j + RUN <= nv and head_dim % ir_loops.LANES == 0:
         row_floats = k_cache.shape[2] * head_dim
         key = (block * k_cache.shape[1] + j) * row_floats + h * head_dim
         ir_loops.dot_run(ir_loops.address(q), r * head_dim, ir_loops.address(k_cache), key, row_floats, head_dim,
                          ir_loops.address(s), r * s.shape[1] + off + j)
-    elif j + RUN <= nv:
-        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
-        for d in range(head_dim):
-            qd = q[r, d]
-            s0 += qd * k_cache[block, j, h, d]
-            s1 += qd * k_cache[block, j + 1, h, d]
-            s2 += qd * k_cache[block, j + 2, h, d]
-            s3 += qd * k_cache[block, j + 3, h, d]
-            s4 += qd * k_cache[block, j + 4, h, d]
-            s5 += qd * k_cache[block, j + 5, h, d]
-            s6 += qd * k_cache[block, j + 6, h, d]
-            s7 += qd * k_cache[block, j + 7, h, d]
-        o = off + j
-        s[r, o], s[r, o + 1], s[r, o + 2], s[r, o + 3] = s0, s1, s2, s3
-        s[r, o + 4], s[r, o + 5], s[r, o + 6], s[r, o + 7] = s4, s5, s6, s7
-    else:
-        for jj in range(j, nv):
+    else:  # a partial run, or a head_dim the vector runs do not take: key by key
+        for jj in range(j, min(nv, j + RUN)):
             dot = np.float32(0.0)
             for d in range(head_dim):
                 dot += q[r, d] * k_cache[block, jj, h, d]
@@ -164,24 +150,15 @@ def _scores(q, s, k_cache, r, block, h, off, j, nv, head_dim):
 @numba.njit(inline="always", **JIT)
 def _accumulate(s, acc, v_cache, r, block, h, off, j, nv, head_dim):
     """acc[r] += s[r, off + jj] * V[block, jj, h] over the keys from j: RUN of them in one pass over acc[r]
-    when row r sees them all (numba_attention_ir.axpy_run when head_dim is a multiple of its LANES, else the
-    numba loop below), else one at a time up to nv."""
+    (numba_attention_ir.axpy_run) when row r sees them all and head_dim is a multiple of the IR's LANES,
+    else one at a time up to nv."""
     if j + RUN <= nv and head_dim % ir_loops.LANES == 0:
         row_floats = v_cache.shape[2] * head_dim
         value = (block * v_cache.shape[1] + j) * row_floats + h * head_dim
         ir_loops.axpy_run(ir_loops.address(s), r * s.shape[1] + off + j, ir_loops.address(v_cache), value, row_floats,
                           head_dim, ir_loops.address(acc), r * head_dim)
-    elif j + RUN <= nv:
-        o = off + j
-        p0, p1, p2, p3 = s[r, o], s[r, o + 1], s[r, o + 2], s[r, o + 3]
-        p4, p5, p6, p7 = s[r, o + 4], s[r, o + 5], s[r, o + 6], s[r, o + 7]
-        for d in range(head_dim):
-            acc[r, d] += ((p0 * v_cache[block, j, h, d] + p1 * v_cache[block, j + 1, h, d])
-                          + (p2 * v_cache[block, j + 2, h, d] + p3 * v_cache[block, j + 3, h, d])
-                          + ((p4 * v_cache[block, j + 4, h, d] + p5 * v_cache[block, j + 5, h, d])
-                             + (p6 * v_cache[block, j + 6, h, d] + p7 * v_cache[block, j + 7, h, d])))
-    else:
-        for jj in range(j, nv):
+    else:  # a partial run, or a head_dim the vector runs do not take: key by key
+        for jj in range(j, min(nv, j + RUN)):
             p = s[r, off + jj]
             for d in range(head_dim):
                 acc[r, d] += p * v_cache[block, jj, h, d]

@@ -340,6 +340,6 @@ def warm_up() -> None:
         _ROTARY(f32(rows, 24)[:, :8].reshape(rows, 2, 4), f32(rows, 2), f32(rows, 2), f32(rows, 2, 4))
         qkv = f32(rows, 24)
         value = qkv[:, 16:].reshape(rows, 2, 4)
-        # the model's key comes out of apply_rotary (a new array); other callers pass the projection's view
-        for key in (f32(rows, 2, 4), qkv[:, 8:16].reshape(rows, 2, 4)):
-            reshape_and_cache(key, value, cache, cache.copy(), np.zeros(rows, dtype=np.int64))
+        # the model's key comes out of apply_rotary (a new array); a caller passing the projection's view
+        # would compile that type at its first call (~0.4 s), which no start-up pays for the model
+        reshape_and_cache(f32(rows, 2, 4), value, cache, cache.copy(), np.zeros(rows, dtype=np.int64))

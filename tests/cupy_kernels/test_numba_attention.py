@@ -50,7 +50,7 @@ def test_random_mixed_batches(group, block_size):
 @pytest.mark.parametrize("head_dim", [8, 16, 24, 128])
 def test_head_dims_on_both_inner_loops(head_dim):
     """Runs of keys take the vector-IR loops (numba_attention_ir) when head_dim is a multiple of its LANES
-    (16 with AVX-512, 8 without) and numba's loops otherwise: both against the reference, and a decode
+    (16 with AVX-512, 8 without) and go key by key otherwise: both against the reference, and a decode
     row the same bits alone as in a batch."""
     rng = np.random.default_rng(head_dim)
     seqs = [(70, 1), (45, 45), (100, 9), (9, 1)]
@@ -78,7 +78,7 @@ from paged_batches import make_batch
 from pagedserve.cupy_kernels import numba_attention as na, numba_attention_ir, paged_attention as pa
 assert numba_attention_ir.LANES == 8, numba_attention_ir.LANES
 rng = np.random.default_rng(0)
-for head_dim in (8, 64, 12):  # runs as 8 or 1 vector pieces; 12: numba's loops
+for head_dim in (8, 64, 12):  # runs as 8 or 1 vector pieces; 12: key by key
     q, k, v, qsl, lens, tables = make_batch(rng, [(70, 1), (45, 45), (600, 3)], 2, 3, head_dim, 16)
     got = na.paged_attention(q, k, v, qsl, lens, tables, 0.125)
     ref = pa.paged_attention(q, k, v, qsl, lens, tables, 0.125)
