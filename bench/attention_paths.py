@@ -1,7 +1,8 @@
 """The numba set's two paged-attention paths for one prefill chunk: the loop nest (numba_attention) and the
 matmul path (numba_prefill; OpenBLAS until the packed GEMM replaced it, hence the "blas" JSON keys), timed
-side by side over chunk sizes and context lengths. Where the matmul path wins sets
-numba_prefill.MIN_TOKENS / MIN_WORK. SmolLM2-135M's shapes (9 query heads, 3 kv heads, head_dim
+side by side over chunk sizes and context lengths (new tokens = context: a whole prompt), --sequences of them
+in one call (16 x 128: a prefill step of bench/throughput.py). Where the matmul path wins sets numba_prefill.MIN_TOKENS and its cost weights
+(LOOP_NEST_PAIR_COST, MATMUL_FIXED_PAIRS). SmolLM2-135M's shapes (9 query heads, 3 kv heads, head_dim
 64, block 16) by default; the pool is larger than the L3 cache and its blocks shuffled, as in a server.
 
 Prints one JSON line per (context, new tokens): milliseconds per layer for each path (median of --reps),
@@ -29,19 +30,21 @@ from pagedserve.cupy_kernels import numba_prefill  # noqa: E402
 from pagedserve.cupy_kernels import numba_setup  # noqa: E402
 
 
-def batch(rng, context: int, new: int, heads: int, kv_heads: int, head_dim: int, block_size: int, pool_blocks: int):
+def batch(rng, context: int, new: int, heads: int, kv_heads: int, head_dim: int, block_size: int, pool_blocks: int,
+          sequences: int = 1):
     k = rng.standard_normal((pool_blocks, block_size, kv_heads, head_dim), dtype=np.float32)
     v = rng.standard_normal((pool_blocks, block_size, kv_heads, head_dim), dtype=np.float32)
-    table = rng.permutation(pool_blocks)[None, : -(-context // block_size)].astype(np.int32)
-    q = rng.standard_normal((new, heads, head_dim), dtype=np.float32)
-    return q, k, v, np.array([0, new], np.int64), np.array([context], np.int64), table
+    blocks = -(-context // block_size)
+    table = rng.permutation(pool_blocks)[: sequences * blocks].reshape(sequences, blocks).astype(np.int32)
+    q = rng.standard_normal((sequences * new, heads, head_dim), dtype=np.float32)
+    return (q, k, v, np.arange(sequences + 1, dtype=np.int64) * new, np.full(sequences, context, np.int64), table)
 
 
 def time_path(args_, invariant: bool, reps: int) -> float:
     """ms per call through the loop nest (invariant) or the matmul path (thresholds lifted)."""
     numba_setup.BATCH_INVARIANT = invariant
-    limits = numba_prefill.MIN_TOKENS, numba_prefill.MIN_WORK
-    numba_prefill.MIN_TOKENS, numba_prefill.MIN_WORK = 2, 0
+    limits = numba_prefill.MIN_TOKENS, numba_prefill.LOOP_NEST_PAIR_COST
+    numba_prefill.MIN_TOKENS, numba_prefill.LOOP_NEST_PAIR_COST = 2, float("inf")
     try:
         na.paged_attention(*args_, 0.125)
         times = []
@@ -52,7 +55,7 @@ def time_path(args_, invariant: bool, reps: int) -> float:
         return float(np.median(times)) * 1e3
     finally:
         numba_setup.BATCH_INVARIANT = False
-        numba_prefill.MIN_TOKENS, numba_prefill.MIN_WORK = limits
+        numba_prefill.MIN_TOKENS, numba_prefill.LOOP_NEST_PAIR_COST = limits
 
 
 def main() -> None:
@@ -61,6 +64,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--pool-mib", type=int, default=256)
+    ap.add_argument("--sequences", type=int, default=1, help="sequences of the same shape in one call")
     args = ap.parse_args()
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     pool_blocks = args.pool_mib * 2**20 // (block_size * kv_heads * head_dim * 4)
@@ -70,10 +74,10 @@ def main() -> None:
         for new in args.new:
             if new > context:
                 continue
-            b = batch(rng, context, new, heads, kv_heads, head_dim, block_size, pool_blocks)
+            b = batch(rng, context, new, heads, kv_heads, head_dim, block_size, pool_blocks, args.sequences)
             nest, blas = time_path(b, True, args.reps), time_path(b, False, args.reps)
             routed = bool(numba_prefill.takes_matmul_path(np.array([new]), np.array([context]))[0])
-            print(json.dumps({"context": context, "new_tokens": new, "ms_loop_nest": round(nest, 3),
+            print(json.dumps({"context": context, "new_tokens": new, "sequences": args.sequences, "ms_loop_nest": round(nest, 3),
                               "ms_blas_path": round(blas, 3), "blas_faster": blas < nest, "routed_to_blas": routed,
                               "sgemm_gflops": round(gflops, 1), "machine": machine(), "loadavg": loadavg()}),
                   flush=True)

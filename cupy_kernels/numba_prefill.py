@@ -39,11 +39,17 @@ from .numba_gemm import PANEL, matmul_into
 from .numba_ops import fast_exp2, row_max
 from .numba_setup import JIT, JIT_EXACT, apply_threads, numba
 
-# A sequence's chunk takes this path when it has at least MIN_TOKENS new tokens and its (new tokens x
-# context) work is at least MIN_WORK: below that the loop nest is as fast (measured on 2 cores, SmolLM2
-# shapes, bench/attention_paths.py) and small matmuls only pay the calls' overheads.
+# A sequence's chunk takes this path when it has at least MIN_TOKENS new tokens and the loop nest would cost
+# more. The loop nest computes only the (query token, key) pairs a token sees, n (L - (n - 1) / 2) for n new
+# tokens over a context of L; the matmuls compute the whole n x L rectangle (the masked half of a prompt's
+# own keys included) but at a better rate, plus a cost per sequence (gather, calls). Measured on 2 cores
+# with SmolLM2's shapes (bench/attention_paths.py, docs/benchmarks.md): ~40 ns a seen pair in the loop nest,
+# ~21 ns a rectangle pair in the matmuls (~30 for small ones) and ~0.4 ms per sequence. So a whole prompt
+# (L = n) stays in the loop nest up to ~2,048 tokens (16 prompts of 128: 5.5 against 12.0 ms a layer), and
+# a chunk deep in a long context (240 new over 4,000) takes the matmuls (22 against 29 ms).
 MIN_TOKENS = 16
-MIN_WORK = 16 * 128
+LOOP_NEST_PAIR_COST = 1.9  # a seen pair in the loop nest, in rectangle pairs of the matmul path
+MATMUL_FIXED_PAIRS = 20_000  # the matmul path's cost per sequence, in rectangle pairs
 # Query rows (token, group head) per score tile: at most ROW_TILE, and fewer for long contexts so a tile's
 # scores (rows x context x 4 B) stay within TILE_BYTES, in the L3 cache between the three steps. One
 # tile per kv head for bench/jitter.py's 240-token chunks (720 rows x 4,000 keys = 11 MB).
@@ -76,8 +82,11 @@ _SOFTMAX = numba.njit(parallel=True, **JIT)(_masked_softmax_rows)
 
 
 def takes_matmul_path(num_new: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
-    """Which sequences of a batch this path computes: long chunks, by their own sizes only."""
-    return (num_new >= MIN_TOKENS) & (num_new * seq_lens >= MIN_WORK)
+    """Which sequences of a batch this path computes, by their own sizes only (never the batch's): chunks of
+    at least MIN_TOKENS new tokens whose seen pairs would cost the loop nest more than the rectangle costs
+    the matmuls."""
+    seen = num_new * (seq_lens - (num_new - 1) / 2)
+    return (num_new >= MIN_TOKENS) & (LOOP_NEST_PAIR_COST * seen > num_new * seq_lens + MATMUL_FIXED_PAIRS)
 
 
 def _gather_panels(k_cache, v_cache, block_table, context_len, kp, vp):

@@ -30,8 +30,10 @@ def close_to_reference(batch, got):
 
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_long_chunks_match_the_reference(group, block_size):
-    """Whole prompts and chunks late in a long context, with row tiles that split the chunk unevenly."""
+def test_long_chunks_match_the_reference(group, block_size, monkeypatch):
+    """Whole prompts and chunks late in a long context, with row tiles that split the chunk unevenly (all on
+    the matmul path, whatever its cost against the loop nest)."""
+    monkeypatch.setattr(npf, "LOOP_NEST_PAIR_COST", 100.0)
     rng = np.random.default_rng(group * 10 + block_size)
     seqs = [(300, 300), (700, 45), (460, 133)]
     batch = make_batch(rng, seqs, num_kv=2, group=group, head_dim=64, block_size=block_size)
@@ -54,16 +56,16 @@ def test_a_mixed_batch_routes_each_sequence_and_matches():
     seqs = [(40, 1), (1000, 64), (90, 90), (5, 0), (333, 1), (640, 200), (20, 7), (100, 15), (40, 40)]
     batch = make_batch(rng, seqs, num_kv=3, group=3, head_dim=64, block_size=16)
     routed = npf.takes_matmul_path(np.diff(batch[3]), batch[4])
-    assert routed.tolist() == [False, True, True, False, False, True, False, False, False]
+    assert routed.tolist() == [False, True, False, False, False, True, False, False, False]
     close_to_reference(batch, na.paged_attention(*batch, 0.125))
 
 
 def test_batch_invariant_bit_for_bit_on_both_paths():
     """A sequence's rows are the same bits alone as in a batch, on either path."""
     rng = np.random.default_rng(5)
-    seqs = [(800, 120), (40, 1), (300, 300), (100, 23)]
+    seqs = [(800, 120), (40, 1), (300, 300), (2000, 23), (100, 23)]
     batch = make_batch(rng, seqs, num_kv=3, group=3, head_dim=64, block_size=16)
-    assert npf.takes_matmul_path(np.diff(batch[3]), batch[4]).tolist() == [True, False, True, True]
+    assert npf.takes_matmul_path(np.diff(batch[3]), batch[4]).tolist() == [True, False, False, True, False]
     assert_each_alone_equals_together(na.paged_attention, batch)
 
 
@@ -83,7 +85,8 @@ def test_batch_invariant_mode_runs_long_chunks_through_the_loop_nest(monkeypatch
 def test_the_workspace_is_reused_and_grows(monkeypatch):
     monkeypatch.setattr(npf, "_local", threading.local())  # a fresh thread's workspace
     rng = np.random.default_rng(7)
-    small = make_batch(rng, [(200, 200)], num_kv=1, group=2, head_dim=64, block_size=16)
+    small = make_batch(rng, [(400, 200)], num_kv=1, group=2, head_dim=64, block_size=16)
+    assert npf.takes_matmul_path(np.diff(small[3]), small[4]).all()
     query = small[0].copy()
     close_to_reference(small, na.paged_attention(*small, 0.125))
     np.testing.assert_array_equal(small[0], query)  # one kv head: a tile's rows are a view; never scaled in place
@@ -128,3 +131,14 @@ def test_prefill_runs_the_gemm_compiled_for_the_model_weights():
     numba_gemm.warm_up()
     npf.warm_up()
     assert [sig[1].mutable for sig in numba_gemm.matmul_into.signatures] == [False]
+
+
+def test_the_route_weighs_seen_pairs_against_the_rectangle():
+    """Where bench/attention_paths.py measured each path faster (docs/benchmarks.md, 2026-12-01): whole
+    prompts up to 2,048 tokens and short chunks stay in the loop nest (it skips the masked pairs); chunks
+    deep in a longer context take the matmuls; fewer than MIN_TOKENS new tokens never do."""
+    loop_nest = [(128, 128), (256, 128), (256, 256), (512, 512), (1024, 1024), (32, 32), (4000, 8)]
+    matmuls = [(384, 128), (512, 256), (1024, 512), (2048, 1024), (1024, 64), (4000, 16), (4000, 240)]
+    cases = loop_nest + matmuls
+    routed = npf.takes_matmul_path(np.array([n for _, n in cases]), np.array([L for L, _ in cases]))
+    assert routed.tolist() == [False] * len(loop_nest) + [True] * len(matmuls)

@@ -37,6 +37,7 @@ def signatures():
             for sig in getattr(m, name).signatures}
 
 warm = signatures()
+assert numba_prefill.takes_matmul_path(np.array([64]), np.array([1000])).all()  # the second step's route
 # weights converted in memory, the weight cache's read-only maps, GGUF blocks of both kinds (numba_quant)
 for read_only, qtype in ((False, None), (True, None), (False, "Q4_1"), (True, "Q8_0")):
     cfg, weights = random_model(layers=2, heads=6, kv_heads=2, head_dim=16, hidden=96)
@@ -48,7 +49,8 @@ for read_only, qtype in ((False, None), (True, None), (False, "Q4_1"), (True, "Q
     model = LlamaForCausalLM(cfg, weights, backend)
     assert (model.quantized_matmuls > 0) == bool(qtype)
     kv = allocate_kv_caches(cfg, 64, 16, backend)
-    steps = [[SeqChunk([t % 90 + 1 for t in range(299)], 0, list(range(19)), 1)],  # long prompt: BLAS prefill path
+    steps = [[SeqChunk([t % 90 + 1 for t in range(299)], 0, list(range(19)), 1)],  # a whole prompt: the loop nest
+             [SeqChunk([t % 90 + 1 for t in range(64)], 936, list(range(63)), 1)],  # deep in a context: matmul path
              [SeqChunk([5], 299, list(range(19)), 1)],                    # one decode (one row)
              [SeqChunk([7, 8, 9], 0, [20], 1), SeqChunk([6], 300, list(range(19)), 1)]]  # prefill + decode
     for chunks in steps:
