@@ -63,6 +63,16 @@ def test_silu_and_mul(rows):
     np.testing.assert_allclose(got, ref, rtol=8 * EPS, atol=1e-30)
 
 
+def test_silu_and_mul_is_the_same_bits_on_one_thread_or_all(monkeypatch):
+    """From SILU_PARALLEL_MIN_ROWS rows SiLU shares its rows over the threads: the same compiled code per row,
+    so the same bits as on one thread."""
+    x = (np.random.default_rng(9).standard_normal((40, 2 * 700)) * 6).astype(np.float32)
+    assert x.shape[0] >= nb.SILU_PARALLEL_MIN_ROWS
+    shared = nb.silu_and_mul(x)
+    monkeypatch.setattr(nb, "SILU_PARALLEL_MIN_ROWS", 10**9)
+    np.testing.assert_array_equal(nb.silu_and_mul(x), shared)
+
+
 @pytest.mark.parametrize("rows,vocab", [(0, 9), (1, 1), (1, 49152), (3, 1000), (5, 4 * nb.LOGSUMEXP_PARALLEL_MIN // 5 + 7)])
 @pytest.mark.parametrize("given_max", [False, True])
 def test_logsumexp_rows(rows, vocab, given_max):
