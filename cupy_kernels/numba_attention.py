@@ -319,10 +319,15 @@ def _scan(query_start_loc, seq_lens, block_tables, num_tokens, num_blocks, block
     return 0, macs, most
 
 
-def _check(query, k_cache, query_start_loc, seq_lens, block_tables) -> tuple[int, int]:
-    """What the compiled loop trusts (it reads the pool without bounds checks), checked in O(batch); returns
-    (the sum over sequences of context length x new tokens, the most new tokens of a sequence)."""
-    num_seqs = seq_lens.shape[0]
+def _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> tuple[int, int]:
+    """What the compiled loop trusts (it reads the pool without bounds checks, and _chunk_address keys its
+    machine code by dtypes alone), checked in O(batch); returns (the sum over sequences of context length x
+    new tokens, the most new tokens of a sequence)."""
+    if query.ndim != 3 or k_cache.ndim != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged_attention: query {query.shape} must be [tokens, heads, head_dim] and the key and "
+                         f"value caches {k_cache.shape}, {v_cache.shape} one [blocks, block_size, kv_heads, "
+                         "head_dim] shape")
+    num_seqs = seq_lens.shape[0] if seq_lens.ndim == 1 else -1
     if query_start_loc.shape != (num_seqs + 1,) or block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"paged_attention: query_start_loc {query_start_loc.shape}, seq_lens {seq_lens.shape} and "
                          f"block_tables {block_tables.shape} disagree on the number of sequences")
@@ -352,7 +357,7 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     query_start_loc = np.asarray(query_start_loc, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     block_tables = np.asarray(block_tables)
-    macs, most_new = _check(query, k_cache, query_start_loc, seq_lens, block_tables)
+    macs, most_new = _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     num_tokens, num_heads, head_dim = query.shape
     out = np.empty((num_tokens, num_heads, head_dim), dtype=_F32)
     if num_tokens == 0:

@@ -160,8 +160,16 @@ def test_bad_metadata_is_refused_before_reading_the_pool():
         na.paged_attention(q2, k2, v2, qsl2, lens2, bad, 0.125)
     with pytest.raises(ValueError, match="integers"):
         na.paged_attention(q2, k2, v2, qsl2, lens2, tables2.astype(np.float32), 0.125)
+    # shapes the compiled code was not built for (its machine code is keyed by dtypes alone), or a value
+    # cache smaller than the key cache: refused, never read
+    with pytest.raises(ValueError, match="one .blocks, block_size, kv_heads, head_dim. shape"):
+        na.paged_attention(q2, k2, v2[:-1], qsl2, lens2, tables2, 0.125)
+    with pytest.raises(ValueError, match="must be .tokens, heads, head_dim."):
+        na.paged_attention(q2, k2[None], v2[None], qsl2, lens2, tables2, 0.125)
+    with pytest.raises(ValueError, match="disagree on the number of sequences"):
+        na.paged_attention(q2, k2, v2, qsl2, lens2[:, None], tables2, 0.125)
     # what the checks return: sum of context x new tokens, and the most new tokens of a sequence
-    assert na._check(q2, k2, qsl2.astype(np.int64), lens2.astype(np.int64), tables2) == (20 * 4 + 9 * 2, 4)
+    assert na._check(q2, k2, v2, qsl2.astype(np.int64), lens2.astype(np.int64), tables2) == (20 * 4 + 9 * 2, 4)
 
 
 def test_thread_count_changes_nothing(monkeypatch):

@@ -74,7 +74,7 @@ import numpy as np
 from pagedserve.cupy_kernels import numba_attention, paged_attention
 from pagedserve.cupy_kernels.kernel_set import numba_kernels
 from pagedserve.cupy_kernels.numba_setup import compile_aside
-ops = numba_kernels()  # the child compiles the attention loop nest while this process compiles the rest
+ops = numba_kernels()  # the child compiles attention and the prefill kernels while this process compiles the rest
 assert compile_aside(numba_attention._ATTENTION) is None  # the cache is now filled
 rng = np.random.default_rng(0)
 k = rng.standard_normal((8, 16, 2, 16)).astype(np.float32)
@@ -93,6 +93,7 @@ def test_an_empty_cache_compiles_attention_aside_and_loads_it(tmp_path):
                           timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-3000:]
     assert list(tmp_path.rglob("numba_attention._attention_chunks-*.nbi"))
+    assert list(tmp_path.rglob("numba_prefill._gather_panels-*.nbi"))
 
 
 def test_a_failed_child_only_costs_time(tmp_path, capsys):
