@@ -100,24 +100,28 @@ def _work_items(query_start_loc, seq_lens, q_tile, num_chunks):
 
 
 @intrinsic
-def _prefetch(typingctx, arr, index):
-    """Ask the CPU to start loading the cache line of flat element `index` of a C-contiguous array (a hint:
-    never faults, changes no value). The hardware prefetcher follows a stream within a block, but blocks
-    lie anywhere in the pool; fetching the next block while this one is computed doubled the decode rate
-    on pools larger than the L3 cache."""
+def _prefetch(typingctx, address, index):
+    """Ask the CPU to start loading the cache line of float32 element `index` of the array at `address`
+    (numba_attention_ir.address; a hint: never faults, changes no value). The hardware prefetcher follows a
+    stream within a block, but blocks lie anywhere in the pool; fetching the next block while this one is
+    computed doubled the decode rate on pools larger than the L3 cache."""
+    if not (isinstance(address, types.Integer) and isinstance(index, types.Integer)):
+        return None
+
     def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+        at = [context.cast(builder, v, t, types.intp) for v, t in zip(args, signature.args)]
+        data = builder.inttoptr(at[0], ir.FloatType().as_pointer())
+        ptr = builder.bitcast(builder.gep(data, [at[1]]), ir.IntType(8).as_pointer())
         i32 = ir.IntType(32)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]),
                                             "llvm.prefetch.p0i8")
         builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, keep, data
         return context.get_dummy_value()
-    return types.none(arr, types.intp), codegen
+    return types.none(address, index), codegen
 
 
 @numba.njit(inline="always", **JIT)
-def _prefetch_part(cache, block, row, row_floats, block_size, part, part_floats):
+def _prefetch_part(cache_address, block, row, row_floats, block_size, part, part_floats):
     """Prefetch part `part` (part_floats floats, a multiple of 16) of token rows row .. row + RUN - 1 of
     `block` (each row: all kv heads, row_floats contiguous floats), one hint per 64-byte line. The hints
     are spread over the run's work, one part per query head's share of it: issued as one burst per run,
@@ -126,7 +130,7 @@ def _prefetch_part(cache, block, row, row_floats, block_size, part, part_floats)
     base = (block * block_size + row) * row_floats
     end = min(RUN, block_size - row) * row_floats
     for off in range(part * part_floats, min((part + 1) * part_floats, end), 16):
-        _prefetch(cache, base + off)
+        _prefetch(cache_address, base + off)
 
 
 @numba.njit(inline="always", **JIT)
@@ -175,6 +179,7 @@ def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, bloc
     row_floats = num_kv_heads * head_dim
     block_floats = block_size * row_floats
     segment_blocks = K_SEGMENT // block_size
+    k_address, v_address = ir_loops.address(k_cache), ir_loops.address(v_cache)  # for the prefetch hints
     # A run's prefetch hints are issued in num_heads parts (one per query head's work), whole lines each.
     part_floats = (RUN * row_floats + 16 * num_heads - 1) // (16 * num_heads) * 16
     # Scratch for the whole chunk, allocated once: rows are (token, query head) of one item.
@@ -212,11 +217,11 @@ def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, bloc
             # in order; the next block's rows are prefetched as this block's are read.
             for b in range(b0, b1):
                 block, off = block_tables[seq, b], (b - b0) * block_size
-                ahead, ahead_cache = -1, k_cache  # the block PREFETCH_BLOCKS ahead in this chunk's reads
+                ahead, ahead_address = -1, k_address  # the block PREFETCH_BLOCKS ahead in this chunk's reads
                 if b + PREFETCH_BLOCKS < b1:
                     ahead = block_tables[seq, b + PREFETCH_BLOCKS]
                 elif b + PREFETCH_BLOCKS - b1 < b1 - b0:
-                    ahead, ahead_cache = block_tables[seq, b0 + b + PREFETCH_BLOCKS - b1], v_cache
+                    ahead, ahead_address = block_tables[seq, b0 + b + PREFETCH_BLOCKS - b1], v_address
                 n = min(block_size, k1 - k0 - off)
                 for j in range(0, n, RUN):
                     for h in range(num_kv_heads):
@@ -225,7 +230,7 @@ def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, bloc
                             r0 = (t - t0) * num_heads + h * group
                             for r in range(r0, r0 + group):
                                 if t == t1 - 1 and ahead >= 0:  # the last token sees the whole run
-                                    _prefetch_part(ahead_cache, ahead, j, row_floats, block_size,
+                                    _prefetch_part(ahead_address, ahead, j, row_floats, block_size,
                                                    r - r0 + h * group, part_floats)
                                 _scores(q, s, k_cache, r, block, h, off, j, nv, head_dim)
             # Softmax over the segment, rescaling what earlier segments summed (online softmax).
@@ -249,13 +254,13 @@ def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, bloc
             # acc += P . V over the segment, in the same order.
             for b in range(b0, b1):
                 block, off = block_tables[seq, b], (b - b0) * block_size
-                ahead, ahead_cache, x = -1, v_cache, b + PREFETCH_BLOCKS - b1
+                ahead, ahead_address, x = -1, v_address, b + PREFETCH_BLOCKS - b1
                 if x < 0:
                     ahead = block_tables[seq, b + PREFETCH_BLOCKS]
                 elif b1 < num_blocks:  # the next segment's K
-                    ahead, ahead_cache = block_tables[seq, min(b1 + x, num_blocks - 1)], k_cache
+                    ahead, ahead_address = block_tables[seq, min(b1 + x, num_blocks - 1)], k_address
                 elif x < next_blocks:  # the K of the chunk's next item
-                    ahead, ahead_cache = block_tables[next_seq, x], k_cache
+                    ahead, ahead_address = block_tables[next_seq, x], k_address
                 n = min(block_size, k1 - k0 - off)
                 for j in range(0, n, RUN):
                     for h in range(num_kv_heads):
@@ -264,7 +269,7 @@ def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, bloc
                             r0 = (t - t0) * num_heads + h * group
                             for r in range(r0, r0 + group):
                                 if t == t1 - 1 and ahead >= 0:
-                                    _prefetch_part(ahead_cache, ahead, j, row_floats, block_size,
+                                    _prefetch_part(ahead_address, ahead, j, row_floats, block_size,
                                                    r - r0 + h * group, part_floats)
                                 _accumulate(s, acc, v_cache, r, block, h, off, j, nv, head_dim)
         for r in range(rows):

@@ -21,8 +21,8 @@ RUN products, written ((p0 v0 + p1 v1) + (p2 v2 + p3 v3)) + ((p4 v4 + p5 v5) + (
 (numba's fastmath flags, which the attention kernels compile with, let LLVM reorder that sum once, at
 compile time).
 LANES is 16 with AVX-512 (one register) and 8 without (8 keys' 16-lane sums, two registers each, would
-take all 16 of AVX2's). Both need head_dim to be a multiple of LANES; the loop nest takes its numba
-loops otherwise.
+take all 16 of AVX2's). Both need head_dim to be a multiple of LANES; the loop nest goes key by key
+otherwise. The loop nest's prefetch hints take the pool by `address` too.
 """
 from __future__ import annotations
 
