@@ -80,13 +80,13 @@ class ShmSegment:
         return cls(p, shape, dtype, owner=False)
 
     def close(self) -> None:
-        """Unmap; the owner (receiver) also unlinks. Safe to call twice."""
-        if self._mmap is not None:
-            self.array = None
-            try:
-                self._mmap.close()
-            except BufferError:  # a view is still alive somewhere; the mapping goes with it
-                pass
-            self._mmap = None
+        """Drop this segment's mapping; the owner (receiver) also unlinks the file. Safe to call twice.
+
+        The mapping is not closed here: numpy arrays over an mmap keep the mmap object alive but hold no
+        buffer export, so mmap.close() would unmap memory an array still points at. The engine thread may
+        be copying blocks into `array` (the prefill sink) when a cancelled call closes its segment on the
+        event loop; unmapping then was a segfault. The mapping goes when the last array over it does."""
+        self.array = None
+        self._mmap = None
         if self.owner:
             self.path.unlink(missing_ok=True)

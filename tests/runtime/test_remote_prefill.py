@@ -6,6 +6,9 @@ outputs equal a colocated engine's, only missing blocks move, faults free every 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -200,6 +203,26 @@ def test_shm_segment_is_ours_only_and_unlinked_by_its_owner(tmp_path):
     finally:
         seg.close()
     assert not seg.path.exists()
+
+
+def test_shm_segment_close_leaves_live_arrays_mapped():
+    """The prefill sink may still be copying into a segment's array (engine thread) when a cancelled call
+    closes the segment (event loop). Closing must not unmap memory an array points at: before the fix
+    this wrote to an unmapped page and killed the process with SIGSEGV, so it runs in a child."""
+    code = """if True:
+        import gc
+        from pagedserve.runtime.kv_shm import ShmSegment
+        seg = ShmSegment.create((64, 1024), "float32")
+        sender = ShmSegment.open(str(seg.path), (64, 1024), "float32")
+        out = sender.array          # what the sink holds while it copies
+        sender.close(); seg.close()  # the call is cancelled; the receiver unlinks
+        gc.collect()
+        out[:] = 3.0                 # the copy goes on
+        print(float(out.sum()))
+    """
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stdout.split() == [str(3.0 * 64 * 1024)]
 
 
 def test_chunk_checksums_cover_every_byte():
