@@ -42,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 import plots  # noqa: E402
-from serve import ServerProcess  # noqa: E402
+from serve import ServerProcess, server_env  # noqa: E402
 
 NAME = "disagg"
 CLAIM = {"text": "prefill and decode on separate instances keep running streams' inter-token latency "
@@ -74,7 +74,8 @@ class Server(ServerProcess):
             cmd += ["--model", model]
         self._log = open(self.log_path, "wb")
         self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=pinned(cores))
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=pinned(cores),
+                                     env=server_env())
 
 
 def start_config(tmp: Path, args: argparse.Namespace, kind: str, chunked: bool) -> tuple[list[Server], str]:
@@ -94,6 +95,12 @@ def start_config(tmp: Path, args: argparse.Namespace, kind: str, chunked: bool) 
                      "--kv-transport", kind.removeprefix("disagg_"), "--prefill-timeout", "600"], {CORES[1]})
     decode.wait_serving(300)
     return [prefill, decode], decode.socket
+
+
+def report_servers(servers: list[Server]) -> None:
+    """The run failed: each server's exit status and log tail to stderr (the folder is deleted after)."""
+    for srv in servers:
+        print(srv.post_mortem(), file=sys.stderr)
 
 
 def _stream(socket: str, prompt: list[int], max_tokens: int, times: list[float], stop: threading.Event) -> None:
@@ -216,6 +223,9 @@ def leak_check(tmp: Path, args: argparse.Namespace, vocab: int) -> dict:
                 "remote_prefills": decode.remote_prefills, "local_prefill_fallbacks": decode.local_prefill_fallbacks,
                 "kv_blocks_received": decode.kv_blocks_received, "kv_blocks_sent": prefill.kv_blocks_sent,
                 "kv_blocks_used_after": {"prefill": prefill.kv_blocks_used, "decode": decode.kv_blocks_used}}
+    except Exception:
+        report_servers(servers)
+        raise
     finally:
         for srv in servers:
             srv.stop()
@@ -239,6 +249,9 @@ def run(args: argparse.Namespace) -> dict:
             servers, socket = start_config(folder, args, kind, chunked)
             try:
                 results[key] = {"kind": kind, "chunked_prefill": chunked, **run_load(socket, args, vocab, seed=i)}
+            except Exception:
+                report_servers(servers)
+                raise
             finally:
                 codes = [s.stop() for s in servers]
             results[key]["exit_codes"] = codes

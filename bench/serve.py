@@ -42,6 +42,12 @@ CLAIM = {"text": "latency SLOs held under load (TTFT and TPOT targets), prefix c
          "note": "no single number is claimed; the SLOs below are this benchmark's targets"}
 
 
+def server_env() -> dict[str, str]:
+    """This process's environment, plus a crashed server leaving every thread's Python traceback in its log
+    (as the systemd unit's servers do)."""
+    return {**os.environ, "PYTHONFAULTHANDLER": "1"}
+
+
 class ServerProcess:
     """`pagedserve serve` on a unix socket in `tmp`, its log in tmp/server.log."""
 
@@ -54,7 +60,7 @@ class ServerProcess:
             cmd += ["--model", model]
         self._log = open(self.log_path, "wb")
         self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=server_env())
 
     def wait_serving(self, timeout: float) -> float:
         from pagedserve.sidecar.client import PagedServeClient, PagedServeError
@@ -81,6 +87,10 @@ class ServerProcess:
         if not self._log.closed:
             self._log.flush()
         return self.log_path.read_text(errors="replace")
+
+    def post_mortem(self) -> str:
+        """For a benchmark that failed: this server's exit status (None: still running) and its log's tail."""
+        return f"server {self.socket}: exit status {self.proc.poll()}; log tail:\n{self.log()[-3000:]}"
 
     def stop(self, timeout: float = 30.0) -> int | None:
         if self.proc.poll() is None:

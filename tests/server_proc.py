@@ -24,7 +24,8 @@ class ServerProcess:
                "--kv-cache-memory-bytes", str(64 << 20), *args]
         if model is not None:
             cmd += ["--model", model]
-        full_env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", **(env or {})}
+        # PYTHONFAULTHANDLER: a crash leaves every thread's Python traceback in the log.
+        full_env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
 
