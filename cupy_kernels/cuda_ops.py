@@ -445,6 +445,13 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     )
 
 
+def rotary_and_cache(query, key, value, cos, sin, k_cache, v_cache, slot_mapping):
+    """paged_attention.rotary_and_cache: apply_rotary and reshape_and_cache, each its own kernel here (a
+    launch costs microseconds, not the CPU's cold-cache call)."""
+    reshape_and_cache(apply_rotary(key, cos, sin), value, k_cache, v_cache, slot_mapping)
+    return apply_rotary(query, cos, sin)
+
+
 def copy_blocks(kv_caches, block_mapping) -> None:
     """Copy whole blocks src -> dst in every layer's K and V, with numpy's semantics: every source is
     read before any destination is written (kv_cache_manager.take_pending_copies documents a block

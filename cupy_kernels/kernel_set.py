@@ -24,7 +24,7 @@ from . import ops, paged_attention
 
 # The op names every kernel set provides, in the order of a forward pass.
 OP_NAMES = ("embedding", "linear", "pack_weight", "rms_norm", "add_rms_norm", "rope_cos_sin", "apply_rotary", "silu_and_mul",
-            "reshape_and_cache", "copy_blocks", "paged_attention", "logsumexp_rows")
+            "reshape_and_cache", "rotary_and_cache", "copy_blocks", "paged_attention", "logsumexp_rows")
 
 CPU_KERNEL_SETS = ("auto", "numba", "numpy")
 
@@ -41,6 +41,7 @@ class KernelSet:
     apply_rotary: Callable[..., Any]
     silu_and_mul: Callable[..., Any]
     reshape_and_cache: Callable[..., Any]
+    rotary_and_cache: Callable[..., Any]  # apply_rotary on q and k + reshape_and_cache: one call a layer
     copy_blocks: Callable[..., Any]
     paged_attention: Callable[..., Any]
     logsumexp_rows: Callable[..., Any]  # the sampler's (runtime/sampler.py)
@@ -103,7 +104,7 @@ def _device_only(fn: Callable[..., Any], arg: int, op: str) -> Callable[..., Any
 
 # Which argument must be a device array for each CUDA op (the data, not the host metadata).
 _DEVICE_ARG = {"embedding": 0, "linear": 0, "rms_norm": 0, "add_rms_norm": 0, "rope_cos_sin": 1,
-               "apply_rotary": 0, "silu_and_mul": 0, "reshape_and_cache": 0, "copy_blocks": 0,
+               "apply_rotary": 0, "silu_and_mul": 0, "reshape_and_cache": 0, "rotary_and_cache": 0, "copy_blocks": 0,
                "paged_attention": 0, "logsumexp_rows": 0}
 
 

@@ -291,6 +291,60 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     _reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
+@numba.njit(**JIT_EXACT)
+def _rotary_and_cache(query, key, value, cos, sin, k_cache, v_cache, slot_mapping, out):
+    """Serial: a step's rotations are ~12 x head_dim products a token (microseconds even for a 256-token
+    chunk, against its matmuls' hundreds of ms), and a parallel kernel of this compiled 1.4-2.4 s a layout
+    against 0.3-0.5 (and costs ~1 us more a call on one thread)."""
+    half = query.shape[2] // 2
+    block_size = k_cache.shape[1]
+    for t in range(query.shape[0]):
+        c, s = cos[t], sin[t]
+        for h in range(query.shape[1]):  # the arithmetic of _rotary_rows: the same bits as apply_rotary
+            xr, o = query[t, h], out[t, h]
+            for i in range(half):
+                x1, x2 = xr[i], xr[i + half]
+                o[i] = x1 * c[i] - x2 * s[i]
+                o[i + half] = x2 * c[i] + x1 * s[i]
+        slot = slot_mapping[t]
+        if slot < 0:
+            continue
+        b, r = slot // block_size, slot % block_size
+        for h in range(key.shape[1]):  # the rotated key goes straight into its slot
+            xr, o, vd, vs = key[t, h], k_cache[b, r, h], v_cache[b, r, h], value[t, h]
+            for i in range(half):
+                x1, x2 = xr[i], xr[i + half]
+                o[i] = x1 * c[i] - x2 * s[i]
+                o[i + half] = x2 * c[i] + x1 * s[i]
+            for d in range(key.shape[2]):
+                vd[d] = vs[d]
+
+
+def rotary_and_cache(query, key, value, cos, sin, k_cache, v_cache, slot_mapping) -> np.ndarray:
+    """paged_attention.rotary_and_cache in one compiled pass (apply_rotary on query and key, reshape_and_cache
+    of the rotated key and the value) with the same bits. query/key/value may be strided views of qkv."""
+    if not (query.dtype == key.dtype == value.dtype == k_cache.dtype == v_cache.dtype == _F32):
+        from . import paged_attention
+
+        return paged_attention.rotary_and_cache(query, key, value, cos, sin, k_cache, v_cache, slot_mapping)
+    t, heads, head_dim = query.shape
+    # The loop trusts these shapes (no bounds checks): check them, at the cost of a tuple compare each.
+    if (key.shape != value.shape or key.shape[0] != t or key.shape[2] != head_dim or head_dim % 2
+            or k_cache.shape != v_cache.shape or k_cache.shape[2:] != key.shape[1:]
+            or cos.shape != sin.shape or cos.shape[0] < t or cos.shape[1] < head_dim // 2):
+        raise ValueError(f"rotary_and_cache: query {query.shape}, key {key.shape}, value {value.shape}, cos "
+                         f"{cos.shape}, sin {sin.shape} and caches {k_cache.shape}, {v_cache.shape} do not fit")
+    slot_mapping = np.asarray(slot_mapping, dtype=np.int64)
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if slot_mapping.shape != (t,):
+        raise ValueError(f"rotary_and_cache: slot_mapping {slot_mapping.shape} for {t} tokens")
+    if t and int(slot_mapping.max()) >= num_slots:
+        raise IndexError(f"slot {int(slot_mapping.max())} is outside a cache of {num_slots} slots")
+    out = np.empty(query.shape, dtype=_F32)
+    _rotary_and_cache(query, key, value, cos, sin, k_cache, v_cache, slot_mapping, out)
+    return out
+
+
 def _logsumexp_rows(x, m, has_max, out):
     for b in numba.prange(x.shape[0]):
         row = x[b]
@@ -325,10 +379,12 @@ def logsumexp_rows(x: np.ndarray, row_max: np.ndarray | None = None) -> np.ndarr
 
 
 def warm_up() -> None:
-    """Compile (or load from the cache) every kernel here for each array layout the model passes: q/k/v
+    """Compile (or load from the cache) the kernels the model calls, for each array layout it passes: q/k/v
     are views of the qkv projection, which numpy (and so numba) calls C-contiguous when there is one row
-    and strided otherwise; the rotated key is a new array. A type seen first during a request would
-    compile then (tests/cupy_kernels/test_numba_warm_up.py runs the model and checks that none does)."""
+    and strided otherwise. A type seen first during a request would compile then
+    (tests/cupy_kernels/test_numba_warm_up.py runs the model and checks that none does). apply_rotary and
+    reshape_and_cache, which the model no longer calls (rotary_and_cache does both), compile at their
+    first call."""
     f32 = lambda *shape: np.ones(shape, dtype=_F32)  # noqa: E731
     w, eps = f32(8), np.float32(1e-6)
     w.flags.writeable = False  # the model's weights are read-only (LlamaForCausalLM._put)
@@ -339,9 +395,7 @@ def warm_up() -> None:
     logsumexp_rows(f32(2, 8), f32(2))
     cache = np.zeros((2, 4, 2, 4), dtype=_F32)
     for rows in (1, 2):
-        _ROTARY(f32(rows, 24)[:, :8].reshape(rows, 2, 4), f32(rows, 2), f32(rows, 2), f32(rows, 2, 4))
-        qkv = f32(rows, 24)
-        value = qkv[:, 16:].reshape(rows, 2, 4)
-        # the model's key comes out of apply_rotary (a new array); a caller passing the projection's view
-        # would compile that type at its first call (~0.4 s), which no start-up pays for the model
-        reshape_and_cache(f32(rows, 2, 4), value, cache, cache.copy(), np.zeros(rows, dtype=np.int64))
+        qkv = f32(rows, 32)  # 4 query heads, 2 kv heads of 4
+        rotary_and_cache(qkv[:, :16].reshape(rows, 4, 4), qkv[:, 16:24].reshape(rows, 2, 4),
+                         qkv[:, 24:].reshape(rows, 2, 4), f32(rows, 2), f32(rows, 2), cache, cache.copy(),
+                         np.zeros(rows, dtype=np.int64))

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import ops
+
 
 def reshape_and_cache(
     key: np.ndarray,
@@ -38,6 +40,17 @@ def reshape_and_cache(
     v_flat = v_cache.reshape(num_blocks * block_size, *v_cache.shape[2:])
     k_flat[slots] = key[keep]
     v_flat[slots] = value[keep]
+
+
+def rotary_and_cache(query: np.ndarray, key: np.ndarray, value: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                     k_cache: np.ndarray, v_cache: np.ndarray, slot_mapping: np.ndarray) -> np.ndarray:
+    """A layer's step between its qkv projection and its attention: rotate query and key by position
+    (ops.apply_rotary), write the rotated key and the value into the caches at `slot_mapping`
+    (reshape_and_cache), and return the rotated query [T, H, D]. One op, so a compiled kernel set can do it
+    in one call: on the CPU each op's call costs microseconds of cold caches after a layer's weights have
+    streamed through them."""
+    reshape_and_cache(ops.apply_rotary(key, cos, sin), value, k_cache, v_cache, slot_mapping)
+    return ops.apply_rotary(query, cos, sin)
 
 
 def copy_blocks(kv_caches: list[tuple[np.ndarray, np.ndarray]], block_mapping: list[tuple[int, int]]) -> None:

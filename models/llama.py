@@ -234,9 +234,7 @@ class LlamaForCausalLM:
             q = qkv[:, :q_size].reshape(t, self.num_heads, cfg.head_dim)
             k = qkv[:, q_size : q_size + kv_size].reshape(t, self.num_kv_heads, cfg.head_dim)
             v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, cfg.head_dim)
-            q = ops.apply_rotary(q, cos, sin)
-            k = ops.apply_rotary(k, cos, sin)
-            ops.reshape_and_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+            q = ops.rotary_and_cache(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping)  # k rotated, cached
             attn = ops.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
                                        batch.block_tables, self.scale)
             hidden = self.comm.all_reduce(ops.linear(attn.reshape(t, q_size), layer.o_proj, quant=layer.o_proj_q))

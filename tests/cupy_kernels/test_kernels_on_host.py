@@ -235,6 +235,11 @@ def test_reshape_and_cache_on_host(emulated, dtype):
     gpu_tests.test_reshape_and_cache(dtype)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_rotary_and_cache_on_host(emulated, dtype):
+    gpu_tests.test_rotary_and_cache(dtype)
+
+
 def test_copy_blocks_on_host(emulated):
     gpu_tests.test_copy_blocks_all_layers_one_launch()
 
