@@ -551,8 +551,14 @@ def _device_int32(a):
     return cupy.asarray(np.ascontiguousarray(a, dtype=np.int32))
 
 
-def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float):
-    """Unified paged attention over a flat varlen batch: query [T, H, D] float16 -> out [T, H, D].
+def plan_attention(query_shape, cache_shape, query_start_loc, seq_lens, block_tables) -> None:
+    """None: the GPU step's metadata is checked and uploaded once already (models/device_batch.to_device)."""
+    return None
+
+
+def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float, plan=None):
+    """Unified paged attention over a flat varlen batch: query [T, H, D] float16 -> out [T, H, D]. `plan` is
+    plan_attention's None (accepted for the op table's one signature).
 
     One launch of paged_attention_kernel covers prefill chunks and decodes; decodes longer than
     PARTITION_SIZE are split into partitions and combined by a second, small reduce launch.

@@ -24,7 +24,8 @@ from . import ops, paged_attention
 
 # The op names every kernel set provides, in the order of a forward pass.
 OP_NAMES = ("embedding", "linear", "pack_weight", "rms_norm", "add_rms_norm", "rope_cos_sin", "apply_rotary", "silu_and_mul",
-            "reshape_and_cache", "rotary_and_cache", "copy_blocks", "paged_attention", "logsumexp_rows")
+            "reshape_and_cache", "rotary_and_cache", "copy_blocks", "plan_attention", "paged_attention",
+            "logsumexp_rows")
 
 CPU_KERNEL_SETS = ("auto", "numba", "numpy")
 
@@ -43,6 +44,7 @@ class KernelSet:
     reshape_and_cache: Callable[..., Any]
     rotary_and_cache: Callable[..., Any]  # apply_rotary on q and k + reshape_and_cache: one call a layer
     copy_blocks: Callable[..., Any]
+    plan_attention: Callable[..., Any]  # a step's metadata checked once for every layer's paged_attention
     paged_attention: Callable[..., Any]
     logsumexp_rows: Callable[..., Any]  # the sampler's (runtime/sampler.py)
 

@@ -42,6 +42,8 @@ was chunked (a chunk of one token included), or the thread that ran it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from llvmlite import ir
 from numba.core import cgutils, types
@@ -324,91 +326,140 @@ def _scan(query_start_loc, seq_lens, block_tables, num_tokens, num_blocks, block
     return 0, macs, most
 
 
-def _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> tuple[int, int]:
-    """What the compiled loop trusts (it reads the pool without bounds checks, and _chunk_address keys its
-    machine code by dtypes alone), checked in O(batch); returns (the sum over sequences of context length x
-    new tokens, the most new tokens of a sequence)."""
-    if query.ndim != 3 or k_cache.ndim != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"paged_attention: query {query.shape} must be [tokens, heads, head_dim] and the key and "
-                         f"value caches {k_cache.shape}, {v_cache.shape} one [blocks, block_size, kv_heads, "
-                         "head_dim] shape")
-    num_seqs = seq_lens.shape[0] if seq_lens.ndim == 1 else -1
-    if query_start_loc.shape != (num_seqs + 1,) or block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"paged_attention: query_start_loc {query_start_loc.shape}, seq_lens {seq_lens.shape} and "
-                         f"block_tables {block_tables.shape} disagree on the number of sequences")
-    if query.shape[1] % k_cache.shape[2] or query.shape[2] != k_cache.shape[3]:
-        raise ValueError(f"paged_attention: query {query.shape} does not fit a cache of {k_cache.shape}")
-    if block_tables.dtype.kind not in "iu":
-        raise ValueError(f"paged_attention: block_tables must hold integers, not {block_tables.dtype}")
-    code, macs, most = _scan(query_start_loc, seq_lens, block_tables, query.shape[0], k_cache.shape[0],
-                             k_cache.shape[1])
+def _check_shapes(query_shape, cache_shape) -> None:
+    if len(query_shape) != 3 or len(cache_shape) != 4:
+        raise ValueError(f"paged_attention: query {tuple(query_shape)} must be [tokens, heads, head_dim] and the "
+                         f"caches {tuple(cache_shape)} [blocks, block_size, kv_heads, head_dim]")
+    if query_shape[1] % cache_shape[2] or query_shape[2] != cache_shape[3]:
+        raise ValueError(f"paged_attention: query {tuple(query_shape)} does not fit a cache of {tuple(cache_shape)}")
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionPlan:
+    """One step's attention metadata, checked once for all of the model's layers, and the loop nest's work
+    cut from it (plan_attention). Without one, paged_attention makes one at each call: in a one-request
+    decode step that was ~25 us of each layer's ~50 (the checks, the work items, the conversions, in caches
+    the layer's weights have just streamed through). It keeps its own copies of the metadata, so arrays
+    changed after planning cannot make the loop nest read what was not checked, and it serves only calls
+    that pass the same metadata objects and shapes it was made for."""
+    sources: tuple  # the caller's query_start_loc, seq_lens and block_tables (identity)
+    query_start_loc: np.ndarray  # int64 copies, C-contiguous
+    seq_lens: np.ndarray
+    block_tables: np.ndarray  # a C-contiguous copy, its integer dtype kept
+    query_shape: tuple  # (tokens, heads, head_dim)
+    pool: tuple  # (num_blocks, block_size) of the caches it was checked against
+    long_chunks: np.ndarray | None  # sequences numba_prefill's matmul path computes; None when none
+    parallel: bool  # the loop nest on all threads (numba_setup.apply_threads)
+    items: np.ndarray | None  # the loop nest's work over the whole batch (None with long chunks)
+    bounds: np.ndarray | None
+
+
+def plan_attention(query_shape, cache_shape, query_start_loc, seq_lens, block_tables, *, copy: bool = True
+                   ) -> AttentionPlan:
+    """Check a step's metadata against the query and cache shapes (ValueError, or IndexError for a block id
+    outside the pool: what the compiled loop, which reads the pool without bounds checks, trusts) and plan
+    the work. `copy=False`: paged_attention's own throwaway plan, used at once."""
+    _check_shapes(query_shape, cache_shape)
+    sources = (query_start_loc, seq_lens, block_tables)
+    qsl = np.array(query_start_loc, dtype=np.int64, copy=copy or None, order="C")
+    lens = np.array(seq_lens, dtype=np.int64, copy=copy or None, order="C")
+    tables = np.array(block_tables, copy=copy or None, order="C")
+    num_seqs = lens.shape[0] if lens.ndim == 1 else -1
+    if qsl.shape != (num_seqs + 1,) or tables.ndim != 2 or tables.shape[0] != num_seqs:
+        raise ValueError(f"paged_attention: query_start_loc {qsl.shape}, seq_lens {lens.shape} and "
+                         f"block_tables {tables.shape} disagree on the number of sequences")
+    if tables.dtype.kind not in "iu":
+        raise ValueError(f"paged_attention: block_tables must hold integers, not {tables.dtype}")
+    num_tokens, num_heads, head_dim = query_shape
+    code, macs, most_new = _scan(qsl, lens, tables, num_tokens, cache_shape[0], cache_shape[1])
     if code == 1:
         raise ValueError("paged_attention: query_start_loc must rise from 0 to the number of query tokens")
     if code == 2:
         raise ValueError("paged_attention: a sequence's context is shorter than its new tokens or longer than "
                          "its block table")
     if code == 3:
-        raise IndexError(f"paged_attention: a block id is outside the pool of {k_cache.shape[0]} blocks")
-    return int(macs), int(most)
-
-
-def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float) -> np.ndarray:
-    """Unified paged attention over a flat varlen batch: query [T, H, D] -> out [T, H, D] (float32). A cache of
-    another dtype, or one that is not C-contiguous (the vector-IR runs address it as one), takes the numpy
-    reference."""
-    if (query.dtype != _F32 or k_cache.dtype != _F32 or v_cache.dtype != _F32
-            or not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous)):
-        return reference.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
-    query_start_loc = np.asarray(query_start_loc, dtype=np.int64)
-    seq_lens = np.asarray(seq_lens, dtype=np.int64)
-    block_tables = np.asarray(block_tables)
-    macs, most_new = _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
-    num_tokens, num_heads, head_dim = query.shape
-    out = np.empty((num_tokens, num_heads, head_dim), dtype=_F32)
-    if num_tokens == 0:
-        return out
+        raise IndexError(f"paged_attention: a block id is outside the pool of {cache_shape[0]} blocks")
     # numba_setup.BATCH_INVARIANT: every chunk through the loop nest (a row's arithmetic the same whether its
     # prompt came in one chunk or many); by default long chunks take numba_prefill's matmul path (never one
     # of fewer than its MIN_TOKENS new tokens: a step of decodes skips the test).
     long_chunks = None
     if most_new >= prefill.MIN_TOKENS and not numba_setup.BATCH_INVARIANT:
-        num_new = np.diff(query_start_loc)
-        long_chunks = prefill.takes_matmul_path(num_new, seq_lens)
-    if long_chunks is not None and long_chunks.any():
+        chosen = prefill.takes_matmul_path(np.diff(qsl), lens)
+        long_chunks = chosen if chosen.any() else None
+    parallel = int(macs) * num_heads * head_dim * 2 >= PARALLEL_MIN_MACS
+    items = bounds = None
+    if long_chunks is None and num_tokens:
+        threads = apply_threads(parallel)
+        # One thread: one chunk (each chunk allocates its scratch), and no schedule to set (the context ~7 us).
+        items, bounds = _work_items(qsl, lens, Q_TILE, threads * CHUNKS_PER_THREAD if threads > 1 else 1)
+    return AttentionPlan(sources, qsl, lens, tables, tuple(query_shape), tuple(cache_shape[:2]), long_chunks,
+                         parallel, items, bounds)
+
+
+def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float,
+                    plan: AttentionPlan | None = None) -> np.ndarray:
+    """Unified paged attention over a flat varlen batch: query [T, H, D] -> out [T, H, D] (float32). A cache of
+    another dtype, or one that is not C-contiguous (the vector-IR runs address it as one), takes the numpy
+    reference. `plan`: plan_attention's for this step's metadata (the model makes one a step); else one is
+    made here."""
+    if (query.dtype != _F32 or k_cache.dtype != _F32 or v_cache.dtype != _F32
+            or not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous)):
+        return reference.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged_attention: the key and value caches {k_cache.shape}, {v_cache.shape} must have one "
+                         "shape")
+    if plan is None:
+        plan = plan_attention(query.shape, k_cache.shape, query_start_loc, seq_lens, block_tables, copy=False)
+    elif (plan.query_shape != query.shape or plan.pool != k_cache.shape[:2] or plan.sources[0] is not query_start_loc
+          or plan.sources[1] is not seq_lens or plan.sources[2] is not block_tables):
+        raise ValueError(f"paged_attention: the plan was made for other metadata or shapes (query {plan.query_shape}, "
+                         f"pool {plan.pool}; here {query.shape}, {k_cache.shape[:2]})")
+    else:
+        _check_shapes(query.shape, k_cache.shape)  # each layer's own caches
+    query_start_loc, seq_lens, block_tables = plan.query_start_loc, plan.seq_lens, plan.block_tables
+    out = np.empty(query.shape, dtype=_F32)
+    if query.shape[0] == 0:
+        return out
+    long_chunks = plan.long_chunks
+    if long_chunks is not None:
         for i in np.flatnonzero(long_chunks):
             prefill.prefill_sequence(query, k_cache, v_cache, int(query_start_loc[i]), int(query_start_loc[i + 1]),
                                      int(seq_lens[i]), block_tables[i], scale, out)
         rest = np.flatnonzero(~long_chunks)
         if rest.size == 0:
             return out
+        num_new = np.diff(query_start_loc)
         rows = np.concatenate([np.arange(query_start_loc[i], query_start_loc[i + 1]) for i in rest])
         sub_qsl = np.zeros(rest.size + 1, dtype=np.int64)
         np.cumsum(num_new[rest], out=sub_qsl[1:])
         out[rows] = _loop_nest(query[rows], k_cache, v_cache, sub_qsl, seq_lens[rest], block_tables[rest], scale)
         return out
-    return _loop_nest(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out, macs)
+    apply_threads(plan.parallel)
+    _run(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, plan.items, plan.bounds, out)
+    return out
 
 
-def _loop_nest(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out=None, context_macs=None):
-    """The compiled kernel over a whole (checked) batch; `context_macs` is _check's sum when known."""
-    num_tokens, num_heads, head_dim = query.shape
-    if out is None:
-        out = np.empty((num_tokens, num_heads, head_dim), dtype=_F32)
-    if num_tokens == 0:
-        return out
-    if context_macs is None:
-        context_macs = int(np.dot(seq_lens, np.diff(query_start_loc)))
-    macs = context_macs * num_heads * head_dim * 2
-    threads = apply_threads(parallel=macs >= PARALLEL_MIN_MACS)
-    # One thread: one chunk (each chunk allocates its scratch), and no schedule to set (the context ~7 us).
-    items, bounds = _work_items(query_start_loc, seq_lens, Q_TILE, threads * CHUNKS_PER_THREAD if threads > 1 else 1)
+def _run(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, items, bounds, out) -> None:
+    """The compiled kernel over checked metadata and its work cut into chunks (numba's threads already set)."""
     args = (query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, np.float32(scale), items, bounds, out)
     address = _chunk_address(args)
-    if threads == 1:
+    if bounds.shape[0] == 2:  # one chunk: no schedule to set
         _ATTENTION(address, *args)
     else:
         with numba.parallel_chunksize(1):
             _ATTENTION(address, *args)
+
+
+def _loop_nest(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale):
+    """The compiled kernel over a (checked) sub-batch: the sequences a step with long chunks leaves to it."""
+    num_tokens, num_heads, head_dim = query.shape
+    out = np.empty((num_tokens, num_heads, head_dim), dtype=_F32)
+    if num_tokens == 0:
+        return out
+    macs = int(np.dot(seq_lens, np.diff(query_start_loc))) * num_heads * head_dim * 2
+    threads = apply_threads(parallel=macs >= PARALLEL_MIN_MACS)
+    items, bounds = _work_items(query_start_loc, seq_lens, Q_TILE, threads * CHUNKS_PER_THREAD if threads > 1 else 1)
+    _run(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, items, bounds, out)
     return out
 
 

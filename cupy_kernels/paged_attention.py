@@ -18,6 +18,8 @@ seq_len - n + j and sees keys at positions <= its own (causal within the chunk, 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from . import ops
@@ -124,6 +126,14 @@ def _decode_group(query, k_cache, v_cache, rows, seq_lens, block_tables, scale, 
     out[rows] = np.matmul(_softmax_rows(scores), v.transpose(0, 2, 1, 3)).reshape(b, num_heads, head_dim)
 
 
+def plan_attention(query_shape: tuple, cache_shape: tuple, query_start_loc: np.ndarray, seq_lens: np.ndarray,
+                   block_tables: np.ndarray) -> None:
+    """A kernel set's per-step attention plan: the metadata checked once for all layers and the work cut
+    (numba_attention.AttentionPlan), passed to each layer's paged_attention. The reference checks nothing
+    ahead and plans nothing: None."""
+    return None
+
+
 def paged_attention(
     query: np.ndarray,
     k_cache: np.ndarray,
@@ -132,8 +142,10 @@ def paged_attention(
     seq_lens: np.ndarray,
     block_tables: np.ndarray,
     scale: float,
+    plan: Any = None,
 ) -> np.ndarray:
-    """Unified paged attention over a flat varlen batch: query [T, H, D] -> out [T, H, D].
+    """Unified paged attention over a flat varlen batch: query [T, H, D] -> out [T, H, D]. `plan`: what this
+    kernel set's plan_attention returned (None here, and unused).
 
     Grouped-query attention: query head h reads kv head h // (H // KV). Prefill chunks are computed one
     sequence at a time; decodes (one query token) are batched by block count. Either way a sequence's

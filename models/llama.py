@@ -222,6 +222,8 @@ class LlamaForCausalLM:
         batch = to_device(batch, self.backend, int(k0.shape[1]), int(k0.shape[0]), cfg.vocab_size)
         t = batch.num_tokens
         cos, sin = ops.rope_cos_sin(self.inv_freq, batch.positions)
+        plan = ops.plan_attention((t, self.num_heads, cfg.head_dim), tuple(k0.shape), batch.query_start_loc,
+                                  batch.seq_lens, batch.block_tables)  # once a step, not once a layer
         hidden = self._embed(batch.input_ids)
         residual = None
         q_size, kv_size = self.q_size, self.kv_size  # this rank's heads
@@ -236,7 +238,7 @@ class LlamaForCausalLM:
             v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, cfg.head_dim)
             q = ops.rotary_and_cache(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping)  # k rotated, cached
             attn = ops.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
-                                       batch.block_tables, self.scale)
+                                       batch.block_tables, self.scale, plan=plan)
             hidden = self.comm.all_reduce(ops.linear(attn.reshape(t, q_size), layer.o_proj, quant=layer.o_proj_q))
             x, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
             if check:

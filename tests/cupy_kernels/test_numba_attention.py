@@ -15,6 +15,7 @@ from avx2_code import run_as_avx2
 from paged_batches import assert_each_alone_equals_together, make_batch
 
 from pagedserve.cupy_kernels import numba_attention as na
+from pagedserve.cupy_kernels import numba_prefill as prefill
 from pagedserve.cupy_kernels import numba_setup
 from pagedserve.cupy_kernels import paged_attention as pa
 
@@ -162,14 +163,53 @@ def test_bad_metadata_is_refused_before_reading_the_pool():
         na.paged_attention(q2, k2, v2, qsl2, lens2, tables2.astype(np.float32), 0.125)
     # shapes the compiled code was not built for (its machine code is keyed by dtypes alone), or a value
     # cache smaller than the key cache: refused, never read
-    with pytest.raises(ValueError, match="one .blocks, block_size, kv_heads, head_dim. shape"):
+    with pytest.raises(ValueError, match="value caches .* must have one shape"):
         na.paged_attention(q2, k2, v2[:-1], qsl2, lens2, tables2, 0.125)
     with pytest.raises(ValueError, match="must be .tokens, heads, head_dim."):
         na.paged_attention(q2, k2[None], v2[None], qsl2, lens2, tables2, 0.125)
     with pytest.raises(ValueError, match="disagree on the number of sequences"):
         na.paged_attention(q2, k2, v2, qsl2, lens2[:, None], tables2, 0.125)
-    # what the checks return: sum of context x new tokens, and the most new tokens of a sequence
-    assert na._check(q2, k2, v2, qsl2.astype(np.int64), lens2.astype(np.int64), tables2) == (20 * 4 + 9 * 2, 4)
+    # what the plan holds: one work item (sequence, first token, end token) per sequence here, on one thread
+    plan = na.plan_attention(q2.shape, k2.shape, qsl2, lens2, tables2)
+    assert plan.items.tolist() == [[0, 0, 4], [1, 0, 2]] and plan.bounds.tolist() == [0, 2] and not plan.parallel
+    assert plan.long_chunks is None and plan.query_shape == q2.shape and plan.pool == k2.shape[:2]
+
+
+@pytest.mark.parametrize("matmul_path", [False, True])
+def test_a_step_plan_serves_every_layer_with_the_same_bits(monkeypatch, matmul_path):
+    """The model plans once a step and passes the plan to each layer: the same bits as planning at each call,
+    for decodes and prefill chunks, and with chunks on numba_prefill's matmul path (forced here)."""
+    if matmul_path:
+        monkeypatch.setattr(prefill, "LOOP_NEST_PAIR_COST", float("inf"))
+    rng = np.random.default_rng(12)
+    q, k, v, qsl, lens, tables = make_batch(rng, [(70, 40), (40, 1), (100, 23), (17, 1)], num_kv=3, group=3,
+                                            head_dim=64, block_size=16)
+    plan = na.plan_attention(q.shape, k.shape, qsl, lens, tables)
+    assert (plan.long_chunks is not None) == matmul_path
+    for layer in range(3):  # each layer its own caches and query
+        k_l, v_l, q_l = k * (layer + 1), v - layer, q + layer
+        np.testing.assert_array_equal(na.paged_attention(q_l, k_l, v_l, qsl, lens, tables, 0.125, plan=plan),
+                                      na.paged_attention(q_l, k_l, v_l, qsl, lens, tables, 0.125))
+
+
+def test_a_plan_keeps_what_it_checked_and_serves_only_its_metadata():
+    rng = np.random.default_rng(13)
+    q, k, v, qsl, lens, tables = make_batch(rng, [(30, 1), (50, 1)], num_kv=1, group=1, head_dim=64, block_size=8)
+    expected = na.paged_attention(q, k, v, qsl, lens, tables, 0.125)
+    plan = na.plan_attention(q.shape, k.shape, qsl, lens, tables)
+    tables[:] = k.shape[0] + 5  # changed after planning: the plan reads its own checked copy
+    lens[:] = 10_000
+    np.testing.assert_array_equal(na.paged_attention(q, k, v, qsl, lens, tables, 0.125, plan=plan), expected)
+    with pytest.raises(ValueError, match="made for other metadata"):
+        na.paged_attention(q, k, v, qsl.copy(), lens, tables, 0.125, plan=plan)
+    with pytest.raises(ValueError, match="made for other metadata"):
+        na.paged_attention(q[:1], k, v, qsl, lens, tables, 0.125, plan=plan)
+    with pytest.raises(ValueError, match="made for other metadata"):
+        na.paged_attention(q, k[:-1], v[:-1], qsl, lens, tables, 0.125, plan=plan)  # a smaller pool
+    with pytest.raises(ValueError, match="does not fit a cache"):
+        na.paged_attention(q, k[:, :, :, :32].copy(), v[:, :, :, :32].copy(), qsl, lens, tables, 0.125, plan=plan)
+    with pytest.raises(IndexError, match="block id"):
+        na.plan_attention(q.shape, k.shape, qsl, np.array([30, 50]), tables)  # the changed tables: refused
 
 
 def test_thread_count_changes_nothing(monkeypatch):
