@@ -361,9 +361,10 @@ def plan_attention(query_shape, cache_shape, query_start_loc, seq_lens, block_ta
     the work. `copy=False`: paged_attention's own throwaway plan, used at once."""
     _check_shapes(query_shape, cache_shape)
     sources = (query_start_loc, seq_lens, block_tables)
-    qsl = np.array(query_start_loc, dtype=np.int64, copy=copy or None, order="C")
-    lens = np.array(seq_lens, dtype=np.int64, copy=copy or None, order="C")
-    tables = np.array(block_tables, copy=copy or None, order="C")
+    convert = np.array if copy else np.asarray  # (numpy 1.26 refuses np.array's copy=None)
+    qsl = convert(query_start_loc, dtype=np.int64, order="C")
+    lens = convert(seq_lens, dtype=np.int64, order="C")
+    tables = convert(block_tables, order="C")
     num_seqs = lens.shape[0] if lens.ndim == 1 else -1
     if qsl.shape != (num_seqs + 1,) or tables.ndim != 2 or tables.shape[0] != num_seqs:
         raise ValueError(f"paged_attention: query_start_loc {qsl.shape}, seq_lens {lens.shape} and "
