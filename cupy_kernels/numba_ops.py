@@ -292,56 +292,66 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 @numba.njit(**JIT_EXACT)
-def _rotary_and_cache(query, key, value, cos, sin, k_cache, v_cache, slot_mapping, out):
+def _rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping, out):
     """Serial: a step's rotations are ~12 x head_dim products a token (microseconds even for a 256-token
-    chunk, against its matmuls' hundreds of ms), and a parallel kernel of this compiled 1.4-2.4 s a layout
-    against 0.3-0.5 (and costs ~1 us more a call on one thread)."""
-    half = query.shape[2] // 2
+    chunk, against its matmuls' hundreds of ms), and a parallel kernel of this compiled in 1.4-2.4 s against
+    0.5 (and costs ~1 us more a call on one thread). qkv is read as the C-contiguous 2-D array it is: views of
+    its heads (strided for more than one row) kept LLVM from vectorising and took twice as long at 64 rows."""
+    head_dim = k_cache.shape[3]
+    half = head_dim // 2
+    k_start = num_heads * head_dim
+    v_start = k_start + num_kv_heads * head_dim
     block_size = k_cache.shape[1]
-    for t in range(query.shape[0]):
+    for t in range(qkv.shape[0]):
         c, s = cos[t], sin[t]
-        for h in range(query.shape[1]):  # the arithmetic of _rotary_rows: the same bits as apply_rotary
-            xr, o = query[t, h], out[t, h]
+        for h in range(num_heads):  # the arithmetic of ops.apply_rotary, each product and sum rounded
+            x, o = qkv[t, h * head_dim : (h + 1) * head_dim], out[t, h]
             for i in range(half):
-                x1, x2 = xr[i], xr[i + half]
+                x1, x2 = x[i], x[half + i]
                 o[i] = x1 * c[i] - x2 * s[i]
-                o[i + half] = x2 * c[i] + x1 * s[i]
+                o[half + i] = x2 * c[i] + x1 * s[i]
         slot = slot_mapping[t]
         if slot < 0:
             continue
         b, r = slot // block_size, slot % block_size
-        for h in range(key.shape[1]):  # the rotated key goes straight into its slot
-            xr, o, vd, vs = key[t, h], k_cache[b, r, h], v_cache[b, r, h], value[t, h]
+        for h in range(num_kv_heads):  # the rotated key straight into its slot, then the value
+            a = k_start + h * head_dim
+            x, o = qkv[t, a : a + head_dim], k_cache[b, r, h]
             for i in range(half):
-                x1, x2 = xr[i], xr[i + half]
+                x1, x2 = x[i], x[half + i]
                 o[i] = x1 * c[i] - x2 * s[i]
-                o[i + half] = x2 * c[i] + x1 * s[i]
-            for d in range(key.shape[2]):
-                vd[d] = vs[d]
+                o[half + i] = x2 * c[i] + x1 * s[i]
+            a = v_start + h * head_dim
+            x, o = qkv[t, a : a + head_dim], v_cache[b, r, h]
+            for d in range(head_dim):
+                o[d] = x[d]
 
 
-def rotary_and_cache(query, key, value, cos, sin, k_cache, v_cache, slot_mapping) -> np.ndarray:
-    """paged_attention.rotary_and_cache in one compiled pass (apply_rotary on query and key, reshape_and_cache
-    of the rotated key and the value) with the same bits. query/key/value may be strided views of qkv."""
-    if not (query.dtype == key.dtype == value.dtype == k_cache.dtype == v_cache.dtype == _F32):
+def rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping) -> np.ndarray:
+    """paged_attention.rotary_and_cache in one compiled pass over qkv (apply_rotary on the query and key
+    heads, reshape_and_cache of the rotated key and the value), with the same bits."""
+    if not (qkv.dtype == k_cache.dtype == v_cache.dtype == _F32):
         from . import paged_attention
 
-        return paged_attention.rotary_and_cache(query, key, value, cos, sin, k_cache, v_cache, slot_mapping)
-    t, heads, head_dim = query.shape
-    # The loop trusts these shapes (no bounds checks): check them, at the cost of a tuple compare each.
-    if (key.shape != value.shape or key.shape[0] != t or key.shape[2] != head_dim or head_dim % 2
-            or k_cache.shape != v_cache.shape or k_cache.shape[2:] != key.shape[1:]
-            or cos.shape != sin.shape or cos.shape[0] < t or cos.shape[1] < head_dim // 2):
-        raise ValueError(f"rotary_and_cache: query {query.shape}, key {key.shape}, value {value.shape}, cos "
+        return paged_attention.rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache,
+                                                slot_mapping)
+    # The loop trusts these shapes (no bounds checks): checked here.
+    if (qkv.ndim != 2 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2] != num_kv_heads
+            or num_heads < 1 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * k_cache.shape[3]
+            or k_cache.shape[3] % 2 or cos.shape != sin.shape or cos.ndim != 2 or cos.shape[0] < qkv.shape[0]
+            or cos.shape[1] < k_cache.shape[3] // 2):
+        raise ValueError(f"rotary_and_cache: qkv {qkv.shape} of {num_heads} query and {num_kv_heads} kv heads, cos "
                          f"{cos.shape}, sin {sin.shape} and caches {k_cache.shape}, {v_cache.shape} do not fit")
+    t = qkv.shape[0]
     slot_mapping = np.asarray(slot_mapping, dtype=np.int64)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     if slot_mapping.shape != (t,):
         raise ValueError(f"rotary_and_cache: slot_mapping {slot_mapping.shape} for {t} tokens")
     if t and int(slot_mapping.max()) >= num_slots:
         raise IndexError(f"slot {int(slot_mapping.max())} is outside a cache of {num_slots} slots")
-    out = np.empty(query.shape, dtype=_F32)
-    _rotary_and_cache(query, key, value, cos, sin, k_cache, v_cache, slot_mapping, out)
+    out = np.empty((t, num_heads, k_cache.shape[3]), dtype=_F32)
+    _rotary_and_cache(np.ascontiguousarray(qkv), num_heads, num_kv_heads, np.ascontiguousarray(cos),
+                      np.ascontiguousarray(sin), k_cache, v_cache, slot_mapping, out)
     return out
 
 
@@ -379,12 +389,11 @@ def logsumexp_rows(x: np.ndarray, row_max: np.ndarray | None = None) -> np.ndarr
 
 
 def warm_up() -> None:
-    """Compile (or load from the cache) the kernels the model calls, for each array layout it passes: q/k/v
-    are views of the qkv projection, which numpy (and so numba) calls C-contiguous when there is one row
-    and strided otherwise. A type seen first during a request would compile then
+    """Compile (or load from the cache) the kernels the model calls, for the types it passes (C-contiguous
+    arrays, read-only weights). A type seen first during a request would compile then
     (tests/cupy_kernels/test_numba_warm_up.py runs the model and checks that none does). apply_rotary and
-    reshape_and_cache, which the model no longer calls (rotary_and_cache does both), compile at their
-    first call."""
+    reshape_and_cache, which the model no longer calls (rotary_and_cache does both, on the qkv array
+    itself), compile at their first call."""
     f32 = lambda *shape: np.ones(shape, dtype=_F32)  # noqa: E731
     w, eps = f32(8), np.float32(1e-6)
     w.flags.writeable = False  # the model's weights are read-only (LlamaForCausalLM._put)
@@ -394,8 +403,4 @@ def warm_up() -> None:
     logsumexp_rows(f32(2, 8))
     logsumexp_rows(f32(2, 8), f32(2))
     cache = np.zeros((2, 4, 2, 4), dtype=_F32)
-    for rows in (1, 2):
-        qkv = f32(rows, 32)  # 4 query heads, 2 kv heads of 4
-        rotary_and_cache(qkv[:, :16].reshape(rows, 4, 4), qkv[:, 16:24].reshape(rows, 2, 4),
-                         qkv[:, 24:].reshape(rows, 2, 4), f32(rows, 2), f32(rows, 2), cache, cache.copy(),
-                         np.zeros(rows, dtype=np.int64))
+    rotary_and_cache(f32(2, 32), 4, 2, f32(2, 2), f32(2, 2), cache, cache.copy(), np.zeros(2, dtype=np.int64))

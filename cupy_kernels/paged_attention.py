@@ -44,13 +44,24 @@ def reshape_and_cache(
     v_flat[slots] = value[keep]
 
 
-def rotary_and_cache(query: np.ndarray, key: np.ndarray, value: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+def split_qkv(qkv: Any, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[Any, Any, Any]:
+    """A qkv projection [T, (H + 2 KV) D] as views query [T, H, D], key and value [T, KV, D]."""
+    t, k0, v0 = qkv.shape[0], num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+    return (qkv[:, :k0].reshape(t, num_heads, head_dim), qkv[:, k0:v0].reshape(t, num_kv_heads, head_dim),
+            qkv[:, v0:].reshape(t, num_kv_heads, head_dim))
+
+
+def rotary_and_cache(qkv: np.ndarray, num_heads: int, num_kv_heads: int, cos: np.ndarray, sin: np.ndarray,
                      k_cache: np.ndarray, v_cache: np.ndarray, slot_mapping: np.ndarray) -> np.ndarray:
-    """A layer's step between its qkv projection and its attention: rotate query and key by position
-    (ops.apply_rotary), write the rotated key and the value into the caches at `slot_mapping`
-    (reshape_and_cache), and return the rotated query [T, H, D]. One op, so a compiled kernel set can do it
-    in one call: on the CPU each op's call costs microseconds of cold caches after a layer's weights have
-    streamed through them."""
+    """A layer's step between its qkv projection [T, (H + 2 KV) D] and its attention: rotate the query and
+    key heads by position (ops.apply_rotary), write the rotated key and the value into the caches at
+    `slot_mapping` (reshape_and_cache), and return the rotated query [T, H, D]. One op, so a compiled kernel
+    set can do it in one call: on the CPU each call costs microseconds of cold caches after a layer's
+    weights have streamed through them."""
+    if qkv.ndim != 2 or k_cache.ndim != 4 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * k_cache.shape[3]:
+        raise ValueError(f"rotary_and_cache: qkv {qkv.shape} is not {num_heads} query and {num_kv_heads} kv heads "
+                         f"of a cache {k_cache.shape}")
+    query, key, value = split_qkv(qkv, num_heads, num_kv_heads, k_cache.shape[3])
     reshape_and_cache(ops.apply_rotary(key, cos, sin), value, k_cache, v_cache, slot_mapping)
     return ops.apply_rotary(query, cos, sin)
 

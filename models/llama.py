@@ -226,17 +226,16 @@ class LlamaForCausalLM:
                                   batch.seq_lens, batch.block_tables)  # once a step, not once a layer
         hidden = self._embed(batch.input_ids)
         residual = None
-        q_size, kv_size = self.q_size, self.kv_size  # this rank's heads
+        q_size = self.q_size  # this rank's heads
         check, peaks = self.check_activations, {}
         for n, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
             if check:
                 activation_check.check_residual(residual, self.backend.xp, f"layer {n} input", peaks)
             qkv = ops.linear(x, layer.qkv, layer.qkv_bias, quant=layer.qkv_q)
-            q = qkv[:, :q_size].reshape(t, self.num_heads, cfg.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].reshape(t, self.num_kv_heads, cfg.head_dim)
-            v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, cfg.head_dim)
-            q = ops.rotary_and_cache(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping)  # k rotated, cached
+            # q rotated; k rotated and written to the cache with v
+            q = ops.rotary_and_cache(qkv, self.num_heads, self.num_kv_heads, cos, sin, k_cache, v_cache,
+                                     batch.slot_mapping)
             attn = ops.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
                                        batch.block_tables, self.scale, plan=plan)
             hidden = self.comm.all_reduce(ops.linear(attn.reshape(t, q_size), layer.o_proj, quant=layer.o_proj_q))

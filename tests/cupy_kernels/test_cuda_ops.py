@@ -264,7 +264,7 @@ def test_reshape_and_cache(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_rotary_and_cache(dtype):
-    """apply_rotary on query and key, then reshape_and_cache of the rotated key: the caches' values rows equal
+    """apply_rotary on qkv's query and key heads, then reshape_and_cache of the rotated key: the value rows equal
     the numpy reference's, the rotated rows agree as apply_rotary's do (one rounding against numpy's two)."""
     cp = _cp()
     rng = np.random.default_rng(4)
@@ -276,21 +276,16 @@ def test_rotary_and_cache(dtype):
     slots = rng.permutation(num_blocks * bs)[:t].astype(np.int64)
     slots[[0, 5, 39]] = -1  # skipped
     qkv = rng.standard_normal((t, (heads + 2 * kv) * d)).astype(dtype)
-
-    def views(a):
-        return (a[:, : heads * d].reshape(t, heads, d), a[:, heads * d : (heads + kv) * d].reshape(t, kv, d),
-                a[:, (heads + kv) * d :].reshape(t, kv, d))
-
     ref_k, ref_v = k_cache.copy(), v_cache.copy()
-    ref_q = pa.rotary_and_cache(*views(qkv), cos, sin, ref_k, ref_v, slots)
+    ref_q = pa.rotary_and_cache(qkv, heads, kv, cos, sin, ref_k, ref_v, slots)
     got_k, got_v = cp.asarray(k_cache), cp.asarray(v_cache)
-    got_q = cuda.rotary_and_cache(*views(cp.asarray(qkv)), cos, sin, got_k, got_v, slots)
+    got_q = cuda.rotary_and_cache(cp.asarray(qkv), heads, kv, cos, sin, got_k, got_v, slots)
     atol = 4e-3 if dtype == np.float16 else 1e-5
     np.testing.assert_allclose(to_host(got_q).astype(np.float32), ref_q.astype(np.float32), atol=atol)
     np.testing.assert_allclose(to_host(got_k).astype(np.float32), ref_k.astype(np.float32), atol=atol)
     np.testing.assert_array_equal(to_host(got_v), ref_v)
     with pytest.raises(IndexError, match="outside a cache"):
-        cuda.rotary_and_cache(*views(cp.asarray(qkv)), cos, sin, got_k, got_v, np.full(t, num_blocks * bs))
+        cuda.rotary_and_cache(cp.asarray(qkv), heads, kv, cos, sin, got_k, got_v, np.full(t, num_blocks * bs))
 
 
 @pytest.mark.gpu

@@ -52,64 +52,79 @@ def test_apply_rotary_on_qkv_views(rows):
     np.testing.assert_array_equal(got, ref)  # the same two products and one add, each rounded: bit for bit
 
 
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
 def _rotary_and_cache_case(rows, block_size=16, dtype=np.float32):
-    """A layer's qkv projection (query/key/value: its strided views), positions, and caches with some slots
-    skipped (-1), as the model passes them."""
+    """A layer's qkv projection, positions, and caches with some slots skipped (-1), as the model passes them."""
     rng = np.random.default_rng(rows + block_size)
-    heads, kv, d, num_blocks = 9, 3, 64, 40
-    qkv = rng.standard_normal((rows, (heads + 2 * kv) * d)).astype(dtype)
-    views = (qkv[:, : heads * d].reshape(rows, heads, d), qkv[:, heads * d : (heads + kv) * d].reshape(rows, kv, d),
-             qkv[:, (heads + kv) * d :].reshape(rows, kv, d))
-    cos, sin = ops.rope_cos_sin(1.0 / (10000.0 ** (np.arange(0, d, 2) / d)), rng.integers(0, 100_000, size=rows))
+    num_blocks = 40
+    qkv = rng.standard_normal((rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM)).astype(dtype)
+    cos, sin = ops.rope_cos_sin(1.0 / (10000.0 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)),
+                                rng.integers(0, 100_000, size=rows))
     slots = rng.permutation(num_blocks * block_size)[:rows].astype(np.int64)
     slots[1::3] = -1
-    caches = [rng.standard_normal((num_blocks, block_size, kv, d)).astype(dtype) for _ in range(2)]
-    return views, cos, sin, caches, slots
+    caches = [rng.standard_normal((num_blocks, block_size, KV_HEADS, HEAD_DIM)).astype(dtype) for _ in range(2)]
+    return qkv, cos, sin, caches, slots
 
 
 @pytest.mark.parametrize("rows", ROWS)
 def test_rotary_and_cache_matches_the_two_ops(rows):
-    """One pass = apply_rotary on query and key + reshape_and_cache of the rotated key and the value, bit for bit
-    (numpy's rotary rounds the same two products and one add), skipped slots untouched."""
-    (q, k, v), cos, sin, (k0, v0), slots = _rotary_and_cache_case(rows)
+    """One pass over qkv = apply_rotary on its query and key heads + reshape_and_cache of the rotated key and
+    the value, bit for bit (numpy's rotary rounds the same two products and one add), skipped slots untouched."""
+    qkv, cos, sin, (k0, v0), slots = _rotary_and_cache_case(rows)
+    q, k, v = pa.split_qkv(qkv, HEADS, KV_HEADS, HEAD_DIM)
     ref_k, ref_v, got_k, got_v = k0.copy(), v0.copy(), k0.copy(), v0.copy()
-    ref_q = pa.rotary_and_cache(q, k, v, cos, sin, ref_k, ref_v, slots)
+    ref_q = pa.rotary_and_cache(qkv, HEADS, KV_HEADS, cos, sin, ref_k, ref_v, slots)
     np.testing.assert_array_equal(ref_q, ops.apply_rotary(q, cos, sin))
-    got_q = nb.rotary_and_cache(q, k, v, cos, sin, got_k, got_v, slots)
+    written = slots >= 0
+    np.testing.assert_array_equal(ref_k.reshape(-1, KV_HEADS, HEAD_DIM)[slots[written]],
+                                  ops.apply_rotary(k, cos, sin)[written])
+    np.testing.assert_array_equal(ref_v.reshape(-1, KV_HEADS, HEAD_DIM)[slots[written]], v[written])
+    got_q = nb.rotary_and_cache(qkv, HEADS, KV_HEADS, cos, sin, got_k, got_v, slots)
     np.testing.assert_array_equal(got_q, ref_q)
     np.testing.assert_array_equal(got_k, ref_k)
     np.testing.assert_array_equal(got_v, ref_v)
-    if rows > 1:  # a skipped slot's rows are left as they were; a written one holds the rotated key
-        assert not np.array_equal(got_k, k0)
-        kept = np.ones(k0.shape[0] * k0.shape[1], dtype=bool)
-        kept[slots[slots >= 0]] = False
-        np.testing.assert_array_equal(got_k.reshape(-1, 3, 64)[kept], k0.reshape(-1, 3, 64)[kept])
+    kept = np.ones(k0.shape[0] * k0.shape[1], dtype=bool)
+    kept[slots[written]] = False
+    np.testing.assert_array_equal(got_k.reshape(-1, KV_HEADS, HEAD_DIM)[kept], k0.reshape(-1, KV_HEADS, HEAD_DIM)[kept])
+    if rows:  # a strided qkv (a column slice of a wider array) gives the same
+        wide = np.concatenate([qkv, np.zeros((rows, 7), np.float32)], axis=1)[:, : qkv.shape[1]]
+        again_k, again_v = k0.copy(), v0.copy()
+        np.testing.assert_array_equal(nb.rotary_and_cache(wide, HEADS, KV_HEADS, cos, sin, again_k, again_v, slots),
+                                      ref_q)
+        np.testing.assert_array_equal(again_k, ref_k)
 
 
 def test_rotary_and_cache_refuses_what_its_loop_would_overrun():
-    (q, k, v), cos, sin, (k0, v0), slots = _rotary_and_cache_case(7)
+    qkv, cos, sin, (k0, v0), slots = _rotary_and_cache_case(7)
+    before = k0.copy()
     with pytest.raises(IndexError, match="outside a cache"):
-        nb.rotary_and_cache(q, k, v, cos, sin, k0, v0, np.full(7, k0.shape[0] * k0.shape[1]))
+        nb.rotary_and_cache(qkv, HEADS, KV_HEADS, cos, sin, k0, v0, np.full(7, k0.shape[0] * k0.shape[1]))
     with pytest.raises(ValueError, match="slot_mapping"):
-        nb.rotary_and_cache(q, k, v, cos, sin, k0, v0, slots[:6])
+        nb.rotary_and_cache(qkv, HEADS, KV_HEADS, cos, sin, k0, v0, slots[:6])
     with pytest.raises(ValueError, match="do not fit"):
-        nb.rotary_and_cache(q, k, v, cos, sin, k0[:, :, :2], v0[:, :, :2], slots)  # 2 kv heads in the cache, 3 here
+        nb.rotary_and_cache(qkv, HEADS, KV_HEADS, cos, sin, k0[:, :, :2], v0[:, :, :2], slots)  # 2 kv heads cached
     with pytest.raises(ValueError, match="do not fit"):
-        nb.rotary_and_cache(q, k, v, cos[:6], sin[:6], k0, v0, slots)  # positions for 6 of 7 tokens
+        nb.rotary_and_cache(qkv, HEADS + 1, KV_HEADS, cos, sin, k0, v0, slots)  # qkv too narrow for 10 heads
     with pytest.raises(ValueError, match="do not fit"):
-        nb.rotary_and_cache(q, k, v[:, :2], cos, sin, k0, v0, slots)
-    np.testing.assert_array_equal(k0, _rotary_and_cache_case(7)[3][0])  # nothing was written
+        nb.rotary_and_cache(qkv, HEADS, KV_HEADS, cos[:6], sin[:6], k0, v0, slots)  # positions for 6 of 7 tokens
+    with pytest.raises(ValueError, match="do not fit"):
+        nb.rotary_and_cache(qkv, HEADS, KV_HEADS, cos, sin, k0, v0[:-1], slots)
+    np.testing.assert_array_equal(k0, before)  # nothing was written
 
 
 def test_rotary_and_cache_other_dtypes_take_the_reference():
-    (q, k, v), cos, sin, (k0, v0), slots = _rotary_and_cache_case(5, dtype=np.float16)
+    qkv, cos, sin, (k0, v0), slots = _rotary_and_cache_case(5, dtype=np.float16)
     ref_k, ref_v = k0.copy(), v0.copy()
-    ref_q = pa.rotary_and_cache(q, k, v, cos, sin, ref_k, ref_v, slots)
-    got_q = nb.rotary_and_cache(q, k, v, cos, sin, k0, v0, slots)
+    ref_q = pa.rotary_and_cache(qkv, HEADS, KV_HEADS, cos, sin, ref_k, ref_v, slots)
+    got_q = nb.rotary_and_cache(qkv, HEADS, KV_HEADS, cos, sin, k0, v0, slots)
     assert got_q.dtype == np.float16
     np.testing.assert_array_equal(got_q, ref_q)
     np.testing.assert_array_equal(k0, ref_k)
     np.testing.assert_array_equal(v0, ref_v)
+    with pytest.raises(ValueError, match="is not 10 query and 3 kv heads"):
+        pa.rotary_and_cache(qkv, HEADS + 1, KV_HEADS, cos, sin, k0, v0, slots)
 
 
 @pytest.mark.parametrize("rows", ROWS)
