@@ -148,6 +148,22 @@ def test_silu_and_mul_is_the_same_bits_on_one_thread_or_all(monkeypatch):
     np.testing.assert_array_equal(nb.silu_and_mul(x), shared)
 
 
+def test_add_rms_norm_is_the_same_bits_on_one_thread_or_all(monkeypatch):
+    """From NORM_PARALLEL_MIN_ROWS rows the norms share their rows over the threads: the same bits."""
+    rng = np.random.default_rng(10)
+    x = (rng.standard_normal((40, 576)) * 3).astype(np.float32)
+    res = rng.standard_normal((40, 576)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(576)).astype(np.float32)
+    assert x.shape[0] >= nb.NORM_PARALLEL_MIN_ROWS
+    shared_n, shared_r = nb.add_rms_norm(x, res.copy(), w, 1e-6)
+    shared_plain = nb.rms_norm(x, w, 1e-6)
+    monkeypatch.setattr(nb, "NORM_PARALLEL_MIN_ROWS", 10**9)
+    one_n, one_r = nb.add_rms_norm(x, res.copy(), w, 1e-6)
+    np.testing.assert_array_equal(one_n, shared_n)
+    np.testing.assert_array_equal(one_r, shared_r)
+    np.testing.assert_array_equal(nb.rms_norm(x, w, 1e-6), shared_plain)
+
+
 @pytest.mark.parametrize("rows,vocab", [(0, 9), (1, 1), (1, 49152), (3, 1000), (5, 4 * nb.LOGSUMEXP_PARALLEL_MIN // 5 + 7)])
 @pytest.mark.parametrize("given_max", [False, True])
 def test_logsumexp_rows(rows, vocab, given_max):
