@@ -104,9 +104,11 @@ def run(loaded, num_requests: int, prompt_len: int, output_len: int, max_num_bat
 
 def _breakdown(seconds: dict[str, float], elapsed: float, out_tokens: int) -> dict:
     linear, attention, forward = seconds["linear"], seconds["attention"], seconds["forward"]
-    return {"seconds_matmuls": round(linear, 3), "seconds_attention": round(attention, 3),
-            "seconds_rest_of_forward": round(forward - linear - attention, 3),
-            "seconds_outside_forward": round(elapsed - forward, 3),
+    # To the microsecond: a short run's attention can total under half a millisecond (the tiny test model's
+    # did, and rounded to 0.0).
+    return {"seconds_matmuls": round(linear, 6), "seconds_attention": round(attention, 6),
+            "seconds_rest_of_forward": round(forward - linear - attention, 6),
+            "seconds_outside_forward": round(elapsed - forward, 6),
             "output_tokens_per_s_if_matmuls_were_all": round(out_tokens / linear, 1)}
 
 
