@@ -448,14 +448,10 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
 def rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping):
     """paged_attention.rotary_and_cache: apply_rotary and reshape_and_cache on qkv's head views, each its own
     kernel here (a launch costs microseconds, not the CPU's cold-cache call)."""
-    from .paged_attention import split_qkv
+    from .paged_attention import compose_rotary_and_cache
 
-    if qkv.ndim != 2 or k_cache.ndim != 4 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * k_cache.shape[3]:
-        raise ValueError(f"rotary_and_cache: qkv {tuple(qkv.shape)} is not {num_heads} query and {num_kv_heads} kv "
-                         f"heads of a cache {tuple(k_cache.shape)}")
-    query, key, value = split_qkv(qkv, num_heads, num_kv_heads, k_cache.shape[3])
-    reshape_and_cache(apply_rotary(key, cos, sin), value, k_cache, v_cache, slot_mapping)
-    return apply_rotary(query, cos, sin)
+    return compose_rotary_and_cache(apply_rotary, reshape_and_cache, qkv, num_heads, num_kv_heads, cos, sin,
+                                    k_cache, v_cache, slot_mapping)
 
 
 def copy_blocks(kv_caches, block_mapping) -> None:

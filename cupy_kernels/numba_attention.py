@@ -387,12 +387,9 @@ def plan_attention(query_shape, cache_shape, query_start_loc, seq_lens, block_ta
     if most_new >= prefill.MIN_TOKENS and not numba_setup.BATCH_INVARIANT:
         chosen = prefill.takes_matmul_path(np.diff(qsl), lens)
         long_chunks = chosen if chosen.any() else None
-    parallel = int(macs) * num_heads * head_dim * 2 >= PARALLEL_MIN_MACS
-    items = bounds = None
+    parallel, items, bounds = False, None, None
     if long_chunks is None and num_tokens:
-        threads = apply_threads(parallel)
-        # One thread: one chunk (each chunk allocates its scratch), and no schedule to set (the context ~7 us).
-        items, bounds = _work_items(qsl, lens, Q_TILE, threads * CHUNKS_PER_THREAD if threads > 1 else 1)
+        parallel, items, bounds = _cut_work(qsl, lens, int(macs), num_heads, head_dim)
     return AttentionPlan(sources, qsl, lens, tables, tuple(query_shape), tuple(cache_shape[:2]), long_chunks,
                          parallel, items, bounds)
 
@@ -440,6 +437,16 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     return out
 
 
+def _cut_work(query_start_loc, seq_lens, context_macs: int, num_heads: int, head_dim: int):
+    """(parallel, items, bounds): whether the loop nest shares the batch over the threads (numba's count is set
+    here), and its work items cut into chunks for them. context_macs: the sum of context x new tokens."""
+    parallel = context_macs * num_heads * head_dim * 2 >= PARALLEL_MIN_MACS
+    threads = apply_threads(parallel)
+    # One thread: one chunk (each chunk allocates its scratch), and no schedule to set (the context ~7 us).
+    items, bounds = _work_items(query_start_loc, seq_lens, Q_TILE, threads * CHUNKS_PER_THREAD if threads > 1 else 1)
+    return parallel, items, bounds
+
+
 def _run(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, items, bounds, out) -> None:
     """The compiled kernel over checked metadata and its work cut into chunks (numba's threads already set)."""
     args = (query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, np.float32(scale), items, bounds, out)
@@ -457,9 +464,8 @@ def _loop_nest(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
     out = np.empty((num_tokens, num_heads, head_dim), dtype=_F32)
     if num_tokens == 0:
         return out
-    macs = int(np.dot(seq_lens, np.diff(query_start_loc))) * num_heads * head_dim * 2
-    threads = apply_threads(parallel=macs >= PARALLEL_MIN_MACS)
-    items, bounds = _work_items(query_start_loc, seq_lens, Q_TILE, threads * CHUNKS_PER_THREAD if threads > 1 else 1)
+    _, items, bounds = _cut_work(query_start_loc, seq_lens, int(np.dot(seq_lens, np.diff(query_start_loc))),
+                                 num_heads, head_dim)
     _run(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, items, bounds, out)
     return out
 

@@ -58,12 +58,19 @@ def rotary_and_cache(qkv: np.ndarray, num_heads: int, num_kv_heads: int, cos: np
     `slot_mapping` (reshape_and_cache), and return the rotated query [T, H, D]. One op, so a compiled kernel
     set can do it in one call: on the CPU each call costs microseconds of cold caches after a layer's
     weights have streamed through them."""
+    return compose_rotary_and_cache(ops.apply_rotary, reshape_and_cache, qkv, num_heads, num_kv_heads, cos, sin,
+                                    k_cache, v_cache, slot_mapping)
+
+
+def compose_rotary_and_cache(apply_rotary: Any, write_cache: Any, qkv: Any, num_heads: int, num_kv_heads: int,
+                             cos: Any, sin: Any, k_cache: Any, v_cache: Any, slot_mapping: Any) -> Any:
+    """rotary_and_cache from a kernel set's own apply_rotary and reshape_and_cache (the numpy and CUDA sets)."""
     if qkv.ndim != 2 or k_cache.ndim != 4 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * k_cache.shape[3]:
-        raise ValueError(f"rotary_and_cache: qkv {qkv.shape} is not {num_heads} query and {num_kv_heads} kv heads "
-                         f"of a cache {k_cache.shape}")
+        raise ValueError(f"rotary_and_cache: qkv {tuple(qkv.shape)} is not {num_heads} query and {num_kv_heads} kv "
+                         f"heads of a cache {tuple(k_cache.shape)}")
     query, key, value = split_qkv(qkv, num_heads, num_kv_heads, k_cache.shape[3])
-    reshape_and_cache(ops.apply_rotary(key, cos, sin), value, k_cache, v_cache, slot_mapping)
-    return ops.apply_rotary(query, cos, sin)
+    write_cache(apply_rotary(key, cos, sin), value, k_cache, v_cache, slot_mapping)
+    return apply_rotary(query, cos, sin)
 
 
 def copy_blocks(kv_caches: list[tuple[np.ndarray, np.ndarray]], block_mapping: list[tuple[int, int]]) -> None:
