@@ -232,10 +232,36 @@ def _tile_kernel(rows: int):
 _TILE_BIG, _TILE8, _TILE4, _TILE2, _TILE1 = (_tile_kernel(r) for r in (_BIG_ROWS, 8, 4, 2, 1))
 
 
+def _panel_rows(a, a_at, lda, m, b, b_at, k, c, c_at, ldc):
+    """C rows 0 .. m - 1 (row r: PANEL floats at c[c_at + r ldc]) = A rows (row r: k floats at a[a_at + r lda])
+    @ the panel at b[b_at:] ([k, PANEL]): tiles of _BIG_ROWS rows, then 8 (AVX-512), 4, 2 and 1 for the rest."""
+    r = 0
+    while r + _BIG_ROWS <= m:
+        _TILE_BIG(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc)
+        r += _BIG_ROWS
+    if r + 8 <= m:  # AVX-512 only: AVX2's 6-row tiles leave at most 5
+        _TILE8(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc)
+        r += 8
+    if r + 4 <= m:
+        _TILE4(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc)
+        r += 4
+    if r + 2 <= m:
+        _TILE2(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc)
+        r += 2
+    if r < m:
+        _TILE1(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc)
+
+
+_PANEL_ROWS_INLINE = numba.njit(inline="always", **JIT)(_panel_rows)
+# The same as a function of its own, which numba_prefill's work items call by address (numba_setup.call_compiled):
+# their compile then holds no copy of the tiles' unrolled code.
+PANEL_ROWS = numba.njit(**JIT)(_panel_rows)
+
+
 @numba.njit(parallel=True, **JIT)
 def matmul_into(x, panels, out):
     """out [m, panels * PANEL] = x [m, k] @ the weight of `panels` [count, k, PANEL]; all C-contiguous
-    float32 (the kernel itself: `matmul` checks, allocates and slices; numba_prefill calls it directly)."""
+    float32 (the kernel itself: `matmul` checks, allocates and slices)."""
     m, k = x.shape
     count = panels.shape[0]
     n = count * PANEL
@@ -245,22 +271,7 @@ def matmul_into(x, panels, out):
     for m0 in range(0, m, ROW_BLOCK):  # one parallel pass over the panels per block of rows
         m1 = min(m0 + ROW_BLOCK, m)
         for p in numba.prange(count):
-            b_at = p * k * PANEL
-            r = m0
-            while r + _BIG_ROWS <= m1:
-                _TILE_BIG(a, r * k, k, b, b_at, k, c, r * n + p * PANEL, n)
-                r += _BIG_ROWS
-            if r + 8 <= m1:  # AVX-512 only: AVX2's 6-row tiles leave at most 5
-                _TILE8(a, r * k, k, b, b_at, k, c, r * n + p * PANEL, n)
-                r += 8
-            if r + 4 <= m1:
-                _TILE4(a, r * k, k, b, b_at, k, c, r * n + p * PANEL, n)
-                r += 4
-            if r + 2 <= m1:
-                _TILE2(a, r * k, k, b, b_at, k, c, r * n + p * PANEL, n)
-                r += 2
-            if r < m1:
-                _TILE1(a, r * k, k, b, b_at, k, c, r * n + p * PANEL, n)
+            _PANEL_ROWS_INLINE(a, m0 * k, k, m1 - m0, b, p * k * PANEL, k, c, m0 * n + p * PANEL, n)
 
 
 def matmul(x: np.ndarray, w: PackedWeight, bias: np.ndarray | None = None) -> np.ndarray:

@@ -1,31 +1,33 @@
 """Long prefill chunks for the numba set's paged attention: Q.K^T and P.V through numba_gemm's register-
-tiled kernel, the masked softmax between them compiled with numba. Same result as
-paged_attention.paged_attention (the numpy reference) within float32 rounding;
+tiled kernel, the masked softmax between them, all three on one core's tile of query rows at a time. Same
+result as paged_attention.paged_attention (the numpy reference) within float32 rounding;
 tests/cupy_kernels/test_numba_prefill.py compares them.
 
 Why a second path: a chunk of n query tokens against L keys is two matmuls of n*G x 64 x L per kv head
 (G query heads share a kv head). At n = 240, L = 4,000 (bench/jitter.py's last chunks) numba_attention's
-loop nest, built for decodes (one row per key, reading K/V in place), ran at ~40 GFLOP/s: 1.6 s of a
-step's attention against ~0.2 s as matmuls. The reference's numpy softmax (five passes over a [n*G, L]
-array, numpy's exp) then took twice the matmuls; here it is one pass per row, and rows are taken a tile at
-a time so a tile's scores stay in the L3 cache between the three steps.
+loop nest, built for decodes (one row per key, reading K/V in place), ran at ~40 GFLOP/s.
 
-The matmuls were OpenBLAS's until the packed GEMM: 2 x 0.83 ms per kv head at n*G = 720, L = 3,900
-against 0.72 + 0.69, and for short prompts (128 tokens, 256 requests in bench/throughput.py) 0.8 ms per
-sequence and layer against 0.26 (OpenBLAS's threads, asleep 75 us after a call, likely woke for each).
+The sequence's keys and values are first copied out of its blocks into the GEMM's panel layout (once per
+layer: ~1 ms at 4,000 keys). Then each work item (kv head h, a tile of TILE_TOKENS query tokens: its
+TILE_TOKENS x G rows) runs on one core, in a `prange` taken dynamically:
 
-Per sequence and kv head:
+    S = Q_tile . K_h^T                      over the key panels the tile's last token sees (none past it)
+    P = 2^(S - rowmax) on keys <= the row's position, 0 past it; l = row sum     (Q pre-scaled by
+                                                                                   scale * log2(e))
+    out rows = (P . V_h) / l                over the keys the tile's last token sees
 
-    K_h, V_h = the sequence's L key/value rows of head h, copied out of its blocks into panels (once)
-    for each tile of query rows (token t, group g):
-        S = Q_tile . K_h^T                      packed GEMM (K_h as the weight)
-        P = 2^(S - rowmax) on keys <= the row's position, 0 past it; l = row sum     (numba; Q pre-scaled
-                                                                by scale * log2(e): S in log2 units)
-        out rows = (P . V_h) / l                packed GEMM (V_h^T as the weight)
+A tile's scores ([48, 4,000] floats, 768 KB, for SmolLM2 at 4,000 keys) stay in that core's L2 cache through
+the three steps, in the core's own workspace. The path before took each step over a whole kv head's rows
+with the GEMM's threads sharing the columns, so the softmax and P.V read half of each score row from the other
+core's cache, and it computed the whole n x L rectangle (the masked half of a prompt's own keys included):
+one layer, 240 new tokens over 4,000 keys, 2 threads, 26.7-30.2 against 17.7-24.2 ms now, and a 2,048-token
+prompt 88.6-95.7 against 36.0-52.1 ms (docs/benchmarks.md has the measurements). The bits did not change:
+each output is the GEMM's one FMA chain in k order whatever the tile, and a masked score is an exact 0 (an
+FMA with it adds nothing).
 
-A row's result depends only on its own sequence and position (never on the batch): batch invariance
-holds. It is not the same arithmetic as numba_attention's loop nest, so a prompt computed in one chunk
-and in several chunks (some taking the other path) may differ in the last bits; set
+A row's result depends only on its own sequence and position (never on the batch or the tile): batch
+invariance holds. It is not the same arithmetic as numba_attention's loop nest, so a prompt computed in one
+chunk and in several chunks (some taking the other path) may differ in the last bits; set
 PAGEDSERVE_BATCH_INVARIANT=1 to run every chunk through the loop nest (slower long prefills).
 """
 
@@ -35,58 +37,36 @@ import threading
 
 import numpy as np
 
-from .numba_gemm import PANEL, matmul_into
+from .numba_gemm import PANEL, PANEL_ROWS
 from .numba_ops import fast_exp2, row_max
-from .numba_setup import JIT, JIT_EXACT, apply_threads, numba
+from .numba_setup import JIT, JIT_EXACT, apply_threads, call_compiled, native_address, numba
 
 # A sequence's chunk takes this path when it has at least MIN_TOKENS new tokens and the loop nest would cost
-# more. The loop nest computes only the (query token, key) pairs a token sees, n (L - (n - 1) / 2) for n new
-# tokens over a context of L; the matmuls compute the whole n x L rectangle (the masked half of a prompt's
-# own keys included) but at a better rate, plus a cost per sequence (gather, calls). Measured on 2 cores
-# with SmolLM2's shapes (bench/attention_paths.py, docs/benchmarks.md): ~40 ns a seen pair in the loop nest,
-# ~21 ns a rectangle pair in the matmuls (~30 for small ones) and ~0.4 ms per sequence. So a whole prompt
-# (L = n) stays in the loop nest up to ~2,048 tokens (16 prompts of 128: 5.5 against 12.0 ms a layer), and
-# a chunk deep in a long context (240 new over 4,000) takes the matmuls (22 against 29 ms).
+# more. The loop nest computes the (query token, key) pairs a token sees, n (L - (n - 1) / 2) for n new tokens
+# over a context of L; this path the same pairs and, in each tile, the masked triangle of the tile's own keys
+# (about n (min(n, TILE_TOKENS) - 1) / 2 more), at twice the rate, plus a cost per sequence (the gather, a
+# parallel call). Measured on 2 cores with SmolLM2's shapes (bench/attention_paths.py, docs/benchmarks.md,
+# 2026-12-01): a 2,048-token prompt 73.9 ms a layer in the loop nest against 37.1 here, 1,024 17.0 / 8.8, 240
+# new over 4,000 keys ~44 / ~19; near the break-even, 16 prompts of 128 tokens 7.3 / 5.7 ms, 16 chunks of 64
+# over 128 keys 3.7 / 3.8, 16 chunks of 32 over 128 keys 2.6 / 4.0 (~0.1 ms a sequence here).
 MIN_TOKENS = 16
-LOOP_NEST_PAIR_COST = 1.9  # a seen pair in the loop nest, in rectangle pairs of the matmul path
-MATMUL_FIXED_PAIRS = 20_000  # the matmul path's cost per sequence, in rectangle pairs
-# Query rows (token, group head) per score tile: at most ROW_TILE, and fewer for long contexts so a tile's
-# scores (rows x context x 4 B) stay within TILE_BYTES, in the L3 cache between the three steps. One
-# tile per kv head for bench/jitter.py's 240-token chunks (720 rows x 4,000 keys = 11 MB).
-ROW_TILE = 768
-TILE_BYTES = 12 << 20
+LOOP_NEST_PAIR_COST = 2.0  # a seen pair in the loop nest, in pairs of this path
+MATMUL_FIXED_PAIRS = 6_000  # this path's cost per sequence, in its pairs
+# Query tokens per work item: their TILE_TOKENS x G score rows (G query heads per kv head) stay in one core's L2
+# cache through Q.K^T, the softmax and P.V. 240 new over 4,000 keys, one layer, 2 threads (ms): 8 tokens 13.5,
+# 16: 13.8, 32: 12.9, 48: 15.6, 80: 16.7 (the host's noise is ~10%); 16 makes 45 items of SmolLM2's 240-token
+# chunks for the two threads to share out.
+TILE_TOKENS = 16
 _F32 = np.dtype(np.float32)
 LOG2_E = 1.4426950408889634
 
 
-def _masked_softmax_rows(s, first_pos, group, inv_den):
-    """In place over s [R, L] (scores, already scaled, in log2 units): row r (token r // group, at position
-    first_pos + r // group) keeps 2^(s - max) on keys <= its position and 0 past it; inv_den[r] = 1 / the
-    kept sum."""
-    rows, keys = s.shape
-    for r in numba.prange(rows):
-        row = s[r]
-        seen = min(keys, first_pos + r // group + 1)
-        m = row_max(row, seen)
-        total = np.float32(0.0)
-        for j in range(seen):
-            p = fast_exp2(row[j] - m)
-            row[j] = p
-            total += p
-        for j in range(seen, keys):
-            row[j] = 0.0
-        inv_den[r] = np.float32(1.0) / total
-
-
-_SOFTMAX = numba.njit(parallel=True, **JIT)(_masked_softmax_rows)
-
-
 def takes_matmul_path(num_new: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
     """Which sequences of a batch this path computes, by their own sizes only (never the batch's): chunks of
-    at least MIN_TOKENS new tokens whose seen pairs would cost the loop nest more than the rectangle costs
-    the matmuls."""
+    at least MIN_TOKENS new tokens whose seen pairs would cost the loop nest more than this path's pairs."""
     seen = num_new * (seq_lens - (num_new - 1) / 2)
-    return (num_new >= MIN_TOKENS) & (LOOP_NEST_PAIR_COST * seen > num_new * seq_lens + MATMUL_FIXED_PAIRS)
+    computed = seen + num_new * (np.minimum(num_new, TILE_TOKENS) - 1) / 2
+    return (num_new >= MIN_TOKENS) & (LOOP_NEST_PAIR_COST * seen > computed + MATMUL_FIXED_PAIRS)
 
 
 def _gather_panels(k_cache, v_cache, block_table, context_len, kp, vp):
@@ -127,29 +107,97 @@ def _buffer(name: str, size: int) -> np.ndarray:
 
 
 def _workspace(num_kv_heads: int, key_panels: int, value_panels: int, head_dim: int, rows: int):
-    """Key and value panels, scores [rows, padded context], row factors and P.V's output [rows, padded
-    head dim], views of buffers kept per thread. Fresh multi-megabyte arrays each layer cost more than the
-    copy itself: the allocator hands them out as new pages, and first-touch page faults ran at ~2.5 s per
-    GiB on the test VM (3 ms of a 12 ms layer at 4,000 keys)."""
+    """Key and value panels, and each numba thread's rows: scaled queries [rows * head_dim], scores [rows, padded
+    context], P.V's output [rows * padded head dim] and row factors [rows]; views of buffers kept per (calling)
+    thread, with a slot for each thread of numba's pool (numba.get_thread_id). Fresh multi-megabyte arrays
+    each layer cost more than the copy itself: the allocator hands them out as new pages, and first-touch page
+    faults ran at ~2.5 s per GiB on the test VM (3 ms of a 12 ms layer at 4,000 keys)."""
     padded = key_panels * PANEL
+    width = value_panels * PANEL
     kv = num_kv_heads * key_panels * head_dim * PANEL
     vv = num_kv_heads * value_panels * padded * PANEL
     k_and_v = _buffer("kv", kv + vv)
-    width = value_panels * PANEL
-    scores = _buffer("scores", rows * (padded + 1 + width))
-    at = rows * (padded + 1)
+    pool = numba.config.NUMBA_NUM_THREADS
+    scores = _buffer("scores", pool * rows * padded)
     return (k_and_v[:kv].reshape(num_kv_heads, key_panels, head_dim, PANEL),
             k_and_v[kv:kv + vv].reshape(num_kv_heads, value_panels, padded, PANEL),
-            scores[:rows * padded].reshape(rows, padded), scores[rows * padded:at],
-            scores[at:at + rows * width].reshape(rows, width))
+            _buffer("queries", pool * rows * head_dim)[:pool * rows * head_dim].reshape(pool, rows * head_dim),
+            scores[:pool * rows * padded].reshape(pool, rows, padded),
+            _buffer("outputs", pool * rows * width)[:pool * rows * width].reshape(pool, rows * width),
+            _buffer("factors", pool * rows)[:pool * rows].reshape(pool, rows))
 
 
-def _as_weight(panels: np.ndarray) -> np.ndarray:
-    """A read-only view of workspace panels: the argument types of the model's weights (numba_gemm.pack), so
-    the GEMM runs the machine code compiled for those instead of compiling (~1.2 s) a second one."""
-    view = panels.view()
-    view.flags.writeable = False
-    return view
+def _prefill_item(w, panel_rows, query, start, n, first_pos, kp, vp, q_scale, tile_tokens, q, s, pv, den, out):
+    """Work item w: kv head w % kv_heads, the tile of query tokens w // kv_heads from the chunk's end (the
+    costliest first), with this thread's rows q, s, pv, den. panel_rows: the address of numba_gemm.PANEL_ROWS."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, key_panels, value_panels = kp.shape[0], kp.shape[1], vp.shape[1]
+    group = num_heads // num_kv_heads
+    padded, width = key_panels * PANEL, value_panels * PANEL
+    k_flat, v_flat, s_flat = kp.reshape(kp.size), vp.reshape(vp.size), s.reshape(s.size)
+    h = w % num_kv_heads
+    t0 = ((n + tile_tokens - 1) // tile_tokens - 1 - w // num_kv_heads) * tile_tokens
+    t1 = min(t0 + tile_tokens, n)
+    rows = (t1 - t0) * group
+    keys = first_pos + t1  # the keys the tile's last token sees
+    zero = np.int64(0)
+    for r in range(rows):  # rows (token, group head), scaled
+        for d in range(head_dim):
+            q[r * head_dim + d] = query[start + t0 + r // group, h * group + r % group, d] * q_scale
+    for p in range((keys + PANEL - 1) // PANEL):  # S = Q . K^T, a panel of PANEL keys at a time
+        call_compiled(panel_rows, (q, zero, head_dim, rows, k_flat, (h * key_panels + p) * head_dim * PANEL, head_dim,
+                                   s_flat, p * PANEL, padded))
+    for r in range(rows):
+        row = s[r]
+        seen = first_pos + t0 + r // group + 1
+        m = row_max(row, seen)
+        total = np.float32(0.0)
+        for j in range(seen):
+            x = fast_exp2(row[j] - m)
+            row[j] = x
+            total += x
+        for j in range(seen, keys):
+            row[j] = 0.0
+        den[r] = np.float32(1.0) / total
+    for c in range(value_panels):  # P . V over the keys the tile sees, PANEL head dims at a time
+        call_compiled(panel_rows, (s_flat, zero, padded, rows, v_flat, (h * value_panels + c) * padded * PANEL, keys,
+                                   pv, c * PANEL, width))
+    for r in range(rows):
+        inv = den[r]
+        for d in range(head_dim):
+            out[start + t0 + r // group, h * group + r % group, d] = pv[r * width + d] * inv
+
+
+# The item is its own (serial) function, called by address from the prange (numba_attention's loop nest does
+# the same, for the same reason: compile time).
+_ITEM = numba.njit(**JIT)(_prefill_item)
+
+
+def _prefill_items(item, panel_rows, query, start, n, first_pos, kp, vp, q_scale, tile_tokens, qs, ss, pvs, dens,
+                   out):
+    for w in numba.prange(kp.shape[0] * ((n + tile_tokens - 1) // tile_tokens)):
+        t = numba.get_thread_id()
+        call_compiled(item, (np.int64(w), panel_rows, query, start, n, first_pos, kp, vp, q_scale, tile_tokens,
+                             qs[t], ss[t], pvs[t], dens[t], out))
+
+
+_ITEMS = numba.njit(parallel=True, **JIT)(_prefill_items)
+_ADDRESSES: dict = {}
+
+
+def _addresses(args) -> tuple[int, int]:
+    """The machine code of the item (for these arguments' types) and of numba_gemm.PANEL_ROWS."""
+    key = tuple(numba.typeof(a) for a in args[:3])  # query, the panels (the rest: fixed types)
+    found = _ADDRESSES.get(key)
+    if found is None:
+        query, kp, vp, q_scale, tile_tokens, qs, ss, pvs, dens, out = args
+        row = qs[0]
+        panel_rows = native_address(PANEL_ROWS, (row, np.int64(0), np.int64(0), np.int64(0), row, np.int64(0),
+                                                 np.int64(0), row, np.int64(0), np.int64(0)))
+        item = native_address(_ITEM, (np.int64(0), panel_rows, query, np.int64(0), np.int64(0), np.int64(0), kp, vp,
+                                      q_scale, tile_tokens, qs[0], ss[0], pvs[0], dens[0], out))
+        found = _ADDRESSES[key] = (item, panel_rows)
+    return found
 
 
 def prefill_sequence(query, k_cache, v_cache, start: int, end: int, context_len: int, block_table, scale: float,
@@ -160,42 +208,24 @@ def prefill_sequence(query, k_cache, v_cache, start: int, end: int, context_len:
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    first_pos = context_len - n
     apply_threads(parallel=True)
     key_panels = -(-context_len // PANEL)
     value_panels = -(-head_dim // PANEL)
-    padded = key_panels * PANEL
-    tile_tokens = max(1, min(ROW_TILE, TILE_BYTES // (4 * padded)) // group)
-    rows = tile_tokens * group
-    kp, vp, s, inv_den, pv = _workspace(num_kv_heads, key_panels, value_panels, head_dim, rows)
-    # Scores in log2 units, so the softmax takes 2^x (fast_exp2, cheaper than exp): the same weights.
-    q_scale = np.float32(scale * LOG2_E)
+    tile_tokens = max(1, min(TILE_TOKENS, n))
+    kp, vp, qs, ss, pvs, dens = _workspace(num_kv_heads, key_panels, value_panels, head_dim, tile_tokens * group)
     _GATHER(k_cache, v_cache, block_table, context_len, kp, vp)
-    for h in range(num_kv_heads):
-        heads = slice(h * group, (h + 1) * group)
-        k_h, v_h = _as_weight(kp[h]), _as_weight(vp[h])
-        for t0 in range(0, n, tile_tokens):
-            t1 = min(t0 + tile_tokens, n)
-            r = (t1 - t0) * group
-            # rows (token, group head), scaled: one new contiguous array (never a view of the query)
-            q = (query[start + t0:start + t1, heads] * q_scale).reshape(r, head_dim)
-            matmul_into(q, k_h, s[:r])
-            _SOFTMAX(s[:r], first_pos + t0, group, inv_den[:r])
-            matmul_into(s[:r], v_h, pv[:r])
-            o = pv[:r, :head_dim]
-            o *= inv_den[:r, None]
-            out[start + t0:start + t1, heads] = o.reshape(t1 - t0, group, head_dim)
+    # Scores in log2 units, so the softmax takes 2^x (fast_exp2, cheaper than exp): the same weights.
+    q_scale, tiles = np.float32(scale * LOG2_E), np.int64(tile_tokens)
+    args = (query, kp, vp, q_scale, tiles, qs, ss, pvs, dens, out)
+    item, panel_rows = _addresses(args)
+    with numba.parallel_chunksize(1):
+        _ITEMS(item, panel_rows, query, np.int64(start), np.int64(n), np.int64(context_len - n), kp, vp, q_scale,
+               tiles, qs, ss, pvs, dens, out)
 
 
 def warm_up() -> None:
-    """Compile (or load from the cache) the softmax, the gather, and the GEMM for the argument types
-    prefill_sequence passes (numba_gemm.warm_up's: the panels as a read-only weight)."""
-    s = np.ones((4, 3), dtype=_F32)
-    _SOFTMAX(s[:2], 1, 2, np.empty(2, dtype=_F32))
+    """Compile (or load from the cache) the gather, the work item, the GEMM's row tiles and the prange over the
+    items for the argument types prefill_sequence passes."""
     cache = np.ones((2, 4, 1, 4), dtype=_F32)
-    kp = np.empty((1, 1, 4, PANEL), dtype=_F32)
-    vp = np.empty((1, 1, PANEL, PANEL), dtype=_F32)
-    _GATHER(cache, cache, np.zeros(2, dtype=np.int32), 5, kp, vp)
-    scores = np.empty((2, PANEL), dtype=_F32)
-    matmul_into(np.ones((2, 4), dtype=_F32), _as_weight(kp[0]), scores[:2])
-    matmul_into(scores[:2], _as_weight(vp[0]), np.empty((2, PANEL), dtype=_F32))
+    query, out = np.ones((3, 2, 4), dtype=_F32), np.empty((3, 2, 4), dtype=_F32)
+    prefill_sequence(query, cache, cache, 0, 3, 5, np.zeros(2, dtype=np.int32), 0.5, out)

@@ -43,11 +43,27 @@ def test_long_chunks_match_the_reference(group, block_size, monkeypatch):
 
 
 def test_row_tiles_split_a_chunk(monkeypatch):
-    """ROW_TILE rows that are not a multiple of the group, and a chunk spanning several tiles."""
-    monkeypatch.setattr(npf, "ROW_TILE", 20)  # 6 tokens x 3 heads = 18 rows per tile
+    """Tiles of TILE_TOKENS tokens counted from the chunk's end, the first one partial: 37 tokens in tiles of 5."""
+    monkeypatch.setattr(npf, "TILE_TOKENS", 5)
     rng = np.random.default_rng(3)
     batch = make_batch(rng, [(900, 37)], num_kv=3, group=3, head_dim=64, block_size=16)
     close_to_reference(batch, na.paged_attention(*batch, 0.125))
+
+
+@pytest.mark.parametrize("seq", [(300, 300), (1000, 64), (200, 200)])
+def test_a_rows_bits_do_not_depend_on_its_tile(seq, monkeypatch):
+    """Each output is one FMA chain over the keys whatever the tile's height, and a tile computes only the keys
+    its last token sees (a masked score is an exact 0): any TILE_TOKENS gives the same bits."""
+    rng = np.random.default_rng(seq[1])
+    batch = make_batch(rng, [seq], num_kv=3, group=3, head_dim=64, block_size=16)
+    results = []
+    for tile in (16, 1, 7, 64):
+        monkeypatch.setattr(npf, "TILE_TOKENS", tile)
+        assert npf.takes_matmul_path(np.array([seq[1]]), np.array([seq[0]])).all()
+        results.append(na.paged_attention(*batch, 0.125))
+    for got in results[1:]:
+        np.testing.assert_array_equal(got, results[0])
+    close_to_reference(batch, results[0])
 
 
 def test_a_mixed_batch_routes_each_sequence_and_matches():
@@ -65,7 +81,7 @@ def test_batch_invariant_bit_for_bit_on_both_paths():
     rng = np.random.default_rng(5)
     seqs = [(800, 120), (40, 1), (300, 300), (2000, 23), (100, 23)]
     batch = make_batch(rng, seqs, num_kv=3, group=3, head_dim=64, block_size=16)
-    assert npf.takes_matmul_path(np.diff(batch[3]), batch[4]).tolist() == [True, False, False, True, False]
+    assert npf.takes_matmul_path(np.diff(batch[3]), batch[4]).tolist() == [True, False, True, True, False]
     assert_each_alone_equals_together(na.paged_attention, batch)
 
 
@@ -123,22 +139,26 @@ def test_row_max_is_exact_at_every_length_and_alignment():
             np.testing.assert_array_equal(out, s[:, offset:offset + n].max(axis=1), err_msg=f"{offset=} {n=}")
 
 
-def test_prefill_runs_the_gemm_compiled_for_the_model_weights():
-    """The workspace panels go to the GEMM as read-only views: the machine code numba_gemm.warm_up made for
-    the model's (read-only) packed weights, not a second compile."""
+def test_after_the_warm_up_a_prefill_compiles_nothing():
+    """The work item, the GEMM's row tiles and the prange over the items: the warm-up compiled them for the types
+    the model passes (C-contiguous float32 query, int32 block table)."""
     from pagedserve.cupy_kernels import numba_gemm
 
-    numba_gemm.warm_up()
     npf.warm_up()
-    assert [sig[1].mutable for sig in numba_gemm.matmul_into.signatures] == [False]
+    counts = [len(d.signatures) for d in (npf._ITEM, npf._ITEMS, npf._GATHER, numba_gemm.PANEL_ROWS)]
+    rng = np.random.default_rng(8)
+    batch = make_batch(rng, [(500, 100)], num_kv=3, group=3, head_dim=64, block_size=16)
+    close_to_reference(batch, na.paged_attention(*batch, 0.125))
+    assert [len(d.signatures) for d in (npf._ITEM, npf._ITEMS, npf._GATHER, numba_gemm.PANEL_ROWS)] == counts
 
 
-def test_the_route_weighs_seen_pairs_against_the_rectangle():
-    """Where bench/attention_paths.py measured each path faster (docs/benchmarks.md, 2026-12-01): whole
-    prompts up to 2,048 tokens and short chunks stay in the loop nest (it skips the masked pairs); chunks
-    deep in a longer context take the matmuls; fewer than MIN_TOKENS new tokens never do."""
-    loop_nest = [(128, 128), (256, 128), (256, 256), (512, 512), (1024, 1024), (32, 32), (4000, 8)]
-    matmuls = [(384, 128), (512, 256), (1024, 512), (2048, 1024), (1024, 64), (4000, 16), (4000, 240)]
+def test_the_route_weighs_the_loop_nests_pairs_against_this_paths():
+    """Where bench/attention_paths.py measured each path faster (docs/benchmarks.md, 2026-12-01, the per-core
+    tiles): short prompts and short chunks over short contexts stay in the loop nest (this path's cost per
+    sequence dominates); whole prompts from 128 tokens and chunks deep in a context take this path; fewer than
+    MIN_TOKENS new tokens never do."""
+    loop_nest = [(32, 32), (64, 64), (128, 32), (256, 16), (4000, 8), (100, 15)]
+    matmuls = [(128, 128), (512, 512), (2048, 2048), (512, 16), (1024, 64), (4000, 16), (4000, 240)]
     cases = loop_nest + matmuls
     routed = npf.takes_matmul_path(np.array([n for _, n in cases]), np.array([L for L, _ in cases]))
     assert routed.tolist() == [False] * len(loop_nest) + [True] * len(matmuls)

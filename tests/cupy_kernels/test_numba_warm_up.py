@@ -49,7 +49,7 @@ for read_only, qtype in ((False, None), (True, None), (False, "Q4_1"), (True, "Q
     model = LlamaForCausalLM(cfg, weights, backend)
     assert (model.quantized_matmuls > 0) == bool(qtype)
     kv = allocate_kv_caches(cfg, 64, 16, backend)
-    steps = [[SeqChunk([t % 90 + 1 for t in range(299)], 0, list(range(19)), 1)],  # a whole prompt: the loop nest
+    steps = [[SeqChunk([t % 90 + 1 for t in range(299)], 0, list(range(19)), 1)],  # a whole prompt: the matmul path
              [SeqChunk([t % 90 + 1 for t in range(64)], 936, list(range(63)), 1)],  # deep in a context: matmul path
              [SeqChunk([5], 299, list(range(19)), 1)],                    # one decode (one row)
              [SeqChunk([7, 8, 9], 0, [20], 1), SeqChunk([6], 300, list(range(19)), 1)]]  # prefill + decode
