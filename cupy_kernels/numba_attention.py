@@ -28,10 +28,10 @@ the loop nest before (horizontal dot products key by key, acc updated key by key
 a 64-sequence, 192-token decode step over 30 layers from 38 to 29 ms on one thread (1-thread rates matter: in
 the engine, OpenBLAS's threads spin after each matmul and hold the second core).
 
-Prefill chunks deep in a longer context (numba_prefill.takes_matmul_path: where the matmuls over the whole
-new-tokens x context rectangle cost less than the pairs a token sees here) are computed by numba_prefill's
-matmuls instead, unless PAGEDSERVE_BATCH_INVARIANT=1; everything else (decodes, short chunks, whole prompts up
-to ~2,048 tokens) by this loop nest.
+Prefill chunks of 16 or more tokens where numba_prefill's tiles (Q.K^T, softmax and P.V on one core per tile
+of query tokens) cost less than this loop nest (numba_prefill.takes_matmul_path: whole prompts from ~128
+tokens, chunks deep in a longer context) are computed there, unless PAGEDSERVE_BATCH_INVARIANT=1; everything
+else (decodes, short chunks over short contexts) by this loop nest.
 
 Batch invariance: in the loop nest, a query row's arithmetic (its keys, in order, in segments at fixed
 positions, in runs at fixed positions within each block, the single keys after its last full run, and the
