@@ -57,9 +57,8 @@ MATMUL_FIXED_PAIRS = 6_000  # this path's cost per sequence, in its pairs
 # 16: 13.8, 32: 12.9, 48: 15.6, 80: 16.7 (the host's noise is ~10%); 16 makes 45 items of SmolLM2's 240-token
 # chunks for the two threads to share out. Long contexts keep the 16 (a thread's scores: 6 MB at 32,768 keys):
 # tiles cut to 1 MB of scores were slower (256 new over 32,768 keys 148-153 against 254-260 ms a layer; over
-# 8,192 keys 25-34 against 30-36). A workspace per thread of numba's pool, TILE_TOKENS x G x L floats each,
-# stays within runtime/memory_budget.py's prefill estimate (all heads x new tokens x L scores) but for pools
-# of more than ~48 threads at budgets near 256 tokens.
+# 8,192 keys 25-34 against 30-36). A workspace per thread, TILE_TOKENS x G x L floats each: counted in
+# runtime/memory_budget.py (PREFILL_TILE_TOKENS, which must equal this).
 TILE_TOKENS = 16
 _F32 = np.dtype(np.float32)
 LOG2_E = 1.4426950408889634

@@ -149,11 +149,12 @@ class LLMEngine:
         cpu = not self.backend.is_gpu
         # CPU tensor parallelism: every rank's share of the pool lives on this host.
         kv_bytes = num_blocks * worker.kv_bytes_per_block() * c.tensor_parallel_size if cpu else 0
+        threads = c.cpu_threads if isinstance(c.cpu_threads, int) else os.cpu_count() or 1
         budget = MemoryBudget(
             held_bytes=resident_bytes(), weights_bytes=weights_bytes(self.model_config, self.backend.dtype.itemsize),
             kv_cache_bytes=kv_bytes,
             activation_bytes=activation_bytes(self.model_config, c.max_num_batched_tokens, c.max_num_seqs,
-                                              self.max_model_len, num_blocks * self.block_size) if cpu else 0,
+                                              self.max_model_len, num_blocks * self.block_size, threads) if cpu else 0,
             request_state_bytes=c.max_num_seqs * PER_REQUEST_BYTES)
         available, source = host_memory_available()
         log.info("engine.memory_budget", available_gib=round(available / 2**30, 3) if available else None,

@@ -13,6 +13,8 @@ refused at start with the numbers, rather than found out by the OOM killer under
 The activation figure is an estimate of the numpy path's largest temporaries, not a measurement:
     linear layers     T x (4 hidden + q + 2 kv + 3 intermediate) float32          T = max_num_batched_tokens
     attention         max(prefill: heads x n x L scores + K/V of L tokens,        n = min(T, L), L = max_model_len
+                                   (or, when more, the numba path's threads x 16 x G x L: each CPU thread's
+                                   tile of 16 query tokens x G heads per kv head; cupy_kernels/numba_prefill.py)
                           decode: the K/V and scores of the whole pool's tokens in one layer)
     logits, sampler   4 x rows x vocab float32                                     rows = min(max_num_seqs, T)
 bench/reliability.py checks it: the server's RSS under fuzzing stays below the total.
@@ -31,6 +33,9 @@ from .config import DEFAULT_CPU_KV_BYTES
 GIB = float(1 << 30)
 # Python objects per running request (token lists, detokenizer state, logprob dicts): generous.
 PER_REQUEST_BYTES = 4 << 20
+# Query tokens per work item of the numba set's long-prefill path (cupy_kernels/numba_prefill.TILE_TOKENS,
+# not imported: that would load numba here; tests/runtime/test_memory_budget.py checks they agree).
+PREFILL_TILE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -56,13 +61,16 @@ class MemoryBudget:
 
 
 def activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                     kv_pool_tokens: int) -> int:
+                     kv_pool_tokens: int, threads: int = 1) -> int:
+    """The estimate above; `threads`: the CPU threads the kernels may run on."""
     t = max_num_batched_tokens
     f32 = 4
     linear = t * (4 * cfg.hidden_size + cfg.num_attention_heads * cfg.head_dim + 2 * cfg.kv_size
                   + 3 * cfg.intermediate_size) * f32
     n = min(t, max_model_len)
-    prefill = (cfg.num_attention_heads * n * max_model_len + 2 * n * max_model_len) * f32 \
+    group = cfg.num_attention_heads // max(cfg.num_key_value_heads, 1)
+    tiles = threads * PREFILL_TILE_TOKENS * group * max_model_len
+    prefill = max(cfg.num_attention_heads * n * max_model_len + 2 * n * max_model_len, tiles) * f32 \
         + 2 * max_model_len * cfg.kv_size * f32
     decode_tokens = min(kv_pool_tokens, max_num_seqs * max_model_len)
     decode = decode_tokens * (cfg.kv_size + cfg.num_attention_heads) * f32

@@ -31,6 +31,21 @@ def test_activations_grow_with_the_step_budget(tiny):
     assert activation_bytes(cfg, 2048, 16, 2048, 4096) >= cfg.num_attention_heads * 2048 * 2048 * 4
 
 
+def test_the_numba_prefill_tiles_of_every_thread_are_counted(tiny):
+    """Each CPU thread's tile of scores (TILE_TOKENS query tokens x G heads x max_model_len keys) in the numba
+    long-prefill path: with many threads and a small step budget it outgrows the reference's all-heads scores."""
+    from pagedserve.cupy_kernels import numba_prefill
+    from pagedserve.runtime import memory_budget
+
+    assert memory_budget.PREFILL_TILE_TOKENS == numba_prefill.TILE_TOKENS
+    cfg = tiny.config
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    one = activation_bytes(cfg, 32, 16, 4096, 4096, threads=1)
+    many = activation_bytes(cfg, 32, 16, 4096, 4096, threads=64)
+    assert many - one >= (64 * 16 * group - cfg.num_attention_heads * 32 - 2 * 32) * 4096 * 4
+    assert activation_bytes(cfg, 2048, 16, 4096, 4096, threads=2) == activation_bytes(cfg, 2048, 16, 4096, 4096)
+
+
 def test_settings_beyond_the_host_are_refused_before_the_pool_is_allocated(tiny, monkeypatch):
     monkeypatch.setattr(engine_mod, "host_memory_available", lambda: (100 << 20, "MemAvailable"))
     allocated = []
