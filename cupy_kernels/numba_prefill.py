@@ -9,7 +9,8 @@ loop nest, built for decodes (one row per key, reading K/V in place), ran at ~40
 
 The sequence's keys and values are first copied out of its blocks into the GEMM's panel layout (once per
 layer: ~1 ms at 4,000 keys). Then each work item (kv head h, a tile of TILE_TOKENS query tokens: its
-TILE_TOKENS x G rows) runs on one core, in a `prange` taken dynamically:
+TILE_TOKENS x G rows) runs on one core, in a `prange` taken dynamically (head by head, each head's costliest
+tiles first):
 
     S = Q_tile . K_h^T                      over the key panels the tile's last token sees (none past it)
     P = 2^(S - rowmax) on keys <= the row's position, 0 past it; l = row sum     (Q pre-scaled by
@@ -131,15 +132,18 @@ def _workspace(num_kv_heads: int, key_panels: int, value_panels: int, head_dim: 
 
 
 def _prefill_item(w, panel_rows, query, start, n, first_pos, kp, vp, q_scale, tile_tokens, q, s, pv, den, out):
-    """Work item w: kv head w % kv_heads, the tile of query tokens w // kv_heads from the chunk's end (the
-    costliest first), with this thread's rows q, s, pv, den. panel_rows: the address of numba_gemm.PANEL_ROWS."""
+    """Work item w: kv head w // tiles, its tile of query tokens w % tiles from the chunk's end (the costliest
+    first), with this thread's rows q, s, pv, den. panel_rows: the address of numba_gemm.PANEL_ROWS. Items of
+    one head in a row share its key and value panels in the caches: with the heads taken in turn instead, a
+    layer of a 4,000-token prompt took 207-213 ms against 163-166 (2,048 tokens: 55-56 against 44)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, key_panels, value_panels = kp.shape[0], kp.shape[1], vp.shape[1]
     group = num_heads // num_kv_heads
     padded, width = key_panels * PANEL, value_panels * PANEL
     k_flat, v_flat, s_flat = kp.reshape(kp.size), vp.reshape(vp.size), s.reshape(s.size)
-    h = w % num_kv_heads
-    t0 = ((n + tile_tokens - 1) // tile_tokens - 1 - w // num_kv_heads) * tile_tokens
+    tiles = (n + tile_tokens - 1) // tile_tokens
+    h = w // tiles
+    t0 = (tiles - 1 - w % tiles) * tile_tokens
     t1 = min(t0 + tile_tokens, n)
     rows = (t1 - t0) * group
     keys = first_pos + t1  # the keys the tile's last token sees
