@@ -11,6 +11,11 @@ from the first step of the window to its end are pooled into p50 / p90 / p99 / m
   budget N     enable_chunked_prefill=True, max_num_batched_tokens=N: the prompt is cut into chunks
                of about N - 16 tokens, one per step, each step still carrying the 16 decodes.
 
+Each configuration also reports the model FLOPs of its heaviest step while the long prompt prefills
+(`heaviest_step_gflop`: its costliest chunk, with the streams' decodes; common.model_flops_per_token) and
+that step's time at the sgemm rate measured at the start (`heaviest_step_floor_s`): every stream waits for
+that step, so no kernel brings the p99 ITL below it on this machine, whatever the code.
+
 Usage:
 
     .venv/bin/python bench/jitter.py [--quick] [--model PATH] [--budgets 256 512 1024]
@@ -28,6 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 import plots  # noqa: E402
+from common import model_flops_per_token  # noqa: E402
 
 NAME = "jitter"
 CLAIM = {"text": "chunked prefill cuts the P99 inter-token latency of running streams by up to 90%",
@@ -97,6 +103,21 @@ def run_config(loaded, args: argparse.Namespace, budget: int | None) -> dict:
                                                                    "itl_ms": [v for _, v in trace]}}
 
 
+def heaviest_step_gflop(cfg, streams: int, stream_context: float, long_len: int, budget: int | None) -> float:
+    """Model GFLOPs of the costliest step while the long prompt prefills: its costliest chunk (budget - streams
+    tokens a step, as the scheduler leaves after the streams' decodes; the whole prompt when off), the logits of
+    the prompt's last position in its last chunk, and the streams' decodes at about `stream_context`."""
+    chunk = long_len if budget is None else max(1, budget - streams)
+    heaviest = 0.0
+    for start in range(0, long_len, chunk):
+        n = min(chunk, long_len - start)
+        flops = n * model_flops_per_token(cfg, start + n / 2, False)
+        if start + n == long_len:
+            flops += 2 * cfg.hidden_size * cfg.vocab_size
+        heaviest = max(heaviest, flops)
+    return (heaviest + streams * model_flops_per_token(cfg, stream_context, True)) / 1e9
+
+
 def window_start_token(times: list[float], window_start: float) -> float:
     """The stream's last token time before the window (so the first gap in the window is a real ITL)."""
     before = [t for t in times if t < window_start]
@@ -115,7 +136,11 @@ def run(args: argparse.Namespace) -> dict:
     for b in [None, *args.budgets]:
         key = "off" if b is None else f"budget_{b}"
         t = time.perf_counter()
-        results[key] = run_config(loaded, args, b)
+        results[key] = r = run_config(loaded, args, b)
+        context = args.stream_prompt_len + args.steps_before + r["long_prompt_prefill_steps"]
+        r["heaviest_step_gflop"] = round(heaviest_step_gflop(loaded.config, args.streams, context,
+                                                             args.long_prompt_len, b), 3)
+        r["heaviest_step_floor_s"] = round(r["heaviest_step_gflop"] / env["sgemm_gflops"], 4)
         plots.progress(f"jitter: {key} took {time.perf_counter() - t:.1f} s")
     off = results["off"]["itl_ms"]["p99"]
     reductions = {k: round(100 * (1 - v["itl_ms"]["p99"] / off), 1) for k, v in results.items() if k != "off"}

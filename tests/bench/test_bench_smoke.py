@@ -102,6 +102,12 @@ def test_jitter(tmp_path: Path) -> None:
         assert v["num_itl_samples"] >= 4 * 8
         assert 0 < itl["p50"] <= itl["p99"] <= itl["max"]
     assert set(r["summary"]["p99_reduction_pct_by_budget"]) == {"budget_32", "budget_64"}
+    # The heaviest step's FLOPs: the whole prompt when off, more for the larger chunks; its floor at the sgemm rate.
+    gflop = {k: v["heaviest_step_gflop"] for k, v in res.items()}
+    assert gflop["off"] > gflop["budget_64"] > gflop["budget_32"] > 0
+    for v in res.values():
+        assert v["heaviest_step_floor_s"] == pytest.approx(v["heaviest_step_gflop"] / r["environment"]["sgemm_gflops"],
+                                                          rel=1e-2, abs=1e-4)
 
 
 def test_parallel(tmp_path: Path) -> None:
