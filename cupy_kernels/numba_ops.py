@@ -214,16 +214,22 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 # -- rotary ------------------------------------------------------------------------------------------
 
 
+@numba.njit(inline="always", **JIT_EXACT)
+def _rotate_head(x, c, s, o):
+    """o = x rotated ("neox" rotate-half) by cos c and sin s, the arithmetic of ops.apply_rotary: each product
+    and sum rounded (no FMA), so a value is the same bits in every kernel that rotates."""
+    half = x.shape[0] // 2
+    for i in range(half):
+        x1, x2 = x[i], x[i + half]
+        o[i] = x1 * c[i] - x2 * s[i]
+        o[i + half] = x2 * c[i] + x1 * s[i]
+
+
 def _rotary_rows(x, cos, sin, out):
-    half = x.shape[2] // 2
     for t in numba.prange(x.shape[0]):
         c, s = cos[t], sin[t]
         for h in range(x.shape[1]):
-            xr, o = x[t, h], out[t, h]
-            for i in range(half):
-                x1, x2 = xr[i], xr[i + half]
-                o[i] = x1 * c[i] - x2 * s[i]
-                o[i + half] = x2 * c[i] + x1 * s[i]
+            _rotate_head(x[t, h], c, s, out[t, h])
 
 
 _ROTARY = _kernel(_rotary_rows, JIT_EXACT)  # q/k arrive C-contiguous or strided: no FMA
@@ -302,29 +308,20 @@ def _rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, 
     0.5 (and costs ~1 us more a call on one thread). qkv is read as the C-contiguous 2-D array it is: views of
     its heads (strided for more than one row) kept LLVM from vectorising and took twice as long at 64 rows."""
     head_dim = k_cache.shape[3]
-    half = head_dim // 2
     k_start = num_heads * head_dim
     v_start = k_start + num_kv_heads * head_dim
     block_size = k_cache.shape[1]
     for t in range(qkv.shape[0]):
         c, s = cos[t], sin[t]
-        for h in range(num_heads):  # the arithmetic of ops.apply_rotary, each product and sum rounded
-            x, o = qkv[t, h * head_dim : (h + 1) * head_dim], out[t, h]
-            for i in range(half):
-                x1, x2 = x[i], x[half + i]
-                o[i] = x1 * c[i] - x2 * s[i]
-                o[half + i] = x2 * c[i] + x1 * s[i]
+        for h in range(num_heads):
+            _rotate_head(qkv[t, h * head_dim : (h + 1) * head_dim], c, s, out[t, h])
         slot = slot_mapping[t]
         if slot < 0:
             continue
         b, r = slot // block_size, slot % block_size
         for h in range(num_kv_heads):  # the rotated key straight into its slot, then the value
             a = k_start + h * head_dim
-            x, o = qkv[t, a : a + head_dim], k_cache[b, r, h]
-            for i in range(half):
-                x1, x2 = x[i], x[half + i]
-                o[i] = x1 * c[i] - x2 * s[i]
-                o[half + i] = x2 * c[i] + x1 * s[i]
+            _rotate_head(qkv[t, a : a + head_dim], c, s, k_cache[b, r, h])
             a = v_start + h * head_dim
             x, o = qkv[t, a : a + head_dim], v_cache[b, r, h]
             for d in range(head_dim):
