@@ -74,6 +74,5 @@ def machine() -> dict:
 
 def model_flops_per_token(cfg, context_len: float, with_logits: bool) -> float:
     """Matmul FLOPs of one token through the model (2 per multiply-add), attention over `context_len`."""
-    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
-    per_layer = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * 3 * h * i + 4 * context_len * q
-    return cfg.num_hidden_layers * per_layer + (2 * h * cfg.vocab_size if with_logits else 0)
+    return (cfg.matmul_flops_per_token + context_len * cfg.attention_flops_per_key
+            + (2 * cfg.hidden_size * cfg.vocab_size if with_logits else 0))

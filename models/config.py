@@ -60,6 +60,17 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def matmul_flops_per_token(self) -> int:
+        """FLOPs (2 per multiply-add) of one token through every layer's weight matmuls, logits not included."""
+        h, q, kv = self.hidden_size, self.q_size, self.kv_size
+        return self.num_hidden_layers * (2 * h * (q + 2 * kv) + 2 * q * h + 6 * h * self.intermediate_size)
+
+    @property
+    def attention_flops_per_key(self) -> int:
+        """FLOPs one token spends on each key it attends to, all layers: Q.K^T and P.V, 2 per multiply-add each."""
+        return 4 * self.q_size * self.num_hidden_layers
+
 
 def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """rope theta and scaling, whether at the top level (transformers 4) or under rope_parameters (5)."""
