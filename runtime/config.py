@@ -23,6 +23,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # the per-step token budget
     max_num_seqs: int = 256  # most requests running at once
     enable_chunked_prefill: bool = True
+    # While decodes run, size prefill chunks by cost: a token attending to k keys counts 1 + k / K against
+    # max_num_batched_tokens, K = the model's matmul FLOPs per token over its attention FLOPs per key, so
+    # steps deep in a long prompt cost what steps at its start do (runtime/scheduler.py). False = by count.
+    cost_aware_chunking: bool = True
     enable_prefix_caching: bool = True
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None  # CPU: bytes for the KV pool (None = DEFAULT_CPU_KV_BYTES)
@@ -107,7 +111,7 @@ class EngineConfig:
                 raise ValueError(f"cuda_graph_batch_sizes must be a non-empty sequence of integers in "
                                  f"[1, max_num_seqs={self.max_num_seqs}], got {self.cuda_graph_batch_sizes!r}")
             self.cuda_graph_batch_sizes = tuple(sorted(set(sizes)))
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enable_cuda_graphs"):
+        for name in ("enable_chunked_prefill", "cost_aware_chunking", "enable_prefix_caching", "enable_cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)

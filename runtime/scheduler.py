@@ -6,6 +6,14 @@
     2. running prefills         the rest of the prompt, cut to what the budget has left (chunked prefill)
     3. waiting requests (FCFS)  the same, while the budget, the seat count and the free blocks allow
 
+Cost-aware chunking (on unless keys_per_token is None): a token's attention grows with the keys before
+it, so a chunk deep in a long prompt costs more than one at its start. While the step carries decodes,
+whose streams wait for it, a prefill chunk is sized by cost, not count: a token attending to k keys counts
+1 + k / keys_per_token against the budget, keys_per_token being how many keys cost one token's weight
+matmuls (the model's matmul FLOPs per token over its attention FLOPs per key: ~3,070 for SmolLM2-135M,
+~32,000 for Llama-3-8B). Every such step then costs about what a budget of tokens costs at the start of a
+prompt. Decodes still count 1 each, and a step without decodes takes whole budget-sized chunks.
+
 When the free blocks cannot cover a running request, the newest running request is preempted: its
 blocks are freed and it goes back to the front of the waiting queue with num_computed_tokens = 0, to be
 recomputed from its prompt and the tokens it already produced (so it yields the same tokens later).
@@ -22,6 +30,7 @@ still cached blocks, is not computed again.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -55,13 +64,38 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def chunk_within(budget: int, context: int, remaining: int, keys_per_token: float) -> int:
+    """The most tokens, from 1 to `remaining`, of a prefill chunk after `context` computed tokens whose cost
+    fits `budget`, the i-th token (attending to context + i keys, itself included) costing
+    1 + (context + i) / keys_per_token: cost(n) = n + (n * context + n * (n + 1) / 2) / keys_per_token."""
+    if remaining <= 1:
+        return remaining
+
+    def cost(n: int) -> float:
+        return n + (n * context + n * (n + 1) / 2) / keys_per_token
+
+    # The root of n^2 / (2K) + n (1 + (context + 0.5) / K) = budget, in the form that does not cancel.
+    b = 1 + (context + 0.5) / keys_per_token
+    n = int(2 * budget / (b + math.sqrt(b * b + 2 * budget / keys_per_token)))
+    n = max(1, min(n, remaining))
+    while n > 1 and cost(n) > budget:
+        n -= 1
+    while n < remaining and cost(n + 1) <= budget:
+        n += 1
+    return n
+
+
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True, keys_per_token: float | None = None) -> None:
         self.kv = kv_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
+        # Cost-aware chunking (module docstring): None = chunks sized by token count only.
+        if keys_per_token is not None and not keys_per_token > 0:
+            raise ValueError(f"keys_per_token must be positive or None, got {keys_per_token!r}")
+        self.keys_per_token = keys_per_token
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Requests whose prompt blocks are being computed by a prefill instance (disaggregated
@@ -146,17 +180,30 @@ class Scheduler:
     def _budget(self, out: SchedulerOutput) -> int:
         return self.max_num_batched_tokens - out.num_batched_tokens
 
+    def _chunk(self, budget: int, context: int, remaining: int, with_decodes: bool) -> int:
+        """Tokens of a prefill chunk: what the budget leaves, by count, or by cost while decodes wait on the step."""
+        if self.keys_per_token is None or not with_decodes or not self.enable_chunked_prefill:
+            return min(remaining, budget)
+        return chunk_within(budget, context, remaining, self.keys_per_token)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         now = time.monotonic()
         # Decodes first, then prefills; each group oldest first (the running list is in admission order).
+        with_decodes = None  # whether the step carries decodes: known once the prefills' turn comes
         for request in sorted(self.running, key=lambda r: r.is_prefilling):
             if request not in self.running:  # preempted earlier in this loop
                 continue
             budget = self._budget(out)
             if budget <= 0:
                 break
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            if request.is_prefilling:
+                if with_decodes is None:
+                    with_decodes = self._has_decodes(out)
+                num_new = self._chunk(budget, request.num_computed_tokens, remaining, with_decodes)
+            else:
+                num_new = min(remaining, budget)
             if num_new == 0:  # a beam waiting for its siblings' proposals: nothing to compute
                 continue
             spec = request.spec_token_ids[: budget - 1] if not request.is_prefilling else []
@@ -177,16 +224,21 @@ class Scheduler:
             except Exception as e:
                 self._fail([request], e, out)
         # New requests only when nothing was preempted: memory is tight, let the running ones finish.
+        with_decodes = self._has_decodes(out)
         while self.waiting and not out.preempted and self._budget(out) > 0:
             unit = self._admission_unit()
             if unit is None:
                 break
             try:
-                if not self._admit(unit, out, now):
+                if not self._admit(unit, out, now, with_decodes):
                     break
             except Exception as e:
                 self._fail(unit, e, out)
         return out
+
+    @staticmethod
+    def _has_decodes(out: SchedulerOutput) -> bool:
+        return any(not s.request.is_prefilling for s in out.scheduled)
 
     def _fail(self, requests: list[Request], error: Exception, out: SchedulerOutput) -> None:
         """Take requests whose scheduling raised out of this step and the queues, and free their blocks."""
@@ -206,7 +258,7 @@ class Scheduler:
             return [head]
         return [head] + [r for r in self.waiting if r is not head and r.group is head.group]
 
-    def _admit(self, unit: list[Request], out: SchedulerOutput, now: float) -> bool:
+    def _admit(self, unit: list[Request], out: SchedulerOutput, now: float, with_decodes: bool) -> bool:
         if self.running and len(self.running) + len(unit) > self.max_num_seqs:
             return False
         planned: list[tuple[Request, int, int]] = []  # (request, cached tokens, new tokens)
@@ -217,7 +269,7 @@ class Scheduler:
             share = self._budget(out) // (len(unit) - k)  # split the budget across a beam group
             if share <= 0 or (remaining > share and not self.enable_chunked_prefill):
                 break
-            num_new = min(remaining, share)
+            num_new = self._chunk(share, num_cached, remaining, with_decodes)
             if not self.kv.allocate_with_prefix(request.request_id, cached, num_new):
                 break
             planned.append((request, num_cached, num_new))

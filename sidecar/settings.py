@@ -26,6 +26,7 @@ class Settings:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
+    cost_aware_chunking: bool = True  # while decodes run, prefill chunks shrink as their attention grows
     enable_prefix_caching: bool = True
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None

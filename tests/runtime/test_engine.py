@@ -8,6 +8,7 @@ import pytest
 from pagedserve.runtime.config import EngineConfig
 from pagedserve.runtime.engine import LLMEngine
 from pagedserve.runtime.sampling_params import SamplingParams
+from pagedserve.runtime.scheduler import chunk_within
 
 
 def make_engine(tiny, **kw):
@@ -92,6 +93,37 @@ def test_decodes_get_a_token_every_step_during_a_long_chunked_prefill(tiny):
         assert {f"d{i}" for i in range(4)} <= outs, "a running decode missed a step"
         chunks += 1
     assert chunks >= 2000 // 128  # the prompt really was cut into chunks
+
+
+def _long_prompt_beside_decodes(e):
+    """Four streams decode while a 2,000-token prompt prefills: (the steps its prefill took, every token)."""
+    for i in range(4):
+        e.add_request(f"d{i}", [5 + i, 6, 7], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    e.step()
+    e.add_request("long", list(np.random.default_rng(3).integers(3, 512, size=2000)),
+                  SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    steps = 0
+    while e.groups["long"].seqs[0].num_output_tokens == 0:
+        e.step()
+        steps += 1
+    finished = run_all(e)
+    return steps, {rid: out.outputs[0].token_ids for rid, out in finished.items()}
+
+
+def test_cost_aware_chunks_shrink_deep_in_a_prompt_and_change_no_token(tiny):
+    cfg = tiny.config
+    keys_per_token = cfg.matmul_flops_per_token / cfg.attention_flops_per_key
+    assert keys_per_token < 1000  # the tiny model's attention outweighs its matmuls within the prompt
+    by_cost, tokens = _long_prompt_beside_decodes(make_engine(tiny, max_num_batched_tokens=128))
+    by_count, tokens_by_count = _long_prompt_beside_decodes(
+        make_engine(tiny, max_num_batched_tokens=128, cost_aware_chunking=False))
+    assert by_count == -(-2000 // 124)  # 124 prompt tokens a step beside the 4 decodes
+    expected, done = 0, 0
+    while done < 2000:
+        done += chunk_within(124, done, 2000 - done, keys_per_token)
+        expected += 1
+    assert by_cost == expected == 45  # chunks from 112 tokens down to ~28
+    assert tokens == tokens_by_count and len(tokens) == 5
 
 
 def test_admission_errors_are_precise_and_leave_nothing_behind(tiny):

@@ -55,6 +55,12 @@ def test_speculative_decoding_from_flags_and_environment():
         parse("--speculative-method", "draft")
 
 
+def test_cost_aware_chunking_from_flags_and_environment():
+    assert parse().engine_config().cost_aware_chunking is True
+    assert parse("--no-cost-aware-chunking").engine_config().cost_aware_chunking is False
+    assert parse(env={"PAGEDSERVE_COST_AWARE_CHUNKING": "off"}).engine_config().cost_aware_chunking is False
+
+
 def test_engine_switches_from_flags_and_environment():
     s = parse("--no-enable-prefix-caching", "--no-enable-cuda-graphs", "--cuda-graph-batch-sizes", "4, 1,2")
     config = s.engine_config()
