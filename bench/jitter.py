@@ -8,8 +8,13 @@ from the first step of the window to its end are pooled into p50 / p90 / p99 / m
 
   off          enable_chunked_prefill=False, budget = max_model_len: the whole prompt runs in one step
                beside the 16 decodes, and every stream waits for it.
-  budget N     enable_chunked_prefill=True, max_num_batched_tokens=N: the prompt is cut into chunks
-               of about N - 16 tokens, one per step, each step still carrying the 16 decodes.
+  budget N     enable_chunked_prefill=True, max_num_batched_tokens=N: the prompt is cut into chunks,
+               one per step, each step still carrying the 16 decodes. The engine's default cost-aware
+               chunking sizes them by cost: a token attending to k keys counts 1 + k / K of the N - 16
+               tokens the decodes leave (K = the model's matmul FLOPs per token over its attention FLOPs
+               per key, 3,072 for SmolLM2-135M), so chunks shrink as the prompt's context grows.
+  budget N by count (budget_N_by_count, --by-count-budgets): cost_aware_chunking=False, chunks of
+               N - 16 tokens wherever they are in the prompt (the scheduler before cost-aware chunking).
 
 Each configuration also reports the model FLOPs of its heaviest step while the long prompt prefills
 (`heaviest_step_gflop`: its costliest chunk, with the streams' decodes; common.model_flops_per_token) and
@@ -18,7 +23,7 @@ that step, so no kernel brings the p99 ITL below it on this machine, whatever th
 
 Usage:
 
-    .venv/bin/python bench/jitter.py [--quick] [--model PATH] [--budgets 256 512 1024]
+    .venv/bin/python bench/jitter.py [--quick] [--model PATH] [--budgets 256 512 1024] [--by-count-budgets 256]
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ CLAIM = {"text": "chunked prefill cuts the P99 inter-token latency of running st
 LONG_ID = "long"
 
 
-def run_config(loaded, args: argparse.Namespace, budget: int | None) -> dict:
+def run_config(loaded, args: argparse.Namespace, budget: int | None, cost_aware: bool = True) -> dict:
     from pagedserve.runtime.config import EngineConfig
     from pagedserve.runtime.engine import LLMEngine
     from pagedserve.runtime.sampling_params import SamplingParams
@@ -50,7 +55,7 @@ def run_config(loaded, args: argparse.Namespace, budget: int | None) -> dict:
     engine = LLMEngine(EngineConfig(device=args.device, max_model_len=max_model_len,
                                     max_num_batched_tokens=budget or max_model_len,
                                     enable_chunked_prefill=budget is not None, max_num_seqs=args.streams + 1,
-                                    seed=0), loaded=loaded)
+                                    cost_aware_chunking=cost_aware, seed=0), loaded=loaded)
     vocab = loaded.config.vocab_size
     low = min(100, vocab // 4)
     rng = np.random.default_rng(args.seed)
@@ -61,11 +66,16 @@ def run_config(loaded, args: argparse.Namespace, budget: int | None) -> dict:
                                           ignore_eos=True))
     token_times: dict[str, list[float]] = {rid: [] for rid in [*stream_ids, LONG_ID]}
     step_times: list[tuple[float, float, int]] = []  # (start, end, tokens batched)
+    chunks: list[int] = []  # the long prompt's tokens computed in each step of its prefill
 
     def step() -> None:
+        group = engine.groups.get(LONG_ID)
+        done = group.seqs[0].num_computed_tokens if group is not None else None
         start = time.perf_counter()
         outs = engine.step()
         end = time.perf_counter()
+        if done is not None and not token_times[LONG_ID]:
+            chunks.append(group.seqs[0].num_computed_tokens - done)
         step_times.append((start, end, sum(len(o.outputs[0].new_token_ids) for o in outs)))
         for o in outs:
             token_times[o.request_id].extend([end] * len(o.outputs[0].new_token_ids))
@@ -94,27 +104,34 @@ def run_config(loaded, args: argparse.Namespace, budget: int | None) -> dict:
     stats = {k: (round(1000 * v, 2) if v is not None else None) for k, v in plots.percentiles(itls).items()}
     s0 = token_times[stream_ids[0]]
     trace = [(round(t - arrival, 4), round(1000 * (t - p), 2)) for p, t in zip(s0, s0[1:]) if t >= window_start]
-    return {"budget": budget, "enable_chunked_prefill": budget is not None, "max_model_len": max_model_len,
+    return {"budget": budget, "enable_chunked_prefill": budget is not None,
+            "cost_aware_chunking": cost_aware and budget is not None, "max_model_len": max_model_len,
             "itl_ms": stats, "num_itl_samples": len(itls),
             "long_prompt_ttft_s": round(token_times[LONG_ID][0] - arrival, 3),
-            "long_prompt_prefill_steps": prefill_steps,
+            "long_prompt_prefill_steps": prefill_steps, "long_prompt_chunks": chunks,
             "slowest_step_s": round(max(e - s for s, e, _ in step_times[first_step:]), 3),
             "backend": engine.backend.name, "cpu_kernels": engine.backend.ops.name, "stream0_itl_trace": {"t_since_arrival_s": [t for t, _ in trace],
                                                                    "itl_ms": [v for _, v in trace]}}
 
 
-def heaviest_step_gflop(cfg, streams: int, stream_context: float, long_len: int, budget: int | None) -> float:
-    """Model GFLOPs of the costliest step while the long prompt prefills: its costliest chunk (budget - streams
-    tokens a step, as the scheduler leaves after the streams' decodes; the whole prompt when off), the logits of
-    the prompt's last position in its last chunk, and the streams' decodes at about `stream_context`."""
-    chunk = long_len if budget is None else max(1, budget - streams)
-    heaviest = 0.0
-    for start in range(0, long_len, chunk):
-        n = min(chunk, long_len - start)
+def heaviest_step_gflop(cfg, streams: int, stream_context: float, long_len: int, budget: int | None,
+                        cost_aware: bool = True) -> float:
+    """Model GFLOPs of the costliest step while the long prompt prefills: its costliest chunk (cut as the
+    scheduler cuts it from the budget - streams tokens the streams' decodes leave; the whole prompt when off),
+    the logits of the prompt's last position in its last chunk, and the streams' decodes at about
+    `stream_context`."""
+    from pagedserve.runtime.scheduler import chunk_within
+
+    keys_per_token = cfg.matmul_flops_per_token / cfg.attention_flops_per_key if cost_aware else float("inf")
+    heaviest, start = 0.0, 0
+    while start < long_len:
+        n = long_len if budget is None else chunk_within(max(1, budget - streams), start, long_len - start,
+                                                         keys_per_token)
         flops = n * model_flops_per_token(cfg, start + n / 2, False)
         if start + n == long_len:
             flops += 2 * cfg.hidden_size * cfg.vocab_size
         heaviest = max(heaviest, flops)
+        start += n
     return (heaviest + streams * model_flops_per_token(cfg, stream_context, True)) / 1e9
 
 
@@ -133,13 +150,14 @@ def run(args: argparse.Namespace) -> dict:
                          f"max_position_embeddings ({loaded.config.max_position_embeddings})")
     env = plots.environment(args.quick)
     results = {}
-    for b in [None, *args.budgets]:
-        key = "off" if b is None else f"budget_{b}"
+    configs = [("off", None, False)] + [(f"budget_{b}", b, True) for b in args.budgets] \
+        + [(f"budget_{b}_by_count", b, False) for b in args.by_count_budgets]
+    for key, b, cost_aware in configs:
         t = time.perf_counter()
-        results[key] = r = run_config(loaded, args, b)
+        results[key] = r = run_config(loaded, args, b, cost_aware)
         context = args.stream_prompt_len + args.steps_before + r["long_prompt_prefill_steps"]
         r["heaviest_step_gflop"] = round(heaviest_step_gflop(loaded.config, args.streams, context,
-                                                             args.long_prompt_len, b), 3)
+                                                             args.long_prompt_len, b, cost_aware), 3)
         r["heaviest_step_floor_s"] = round(r["heaviest_step_gflop"] / env["sgemm_gflops"], 4)
         plots.progress(f"jitter: {key} took {time.perf_counter() - t:.1f} s")
     off = results["off"]["itl_ms"]["p99"]
@@ -147,7 +165,7 @@ def run(args: argparse.Namespace) -> dict:
     best = max(reductions, key=reductions.get)
     summary = {"p99_itl_ms_off": off, "p99_itl_ms_by_config": {k: v["itl_ms"]["p99"] for k, v in results.items()},
                "max_itl_ms_by_config": {k: v["itl_ms"]["max"] for k, v in results.items()},
-               "p99_reduction_pct_by_budget": reductions, "best_budget": results[best]["budget"],
+               "p99_reduction_pct_by_budget": reductions, "best_config": best, "best_budget": results[best]["budget"],
                "best_p99_itl_ms": results[best]["itl_ms"]["p99"], "best_p99_reduction_pct": reductions[best],
                "long_prompt_ttft_s_by_config": {k: v["long_prompt_ttft_s"] for k, v in results.items()}}
     summary["claim_90pct_reproduced"] = reductions[best] >= 90.0
@@ -155,7 +173,7 @@ def run(args: argparse.Namespace) -> dict:
             "config": {"model": loaded.name, "model_path": str(loaded.path), "streams": args.streams,
                        "stream_prompt_len": args.stream_prompt_len, "long_prompt_len": args.long_prompt_len,
                        "steps_before": args.steps_before, "steps_after": args.steps_after,
-                       "budgets": args.budgets, "device": args.device,
+                       "budgets": args.budgets, "by_count_budgets": args.by_count_budgets, "device": args.device,
                        "window": "ITLs from steps_before steps before the long prompt arrives to steps_after "
                                  "steps after its first token; p99 depends on this window's length"},
             "environment": env, "results": results, "summary": summary}
@@ -186,7 +204,7 @@ def draw(record: dict, path: Path) -> None:
         ax2.set_xticks(x, names)
         ax2.set_yscale("log")
         ax2.set_ylabel("inter-token latency (ms)")
-        ax2.set_title(f"Pooled ITL; best p99 cut {s['best_p99_reduction_pct']:.0f}% (budget {s['best_budget']})")
+        ax2.set_title(f"Pooled ITL; best p99 cut {s['best_p99_reduction_pct']:.0f}% ({s['best_config']})")
         ax2.legend(fontsize=8)
 
 
@@ -198,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--long-prompt-len", type=int, default=None, help="default 4000 (200 with --quick)")
     ap.add_argument("--budgets", type=int, nargs="+", default=None,
                     help="max_num_batched_tokens with chunked prefill (default 256 512 1024; 32 64 with --quick)")
+    ap.add_argument("--by-count-budgets", type=int, nargs="*", default=None,
+                    help="budgets also run with cost_aware_chunking=False (default 256; 32 with --quick)")
     ap.add_argument("--steps-before", type=int, default=None, help="default 16 (4 with --quick)")
     ap.add_argument("--steps-after", type=int, default=None, help="default 16 (4 with --quick)")
     ap.add_argument("--seed", type=int, default=0)
@@ -209,11 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     plots.fill_defaults(
         args, quick={"streams": 4, "stream_prompt_len": 8, "long_prompt_len": 200, "budgets": [32, 64],
-                     "steps_before": 4, "steps_after": 4},
+                     "by_count_budgets": [32], "steps_before": 4, "steps_after": 4},
         full={"streams": 16, "stream_prompt_len": 128, "long_prompt_len": 4000, "budgets": [256, 512, 1024],
-              "steps_before": 16, "steps_after": 16},
-        positive=("streams", "stream_prompt_len", "long_prompt_len", "budgets", "steps_before", "steps_after"))
-    if min(args.budgets) <= args.streams:
+              "by_count_budgets": [256], "steps_before": 16, "steps_after": 16},
+        positive=("streams", "stream_prompt_len", "long_prompt_len", "budgets", "by_count_budgets", "steps_before",
+                  "steps_after"))
+    if min(args.budgets + args.by_count_budgets) <= args.streams:
         raise ValueError(f"--budgets must exceed --streams ({args.streams}): the decodes alone fill the budget")
     plots.emit(NAME, run(args), args.out_dir, draw, not args.no_plot, t0)
     return 0

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from pagedserve.runtime.scheduler import chunk_within
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 TINY = str(ROOT / "tests" / "data" / "tiny-llama")
@@ -92,19 +94,31 @@ def test_batching(tmp_path: Path) -> None:
 def test_jitter(tmp_path: Path) -> None:
     r = run_bench("jitter", tmp_path, "--model", TINY)
     res = r["results"]
-    assert set(res) == {"off", "budget_32", "budget_64"}
-    assert res["off"]["long_prompt_prefill_steps"] == 1
-    # 200 prompt tokens, 4 decodes per step: chunks of 28 and 60 tokens.
-    assert res["budget_32"]["long_prompt_prefill_steps"] == 8
-    assert res["budget_64"]["long_prompt_prefill_steps"] == 4
+    assert set(res) == {"off", "budget_32", "budget_64", "budget_32_by_count"}
+    assert res["off"]["long_prompt_chunks"] == [200]
+    # 200 prompt tokens, 4 decodes per step. By count: chunks of 28 and 60 tokens. By cost (the default; the
+    # tiny model's K is 576 keys): each chunk as the scheduler's chunk_within cuts it, shrinking.
+    assert res["budget_32_by_count"]["long_prompt_chunks"] == [28] * 7 + [4]
+    assert not res["budget_32_by_count"]["cost_aware_chunking"] and res["budget_32"]["cost_aware_chunking"]
+    for budget in (32, 64):
+        chunks, done = [], 0
+        while done < 200:
+            chunks.append(chunk_within(budget - 4, done, 200 - done, 576.0))
+            done += chunks[-1]
+        assert res[f"budget_{budget}"]["long_prompt_chunks"] == chunks
+        assert res[f"budget_{budget}"]["long_prompt_prefill_steps"] == len(chunks)
+    assert res["budget_32"]["long_prompt_chunks"][:3] == [27, 26, 25]
     for v in res.values():
         itl = v["itl_ms"]
+        assert sum(v["long_prompt_chunks"]) == 200
         assert v["num_itl_samples"] >= 4 * 8
         assert 0 < itl["p50"] <= itl["p99"] <= itl["max"]
-    assert set(r["summary"]["p99_reduction_pct_by_budget"]) == {"budget_32", "budget_64"}
-    # The heaviest step's FLOPs: the whole prompt when off, more for the larger chunks; its floor at the sgemm rate.
+    assert set(r["summary"]["p99_reduction_pct_by_budget"]) == {"budget_32", "budget_64", "budget_32_by_count"}
+    assert r["summary"]["best_config"] in r["summary"]["p99_reduction_pct_by_budget"]
+    # The heaviest step's FLOPs: the whole prompt when off, more for the larger chunks, and less by cost than by
+    # count (its chunks keep to the budget's cost); its floor at the sgemm rate.
     gflop = {k: v["heaviest_step_gflop"] for k, v in res.items()}
-    assert gflop["off"] > gflop["budget_64"] > gflop["budget_32"] > 0
+    assert gflop["off"] > gflop["budget_64"] > gflop["budget_32_by_count"] > gflop["budget_32"] > 0
     for v in res.values():
         assert v["heaviest_step_floor_s"] == pytest.approx(v["heaviest_step_gflop"] / r["environment"]["sgemm_gflops"],
                                                           rel=1e-2, abs=1e-4)
