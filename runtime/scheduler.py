@@ -10,8 +10,8 @@ Cost-aware chunking (on unless keys_per_token is None): a token's attention grow
 it, so a chunk deep in a long prompt costs more than one at its start. While the step carries decodes,
 whose streams wait for it, a prefill chunk is sized by cost, not count: a token attending to k keys counts
 1 + k / keys_per_token against the budget, keys_per_token being how many keys cost one token's weight
-matmuls (the model's matmul FLOPs per token over its attention FLOPs per key: ~3,070 for SmolLM2-135M,
-~32,000 for Llama-3-8B). Every such step then costs about what a budget of tokens costs at the start of a
+matmuls (the model's matmul FLOPs per token over its attention FLOPs per key: 3,072 for SmolLM2-135M,
+26,624 for Llama-3-8B). Every such step then costs about what a budget of tokens costs at the start of a
 prompt. Decodes still count 1 each, and a step without decodes takes whole budget-sized chunks.
 
 When the free blocks cannot cover a running request, the newest running request is preempted: its

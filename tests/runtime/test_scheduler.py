@@ -25,6 +25,8 @@ def test_smollm2_keys_per_token_from_its_flops():
     assert SMOLLM2.matmul_flops_per_token == 212_336_640
     assert SMOLLM2.attention_flops_per_key == 69_120
     assert K == 3072.0
+    llama3_8b = ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 5e5, 8192)
+    assert llama3_8b.matmul_flops_per_token / llama3_8b.attention_flops_per_key == 26624.0
 
 
 @pytest.mark.parametrize("seed", range(4))
