@@ -41,7 +41,7 @@ class LLM:
 
     `model=None` serves the embedded default, SmolLM2-135M-Instruct. Keyword arguments are
     EngineConfig fields (max_model_len, max_num_batched_tokens, max_num_seqs, enable_chunked_prefill,
-    block_size, kv_cache_memory_bytes, gpu_memory_utilization, tensor_parallel_size,
+    cost_aware_chunking, block_size, kv_cache_memory_bytes, gpu_memory_utilization, tensor_parallel_size,
     distributed_executor_backend, seed, device, ...). With tensor_parallel_size > 1 the engine starts
     rank processes; call shutdown() (or leave a `with LLM(...)` block) to stop them early.
     """
