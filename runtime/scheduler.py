@@ -12,7 +12,8 @@ whose streams wait for it, a prefill chunk is sized by cost, not count: a token 
 1 + k / keys_per_token against the budget, keys_per_token being how many keys cost one token's weight
 matmuls (the model's matmul FLOPs per token over its attention FLOPs per key: 3,072 for SmolLM2-135M,
 26,624 for Llama-3-8B). Every such step then costs about what a budget of tokens costs at the start of a
-prompt. Decodes still count 1 each, and a step without decodes takes whole budget-sized chunks.
+prompt. Decodes still count 1 each; the chunks after the first see what the earlier ones' cost left (a
+chunk that cannot fit one token waits); a step without decodes takes whole budget-sized chunks.
 
 When the free blocks cannot cover a running request, the newest running request is preempted: its
 blocks are freed and it goes back to the front of the waiting queue with num_computed_tokens = 0, to be
@@ -96,6 +97,7 @@ class Scheduler:
         if keys_per_token is not None and not keys_per_token > 0:
             raise ValueError(f"keys_per_token must be positive or None, got {keys_per_token!r}")
         self.keys_per_token = keys_per_token
+        self._step_extra_cost = 0.0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Requests whose prompt blocks are being computed by a prefill instance (disaggregated
@@ -178,17 +180,27 @@ class Scheduler:
         return members
 
     def _budget(self, out: SchedulerOutput) -> int:
-        return self.max_num_batched_tokens - out.num_batched_tokens
+        """What the step has left: its tokens, less what cost-sized chunks spent beyond their token count."""
+        return self.max_num_batched_tokens - out.num_batched_tokens - math.ceil(self._step_extra_cost)
 
     def _chunk(self, budget: int, context: int, remaining: int, with_decodes: bool) -> int:
-        """Tokens of a prefill chunk: what the budget leaves, by count, or by cost while decodes wait on the step."""
+        """Tokens of a prefill chunk: what the budget leaves, by count, or by cost while decodes wait on the step
+        (the step's first such chunk gets a token whatever it costs, so a prompt always progresses)."""
         if self.keys_per_token is None or not with_decodes or not self.enable_chunked_prefill:
             return min(remaining, budget)
-        return chunk_within(budget, context, remaining, self.keys_per_token)
+        n = chunk_within(budget, context, remaining, self.keys_per_token)
+        extra = (n * context + n * (n + 1) / 2) / self.keys_per_token  # the chunk's cost beyond its n tokens
+        if n + extra > budget and self._step_extra_cost > 0:
+            return 0
+        self._step_extra_cost += extra
+        return n
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         now = time.monotonic()
+        # Cost-sized chunks' cost beyond their token counts, so far this step (kept when a chunk is un-scheduled
+        # again: the rest of the step is then sized a little small).
+        self._step_extra_cost = 0.0
         # Decodes first, then prefills; each group oldest first (the running list is in admission order).
         with_decodes = None  # whether the step carries decodes: known once the prefills' turn comes
         for request in sorted(self.running, key=lambda r: r.is_prefilling):
@@ -270,6 +282,8 @@ class Scheduler:
             if share <= 0 or (remaining > share and not self.enable_chunked_prefill):
                 break
             num_new = self._chunk(share, num_cached, remaining, with_decodes)
+            if num_new == 0:  # the step's cost is spent
+                break
             if not self.kv.allocate_with_prefix(request.request_id, cached, num_new):
                 break
             planned.append((request, num_cached, num_new))

@@ -119,6 +119,35 @@ def test_an_admission_beside_decodes_is_sized_by_cost_from_its_cached_prefix():
     assert sum(sizes.values()) <= 256
 
 
+def test_later_chunks_get_what_the_earlier_chunks_cost_left():
+    sched = _scheduler(K)
+    _decoding(sched, 16)
+    _long_prompt_at(sched, 3950)  # its last 50 tokens cost 50 + 64.7 units
+    sched.add_request(_request("new", 4000))
+    out = sched.schedule()
+    sizes = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+    left = 240 - cost(50, 3950, K)
+    assert sizes["long"] == 50 and 125 < left < 126
+    assert sizes["new"] == chunk_within(125, 0, 4000, K) == 122
+    assert 16 + cost(50, 3950, K) + cost(sizes["new"], 0, K) <= 256
+    # By count the new prompt would have had 190 tokens: the long one's attention is what it gave up.
+
+
+def test_a_prefill_that_cannot_fit_a_token_waits_for_the_next_step():
+    sched = _scheduler(K)
+    _decoding(sched, 16)
+    long = _long_prompt_at(sched, 3990)  # one token there costs 1 + 3,991 / 3,072 = 2.3 units
+    sched.add_request(_request("new", 100))
+    sched.max_num_batched_tokens = 20  # 4 tokens left for prefills beside the 16 decodes
+    out = sched.schedule()
+    sizes = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+    assert sizes["long"] == 1 and cost(1, 3990, K) > 2
+    assert "new" not in sizes and sched.waiting[0].request_id == "new"  # it would cost > 4 - 2.3 units
+    assert long.num_computed_tokens == 3990
+    sched.max_num_batched_tokens = 18  # 2 left: the long prompt's one token costs more, and still goes
+    assert {s.request.request_id: s.num_new_tokens for s in sched.schedule().scheduled}["long"] == 1
+
+
 def test_scheduler_rejects_a_bad_keys_per_token():
     with pytest.raises(ValueError, match="keys_per_token must be positive or None, got 0"):
         _scheduler(0)
