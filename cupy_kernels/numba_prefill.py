@@ -110,25 +110,25 @@ def _buffer(name: str, size: int) -> np.ndarray:
     return buf
 
 
-def _workspace(num_kv_heads: int, key_panels: int, value_panels: int, head_dim: int, rows: int):
+def _workspace(num_kv_heads: int, key_panels: int, value_panels: int, head_dim: int, rows: int, threads: int):
     """Key and value panels, and each numba thread's rows: scaled queries [rows * head_dim], scores [rows, padded
     context], P.V's output [rows * padded head dim] and row factors [rows]; views of buffers kept per (calling)
-    thread, with a slot for each thread of numba's pool (numba.get_thread_id). Fresh multi-megabyte arrays
-    each layer cost more than the copy itself: the allocator hands them out as new pages, and first-touch page
-    faults ran at ~2.5 s per GiB on the test VM (3 ms of a 12 ms layer at 4,000 keys)."""
+    thread, with a slot for each of the `threads` the call runs on (numba.get_thread_id is below
+    numba.get_num_threads()), so a host running fewer threads than numba's pool holds no more. Fresh
+    multi-megabyte arrays each layer cost more than the copy itself: the allocator hands them out as new pages,
+    and first-touch page faults ran at ~2.5 s per GiB on the test VM (3 ms of a 12 ms layer at 4,000 keys)."""
     padded = key_panels * PANEL
     width = value_panels * PANEL
     kv = num_kv_heads * key_panels * head_dim * PANEL
     vv = num_kv_heads * value_panels * padded * PANEL
     k_and_v = _buffer("kv", kv + vv)
-    pool = numba.config.NUMBA_NUM_THREADS
-    scores = _buffer("scores", pool * rows * padded)
+    scores = _buffer("scores", threads * rows * padded)
     return (k_and_v[:kv].reshape(num_kv_heads, key_panels, head_dim, PANEL),
             k_and_v[kv:kv + vv].reshape(num_kv_heads, value_panels, padded, PANEL),
-            _buffer("queries", pool * rows * head_dim)[:pool * rows * head_dim].reshape(pool, rows * head_dim),
-            scores[:pool * rows * padded].reshape(pool, rows, padded),
-            _buffer("outputs", pool * rows * width)[:pool * rows * width].reshape(pool, rows * width),
-            _buffer("factors", pool * rows)[:pool * rows].reshape(pool, rows))
+            _buffer("queries", threads * rows * head_dim)[:threads * rows * head_dim].reshape(threads, rows * head_dim),
+            scores[:threads * rows * padded].reshape(threads, rows, padded),
+            _buffer("outputs", threads * rows * width)[:threads * rows * width].reshape(threads, rows * width),
+            _buffer("factors", threads * rows)[:threads * rows].reshape(threads, rows))
 
 
 def _prefill_item(w, panel_rows, query, start, n, first_pos, kp, vp, q_scale, tile_tokens, q, s, pv, den, out):
@@ -194,7 +194,12 @@ _ADDRESSES: dict = {}
 
 def _addresses(args) -> tuple[int, int]:
     """The machine code of the item (for these arguments' types) and of numba_gemm.PANEL_ROWS."""
-    key = tuple(numba.typeof(a) for a in args[:3])  # query, the panels (the rest: fixed types)
+    # Only the query's numba type can vary (the panels are this module's workspace views, the rest fixed types):
+    # its dtype, rank, layout, mutability and alignment, read from its flags (numba.typeof of the three arrays
+    # cost ~26 us a call, a quarter of a 16-token chunk's whole call).
+    query = args[0]
+    f = query.flags
+    key = (query.dtype, query.ndim, f.c_contiguous, f.f_contiguous, f.writeable, f.aligned)
     found = _ADDRESSES.get(key)
     if found is None:
         query, kp, vp, q_scale, tile_tokens, qs, ss, pvs, dens, out = args
@@ -216,10 +221,12 @@ def prefill_sequence(query, k_cache, v_cache, start: int, end: int, context_len:
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     apply_threads(parallel=True)
+    threads = numba.get_num_threads()  # what get_thread_id ranges over, whoever set it
     key_panels = -(-context_len // PANEL)
     value_panels = -(-head_dim // PANEL)
     tile_tokens = max(1, min(TILE_TOKENS, n))
-    kp, vp, qs, ss, pvs, dens = _workspace(num_kv_heads, key_panels, value_panels, head_dim, tile_tokens * group)
+    kp, vp, qs, ss, pvs, dens = _workspace(num_kv_heads, key_panels, value_panels, head_dim, tile_tokens * group,
+                                            threads)
     _GATHER(k_cache, v_cache, block_table, context_len, kp, vp)
     # Scores in log2 units, so the softmax takes 2^x (fast_exp2, cheaper than exp): the same weights.
     q_scale, tiles = np.float32(scale * LOG2_E), np.int64(tile_tokens)

@@ -114,6 +114,42 @@ def test_the_workspace_is_reused_and_grows(monkeypatch):
     assert npf._local.scores.size > first.size
 
 
+def test_the_workspace_holds_a_slot_per_running_thread(monkeypatch):
+    """Each numba thread's rows get a slot, for the threads the call runs on (not numba's whole pool); the
+    thread count changes no bit."""
+    from pagedserve.cupy_kernels import blas_threads as bt
+
+    rng = np.random.default_rng(11)
+    batch = make_batch(rng, [(400, 200)], num_kv=1, group=2, head_dim=64, block_size=16)
+    got = {}
+    for threads in (1, 2):
+        monkeypatch.setattr(bt, "_cpu_threads", threads)
+        monkeypatch.setattr(npf, "_local", threading.local())
+        got[threads] = na.paged_attention(*batch, 0.125)
+        running = min(threads, numba_setup.numba.config.NUMBA_NUM_THREADS)
+        padded = -(-400 // npf.PANEL) * npf.PANEL  # the keys, in whole panels
+        assert npf._local.scores.size == running * npf.TILE_TOKENS * 2 * padded  # slots x rows x keys
+    np.testing.assert_array_equal(got[1], got[2])
+    close_to_reference(batch, got[1])
+
+
+def test_a_strided_or_read_only_query_gets_machine_code_of_its_own_type():
+    """The item's compiled code is looked up by the query's dtype, rank, layout, mutability and alignment."""
+    rng = np.random.default_rng(12)
+    batch = make_batch(rng, [(300, 150)], num_kv=3, group=3, head_dim=64, block_size=16)
+    want = na.paged_attention(*batch, 0.125)
+    q = batch[0]
+    strided = np.zeros(q.shape[:2] + (2 * q.shape[2],), dtype=np.float32)[..., ::2]
+    strided[...] = q
+    read_only = q.copy()
+    read_only.flags.writeable = False
+    for query in (strided, read_only):
+        np.testing.assert_array_equal(na.paged_attention(query, *batch[1:], 0.125), want)
+    f = strided.flags
+    assert (np.dtype(np.float32), 3, f.c_contiguous, f.f_contiguous, True, f.aligned) in npf._ADDRESSES
+    assert (np.dtype(np.float32), 3, True, False, False, True) in npf._ADDRESSES
+
+
 def test_row_max_is_exact_at_every_length_and_alignment():
     """The vector max (llvmlite intrinsic): every length around its lane and chain widths, rows starting
     off a vector boundary, the max in the tail or in any lane, infinities."""
