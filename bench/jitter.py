@@ -120,13 +120,12 @@ def heaviest_step_gflop(cfg, streams: int, stream_context: float, long_len: int,
     scheduler cuts it from the budget - streams tokens the streams' decodes leave; the whole prompt when off),
     the logits of the prompt's last position in its last chunk, and the streams' decodes at about
     `stream_context`."""
-    from pagedserve.runtime.scheduler import chunk_within
+    from pagedserve.runtime.scheduler import chunk_within, keys_per_token
 
-    keys_per_token = cfg.matmul_flops_per_token / cfg.attention_flops_per_key if cost_aware else float("inf")
+    keys = keys_per_token(cfg) if cost_aware else float("inf")
     heaviest, start = 0.0, 0
     while start < long_len:
-        n = long_len if budget is None else chunk_within(max(1, budget - streams), start, long_len - start,
-                                                         keys_per_token)
+        n = long_len if budget is None else chunk_within(max(1, budget - streams), start, long_len - start, keys)
         flops = n * model_flops_per_token(cfg, start + n / 2, False)
         if start + n == long_len:
             flops += 2 * cfg.hidden_size * cfg.vocab_size

@@ -34,7 +34,7 @@ from .request_events import RequestEvents
 from .request_limits import RequestLimits, ServerShape, check_fits, check_ids, check_params, check_prompt_ids
 from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import Scheduler, SchedulerOutput, keys_per_token
 from .structured_output import StructuredOutputManager
 from .spec_decode import build_spec_decoder
 from .sequence_group import SequenceGroup, completion, group_output, sample_generator
@@ -83,11 +83,9 @@ class LLMEngine:
         # Guided decoding: grammars compile in a worker thread; costs nothing until a request has one.
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
         self.runner.structured = self.structured
-        mc = self.model_config
         self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_chunked_prefill,
-                                   mc.matmul_flops_per_token / mc.attention_flops_per_key
-                                   if config.cost_aware_chunking else None)
+                                   keys_per_token(self.model_config) if config.cost_aware_chunking else None)
         # Speculative decoding (None = off): proposes drafts after each step; a draft model brings its own pool.
         # A self-draft needs the target's whole weights, which the workers do not keep: loaded again (cached).
         self.spec = build_spec_decoder(

@@ -65,6 +65,12 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def keys_per_token(model_config) -> float:
+    """How many keys one token's attention must cover to cost what its weight matmuls do: the model's matmul
+    FLOPs per token over its attention FLOPs per key (cost-aware chunking's K)."""
+    return model_config.matmul_flops_per_token / model_config.attention_flops_per_key
+
+
 def chunk_within(budget: int, context: int, remaining: int, keys_per_token: float) -> int:
     """The most tokens, from 1 to `remaining`, of a prefill chunk after `context` computed tokens whose cost
     fits `budget`, the i-th token (attending to context + i keys, itself included) costing

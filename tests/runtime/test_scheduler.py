@@ -9,7 +9,7 @@ from pagedserve.runtime.config import EngineConfig
 from pagedserve.runtime.kv_cache_manager import KVCacheManager
 from pagedserve.runtime.request import Request
 from pagedserve.runtime.sampling_params import SamplingParams
-from pagedserve.runtime.scheduler import Scheduler, chunk_within
+from pagedserve.runtime.scheduler import Scheduler, chunk_within, keys_per_token
 
 SMOLLM2 = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 1e4, 8192)
 K = SMOLLM2.matmul_flops_per_token / SMOLLM2.attention_flops_per_key
@@ -24,7 +24,7 @@ def test_smollm2_keys_per_token_from_its_flops():
     # 30 layers x (2*576*(576+384) + 2*576*576 + 6*576*1536) = 212.3 MFLOP a token; 4*576*30 per key.
     assert SMOLLM2.matmul_flops_per_token == 212_336_640
     assert SMOLLM2.attention_flops_per_key == 69_120
-    assert K == 3072.0
+    assert K == 3072.0 == keys_per_token(SMOLLM2)  # what the engine hands its scheduler
     llama3_8b = ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 5e5, 8192)
     assert llama3_8b.matmul_flops_per_token / llama3_8b.attention_flops_per_key == 26624.0
 
