@@ -73,26 +73,37 @@ def takes_matmul_path(num_new: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
     return (num_new >= MIN_TOKENS) & (LOOP_NEST_PAIR_COST * seen > computed + MATMUL_FIXED_PAIRS)
 
 
-def _gather_panels(k_cache, v_cache, block_table, context_len, kp, vp):
-    """The sequence's keys and values, out of its blocks, in numba_gemm's panel layout (P = PANEL):
-    kp[h, c, d, j] = K[h, c P + j, d] (the keys as a [L, D] weight: S = Q . K^T), vp[h, c, p, j] =
-    V[h, p, c P + j] (the values as a [D, L] weight: O = P . V); positions past context_len and head dims
-    past D are zero (a score there is masked to 0, and 0 * garbage could be NaN). Parallel over panels."""
+def _gather_panel(c, k_cache, v_cache, block_table, context_len, kp, vp):
+    """Panel c of the sequence's keys and values, out of its blocks, in numba_gemm's panel layout (P = PANEL):
+    kp[h, c, d, j] = K[h, c P + j, d] (the keys as a [L, D] weight: S = Q . K^T), and the same keys' rows of
+    vp[h, cv, p, j] = V[h, p, cv P + j] (the values as a [D, L] weight: O = P . V); positions past
+    context_len and head dims past D are zero (a score there is masked to 0, and 0 * garbage could be NaN)."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     panel = kp.shape[3]
+    for j in range(panel):
+        p = c * panel + j
+        inside = p < context_len
+        block = block_table[p // block_size] if inside else 0
+        i = p % block_size
+        for h in range(num_kv_heads):
+            for d in range(head_dim):
+                kp[h, c, d, j] = k_cache[block, i, h, d] if inside else np.float32(0.0)
+            for cv in range(vp.shape[1]):
+                for jv in range(panel):
+                    d = cv * panel + jv
+                    vp[h, cv, p, jv] = v_cache[block, i, h, d] if inside and d < head_dim else np.float32(0.0)
+
+
+# A panel is its own (serial) function, called by address from the prange, as the items are: the gather as one
+# parallel function took 2.2 s of an empty cache's compile (on the critical path of a cold start), against
+# ~0.3 s for this and ~0.3 s for the prange over addresses.
+_GATHER_PANEL = numba.njit(**JIT_EXACT)(_gather_panel)
+
+
+def _gather_panels(panel, k_cache, v_cache, block_table, context_len, kp, vp):
+    """All panels (_gather_panel), parallel over them."""
     for c in numba.prange(kp.shape[1]):
-        for j in range(panel):
-            p = c * panel + j
-            inside = p < context_len
-            block = block_table[p // block_size] if inside else 0
-            i = p % block_size
-            for h in range(num_kv_heads):
-                for d in range(head_dim):
-                    kp[h, c, d, j] = k_cache[block, i, h, d] if inside else np.float32(0.0)
-                for cv in range(vp.shape[1]):
-                    for jv in range(panel):
-                        d = cv * panel + jv
-                        vp[h, cv, p, jv] = v_cache[block, i, h, d] if inside and d < head_dim else np.float32(0.0)
+        call_compiled(panel, (np.int64(c), k_cache, v_cache, block_table, context_len, kp, vp))
 
 
 _GATHER = numba.njit(parallel=True, **JIT_EXACT)(_gather_panels)
@@ -192,23 +203,29 @@ _ITEMS = numba.njit(parallel=True, **JIT)(_prefill_items)
 _ADDRESSES: dict = {}
 
 
-def _addresses(args) -> tuple[int, int]:
-    """The machine code of the item (for these arguments' types) and of numba_gemm.PANEL_ROWS."""
-    # Only the query's numba type can vary (the panels are this module's workspace views, the rest fixed types):
-    # its dtype, rank, layout, mutability and alignment, read from its flags (numba.typeof of the three arrays
-    # cost ~26 us a call, a quarter of a 16-token chunk's whole call).
+def _flags(a: np.ndarray) -> tuple:
+    f = a.flags
+    return a.dtype, a.ndim, f.c_contiguous, f.f_contiguous, f.writeable, f.aligned
+
+
+def _addresses(k_cache, v_cache, block_table, args) -> tuple[int, int, int]:
+    """The machine code of the gather's panel, of the item (for these arguments' types) and of
+    numba_gemm.PANEL_ROWS."""
+    # Only the query's and the gather's inputs' numba types can vary (the panels are this module's workspace
+    # views, the rest fixed types): their dtype, rank, layout, mutability and alignment, read from their flags
+    # (numba.typeof of the three arrays cost ~26 us a call, a quarter of a 16-token chunk's whole call).
     query = args[0]
-    f = query.flags
-    key = (query.dtype, query.ndim, f.c_contiguous, f.f_contiguous, f.writeable, f.aligned)
+    key = tuple(_flags(a) for a in (query, k_cache, v_cache, block_table))
     found = _ADDRESSES.get(key)
     if found is None:
         query, kp, vp, q_scale, tile_tokens, qs, ss, pvs, dens, out = args
         row = qs[0]
+        panel = native_address(_GATHER_PANEL, (np.int64(0), k_cache, v_cache, block_table, np.int64(0), kp, vp))
         panel_rows = native_address(PANEL_ROWS, (row, np.int64(0), np.int64(0), np.int64(0), row, np.int64(0),
                                                  np.int64(0), row, np.int64(0), np.int64(0)))
         item = native_address(_ITEM, (np.int64(0), panel_rows, query, np.int64(0), np.int64(0), np.int64(0), kp, vp,
                                       q_scale, tile_tokens, qs[0], ss[0], pvs[0], dens[0], out))
-        found = _ADDRESSES[key] = (item, panel_rows)
+        found = _ADDRESSES[key] = (panel, item, panel_rows)
     return found
 
 
@@ -227,11 +244,11 @@ def prefill_sequence(query, k_cache, v_cache, start: int, end: int, context_len:
     tile_tokens = max(1, min(TILE_TOKENS, n))
     kp, vp, qs, ss, pvs, dens = _workspace(num_kv_heads, key_panels, value_panels, head_dim, tile_tokens * group,
                                             threads)
-    _GATHER(k_cache, v_cache, block_table, context_len, kp, vp)
     # Scores in log2 units, so the softmax takes 2^x (fast_exp2, cheaper than exp): the same weights.
     q_scale, tiles = np.float32(scale * LOG2_E), np.int64(tile_tokens)
     args = (query, kp, vp, q_scale, tiles, qs, ss, pvs, dens, out)
-    item, panel_rows = _addresses(args)
+    panel, item, panel_rows = _addresses(k_cache, v_cache, block_table, args)
+    _GATHER(panel, k_cache, v_cache, block_table, np.int64(context_len), kp, vp)
     with numba.parallel_chunksize(1):
         _ITEMS(item, panel_rows, query, np.int64(start), np.int64(n), np.int64(context_len - n), kp, vp, q_scale,
                tiles, qs, ss, pvs, dens, out)

@@ -134,7 +134,8 @@ def test_the_workspace_holds_a_slot_per_running_thread(monkeypatch):
 
 
 def test_a_strided_or_read_only_query_gets_machine_code_of_its_own_type():
-    """The item's compiled code is looked up by the query's dtype, rank, layout, mutability and alignment."""
+    """The item's and the gather's compiled code is looked up by the dtype, rank, layout, mutability and
+    alignment of the query, the caches and the block table."""
     rng = np.random.default_rng(12)
     batch = make_batch(rng, [(300, 150)], num_kv=3, group=3, head_dim=64, block_size=16)
     want = na.paged_attention(*batch, 0.125)
@@ -145,9 +146,17 @@ def test_a_strided_or_read_only_query_gets_machine_code_of_its_own_type():
     read_only.flags.writeable = False
     for query in (strided, read_only):
         np.testing.assert_array_equal(na.paged_attention(query, *batch[1:], 0.125), want)
+    k_read_only, v_read_only = batch[1].copy(), batch[2].copy()
+    k_read_only.flags.writeable = v_read_only.flags.writeable = False
+    tables64 = batch[5].astype(np.int64)
+    np.testing.assert_array_equal(na.paged_attention(q, k_read_only, v_read_only, *batch[3:], 0.125), want)
+    np.testing.assert_array_equal(na.paged_attention(q, *batch[1:5], tables64, 0.125), want)
     f = strided.flags
-    assert (np.dtype(np.float32), 3, f.c_contiguous, f.f_contiguous, True, f.aligned) in npf._ADDRESSES
-    assert (np.dtype(np.float32), 3, True, False, False, True) in npf._ADDRESSES
+    queries = {key[0] for key in npf._ADDRESSES}
+    assert (np.dtype(np.float32), 3, f.c_contiguous, f.f_contiguous, True, f.aligned) in queries
+    assert (np.dtype(np.float32), 3, True, False, False, True) in queries
+    assert {key[1][4] for key in npf._ADDRESSES} == {True, False}  # a writeable and a read-only key cache
+    assert {key[3][0] for key in npf._ADDRESSES} >= {np.dtype(np.int32), np.dtype(np.int64)}
 
 
 def test_row_max_is_exact_at_every_length_and_alignment():
@@ -181,11 +190,12 @@ def test_after_the_warm_up_a_prefill_compiles_nothing():
     from pagedserve.cupy_kernels import numba_gemm
 
     npf.warm_up()
-    counts = [len(d.signatures) for d in (npf._ITEM, npf._ITEMS, npf._GATHER, numba_gemm.PANEL_ROWS)]
+    kernels = (npf._ITEM, npf._ITEMS, npf._GATHER, npf._GATHER_PANEL, numba_gemm.PANEL_ROWS)
+    counts = [len(d.signatures) for d in kernels]
     rng = np.random.default_rng(8)
     batch = make_batch(rng, [(500, 100)], num_kv=3, group=3, head_dim=64, block_size=16)
     close_to_reference(batch, na.paged_attention(*batch, 0.125))
-    assert [len(d.signatures) for d in (npf._ITEM, npf._ITEMS, npf._GATHER, numba_gemm.PANEL_ROWS)] == counts
+    assert [len(d.signatures) for d in kernels] == counts
 
 
 def test_the_route_weighs_the_loop_nests_pairs_against_this_paths():
