@@ -12,8 +12,9 @@ tile of the output in twenty-four 16-lane registers and walks k: two vector load
 broadcast of each of the 12 activation rows, 24 FMAs, and a prefetch of the panel 64 rows of k ahead
 (without AVX-512: 16-column panels and 6-row tiles in 8-lane registers). The figures below were measured
 with 8-row tiles (_BIG_ROWS has the 12-row ones'). Panels are shared out over the threads
-(prange); a panel (73 KB for in = 576) stays in L2 while every tile of a block of ROW_BLOCK activation
-rows passes over it, and the block itself stays in L2 while the thread's panels pass over it.
+(prange); a panel (73 KB for in = 576) stays in L2 while every tile of a block of activation rows (about
+half the L2's worth: row_passes) passes over it, and the block itself stays in L2 while the thread's panels
+pass over it.
 
 Measured on the test VM (SmolLM2's 30 layers, four matmuls each, 2 threads, against numpy's OpenBLAS on
 [in, out] weights, its native kernel): 1 row 9.9 vs 11.4 ms, 8 rows 11.3 vs 23.1, 64 rows 33.4 vs 46.4
@@ -75,6 +76,66 @@ _PREFETCH_K = 64
 # as 120, 192 worse; also cutting k (256-row slices of a panel kept in L1) made 1-64 rows slower. A multiple
 # of both big-tile heights (6, 12): tiles fall where they did, and each output's FMA chain is unchanged.
 ROW_BLOCK = 120
+# Since then the rows per block follow the host's L2 (row_passes): a block of A takes at most half of it, the
+# other half for the panels passing over it, within [MIN_ROW_BLOCK, MAX_ROW_BLOCK] rows, and a matmul's rows
+# are cut into blocks of about equal size (each starting on a whole big tile). On the Emerald Rapids VM (2 MB
+# L2), SmolLM2's four layer matmuls, medians of 7 interleaved rounds, against blocks of ROW_BLOCK: 123 rows +6
+# to +10% (the block of 3 rows streamed every weight again for them), 247 rows (bench/jitter.py's steps) +3 to
+# +4%, 256 +5%, 512 +1%, 64 and 2,048 rows within the noise (-4 to +2%).
+MIN_ROW_BLOCK = 96
+MAX_ROW_BLOCK = 480
+
+
+def _size_bytes(text: str) -> int:
+    """A sysfs cache size ("2048K", "1M", "512") in bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip()
+    return int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)
+
+
+def _cpu_count(cpu_list: str) -> int:
+    """How many CPUs a sysfs CPU list ("0", "0-1", "0-3,8-11") names."""
+    count = 0
+    for part in cpu_list.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            count += int(last or first) - int(first) + 1
+    return count
+
+
+def _l2_bytes() -> int:
+    """The L2 cache a core has to itself (Linux sysfs: cpu0's level-2 data or unified cache, divided among the
+    CPUs that share it); 0 where it cannot be read."""
+    import glob
+
+    for index in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
+        try:
+            with open(f"{index}/level") as f:
+                level = f.read().strip()
+            with open(f"{index}/type") as f:
+                kind = f.read().strip()
+            if level != "2" or kind == "Instruction":
+                continue
+            with open(f"{index}/size") as f:
+                size = _size_bytes(f.read())
+            with open(f"{index}/shared_cpu_list") as f:
+                sharing = _cpu_count(f.read())
+        except (OSError, ValueError):
+            return 0
+        return size // max(1, sharing)
+    return 0
+
+
+L2_BYTES = _l2_bytes()
+
+
+def row_passes(m: int, k: int) -> int:
+    """Passes over the panels for an [m, k] input: blocks of about half the core's L2 of rows (ROW_BLOCK when
+    the L2 is unknown), within [MIN_ROW_BLOCK, MAX_ROW_BLOCK]; matmul_into evens the rows out over them."""
+    target = ROW_BLOCK
+    if L2_BYTES:
+        target = min(MAX_ROW_BLOCK, max(MIN_ROW_BLOCK, L2_BYTES // 2 // (4 * max(k, 1)) // 12 * 12))
+    return max(1, -(-m // target))
 
 
 @dataclass(frozen=True)
@@ -259,17 +320,21 @@ PANEL_ROWS = numba.njit(**JIT)(_panel_rows)
 
 
 @numba.njit(parallel=True, **JIT)
-def matmul_into(x, panels, out):
-    """out [m, panels * PANEL] = x [m, k] @ the weight of `panels` [count, k, PANEL]; all C-contiguous
-    float32 (the kernel itself: `matmul` checks, allocates and slices)."""
+def matmul_into(x, panels, out, passes):
+    """out [m, panels * PANEL] = x [m, k] @ the weight of `panels` [count, k, PANEL], the rows in `passes`
+    blocks of about equal size, each starting on a whole big tile (row_passes); all C-contiguous float32 (the
+    kernel itself: `matmul` checks, allocates and slices)."""
     m, k = x.shape
     count = panels.shape[0]
     n = count * PANEL
     a = x.reshape(m * k)
     b = panels.reshape(count * k * PANEL)
     c = out.reshape(m * n)
-    for m0 in range(0, m, ROW_BLOCK):  # one parallel pass over the panels per block of rows
-        m1 = min(m0 + ROW_BLOCK, m)
+    for i in range(passes):  # one parallel pass over the panels per block of rows
+        m0 = (i * m // passes) // 12 * 12
+        m1 = m if i == passes - 1 else ((i + 1) * m // passes) // 12 * 12
+        if m1 <= m0:
+            continue
         for p in numba.prange(count):
             _PANEL_ROWS_INLINE(a, m0 * k, k, m1 - m0, b, p * k * PANEL, k, c, m0 * n + p * PANEL, n)
 
@@ -283,7 +348,7 @@ def matmul(x: np.ndarray, w: PackedWeight, bias: np.ndarray | None = None) -> np
     out = np.empty((x.shape[0], padded), dtype=np.float32)
     if x.shape[0]:
         apply_threads(parallel=True)
-        matmul_into(x, w.panels, out)
+        matmul_into(x, w.panels, out, row_passes(x.shape[0], x.shape[1]))
     if padded != w.out_features:
         out = np.ascontiguousarray(out[:, : w.out_features])
     if bias is not None:

@@ -54,21 +54,44 @@ def test_rows_are_batch_and_thread_invariant_bit_for_bit():
         numba.set_num_threads(1)
         one = numba_gemm.matmul_into  # the compiled kernel, on one thread
         out = np.empty((23, p.panels.shape[0] * p.panels.shape[2]), dtype=np.float32)  # whole panels (16/32 wide)
-        one(np.ascontiguousarray(x), p.panels, out)
+        one(np.ascontiguousarray(x), p.panels, out, 1)
     finally:
         numba.set_num_threads(threads)
     np.testing.assert_array_equal(out[:, :70], batch)
 
 
-def test_rows_past_one_row_block_are_the_bits_of_a_lone_row():
-    """Rows are multiplied a block of ROW_BLOCK at a time: a row in the second or third block (and in a
-    remainder tile of the last) gets the bits it gets alone or in the first block."""
+@pytest.mark.parametrize("passes", [1, 2, 3, 7])
+def test_rows_in_any_block_are_the_bits_of_a_lone_row(passes):
+    """Rows are multiplied a block at a time (row_passes blocks of about equal size): a row in any block (and
+    in a remainder tile of the last) gets the bits it gets alone."""
     p = numba_gemm.pack(weight(40, 64, 5))
     m = 2 * numba_gemm.ROW_BLOCK + 7
     x = np.random.default_rng(6).standard_normal((m, 64)).astype(np.float32)
-    batch = numba_gemm.matmul(x, p)
-    for r in (0, numba_gemm.ROW_BLOCK - 1, numba_gemm.ROW_BLOCK, 2 * numba_gemm.ROW_BLOCK + 3, m - 1):
-        np.testing.assert_array_equal(numba_gemm.matmul(x[r : r + 1], p)[0], batch[r])
+    out = np.empty((m, p.panels.shape[0] * p.panels.shape[2]), dtype=np.float32)
+    numba_gemm.matmul_into(x, p.panels, out, passes)
+    for r in (0, m // passes - 1, min(m // passes + 13, m - 1), m - 1):
+        np.testing.assert_array_equal(numba_gemm.matmul(x[r : r + 1], p)[0], out[r, :40])
+
+
+def test_row_passes_follow_the_l2(monkeypatch):
+    """Blocks of about half the core's L2 of input rows, within [MIN_ROW_BLOCK, MAX_ROW_BLOCK]; ROW_BLOCK rows
+    when the L2 is unknown."""
+    passes = numba_gemm.row_passes
+    monkeypatch.setattr(numba_gemm, "L2_BYTES", 0)
+    assert [passes(m, 576) for m in (1, 120, 121, 247, 2048)] == [1, 1, 2, 3, 18]
+    monkeypatch.setattr(numba_gemm, "L2_BYTES", 2 << 20)  # 2 MB: 444 rows of 576 floats, 168 of 1,536
+    assert [passes(m, 576) for m in (1, 247, 444, 445, 2048)] == [1, 1, 1, 2, 5]
+    assert [passes(m, 1536) for m in (168, 169, 247)] == [1, 2, 2]
+    monkeypatch.setattr(numba_gemm, "L2_BYTES", 64 << 10)  # a small L2: never below MIN_ROW_BLOCK rows
+    assert passes(numba_gemm.MIN_ROW_BLOCK, 4096) == 1 and passes(numba_gemm.MIN_ROW_BLOCK + 1, 4096) == 2
+    monkeypatch.setattr(numba_gemm, "L2_BYTES", 1 << 30)  # nor above MAX_ROW_BLOCK
+    assert passes(numba_gemm.MAX_ROW_BLOCK, 64) == 1 and passes(numba_gemm.MAX_ROW_BLOCK + 1, 64) == 2
+
+
+def test_sysfs_cache_fields_parse():
+    assert [numba_gemm._size_bytes(t) for t in ("2048K\n", "1M", "512", "1G")] == [2 << 20, 1 << 20, 512, 1 << 30]
+    assert [numba_gemm._cpu_count(t) for t in ("0\n", "0-1", "0-3,8-11", "2,5")] == [1, 2, 8, 2]
+    assert numba_gemm.L2_BYTES >= 0
 
 
 def test_bias_strided_input_and_bad_shapes():
