@@ -160,10 +160,14 @@ def linear(x: np.ndarray, weight_t, bias: np.ndarray | None = None, quant=None) 
     return ops.linear(x, weight_t, bias)
 
 
-def pack_weight(w: np.ndarray) -> numba_gemm.PackedWeight | None:
+def pack_weight(w) -> numba_gemm.PackedWeight | None:
     """The form this set's linear wants a float32 [out, in] matmul weight in: column panels
-    (numba_gemm.py); None for another dtype (the caller then keeps the [in, out] array)."""
-    return numba_gemm.pack(w) if np.asarray(w).dtype == _F32 else None
+    (numba_gemm.py); a list of [out_i, in] parts is packed as their rows in turn, without concatenating them
+    first. None for another dtype (the caller then keeps the [in, out] array)."""
+    parts = list(w) if isinstance(w, (list, tuple)) else [w]
+    if any(np.asarray(p).dtype != _F32 for p in parts):
+        return None
+    return numba_gemm.pack_rows(parts)
 
 
 # -- add + RMSNorm ------------------------------------------------------------------------------------

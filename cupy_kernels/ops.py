@@ -33,9 +33,10 @@ def linear(x: np.ndarray, weight_t: np.ndarray, bias: np.ndarray | None = None, 
     return out
 
 
-def pack_weight(w: np.ndarray) -> None:
-    """The form linear wants a [out, in] matmul weight in, when it is not the [in, out] array: None here
-    (and in the CUDA set); the numba set packs column panels (numba_gemm.py)."""
+def pack_weight(w) -> None:
+    """The form linear wants a [out, in] matmul weight (or a list of [out_i, in] parts, stacked by rows) in,
+    when it is not the [in, out] array: None here (and in the CUDA set); the numba set packs column panels
+    (numba_gemm.py)."""
     return None
 
 

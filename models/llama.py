@@ -123,11 +123,11 @@ class LlamaForCausalLM:
                 bias = put(np.concatenate([weights[a + f"{x}_proj.bias"] for x in "qkv"]))
             self.layers.append(LayerWeights(
                 input_norm=put(weights[p + "input_layernorm.weight"]),
-                qkv=put_t(np.concatenate([weights[a + f"{x}_proj.weight"] for x in "qkv"])),
+                qkv=put_t(*(weights[a + f"{x}_proj.weight"] for x in "qkv")),
                 qkv_bias=bias,
                 o_proj=put_t(weights[a + "o_proj.weight"]),
                 post_norm=put(weights[p + "post_attention_layernorm.weight"]),
-                gate_up=put_t(np.concatenate([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])),
+                gate_up=put_t(weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]),
                 down=put_t(weights[p + "mlp.down_proj.weight"]),
             ))
         self.lm_head_q = None
@@ -176,17 +176,21 @@ class LlamaForCausalLM:
             a.flags.writeable = False
         return a
 
-    def _packed(self, w: np.ndarray):
-        """The numba set's column panels of a float32 [out, in] weight (numba_gemm.py); None elsewhere."""
+    def _packed(self, *parts: np.ndarray):
+        """The numba set's column panels of a float32 [out, in] weight, or of the rows of several parts in turn
+        (numba_gemm.py); None elsewhere."""
         if self.backend.dtype != np.float32 or self.backend.is_gpu:
             return None
-        return self.backend.ops.pack_weight(np.asarray(w, dtype=np.float32))
+        return self.backend.ops.pack_weight([np.asarray(w, dtype=np.float32) for w in parts])
 
-    def _put_t(self, w: np.ndarray):
-        """A matmul weight, [out, in] in the checkpoint, in the form the backend's linear takes: the numba set's
-        panels, or an [in, out] array for the others."""
-        packed = self._packed(w)
-        return packed if packed is not None else self._put(w.T)
+    def _put_t(self, *parts: np.ndarray):
+        """A matmul weight, [out, in] in the checkpoint (the rows of `parts` in turn: a fused qkv or gate_up),
+        in the form the backend's linear takes: the numba set's panels (packed from the parts, no
+        concatenated copy first), or an [in, out] array for the others."""
+        packed = self._packed(*parts)
+        if packed is not None:
+            return packed
+        return self._put((parts[0] if len(parts) == 1 else np.concatenate(parts)).T)
 
     def _embed(self, ids: Any) -> Any:
         ops = self.backend.ops

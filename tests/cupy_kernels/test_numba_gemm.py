@@ -30,6 +30,24 @@ def test_pack_round_trip_and_shape(out):
     np.testing.assert_array_equal(numba_gemm.unpack(p), w)
 
 
+@pytest.mark.parametrize("outs", [(64, 32, 32), (64, 40), (40, 64, 32), (7,), (96, 96, 5)])
+def test_pack_rows_is_pack_of_the_concatenation(outs):
+    """Parts packed in place (each starting on a panel) or, when one starts inside a panel, concatenated
+    first: either way the panels of the stacked weight."""
+    parts = [weight(o, 24, i) for i, o in enumerate(outs)]
+    got = numba_gemm.pack_rows(parts)
+    want = numba_gemm.pack(np.concatenate(parts))
+    assert got.shape == want.shape and not got.panels.flags.writeable
+    np.testing.assert_array_equal(got.panels, want.panels)
+
+
+def test_pack_rows_refuses_parts_of_different_widths():
+    with pytest.raises(ValueError, match="parts of one in"):
+        numba_gemm.pack_rows([weight(32, 24, 0), weight(32, 16, 1)])
+    with pytest.raises(ValueError, match="parts of one in"):
+        numba_gemm.pack_rows([])
+
+
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 8, 9, 11, 15, 17, 20, 23, 64, 2 * numba_gemm.ROW_BLOCK + 13])
 @pytest.mark.parametrize("out,inp", [(1, 7), (33, 64), (96, 576)])
 def test_matmul_matches_numpy(rows, out, inp):
