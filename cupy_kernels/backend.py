@@ -40,6 +40,15 @@ class Backend:
 
 
 
+def finish_warm_up(backend: Backend) -> None:
+    """Make every kernel of `backend` ready (kernel_set.finish_numba_warm_up for the numba set; nothing to do
+    for the others). Idempotent."""
+    if backend.ops is not None and backend.ops.name == "numba":
+        from .kernel_set import finish_numba_warm_up
+
+        finish_numba_warm_up()
+
+
 def to_host(a: Any) -> np.ndarray:
     """A numpy array with the contents of `a`: CuPy arrays are copied from the device (they have .get()),
     anything else goes through np.asarray (no copy for a numpy array). The one device->host copy helper."""
@@ -56,18 +65,20 @@ def cuda_available() -> bool:
         return False
 
 
-def get_backend(device: str = "auto", cpu_kernels_choice: str = "auto") -> Backend:
+def get_backend(device: str = "auto", cpu_kernels_choice: str = "auto", finish_warm_up: bool = True) -> Backend:
     """Return the backend for `device` ("auto", "cpu" or "cuda").
 
     "auto" picks cuda when CuPy sees a GPU and numpy otherwise. CPU numerics are float32; the CPU
     kernels are numba's when it imports (`cpu_kernels_choice` "auto" or "numba") or the numpy reference.
+    `finish_warm_up=False`: the numba set's attention kernels may still be compiling; call
+    finish_warm_up(backend) before the first forward.
     """
     if device not in VALID_DEVICES:
         raise ValueError(f"device must be one of {VALID_DEVICES}, got {device!r}")
     if device == "auto":
         device = "cuda" if cuda_available() else "cpu"
     if device == "cpu":
-        return Backend("numpy", np, np.dtype(np.float32), cpu_kernels(cpu_kernels_choice))
+        return Backend("numpy", np, np.dtype(np.float32), cpu_kernels(cpu_kernels_choice, finish_warm_up))
     if not cuda_available():
         raise ValueError("device='cuda' was asked for, but CuPy is not installed or sees no CUDA device")
     import cupy

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -66,24 +67,57 @@ def numpy_kernels() -> KernelSet:
     return _from_modules("numpy", ops, paged_attention)
 
 
-@functools.lru_cache(maxsize=None)
-def numba_kernels() -> KernelSet:
-    """The numba kernels where there is one, the numpy reference elsewhere (embedding, rope_cos_sin)."""
-    from . import numba_attention, numba_gemm, numba_ops, numba_prefill, numba_quant  # imports (and configures) numba: only when asked for
-    from .numba_setup import compile_aside, finish_aside
+_finish_lock = threading.Lock()
+_compile_child: list = []  # the child compiling the attention and long-prefill kernels, while it runs
+_finished = threading.Event()
 
-    # Compiled now (or loaded from the on-disk cache), never during a request. With an empty cache the
-    # attention loop nest and the long-prefill kernels compile in a child process meanwhile, on the other core
-    # (numba_setup.compile_aside): ~half of the compile time each side. The GEMM first here: the child's
-    # prefill warm-up adds a signature to the same kernel's cache index, seconds later.
+
+@functools.lru_cache(maxsize=None)
+def _numba_started() -> KernelSet:
+    """The first half of numba_kernels(): the GEMM, GGUF-block and elementwise kernels compiled (or loaded from
+    the on-disk cache) here, the attention and long-prefill ones handed to a child process when the cache is
+    empty (numba_setup.compile_aside: ~half of the compile time each side, on the other core). The set is
+    whole, but its attention kernels are not ready until finish_numba_warm_up()."""
+    from . import numba_attention, numba_gemm, numba_ops, numba_prefill, numba_quant  # imports (and configures) numba: only when asked for
+    from .numba_setup import compile_aside
+
+    # The GEMM first here: the child's prefill warm-up adds a signature to the same module's cache index,
+    # seconds later.
     child = compile_aside(numba_attention._ATTENTION, numba_prefill._GATHER)
     numba_gemm.warm_up()
     numba_quant.warm_up()
     numba_ops.warm_up()
-    finish_aside(child)
-    numba_prefill.warm_up()
-    numba_attention.warm_up()
+    _compile_child.append(child)
     return _from_modules("numba", numba_ops, numba_attention, ops, paged_attention)
+
+
+def finish_numba_warm_up() -> None:
+    """The second half: wait for the compile child, then load (or compile) the attention and long-prefill
+    kernels, so that no request pays for a compile. Idempotent. A caller with work that needs no attention
+    (the worker: loading the model and packing its weights) does it between the halves, while the child
+    still compiles: ~0.8 s off a start with an empty cache."""
+    from . import numba_attention, numba_prefill
+    from .numba_setup import finish_aside
+
+    if _finished.is_set():
+        return
+    _numba_started()
+    with _finish_lock:
+        if _finished.is_set():
+            return
+        finish_aside(_compile_child.pop() if _compile_child else None)
+        numba_prefill.warm_up()
+        numba_attention.warm_up()
+        _finished.set()
+
+
+@functools.lru_cache(maxsize=None)
+def numba_kernels() -> KernelSet:
+    """The numba kernels where there is one, the numpy reference elsewhere (embedding, rope_cos_sin); every
+    kernel compiled now (or loaded from the on-disk cache), never during a request."""
+    kernels = _numba_started()
+    finish_numba_warm_up()
+    return kernels
 
 
 def _device_only(fn: Callable[..., Any], arg: int, op: str) -> Callable[..., Any]:
@@ -118,8 +152,9 @@ def cuda_kernels() -> KernelSet:
                                 else _device_only(getattr(cuda_ops, op), _DEVICE_ARG[op], op) for op in OP_NAMES})
 
 
-def cpu_kernels(choice: str = "auto") -> KernelSet:
+def cpu_kernels(choice: str = "auto", finish_warm_up: bool = True) -> KernelSet:
     """The CPU kernel set: "numba" (compiled) or "numpy" (the reference); "auto" is numba when it imports.
+    `finish_warm_up=False`: the numba set's attention kernels may still be compiling (finish_numba_warm_up).
 
     Measured on the quiet 2-core test host with 2 OpenBLAS threads (docs/benchmarks.md, 2026-11-30 evening,
     after the attention rework): 64 requests 426 vs 377 output tok/s, 256 requests 400 vs 335, one request
@@ -134,4 +169,4 @@ def cpu_kernels(choice: str = "auto") -> KernelSet:
         if choice == "auto":
             return numpy_kernels()
         raise ValueError("cpu_kernels='numba' was asked for, but numba is not installed")
-    return numba_kernels()
+    return numba_kernels() if finish_warm_up else _numba_started()

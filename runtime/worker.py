@@ -22,7 +22,7 @@ from typing import Any
 
 import structlog
 
-from pagedserve.cupy_kernels.backend import get_backend
+from pagedserve.cupy_kernels.backend import finish_warm_up, get_backend
 from pagedserve.cupy_kernels.blas_threads import set_blas_threads, set_cpu_threads
 from pagedserve.cupy_kernels.host_malloc import tune_malloc
 from pagedserve.models.batch import ForwardBatch
@@ -63,7 +63,9 @@ class Worker:
         elif world_size > 1 and not os.environ.get("OPENBLAS_NUM_THREADS"):
             # N ranks on one host: split the cores rather than let every rank's OpenBLAS take them all.
             set_blas_threads(max(1, (os.cpu_count() or 1) // world_size))
-        self.backend = get_backend(config.device, config.cpu_kernels)
+        # The numba set's attention kernels may still be compiling in a child process (an empty cache): the
+        # model loads and packs its weights meanwhile, and finish_warm_up waits for them below.
+        self.backend = get_backend(config.device, config.cpu_kernels, finish_warm_up=False)
         # CPU: keep freed activation pages mapped between steps (cupy_kernels/host_malloc.py).
         self.malloc = {} if self.backend.is_gpu else tune_malloc()
         if self.backend.is_gpu:  # device "auto" resolved to the GPU
@@ -85,6 +87,7 @@ class Worker:
         self.model_name, self.model_path = loaded.name, loaded.path
         self.model = LlamaForCausalLM(loaded.config, weights, self.backend, source=str(loaded.path), shard=shard,
                                       comm=comm)
+        finish_warm_up(self.backend)
         self.kv_caches: list[tuple[Any, Any]] | None = None
         self.graphs: DecodeGraphs | None = None
         self.kv_sizing = None  # GPU: the gpu_memory.KVCacheSizing behind the pool's size

@@ -27,6 +27,27 @@ def test_pack_weight_takes_a_host_weight_at_load_in_every_set():
     assert kernel_set.numba_kernels().pack_weight(w).shape == (8, 40)
 
 
+def test_pack_weight_takes_row_parts():
+    """A fused weight's parts (qkv, gate_up): the numba set packs their rows in turn; the others keep arrays."""
+    parts = [np.full((32, 8), 1, np.float32), np.full((8, 8), 2, np.float32)]
+    assert kernel_set.cuda_kernels().pack_weight(parts) is None
+    assert kernel_set.numpy_kernels().pack_weight(parts) is None
+    packed = kernel_set.numba_kernels().pack_weight(parts)
+    assert packed.shape == (8, 40) and packed.panels[1, 0, :8].tolist() == [2.0] * 8
+
+
+def test_a_backend_whose_warm_up_is_finished_later_is_the_same_set():
+    """The worker asks for the numba set before its attention kernels are ready (finish_warm_up=False) and
+    finishes the warm-up after loading the model: the same table, and finishing again does nothing."""
+    from pagedserve.cupy_kernels.backend import finish_warm_up
+
+    early = get_backend("cpu", "numba", finish_warm_up=False)
+    assert early.ops is kernel_set.numba_kernels()
+    finish_warm_up(early)
+    finish_warm_up(get_backend("cpu", "numpy"))  # nothing to finish
+    assert kernel_set._finished.is_set() and not kernel_set._compile_child
+
+
 def test_cpu_choice():
     assert get_backend("cpu", "numpy").ops is kernel_set.numpy_kernels()
     assert get_backend("cpu").ops is kernel_set.numba_kernels()  # "auto": numba, installed with the package

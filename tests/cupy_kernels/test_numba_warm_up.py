@@ -71,10 +71,18 @@ def test_a_forward_compiles_nothing_the_warm_up_did_not(tmp_path):
 
 EMPTY_CACHE_START = """
 import numpy as np
-from pagedserve.cupy_kernels import numba_attention, paged_attention
-from pagedserve.cupy_kernels.kernel_set import numba_kernels
+from pagedserve.cupy_kernels import kernel_set, numba_attention, paged_attention
+from pagedserve.cupy_kernels.backend import finish_warm_up, get_backend
 from pagedserve.cupy_kernels.numba_setup import compile_aside
-ops = numba_kernels()  # the child compiles attention and the prefill kernels while this process compiles the rest
+# The worker's way: the child compiles attention and the prefill kernels while this process compiles the rest,
+# then packs a weight (the model's load) before it waits for the child.
+backend = get_backend("cpu", "numba", finish_warm_up=False)
+assert not kernel_set._finished.is_set() and kernel_set._compile_child[0] is not None
+assert backend.ops.pack_weight([np.ones((32, 8), np.float32), np.ones((32, 8), np.float32)]).shape == (8, 64)
+finish_warm_up(backend)
+finish_warm_up(backend)  # idempotent
+assert kernel_set._finished.is_set() and not kernel_set._compile_child and backend.ops is kernel_set.numba_kernels()
+ops = backend.ops
 assert compile_aside(numba_attention._ATTENTION) is None  # the cache is now filled
 rng = np.random.default_rng(0)
 k = rng.standard_normal((8, 16, 2, 16)).astype(np.float32)
