@@ -105,7 +105,8 @@ def finish_numba_warm_up() -> None:
     with _finish_lock:
         if _finished.is_set():
             return
-        finish_aside(_compile_child.pop() if _compile_child else None)
+        while _compile_child:  # one child, or (first halves raced in two threads) one each
+            finish_aside(_compile_child.pop())
         numba_prefill.warm_up()
         numba_attention.warm_up()
         _finished.set()
