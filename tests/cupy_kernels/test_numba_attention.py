@@ -175,6 +175,55 @@ def test_bad_metadata_is_refused_before_reading_the_pool():
     assert plan.long_chunks is None and plan.query_shape == q2.shape and plan.pool == k2.shape[:2]
 
 
+def _work_items_by_loop(qsl, lens, q_tile, num_chunks):
+    """The work items and chunk bounds as a loop computes them, item by item (the definition)."""
+    items, cost = [], []
+    for i in range(len(lens)):
+        n = int(qsl[i + 1] - qsl[i])
+        for t0 in range(0, n, q_tile):
+            t1 = min(t0 + q_tile, n)
+            items.append([i, t0, t1])
+            cost.append((t1 - t0) * ((int(lens[i]) - n) + (t0 + t1 + 1) / 2.0) + 16.0)
+    num_chunks = max(1, min(num_chunks, len(items)))
+    total = 0.0
+    for c in cost:
+        total += c
+    bounds, c, run = [0], 1, 0.0
+    for w, x in enumerate(cost):
+        run += x
+        while c < num_chunks and run >= total * c / num_chunks:
+            bounds.append(w + 1)
+            c += 1
+    bounds += [len(items)] * (num_chunks + 1 - len(bounds))
+    return items, bounds
+
+
+def test_work_items_and_chunks_are_the_loops():
+    """Items (sequence, first token, end token) and the chunk bounds (chunk c ends after the first item whose
+    running cost reaches c / chunks of the total), against a loop, on random batches: decodes, long chunks,
+    sequences with no new tokens, an empty batch."""
+    rng = np.random.default_rng(21)
+    for trial in range(300):
+        num_seqs = int(rng.integers(0, 12))
+        new = rng.integers(0, 70, num_seqs) * (rng.random(num_seqs) < 0.8)
+        lens = new + rng.integers(0, 3000, num_seqs)
+        qsl = np.concatenate([[0], np.cumsum(new)]).astype(np.int64)
+        for chunks in (1, 2, 8, 64):
+            items, bounds = na._work_items(qsl, lens.astype(np.int64), na.Q_TILE, chunks)
+            want_items, want_bounds = _work_items_by_loop(qsl, lens, na.Q_TILE, chunks)
+            assert items.dtype == bounds.dtype == np.int64 and items.flags.c_contiguous
+            assert items.reshape(-1, 3).tolist() == want_items and bounds.tolist() == want_bounds, (trial, chunks)
+
+
+def test_the_first_bad_sequence_names_the_error():
+    """Metadata with two faults: the error is the first failing sequence's, as a scan in order finds it."""
+    qsl, tables = np.array([0, 4, 3, 6], np.int64), np.zeros((3, 2), np.int32)  # sequence 1 has -1 new tokens
+    assert na._scan(qsl, np.array([2, 5, 5], np.int64), tables, 6, 4, 4)[0] == 2  # sequence 0: 4 new, context 2
+    assert na._scan(qsl, np.array([5, 5, 5], np.int64), tables, 6, 4, 4)[0] == 1
+    assert na._scan(np.array([0, 2, 5], np.int64), np.array([3, 8], np.int64), np.zeros((2, 2), np.int32), 5, 4,
+                    4) == (0, 3 * 2 + 8 * 3, 3)
+
+
 @pytest.mark.parametrize("matmul_path", [False, True])
 def test_a_step_plan_serves_every_layer_with_the_same_bits(monkeypatch, matmul_path):
     """The model plans once a step and passes the plan to each layer: the same bits as planning at each call,
