@@ -71,15 +71,20 @@ def keys_per_token(model_config) -> float:
     return model_config.matmul_flops_per_token / model_config.attention_flops_per_key
 
 
+def attention_cost(n: int, context: int, keys_per_token: float) -> float:
+    """What a chunk of n tokens after `context` computed ones costs beyond its n tokens: the i-th token attends
+    to context + i keys (itself included), each key 1 / keys_per_token of a token."""
+    return (n * context + n * (n + 1) / 2) / keys_per_token
+
+
 def chunk_within(budget: int, context: int, remaining: int, keys_per_token: float) -> int:
     """The most tokens, from 1 to `remaining`, of a prefill chunk after `context` computed tokens whose cost
-    fits `budget`, the i-th token (attending to context + i keys, itself included) costing
-    1 + (context + i) / keys_per_token: cost(n) = n + (n * context + n * (n + 1) / 2) / keys_per_token."""
+    n + attention_cost(n, context, keys_per_token) fits `budget`."""
     if remaining <= 1:
         return remaining
 
     def cost(n: int) -> float:
-        return n + (n * context + n * (n + 1) / 2) / keys_per_token
+        return n + attention_cost(n, context, keys_per_token)
 
     # The root of n^2 / (2K) + n (1 + (context + 0.5) / K) = budget, in the form that does not cancel.
     b = 1 + (context + 0.5) / keys_per_token
@@ -195,7 +200,7 @@ class Scheduler:
         if self.keys_per_token is None or not with_decodes or not self.enable_chunked_prefill:
             return min(remaining, budget)
         n = chunk_within(budget, context, remaining, self.keys_per_token)
-        extra = (n * context + n * (n + 1) / 2) / self.keys_per_token  # the chunk's cost beyond its n tokens
+        extra = attention_cost(n, context, self.keys_per_token)
         if n + extra > budget and self._step_extra_cost > 0:
             return 0
         self._step_extra_cost += extra
@@ -222,7 +227,7 @@ class Scheduler:
                 num_new = self._chunk(budget, request.num_computed_tokens, remaining, with_decodes)
             else:
                 num_new = min(remaining, budget)
-            if num_new == 0:  # a beam waiting for its siblings' proposals: nothing to compute
+            if num_new == 0:  # a beam waiting for its siblings' proposals, or a chunk the step's cost leaves no room
                 continue
             spec = request.spec_token_ids[: budget - 1] if not request.is_prefilling else []
             try:
