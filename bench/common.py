@@ -57,6 +57,13 @@ def blas_kernel() -> str | None:
     return info["architecture"] if info else None
 
 
+def numba_code_path() -> str | None:
+    """The code numba compiles the CPU kernels to: avx512, avx2 or baseline (kernel_set.numba_code_path)."""
+    from pagedserve.cupy_kernels.kernel_set import numba_code_path as code_path
+
+    return code_path()
+
+
 def loadavg() -> list[float] | None:
     """1, 5 and 15 minute load averages (Linux): how busy the machine was while a figure was measured."""
     try:
@@ -68,6 +75,7 @@ def loadavg() -> list[float] | None:
 def machine() -> dict:
     return {"cpu_count": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
             "numpy": np.__version__, "blas_threads": blas_threads(), "blas_kernel": blas_kernel(),
+            "numba_code_path": numba_code_path(),
             "openblas_coretype_env": os.environ.get("OPENBLAS_CORETYPE"),
             "openblas_thread_timeout_env": os.environ.get("OPENBLAS_THREAD_TIMEOUT")}
 

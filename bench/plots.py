@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import blas_kernel, blas_threads, loadavg, machine, sgemm_gflops  # noqa: E402
+from common import blas_kernel, blas_threads, loadavg, machine, numba_code_path, sgemm_gflops  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT_DIR = BENCH_DIR / "results"
@@ -88,7 +88,7 @@ def environment(quick: bool) -> dict[str, Any]:
     the BLAS threads, the load average."""
     gflops = sgemm_gflops(n=256, seconds=0.1) if quick else sgemm_gflops()
     return {"machine": machine(), "sgemm_gflops": round(gflops, 1), "blas_threads": blas_threads(),
-            "blas_kernel": blas_kernel(), "loadavg": loadavg(),
+            "blas_kernel": blas_kernel(), "numba_code_path": numba_code_path(), "loadavg": loadavg(),
             "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "git_commit": _git_commit()}
 
@@ -292,7 +292,8 @@ def doc_table(results: Path, img_rel: str, label: str) -> str:
         m = env.get("machine", {})
         lines += [f"Machine: {m.get('cpu_count')} CPUs ({m.get('machine')}), Python {m.get('python')}, "
                   f"numpy {m.get('numpy')}, BLAS threads {env.get('blas_threads')}, BLAS kernel "
-                  f"{env.get('blas_kernel') or m.get('blas_kernel')}; first run "
+                  f"{env.get('blas_kernel') or m.get('blas_kernel')}, numba code "
+                  f"{env.get('numba_code_path') or m.get('numba_code_path')}; first run "
                   f"{env.get('date_utc')}, commit {env.get('git_commit')}. The sgemm column is the float32 "
                   "matmul rate each run measured at its start (lower = a busier machine).", ""]
     return "\n".join(lines + rows + [""] + figures).rstrip() + "\n"

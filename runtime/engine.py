@@ -14,6 +14,7 @@ import structlog
 from pagedserve.cupy_kernels.backend import to_host
 from pagedserve.cupy_kernels import OPENBLAS_ENV_APPLIED
 from pagedserve.cupy_kernels.blas_threads import STARTED_BLAS_THREADS, blas_info, set_cpu_threads
+from pagedserve.cupy_kernels.kernel_set import numba_code_path
 from pagedserve.models.kv_cache import kv_bytes_per_block
 from pagedserve.models.loader import LoadedModel, load_model
 
@@ -114,10 +115,12 @@ class LLMEngine:
         self.remote_prefill: RemotePrefill | None = None  # set on a decode instance
         self.failed_requests: list[tuple[str, Exception]] = []  # taken by the caller after each step
         self.blas = blas_info()  # numpy's BLAS: its kernel ("architecture") and threads, for logs and stats
+        self.numba_code_path = None if self.backend.is_gpu else numba_code_path()  # avx512 / avx2 / baseline
         log.info("engine.kv_pool", num_blocks=num_blocks, block_size=self.block_size,
                  num_token_slots=num_blocks * self.block_size, backend=self.backend.name,
                  kernels=self.backend.ops.name, model=self.model_name,
                  blas_threads=(self.blas or {}).get("num_threads"), blas_kernel=(self.blas or {}).get("architecture"),
+                 numba_code_path=self.numba_code_path,
                  tensor_parallel_size=self.executor.world_size, **worker.malloc,
                  gguf_block_matmuls=worker.model.quantized_matmuls,  # numba: few-row matmuls on GGUF blocks
                  openblas_env_applied=OPENBLAS_ENV_APPLIED)  # False: numpy was imported before pagedserve

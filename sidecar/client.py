@@ -174,6 +174,7 @@ class ModelInfo:
     kernels: str
     blas_kernel: str
     blas_threads: int
+    numba_code_path: str
 
 
 @dataclass(frozen=True)

@@ -278,7 +278,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                             block_size=e.block_size, dtype=str(e.backend.dtype), backend=e.backend.name,
                             num_kv_blocks=e.num_kv_blocks, kernels=e.backend.ops.name,
                             blas_kernel=(e.blas or {}).get("architecture") or "",
-                            blas_threads=e.cpu_threads or 0)
+                            blas_threads=e.cpu_threads or 0, numba_code_path=e.numba_code_path or "")
 
     async def GetServerStats(self, request, context):
         engine = await self._engine(context)

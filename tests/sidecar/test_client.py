@@ -126,7 +126,7 @@ class FakeGeneration(pb_grpc.GenerationServicer):
     def GetModelInfo(self, request, context):
         return pb.ModelInfo(name="fake", architecture="LlamaForCausalLM", max_model_len=2048, vocab_size=49152,
                             block_size=16, dtype="float32", backend="numpy", num_kv_blocks=512, kernels="numba",
-                            blas_kernel="SkylakeX", blas_threads=2)
+                            blas_kernel="SkylakeX", blas_threads=2, numba_code_path="avx2")
 
     def GetServerStats(self, request, context):
         return pb.ServerStats(num_running=2, num_waiting=1, kv_blocks_used=10, kv_blocks_total=512,
@@ -367,7 +367,8 @@ def test_model_info_server_stats_abort(client):
     info = client.model_info()
     assert info == client_mod.ModelInfo(name="fake", architecture="LlamaForCausalLM", max_model_len=2048,
                                         vocab_size=49152, block_size=16, dtype="float32", backend="numpy",
-                                        num_kv_blocks=512, kernels="numba", blas_kernel="SkylakeX", blas_threads=2)
+                                        num_kv_blocks=512, kernels="numba", blas_kernel="SkylakeX", blas_threads=2,
+                                        numba_code_path="avx2")
     stats = client.server_stats()
     assert (stats.num_running, stats.kv_blocks_total, stats.num_preemptions) == (2, 512, 3)
     assert stats.kv_utilization == 0.75 and stats.uptime_s == 42.0

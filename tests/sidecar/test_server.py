@@ -14,6 +14,7 @@ import pytest
 from server_proc import TINY, ServerProcess, client_for, wait_idle
 
 from pagedserve.cupy_kernels.blas_threads import blas_info
+from pagedserve.cupy_kernels.kernel_set import numba_code_path
 from pagedserve.runtime import LLM, SamplingParams
 from pagedserve.sidecar import client as client_mod
 from pagedserve.sidecar.client import AsyncPagedServeClient, PagedServeError
@@ -64,8 +65,10 @@ def test_socket_mode_and_model_info(server):
     assert info.architecture == "llama" and info.vocab_size == 512 and info.max_model_len == 512
     assert info.block_size == 16 and info.backend == "numpy"
     # the CPU kernel set and the BLAS kernel numpy's matmuls run on (threadpoolctl's "architecture")
-    # cpu_kernels "auto": the numba set (a runtime dependency)
-    assert info.kernels == "numba" and info.blas_kernel == blas_info()["architecture"] and info.blas_threads >= 1
+    # cpu_kernels "auto": the numba set (a runtime dependency), but for baseline x86-64 code (kernel_set.cpu_kernels)
+    assert info.numba_code_path == numba_code_path() and info.numba_code_path in ("avx512", "avx2", "baseline")
+    assert info.kernels == ("numpy" if info.numba_code_path == "baseline" else "numba")
+    assert info.blas_kernel == blas_info()["architecture"] and info.blas_threads >= 1
 
 
 def test_stream_equals_offline_tokens(server, offline):
