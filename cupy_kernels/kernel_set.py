@@ -170,4 +170,24 @@ def cpu_kernels(choice: str = "auto", finish_warm_up: bool = True) -> KernelSet:
         if choice == "auto":
             return numpy_kernels()
         raise ValueError("cpu_kernels='numba' was asked for, but numba is not installed")
+    if choice == "auto" and numba_code_path() == "baseline":
+        import structlog
+
+        # Correct there (CI runs the kernel tests on forced baseline code), but every vector FMA becomes a
+        # libm call: numpy's OpenBLAS is faster. cpu_kernels="numba" still takes the set.
+        structlog.get_logger("pagedserve.engine").warning(
+            "kernel_set.numba_refused", code_path="baseline", using="numpy",
+            reason="numba compiles for baseline x86-64 here (no AVX2 and FMA; NUMBA_CPU_NAME/NUMBA_CPU_FEATURES "
+                   "or the CPU): its kernels would run their fused multiply-adds as libm calls")
+        return numpy_kernels()
     return numba_kernels() if finish_warm_up else _numba_started()
+
+
+def numba_code_path() -> str | None:
+    """The code path numba compiles for here: "avx512", "avx2" or "baseline" on x86-64 (numba_setup.CODE_PATH;
+    imports numba, ~0.3 s the first time); None without numba."""
+    if importlib.util.find_spec("numba") is None:
+        return None
+    from .numba_setup import CODE_PATH
+
+    return CODE_PATH

@@ -36,25 +36,13 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from .numba_setup import JIT, apply_threads, numba
-
-
-
-def _has_avx512() -> bool:
-    """Whether numba compiles for AVX-512 here (NUMBA_CPU_FEATURES when set, as numba itself reads it)."""
-    features = numba.config.CPU_FEATURES
-    if features is not None:
-        return "+avx512f" in features.split(",")
-    from llvmlite import binding
-
-    return bool(binding.get_host_cpu_features().get("avx512f", False))
-
+from .numba_setup import CODE_PATH, JIT, apply_threads, numba
 
 # The tile must fit the vector registers: AVX-512 has 32 of 16 floats, an 8 x 32 tile takes 16 (+2 for the
 # panel row, +1 broadcast), a 12 x 32 one 24 (_BIG_ROWS). AVX2 has 16 of 8 floats: a 6 x 16 tile (12 + 2
 # + 1), as OpenBLAS's Haswell kernel; 8 x 32 there spills and ran at 168 GFLOP/s against 221 for 6 x 16
 # (64 rows, AVX2 code on the test VM; OpenBLAS's Haswell kernel 185).
-AVX512 = _has_avx512()
+AVX512 = CODE_PATH == "avx512"  # numba_setup.CODE_PATH: what numba emits, not the CPU's name
 PANEL = 32 if AVX512 else 16  # output columns per panel: two vector registers per row
 _LANES = PANEL // 2
 # Rows per pass over a panel, then 8 (AVX-512), 4, 2 and 1 for the rest. 12 rows x 2 vectors = 24

@@ -57,6 +57,41 @@ BATCH_INVARIANT = os.environ.get("PAGEDSERVE_BATCH_INVARIANT", "") not in ("", "
 JIT = dict(JIT_EXACT, fastmath={"reassoc", "contract"})
 
 
+# --- The code path numba compiles for -----------------------------------------------------------------------
+# The kernels come in variants by vector width (numba_gemm.PANEL, numba_attention_ir.LANES, ...), chosen from
+# what numba's own target machine emits, not from the CPU's name: NUMBA_CPU_NAME and NUMBA_CPU_FEATURES decide
+# the code (NUMBA_CPU_NAME alone keeps the host's features, which numba passes along, so forcing older code
+# takes NUMBA_CPU_FEATURES too: CI forces AVX2 and baseline this way, tests/code_paths.py).
+CODE_PATHS = ("avx512", "avx2", "baseline")  # x86-64; another machine reports its own name (aarch64: untested)
+
+
+def _probe_code_path() -> str:
+    """"avx512" when a 16-float fused multiply-add compiles to zmm registers, "avx2" for ymm registers and
+    vfmadd, "baseline" for anything less on x86-64 (SSE, and the FMA through a libm call); elsewhere the
+    machine's name."""
+    from llvmlite import binding, ir
+    from numba.core.registry import cpu_target
+
+    codegen = cpu_target.target_context.codegen()
+    if not codegen._tm.triple.startswith("x86_64"):  # numba's target machine (not public)
+        return codegen._tm.triple.split("-")[0]
+    module = ir.Module("code_path_probe")
+    vf = ir.VectorType(ir.FloatType(), 16)
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [vf.as_pointer()]), "probe")
+    fma = ir.Function(module, ir.FunctionType(vf, [vf, vf, vf]), "llvm.fma.v16f32")
+    builder = ir.IRBuilder(fn.append_basic_block())
+    a = builder.load(fn.args[0])
+    builder.store(builder.call(fma, [a, a, a]), fn.args[0])
+    builder.ret_void()
+    asm = codegen._tm.emit_assembly(binding.parse_assembly(str(module)))
+    if "zmm" in asm:
+        return "avx512"
+    return "avx2" if "ymm" in asm and "vfmadd" in asm else "baseline"
+
+
+CODE_PATH = _probe_code_path()
+
+
 def apply_threads(parallel: bool = True) -> int:
     """Set this thread's count for numba's parallel loops before a kernel call, and return it: `cpu_threads`
     (at most the pool numba started with; all of it when unset), or 1 for work too small to share. Each

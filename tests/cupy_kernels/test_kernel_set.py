@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from code_paths import run_as
 
 from pagedserve.cupy_kernels import kernel_set
 from pagedserve.cupy_kernels.backend import get_backend, to_host
@@ -29,11 +30,15 @@ def test_pack_weight_takes_a_host_weight_at_load_in_every_set():
 
 def test_pack_weight_takes_row_parts():
     """A fused weight's parts (qkv, gate_up): the numba set packs their rows in turn; the others keep arrays."""
-    parts = [np.full((32, 8), 1, np.float32), np.full((8, 8), 2, np.float32)]
+    from pagedserve.cupy_kernels.numba_gemm import PANEL  # 32 columns on AVX-512 code, 16 on AVX2 and baseline
+
+    parts = [np.full((PANEL, 8), 1, np.float32), np.full((8, 8), 2, np.float32)]
     assert kernel_set.cuda_kernels().pack_weight(parts) is None
     assert kernel_set.numpy_kernels().pack_weight(parts) is None
     packed = kernel_set.numba_kernels().pack_weight(parts)
-    assert packed.shape == (8, 40) and packed.panels[1, 0, :8].tolist() == [2.0] * 8
+    assert packed.shape == (8, PANEL + 8)
+    assert packed.panels[0, 0].tolist() == [1.0] * PANEL  # the first part fills the first panel
+    assert packed.panels[1, 0].tolist() == [2.0] * 8 + [0.0] * (PANEL - 8)  # the second starts the next one
 
 
 def test_a_backend_whose_warm_up_is_finished_later_is_the_same_set():
@@ -50,7 +55,9 @@ def test_a_backend_whose_warm_up_is_finished_later_is_the_same_set():
 
 def test_cpu_choice():
     assert get_backend("cpu", "numpy").ops is kernel_set.numpy_kernels()
-    assert get_backend("cpu").ops is kernel_set.numba_kernels()  # "auto": numba, installed with the package
+    # "auto": numba, installed with the package, but for baseline x86-64 code (see the refusal test below)
+    auto = kernel_set.numpy_kernels() if kernel_set.numba_code_path() == "baseline" else kernel_set.numba_kernels()
+    assert get_backend("cpu").ops is auto
     assert get_backend("cpu", "numba").ops is kernel_set.numba_kernels()
     with pytest.raises(ValueError, match="cpu_kernels must be one of"):
         get_backend("cpu", "fast")
@@ -86,3 +93,34 @@ def test_auto_without_numba_is_the_reference(monkeypatch):
     assert kernel_set.cpu_kernels("auto") is kernel_set.numpy_kernels()
     with pytest.raises(ValueError, match="numba is not installed"):
         kernel_set.cpu_kernels("numba")
+
+
+@pytest.mark.parametrize("path", ["avx512", "avx2", "baseline"])
+def test_the_code_path_is_read_back_from_what_numba_emits(path, tmp_path):
+    """numba_setup.CODE_PATH is what LLVM emits for numba's target (compiling needs no CPU that runs the code,
+    so every path is checked on any x86-64 host), and the kernels' variants follow it."""
+    proc = run_as(path, "from pagedserve.cupy_kernels import numba_setup, numba_gemm, numba_attention_ir\n"
+                        "print(numba_setup.CODE_PATH, numba_gemm.PANEL, numba_attention_ir.LANES)", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    wide = path == "avx512"
+    assert proc.stdout.split()[-3:] == [path, "32" if wide else "16", "16" if wide else "8"]
+
+
+REFUSAL_CHECK = """
+from pagedserve.cupy_kernels import kernel_set
+print("auto:", kernel_set.cpu_kernels("auto", finish_warm_up=False).name)
+print("numba:", kernel_set.cpu_kernels("numba", finish_warm_up=False).name)
+"""
+
+
+@pytest.mark.parametrize("path", ["avx2", "baseline"])
+def test_auto_refuses_numba_on_baseline_code_with_the_reason(path, tmp_path):
+    """Baseline x86-64 code (no AVX2/FMA) runs the numba kernels right but slowly (an FMA is a libm call):
+    "auto" takes the numpy set there and logs why; asked for by name, the numba set is still given."""
+    proc = run_as(path, REFUSAL_CHECK, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    refused = path == "baseline"
+    assert ("auto: numpy" if refused else "auto: numba") in proc.stdout and "numba: numba" in proc.stdout
+    assert ("kernel_set.numba_refused" in proc.stdout) == refused
+    if refused:
+        assert "baseline x86-64" in proc.stdout and "AVX2" in proc.stdout

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from avx2_code import run_as_avx2
+from code_paths import run_as_avx2
 from paged_batches import assert_each_alone_equals_together, make_batch
 
 from pagedserve.cupy_kernels import numba_attention as na
 from pagedserve.cupy_kernels import numba_prefill as prefill
 from pagedserve.cupy_kernels import numba_setup
 from pagedserve.cupy_kernels import paged_attention as pa
+from pagedserve.cupy_kernels.numba_attention_ir import LANES
 
 EPS = np.finfo(np.float32).eps
 
@@ -48,11 +49,11 @@ def test_random_mixed_batches(group, block_size):
                           block_size=block_size))
 
 
-@pytest.mark.parametrize("head_dim", [8, 16, 24, 128])
+@pytest.mark.parametrize("head_dim", [LANES // 2, LANES, LANES * 3 // 2, 128])
 def test_head_dims_on_both_inner_loops(head_dim):
     """Runs of keys take the vector-IR loops (numba_attention_ir) when head_dim is a multiple of its LANES
-    (16 with AVX-512, 8 without) and go key by key otherwise: both against the reference, and a decode
-    row the same bits alone as in a batch."""
+    (16 with AVX-512, 8 without) and go key by key otherwise (LANES / 2 and 1.5 LANES): both against the
+    reference, and a decode row the same bits alone as in a batch."""
     rng = np.random.default_rng(head_dim)
     seqs = [(70, 1), (45, 45), (100, 9), (9, 1)]
     check(*make_batch(rng, seqs, num_kv=2, group=3, head_dim=head_dim, block_size=16))

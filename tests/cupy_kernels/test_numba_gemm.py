@@ -11,7 +11,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 import pytest
-from avx2_code import run_as_avx2
+from code_paths import run_as_avx2
 from numerics import f32_tol
 
 from pagedserve.cupy_kernels import numba_gemm, numba_ops, ops
