@@ -1,10 +1,11 @@
 """Paged attention on the GPU: effective HBM bandwidth of decode batches, and prefill throughput.
 
-Prints one JSON object. The headline case is Llama-3.1-8B's attention shape (32 query heads, 8 kv
-heads, head dim 128) for a batch of 64 decodes at a 4096-token context, block size 16: bytes moved
-(K and V of every context token, plus the queries and outputs) / kernel time, as a share of the
-H200's 4.8 TB/s. Batch metadata lives on the device (no host copies inside the timed loop), block
-tables are shuffled over the pool. Imports only numpy, CuPy and pagedserve's CUDA op layer.
+Prints one JSON object on stdout, and nothing else there (logs go to stderr). The headline case is
+Llama-3.1-8B's attention shape (32 query heads, 8 kv heads, head dim 128) for a batch of 64 decodes at a
+4096-token context, block size 16: bytes moved (K and V of every context token, plus the queries and
+outputs) / kernel time, as a share of the H200's 4.8 TB/s. Batch metadata lives on the device (no host
+copies inside the timed loop), block tables are shuffled over the pool. Imports only numpy, CuPy and
+pagedserve's CUDA op layer.
 
     python bench/gpu_attention.py [--peak-tbps 4.8] [--iters 50]
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 import pagedserve.cupy_kernels  # noqa: F401  (sets OpenBLAS's environment before numpy loads it)
@@ -78,11 +80,34 @@ def _case(cp, name: str, specs: list[tuple[int, int]], block_size: int, iters: i
     }
 
 
+def emit_json(run) -> None:
+    """Call run() with file descriptor 1 pointed at stderr, then print its result, alone, on stdout.
+
+    stdout carries the JSON object and nothing else (scripts/gpu_check.sh parses it): whatever run()
+    prints on the way - structlog's warnings (they go to stdout unless configured), a library's print,
+    a C library writing to fd 1 - lands on stderr instead. On an exception stdout stays empty.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        result = run()
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+    print(json.dumps(result, indent=2), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peak-tbps", type=float, default=4.8, help="HBM bandwidth to compare against (H200: 4.8)")
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args()
+    emit_json(lambda: run(args))
+
+
+def run(args: argparse.Namespace) -> dict:
     import cupy as cp
 
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())
@@ -97,12 +122,12 @@ def main() -> None:
               args.peak_tbps),
     ]
     headline = cases[0]
-    print(json.dumps({
+    return {
         "benchmark": "paged_attention", "device": name, "shape": {"heads": HEADS, "kv_heads": KV_HEADS,
                                                                     "head_dim": HEAD_DIM},
         "peak_tbps": args.peak_tbps, "headline_case": headline["case"],
         "headline_pct_of_peak_bandwidth": headline["pct_of_peak_bandwidth"], "cases": cases,
-    }, indent=2))
+    }
 
 
 if __name__ == "__main__":

@@ -1,15 +1,15 @@
 """Decode step time on the GPU for a random-weight model of Llama-3.1-8B's shape, in float16.
 
-Prints one JSON object: for each batch size (1, 16, 64, 256 by default) every sequence decodes one
-token at a --context-token context; the step time (LlamaForCausalLM.forward, logits included) is set
-next to the HBM roofline, (weights + KV cache read) / peak bandwidth. Three figures per batch:
-`step_ms` with the batch metadata already on the device (the kernels alone, launched eagerly);
-`step_ms_host_metadata` with numpy metadata, which the forward checks and uploads once per step
-(models/device_batch.py: what an eager engine step costs); and `step_ms_graph`, the same host
-metadata through runtime/cuda_graphs.py (padding, two uploads into static buffers, one graph launch:
-what an engine decode step costs with CUDA graphs on). `graph_speedup` = host-metadata eager / graph.
-A capture failure does not stop the benchmark: `cuda_graphs.disabled_reason` says why, and the
-graph figures are null.
+Prints one JSON object on stdout, and nothing else there (logs go to stderr): for each batch size (1,
+16, 64, 256 by default) every sequence decodes one token at a --context-token context; the step time
+(LlamaForCausalLM.forward, logits included) is set next to the HBM roofline, (weights + KV cache read) /
+peak bandwidth. Three figures per batch: `step_ms` with the batch metadata already on the device (the
+kernels alone, launched eagerly); `step_ms_host_metadata` with numpy metadata, which the forward checks
+and uploads once per step (models/device_batch.py: what an eager engine step costs); and
+`step_ms_graph`, the same host metadata through runtime/cuda_graphs.py (padding, two uploads into static
+buffers, one graph launch: what an engine decode step costs with CUDA graphs on). `graph_speedup` =
+host-metadata eager / graph. A capture failure does not stop the benchmark:
+`cuda_graphs.disabled_reason` says why, and the graph figures are null.
 
 Weights are random (values do not change the timing) and generated on the device: the model's
 `_put` hook is overridden so that 16 GB never pass through host memory. That hook is the one place
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -108,6 +109,25 @@ def capture_graphs(model, kv, batches, max_blocks: int) -> DecodeGraphs:
     return graphs
 
 
+def emit_json(run) -> None:
+    """Call run() with file descriptor 1 pointed at stderr, then print its result, alone, on stdout.
+
+    stdout carries the JSON object and nothing else (scripts/gpu_check.sh parses it): whatever run()
+    prints on the way - structlog's warnings (they go to stdout unless configured), a library's print,
+    a C library writing to fd 1 - lands on stderr instead. On an exception stdout stays empty.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        result = run()
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+    print(json.dumps(result, indent=2), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
@@ -118,6 +138,10 @@ def main() -> None:
     parser.add_argument("--peak-tbps", type=float, default=4.8)
     parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA graph figures")
     args = parser.parse_args()
+    emit_json(lambda: run(args))
+
+
+def run(args: argparse.Namespace) -> dict:
     import cupy as cp
 
     cfg = llama31_8b_config(args.layers)
@@ -159,12 +183,12 @@ def main() -> None:
             "roofline_ms": round(roofline_ms, 3), "pct_of_roofline": round(100 * roofline_ms / step_ms, 1),
             "tokens_per_s": round(b / step_ms * 1e3, 1), "kv_bytes_read": kv_read,
         })
-    print(json.dumps({
+    return {
         "benchmark": "decode_step", "model": cfg.name, "layers": cfg.num_hidden_layers, "dtype": "float16",
         "context": args.context, "block_size": args.block_size, "weight_bytes": weight_bytes,
         "weights_read_per_step_bytes": read_weight_bytes, "peak_tbps": args.peak_tbps,
         "model_build_s": round(build_s, 1), "cuda_graphs": graph_info, "results": results,
-    }, indent=2))
+    }
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """The sampler on the GPU: step time of the device path (one read-back, selection by bisection) against
 CuPy's sorts, at Llama-3 vocabulary size.
 
-Prints one JSON object. Cases: batch 256 x 128,256 float32 logits with (a) greedy, (b) top_k=50,
-(c) top_k=2000 (CuPy's argpartition is a full argsort at any k), (d) top_p=0.9 without top_k, (e) a
-mixed batch. For each: ms per Sampler call (read-back included), and for top-k / top-p the ms of the
-sort the device path replaces (cupy.argsort of the whole [B, V] logits).
+Prints one JSON object on stdout, and nothing else there (logs go to stderr). Cases: batch 256 x 128,256
+float32 logits with (a) greedy, (b) top_k=50, (c) top_k=2000 (CuPy's argpartition is a full argsort at
+any k), (d) top_p=0.9 without top_k, (e) a mixed batch. For each: ms per Sampler call (read-back
+included), and for top-k / top-p the ms of the sort the device path replaces (cupy.argsort of the whole
+[B, V] logits).
 
     python bench/gpu_sampler.py [--batch 256] [--vocab 128256] [--iters 10]
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -38,12 +40,35 @@ def _time(cp, fn, iters: int) -> float:
     return (time.perf_counter() - t0) / iters * 1e3
 
 
+def emit_json(run) -> None:
+    """Call run() with file descriptor 1 pointed at stderr, then print its result, alone, on stdout.
+
+    stdout carries the JSON object and nothing else (scripts/gpu_check.sh parses it): whatever run()
+    prints on the way - structlog's warnings (they go to stdout unless configured), a library's print,
+    a C library writing to fd 1 - lands on stderr instead. On an exception stdout stays empty.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        result = run()
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+    print(json.dumps(result, indent=2), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
+    emit_json(lambda: run(args))
+
+
+def run(args: argparse.Namespace) -> dict:
     import cupy as cp
 
     from pagedserve.runtime.model_runner import _DeviceArrayModule
@@ -66,11 +91,11 @@ def main() -> None:
 
         results.append({"case": name, "ms_per_step": round(_time(cp, step, args.iters), 3)})
     sort_ms = _time(cp, lambda: cp.argsort(-logits, axis=1), args.iters)
-    print(json.dumps({
+    return {
         "benchmark": "sampler_device", "batch": b, "vocab": v, "cases": results,
         "full_row_argsort_ms": round(sort_ms, 3),
         "note": "top-k/top-p select by bisection; full_row_argsort_ms is what CuPy's argpartition/sort would cost",
-    }, indent=2))
+    }
 
 
 if __name__ == "__main__":
