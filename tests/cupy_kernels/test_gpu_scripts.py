@@ -1,4 +1,8 @@
-"""scripts/gpu_check.sh and the GPU benchmarks, checked on a machine without a GPU."""
+"""scripts/gpu_check.sh, its helpers (scripts/gpu_kit.py, scripts/gpu_pytest_record.py,
+scripts/ci_gpu_kit.sh) and the GPU benchmarks' output, checked on a machine without a GPU.
+
+The whole kit against the image's packages (downloads, a Python 3.12 venv) is scripts/ci_gpu_kit.sh's job,
+in .ci/run; these tests cover its parts without the network."""
 
 from __future__ import annotations
 
@@ -14,21 +18,52 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+KIT = ROOT / "scripts" / "gpu_kit.py"
+needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="bash not found")
+without_cupy = pytest.mark.skipif(importlib.util.find_spec("cupy") is not None,
+                                  reason="CuPy is installed: the script would run")
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="bash not found")
-def test_gpu_check_script_parses():
-    subprocess.run(["bash", "-n", str(SCRIPT)], check=True, timeout=30)
+def _kit():
+    spec = importlib.util.spec_from_file_location("gpu_kit", KIT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_kit"] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="bash not found")
-@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed: the script would run")
-def test_gpu_check_exits_2_with_the_reason_without_cupy(tmp_path):
-    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)}
-    proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
+gpu_kit = _kit()
+
+
+@needs_bash
+@pytest.mark.parametrize("script", ["gpu_check.sh", "ci_gpu_kit.sh"])
+def test_scripts_parse(script):
+    subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], check=True, timeout=30)
+
+
+def _real_run_env(tmp_path: Path, **extra) -> dict:
+    """The real run with this interpreter, an empty .gpu_check (nothing carried) and OUT in tmp_path."""
+    (tmp_path / "kit").mkdir(exist_ok=True)
+    return {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
+            "GPU_CHECK_DIR": str(tmp_path / "kit"), **extra}
+
+
+@needs_bash
+@without_cupy
+def test_without_cupy_the_real_run_checks_everything_before_the_gpu_then_exits_2(tmp_path):
+    proc = subprocess.run(["bash", str(SCRIPT)], env=_real_run_env(tmp_path), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
     assert "no usable GPU" in proc.stderr and "cupy" in proc.stderr.lower()
-    assert not (tmp_path / "gpu_results.json").exists()
+    result = json.loads((tmp_path / "out" / "gpu_results.json").read_text())
+    assert result["exit_code"] == 2 and "cupy" in result["preflight"]["no_gpu"].lower()
+    assert result["install"]["note"] == "nothing carried"
+    # every pagedserve module imported, every requirement met, the GPU tests collected - before the preflight
+    assert result["imports"]["failed"] == {} and result["imports"]["imported"] > 50
+    assert result["environment"]["requirements"]["numpy"]["ok"]
+    assert result["collected"]["exit_code"] == 0 and result["collected"]["gpu_tests"] > 20
+    assert "tests" not in result  # stopped before them
+    assert "gpu_check: no usable GPU" in (tmp_path / "out" / "gpu_check.log").read_text()
 
 
 @pytest.mark.parametrize("bench", ["gpu_attention.py", "gpu_decode.py", "gpu_sampler.py"])
@@ -44,6 +79,28 @@ def test_gpu_benchmarks_import_without_cupy(bench):
     assert "usage" in proc.stdout
 
 
+@pytest.mark.parametrize("bench", ["gpu_attention.py", "gpu_decode.py", "gpu_sampler.py"])
+def test_a_benchmark_prints_only_its_json_on_stdout_whatever_logs_on_the_way(bench):
+    """On the H200 a structlog warning on stdout ahead of the JSON lost every decode figure: each
+    benchmark's emit_json sends anything printed while it runs - Python prints, structlog's default
+    logger, a C library writing to fd 1 - to stderr, and then the JSON alone to stdout."""
+    code = ("import os, runpy, sys\n"
+            f"ns = runpy.run_path({str(ROOT / 'bench' / bench)!r}, run_name='not_main')\n"
+            "def noisy():\n"
+            "    print('a print on the way')\n"
+            "    import structlog\n"
+            "    structlog.get_logger().warning('cuda_graphs.capture_failed', batch_size=8)\n"
+            "    os.write(1, b'raw bytes on fd 1\\n')\n"
+            "    return {'benchmark': 'x', 'figure': 1.5}\n"
+            "ns['emit_json'](noisy)\n"
+            "print('after', file=sys.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"benchmark": "x", "figure": 1.5}
+    for noise in ("a print on the way", "cuda_graphs.capture_failed", "raw bytes on fd 1"):
+        assert noise in proc.stderr and noise not in proc.stdout
+
+
 def _script_copy(tmp_path: Path) -> Path:
     """The script in an empty tree (its ROOT): no .gpu_check folder there."""
     (tmp_path / "scripts").mkdir()
@@ -52,14 +109,213 @@ def _script_copy(tmp_path: Path) -> Path:
     return copy
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="bash not found")
+@needs_bash
 def test_unknown_arguments_and_an_unprepared_dry_run_exit_5(tmp_path):
     proc = subprocess.run(["bash", str(SCRIPT), "--bogus"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 5 and "unknown argument --bogus" in proc.stderr
+    proc = subprocess.run(["bash", str(SCRIPT), "--prepare", "--bogus"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 5 and "unknown argument --bogus" in proc.stderr
     proc = subprocess.run(["bash", str(_script_copy(tmp_path)), "--dry-run"], capture_output=True, text=True,
                           timeout=30)
     assert proc.returncode == 5 and "run scripts/gpu_check.sh --prepare first" in proc.stderr
 
+
+@needs_bash
+def test_ci_step_says_so_and_passes_where_python_3_12_is_missing(tmp_path):
+    """Only bash and the few tools the script needs before its check: no python3.12, pyenv or uv."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "mktemp", "rm"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path)}
+    proc = subprocess.run([str(bin_dir / "bash"), str(ROOT / "scripts" / "ci_gpu_kit.sh")], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ci_gpu_kit: SKIPPED, the GPU kit was NOT checked: no Python 3.12" in proc.stdout
+
+
+# -- the package sets ---------------------------------------------------------------------------------------
+
+def _image(packages: dict) -> dict:
+    return {"date": "2026-12-04", "python": "3.12.3", "glibc": "2.31", "packages": packages}
+
+
+def _wheel(name: str, version: str, *requires: str) -> dict:
+    return {"name": name, "version": version, "requires": list(requires), "file": f"{name}-{version}.whl",
+            "size": 1000}
+
+
+def test_resolve_carries_what_the_image_lacks_or_holds_too_old_and_follows_only_carried_wheels():
+    Req = gpu_kit.Requirement
+    image = _image({"numpy": "2.5.2", "tqdm": "*", "grpcio": "~1.78.0", "numba": "0.68.0"})
+    env = gpu_kit.target_environment(image)
+    wheels = {"gguf": _wheel("gguf", "0.19.0", "numpy>=1.17", "tqdm>=4.27"),
+              "grpcio": _wheel("grpcio", "1.85.3"),
+              "numpy": _wheel("numpy", "2.4.6"),  # downloaded as gguf's dependency, the image has one
+              "structlog": _wheel("structlog", "26.1.0", "typing-extensions; python_version < '3.11'")}
+    top = [(Req(s), "pyproject runtime") for s in
+           ("numpy>=1.26", "gguf>=0.10", "grpcio>=1.85.1", "numba>=0.68,<0.69", "structlog>=24.1",
+            "pywin32; sys_platform == 'win32'")]
+    res = gpu_kit.resolve(top, wheels, image, env)
+    assert res["missing"] == []
+    assert sorted(res["carried"]) == ["gguf", "grpcio", "structlog"]  # the stand-in grpcio is older
+    assert sorted(res["image"]) == ["numba", "numpy", "tqdm"]  # numpy 2.5.2 >= 1.26 and >= 1.17; tqdm any
+    assert "typing-extensions" not in res["needs"] and "pywin32" not in res["needs"]  # markers for 3.12, Linux
+
+
+def test_resolve_names_a_requirement_neither_carried_nor_on_the_image():
+    Req = gpu_kit.Requirement
+    image = _image({"numpy": "2.5.2"})
+    wheels = {"newlib": _wheel("newlib", "1.0", "numpy>=3.0", "helper>=2")}
+    res = gpu_kit.resolve([(Req("newlib>=1"), "pyproject runtime")], wheels, image,
+                          gpu_kit.target_environment(image))
+    assert len(res["missing"]) == 2
+    helper_msg, numpy_msg = sorted(res["missing"])
+    assert "helper>=2 (needed by newlib 1.0)" in helper_msg and "the image does not have it" in helper_msg
+    assert "numpy>=3.0" in numpy_msg and "the image has 2.5.2" in numpy_msg
+    assert "neither carried nor on the image" in numpy_msg
+
+
+def test_the_committed_image_list_and_pyproject_give_the_sets_of_the_first_gpu_run():
+    """With the image as recorded (scripts/gpu_image_packages.txt), pyproject's runtime dependencies split
+    as the 2026-12-04 run found: grpcio, protobuf, gguf, structlog, llguidance and the grpc health and
+    reflection packages travel; numpy, numba, threadpoolctl and prometheus-client are the image's."""
+    image = gpu_kit.load_image()
+    assert image["date"] and image["python"].startswith("3.12") and image["packages"]["numpy"] == "2.5.2"
+    env = gpu_kit.target_environment(image)
+    top = [(r, g) for r, g in gpu_kit.project_requirements() if g == "runtime"]
+    def allowed(r) -> str:  # a version the requirement takes: its lower bound, or a far newer one
+        return next(v for v in [*(s.version for s in r.specifier), "999.0"] if r.specifier.contains(v))
+
+    wheels = {gpu_kit.canon(r.name): _wheel(r.name, allowed(r)) for r, _ in top}
+    res = gpu_kit.resolve(top, wheels, image, env)
+    assert res["missing"] == []
+    decided = {n: "carried" for n in res["carried"]} | {n: "image" for n in res["image"]}
+    assert {gpu_kit.canon(r.name) for r, _ in top} == set(decided)  # every runtime dependency decided
+    for name in ("grpcio", "protobuf", "gguf", "structlog", "llguidance", "grpcio-health-checking",
+                 "grpcio-reflection"):
+        assert decided[name] == "carried", name
+    for name in ("numpy", "numba", "threadpoolctl", "prometheus-client"):
+        assert decided[name] == "image", name
+
+
+def test_platform_tags_reach_the_images_glibc():
+    args = gpu_kit.platform_args(_image({}))
+    tags = [args[i + 1] for i, a in enumerate(args) if a == "--platform"]
+    assert "manylinux_2_31_x86_64" in tags and "manylinux_2_17_x86_64" in tags  # llguidance 1.9.1 needs 2_31
+    assert "manylinux_2_32_x86_64" not in tags
+    assert args[args.index("--python-version") + 1] == "3.12"
+
+
+# -- the environment check -----------------------------------------------------------------------------------
+
+def test_check_env_names_the_first_missing_module(tmp_path):
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "x"\ndependencies = []\n[project.optional-dependencies]\ntest = []\n'
+        '[tool.setuptools]\npackages = ["pagedserve.zz_fake"]\n'
+        '[tool.setuptools.package-dir]\n"pagedserve.zz_fake" = "zz_fake"\n')
+    pkg = tmp_path / "zz_fake"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "fine.py").write_text("X = 1\n")
+    (pkg / "needs_it.py").write_text("import not_a_module_the_image_has_xyz\n")
+    src = tmp_path / "src"
+    (src / "pagedserve").mkdir(parents=True)
+    (src / "pagedserve" / "zz_fake").symlink_to(pkg)
+    out = tmp_path / "env.json"
+    proc = subprocess.run([sys.executable, str(KIT), "check-env", "--out", str(out), "--root", str(tmp_path)],
+                          env={**os.environ, "PYTHONPATH": str(src)}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["imports"]["first_missing"] == {"module": "not_a_module_the_image_has_xyz",
+                                                  "imported_by": "pagedserve.zz_fake.needs_it"}
+    assert list(result["imports"]["failed"]) == ["pagedserve.zz_fake.needs_it"]
+    assert result["imports"]["imported"] == 2  # the package and fine.py
+    assert "first missing module: not_a_module_the_image_has_xyz" in proc.stderr
+
+
+def test_link_source_makes_every_pyproject_package_importable_from_the_checkout(tmp_path):
+    subprocess.run([sys.executable, str(KIT), "link-source", "--dest", str(tmp_path)], check=True, timeout=60)
+    linked = sorted(p.name for p in (tmp_path / "pagedserve").iterdir())
+    assert linked == sorted(gpu_kit.package_dirs()) and "runtime" in linked
+    assert (tmp_path / "pagedserve" / "runtime").resolve() == ROOT / "runtime"
+
+
+# -- results that survive a kill ---------------------------------------------------------------------------------
+
+def test_the_record_plugin_keeps_failures_and_unfinished_tests_when_the_budget_kills_the_run(tmp_path):
+    """A SIGTERM (what `timeout` sends) in the middle of the suite: the failure before it keeps its message,
+    the running test and those after it are named, and pytest still writes its JUnit file."""
+    (tmp_path / "test_budget.py").write_text(
+        "import os, signal\n"
+        "def test_a_passes():\n    assert True\n"
+        "def test_b_fails():\n    assert 1 + 1 == 3, 'arithmetic is off'\n"
+        "def test_c_is_cut_by_the_budget():\n    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "def test_d_never_starts():\n    assert True\n")
+    record = tmp_path / "tests.jsonl"
+    env = {**os.environ, "GPU_TEST_RECORD": str(record), "PYTHONPATH": str(ROOT / "scripts")}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_pytest_record",
+                           f"--junitxml={tmp_path / 'junit.xml'}", "test_budget.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:]  # interrupted
+    assert (tmp_path / "junit.xml").exists()
+    summary = gpu_kit.test_summary(gpu_kit.read_test_records(record), proc.returncode)
+    assert summary["collected"] == 4 and summary["passed"] == 1 and summary["failed"] == 1
+    assert summary["failed_tests"][0]["test"].endswith("test_b_fails")
+    assert "arithmetic is off" in summary["failed_tests"][0]["message"]
+    states = {t["test"].split("::")[-1]: t["state"] for t in summary["unfinished_tests"]}
+    assert states == {"test_c_is_cut_by_the_budget": "running when the run stopped",
+                      "test_d_never_starts": "not started"}
+
+
+def _work_dir(tmp_path: Path) -> Path:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "steps.txt").write_text("install 0 1\nenvironment 0 2\ncollect 0 3\npreflight 0 4\ntests 124 260\n"
+                                    "bench_attention 0 20\nbench_decode 0 30\n")
+    (work / "preflight.json").write_text(json.dumps({"device": "Fake H200", "nvrtc": "ok", "cublas": "ok",
+                                                     "curand": "ok"}))
+    (work / "environment.json").write_text(json.dumps({"ok": True, "problems": [], "requirements": {},
+                                                       "imports": {"imported": 95, "failed": {},
+                                                                   "first_missing": None}}))
+    (work / "collect.log").write_text("tests/cupy_kernels/test_x.py::test_a\n\n3/10 tests collected (7 deselected)\n")
+    lines = [{"event": "collected", "nodeids": ["t.py::a", "t.py::b", "t.py::c"]},
+             {"event": "start", "nodeid": "t.py::a"},
+             {"event": "report", "nodeid": "t.py::a", "when": "setup", "outcome": "passed", "duration": 0.1},
+             {"event": "report", "nodeid": "t.py::a", "when": "call", "outcome": "failed", "duration": 3.0,
+              "message": "AssertionError: capture failed", "detail": "E   AssertionError: capture failed"},
+             {"event": "report", "nodeid": "t.py::a", "when": "teardown", "outcome": "passed", "duration": 0.0},
+             {"event": "start", "nodeid": "t.py::b"}]
+    (work / "tests.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + '\n{"event": "rep')  # cut by a kill
+    (work / "bench_attention.out").write_text(json.dumps({"benchmark": "paged_attention",
+                                                          "headline_pct_of_peak_bandwidth": 54.3}))
+    (work / "bench_attention.rc").write_text("0\n")
+    # what the H200 printed: a structlog warning on stdout ahead of the JSON
+    (work / "bench_decode.out").write_text("2026-12-04 18:41:10 [warning  ] cuda_graphs.capture_failed\n"
+                                           + json.dumps({"benchmark": "decode_step"}))
+    (work / "bench_decode.rc").write_text("0\n")
+    return work
+
+
+def test_results_name_every_unfinished_test_and_fail_loudly_on_a_benchmark_that_does_not_parse(tmp_path, capsys):
+    work = _work_dir(tmp_path)
+    rc = gpu_kit.results(work, tmp_path / "out", {"tests_budget_s": 260, "per_test_timeout_s": 60})
+    result = json.loads((tmp_path / "out" / "gpu_results.json").read_text())
+    assert rc == 1 and result["exit_code"] == 1
+    tests = result["tests"]
+    assert tests["failed_tests"] == [{"test": "t.py::a", "message": "AssertionError: capture failed",
+                                      "detail": "E   AssertionError: capture failed"}]
+    assert [(t["test"], t["state"]) for t in tests["unfinished_tests"]] == [
+        ("t.py::b", "running when the run stopped"), ("t.py::c", "not started")]
+    assert result["attention"]["headline_pct_of_peak_bandwidth"] == 54.3
+    assert result["decode"]["ok"] is False and "did not parse as JSON" in result["decode"]["error"]
+    assert "cuda_graphs.capture_failed" in result["decode"]["stdout_head"][0]
+    assert result["sampler"] == {"ok": False, "error": "not run: the time budget ran out"}
+    assert any("ran out of their 260 s" in f for f in result["failures"])
+    assert "BENCHMARK DECODE FAILED" in capsys.readouterr().err
+
+
+# -- the real run with a stand-in CuPy ---------------------------------------------------------------------------
 
 FAKE_CUPY = '''
 """A stand-in CuPy for the script's preflight: numpy arrays, one device for the first process only
@@ -118,29 +374,35 @@ def _fake_cupy_env(tmp_path: Path, **extra) -> dict:
     for d in ("cupy_backends", "cupy_backends/cuda", "cupy_backends/cuda/libs"):
         (site / d / "__init__.py").write_text("")
     (site / "cupy_backends" / "cuda" / "libs" / "nvrtc.py").write_text(FAKE_NVRTC)
-    return {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"), "PYTHONPATH": str(site),
-            "FAKE_CUPY_MARKER": str(tmp_path / "marker"), **extra}
+    return _real_run_env(tmp_path, PYTHONPATH=str(site), FAKE_CUPY_MARKER=str(tmp_path / "marker"), **extra)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("bash") is None, reason="bash not found")
-@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="a real CuPy is installed")
+@needs_bash
+@without_cupy
 def test_gpu_tests_that_skip_on_the_gpu_machine_fail_the_run(tmp_path):
     proc = subprocess.run(["bash", str(SCRIPT)], env=_fake_cupy_env(tmp_path), capture_output=True, text=True,
-                          timeout=300)
+                          timeout=400)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "GPU tests SKIPPED" in proc.stderr
-    result = json.loads((tmp_path / "out" / "gpu_results.json").read_text())
+    out = tmp_path / "out"
+    result = json.loads((out / "gpu_results.json").read_text())
     assert result["preflight"]["nvrtc"].startswith("ok") and result["preflight"]["cublas"] == "ok"
-    assert result["tests"]["skipped"] > 0 and result["tests"]["skipped_tests"]
+    tests = result["tests"]
+    assert tests["skipped"] > 0 and tests["skipped"] == tests["collected"]
+    assert all("needs a GPU" in t["message"] for t in tests["skipped_tests"])
+    assert (out / "gpu_tests.xml").exists() and "SKIPPED" in (out / "gpu_tests.log").read_text()
+    # the benchmarks fail with the stand-in CuPy: named, not silently dropped
+    assert result["attention"]["ok"] is False and any("bench attention" in f for f in result["failures"])
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="bash not found")
-@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="a real CuPy is installed")
+@needs_bash
+@without_cupy
 def test_a_cuda_library_that_does_not_load_fails_the_preflight(tmp_path):
     env = _fake_cupy_env(tmp_path, FAKE_NVRTC_BROKEN="1")
-    proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 4, proc.stderr[-3000:]
     assert "CUDA libraries did not all load" in proc.stderr and "libnvrtc" in proc.stderr
     result = json.loads((tmp_path / "out" / "gpu_results.json").read_text())
-    assert result["nvrtc"].startswith("FAILED") and result["curand"] == "ok"
+    assert result["preflight"]["nvrtc"].startswith("FAILED") and result["preflight"]["curand"] == "ok"
+    assert result["exit_code"] == 4
