@@ -25,9 +25,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from common import loadavg, machine, sgemm_gflops  # noqa: E402
 
-from pagedserve.cupy_kernels import numba_attention as na  # noqa: E402
-from pagedserve.cupy_kernels import numba_prefill  # noqa: E402
-from pagedserve.cupy_kernels import numba_setup  # noqa: E402
+from pagedserve.cupy_kernels.numba_cpu import attention as na  # noqa: E402
+from pagedserve.cupy_kernels.numba_cpu import prefill as numba_prefill  # noqa: E402
+from pagedserve.cupy_kernels.numba_cpu import setup as numba_setup  # noqa: E402
 
 
 def batch(rng, context: int, new: int, heads: int, kv_heads: int, head_dim: int, block_size: int, pool_blocks: int,

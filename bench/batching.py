@@ -47,7 +47,7 @@ def make_requests(num: int, prompt_len: int, min_out: int, max_out: int, vocab: 
 
 def _engine(loaded, args: argparse.Namespace):
     from pagedserve.runtime.config import EngineConfig
-    from pagedserve.runtime.engine import LLMEngine
+    from pagedserve.runtime.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(device=args.device, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
@@ -128,7 +128,7 @@ def run_hf(model: str | None, prompts, outputs, batch_size: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     if model is None:
-        from pagedserve.models.loader import default_model_path
+        from pagedserve.models.loading.loader import default_model_path
 
         model = str(default_model_path())
     path = Path(model)
@@ -156,7 +156,7 @@ def run_hf(model: str | None, prompts, outputs, batch_size: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from pagedserve.models.loader import load_model
+    from pagedserve.models.loading.loader import load_model
 
     loaded = load_model(args.model)
     prompts, outputs = make_requests(args.requests, args.prompt_len, args.min_output, args.max_output,

@@ -12,7 +12,7 @@ import numpy as np
 
 def blas_threads() -> int | None:
     """Threads numpy's OpenBLAS uses (read from the library), else what the environment asks for."""
-    from pagedserve.cupy_kernels.blas_threads import blas_threads as openblas_threads
+    from pagedserve.cupy_kernels.host.blas_threads import blas_threads as openblas_threads
 
     n = openblas_threads()
     if n is not None:
@@ -51,7 +51,7 @@ def read_gbps(mib: int = 512, repeats: int = 3) -> float:
 
 def blas_kernel() -> str | None:
     """The kernel numpy's BLAS runs (threadpoolctl's `architecture`: SkylakeX, Zen, Haswell, ...)."""
-    from pagedserve.cupy_kernels.blas_threads import blas_info
+    from pagedserve.cupy_kernels.host.blas_threads import blas_info
 
     info = blas_info()
     return info["architecture"] if info else None

@@ -232,7 +232,7 @@ def leak_check(tmp: Path, args: argparse.Namespace, vocab: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from pagedserve.models.loader import load_model
+    from pagedserve.models.loading.loader import load_model
 
     loaded = load_model(args.model)
     vocab = loaded.config.vocab_size

@@ -48,7 +48,7 @@ LONG_ID = "long"
 
 def run_config(loaded, args: argparse.Namespace, budget: int | None, cost_aware: bool = True) -> dict:
     from pagedserve.runtime.config import EngineConfig
-    from pagedserve.runtime.engine import LLMEngine
+    from pagedserve.runtime.engine.llm_engine import LLMEngine
     from pagedserve.runtime.sampling_params import SamplingParams
 
     max_model_len = args.long_prompt_len + 64
@@ -120,7 +120,7 @@ def heaviest_step_gflop(cfg, streams: int, stream_context: float, long_len: int,
     scheduler cuts it from the budget - streams tokens the streams' decodes leave; the whole prompt when off),
     the logits of the prompt's last position in its last chunk, and the streams' decodes at about
     `stream_context`."""
-    from pagedserve.runtime.scheduler import chunk_within, keys_per_token
+    from pagedserve.runtime.core.scheduler import chunk_within, keys_per_token
 
     keys = keys_per_token(cfg) if cost_aware else float("inf")
     heaviest, start = 0.0, 0
@@ -141,7 +141,7 @@ def window_start_token(times: list[float], window_start: float) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from pagedserve.models.loader import load_model
+    from pagedserve.models.loading.loader import load_model
 
     loaded = load_model(args.model)
     if args.long_prompt_len + 64 > loaded.config.max_position_embeddings:

@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import plots  # noqa: E402
 
-from pagedserve.runtime.kv_cache_manager import KVCacheManager  # noqa: E402
+from pagedserve.runtime.core.kv_cache_manager import KVCacheManager  # noqa: E402
 
 NAME = "memory"
 CLAIM = {"text": "contiguous reservation wastes 60-80% of KV memory; paging wastes under 4%",

@@ -35,7 +35,7 @@ CLAIM = {"text": "parallel sampling shares the prompt's KV blocks: up to 75% of 
 
 def _engine(loaded, args: argparse.Namespace, prefix_caching: bool | None):
     from pagedserve.runtime.config import EngineConfig
-    from pagedserve.runtime.engine import LLMEngine
+    from pagedserve.runtime.engine.llm_engine import LLMEngine
 
     kwargs = {}
     if prefix_caching is not None and "enable_prefix_caching" in {f.name for f in dataclasses.fields(EngineConfig)}:
@@ -84,7 +84,7 @@ def run_independent(loaded, args, prompt: list[int], k: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from pagedserve.models.loader import load_model
+    from pagedserve.models.loading.loader import load_model
 
     loaded = load_model(args.model)
     vocab = loaded.config.vocab_size

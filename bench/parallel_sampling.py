@@ -20,9 +20,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from common import machine  # noqa: E402
 
-from pagedserve.models.loader import load_model  # noqa: E402
+from pagedserve.models.loading.loader import load_model  # noqa: E402
 from pagedserve.runtime.config import EngineConfig  # noqa: E402
-from pagedserve.runtime.engine import LLMEngine  # noqa: E402
+from pagedserve.runtime.engine.llm_engine import LLMEngine  # noqa: E402
 from pagedserve.runtime.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -7,7 +7,7 @@ Two workloads (and a third on request), greedy, on the embedded SmolLM2 (chat te
   chat        plain questions (a story, an explanation, advice): little to look up.
   json        (not in the default run) "repeat this JSON record" under the record's JSON Schema (guided
               decoding): drafts are checked against the grammar and verify rows masked by it
-              (runtime/spec_grammar.py), so this measures speculation on guided sequences.
+              (runtime/spec_decode/grammar.py), so this measures speculation on guided sequences.
 
 Methods: off, n-gram (prompt lookup, k = 4 to start, adaptive, n-grams of 2..4 tokens), and a self-draft
 (the target's own first --draft-layers layers, final norm and lm_head; k = 3). Each (workload, streams,
@@ -26,7 +26,7 @@ Single stream means each of the workload's prompts alone, one after another, eac
 (4 copy/edit prompts, 8 chat ones; --single-prompts N takes the first N); the rates are over all of them,
 and per-prompt speedups are kept in the JSON. 8 streams run the first 8 prompts (cycling) together.
 
-Speculation switches itself on and off per sequence and step (runtime/spec_policy.py): drafts are
+Speculation switches itself on and off per sequence and step (runtime/spec_decode/policy.py): drafts are
 verified only where the tokens they are expected to add beat the measured cost of the extra rows.
 --methods and --ngram-config (JSON merged into the n-gram config) are for A/B runs; those print no verdict.
 
@@ -178,7 +178,7 @@ def run_single(loaded, args: argparse.Namespace, spec: dict | None, batch: list[
 
 def run_one(loaded, args: argparse.Namespace, spec: dict | None, batch: list[list[int]], workload: str = "") -> dict:
     from pagedserve.runtime.config import EngineConfig
-    from pagedserve.runtime.engine import LLMEngine
+    from pagedserve.runtime.engine.llm_engine import LLMEngine
     from pagedserve.runtime.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(device=args.device, seed=0, speculative_config=spec, cpu_threads=args.cpu_threads,
@@ -227,7 +227,7 @@ def run_one(loaded, args: argparse.Namespace, spec: dict | None, batch: list[lis
 
 
 def run(args: argparse.Namespace) -> dict:
-    from pagedserve.models.loader import load_model
+    from pagedserve.models.loading.loader import load_model
 
     env = plots.environment(args.quick)
     loaded = load_model(args.model)

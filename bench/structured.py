@@ -55,10 +55,10 @@ def _run(engine, requests) -> tuple[float, dict]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from pagedserve.models.loader import load_model
+    from pagedserve.models.loading.loader import load_model
     from pagedserve.runtime.config import EngineConfig
-    from pagedserve.runtime.engine import LLMEngine
-    from pagedserve.runtime.sampling_ops import apply_token_bitmask
+    from pagedserve.runtime.engine.llm_engine import LLMEngine
+    from pagedserve.runtime.sample.sampling_ops import apply_token_bitmask
     from pagedserve.runtime.sampling_params import SamplingParams
     from pagedserve.runtime.structured_outputs_params import StructuredOutputsParams
 

@@ -25,11 +25,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from common import loadavg, machine, model_flops_per_token, read_gbps, sgemm_gflops  # noqa: E402
 
-from pagedserve.cupy_kernels.blas_threads import blas_threads, reset_cpu_threads  # noqa: E402
-from pagedserve.models.loader import load_model  # noqa: E402
+from pagedserve.cupy_kernels.host.blas_threads import blas_threads, reset_cpu_threads  # noqa: E402
+from pagedserve.models.loading.loader import load_model  # noqa: E402
 from pagedserve.sidecar.logging_setup import configure_logging  # noqa: E402
 from pagedserve.runtime.config import EngineConfig  # noqa: E402
-from pagedserve.runtime.engine import LLMEngine  # noqa: E402
+from pagedserve.runtime.engine.llm_engine import LLMEngine  # noqa: E402
 from pagedserve.runtime.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -117,7 +117,7 @@ def decode_weight_bytes(loaded, kernels: str) -> int:
     numpy set; with numba, the GGUF blocks of the matmul weights that have them (numba_quant.py) and
     float32 for the rest."""
     from pagedserve.cupy_kernels.kernel_set import cpu_kernels
-    from pagedserve.models.gguf_loader import is_quant_name
+    from pagedserve.models.loading.gguf_loader import is_quant_name
 
     blocks = cpu_kernels(kernels).name == "numba"
     quantized = {n.rsplit(".", 2)[0] for n in loaded.weights if is_quant_name(n)}

@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import ops, paged_attention
+from .reference import ops, paged_attention
 
 # The op names every kernel set provides, in the order of a forward pass.
 OP_NAMES = ("embedding", "linear", "pack_weight", "rms_norm", "add_rms_norm", "rope_cos_sin", "apply_rotary", "silu_and_mul",
@@ -47,7 +47,7 @@ class KernelSet:
     copy_blocks: Callable[..., Any]
     plan_attention: Callable[..., Any]  # a step's metadata checked once for every layer's paged_attention
     paged_attention: Callable[..., Any]
-    logsumexp_rows: Callable[..., Any]  # the sampler's (runtime/sampler.py)
+    logsumexp_rows: Callable[..., Any]  # the sampler's (runtime/sample/sampler.py)
 
 
 def _from_modules(name: str, *modules: Any) -> KernelSet:
@@ -78,8 +78,9 @@ def _numba_started() -> KernelSet:
     the on-disk cache) here, the attention and long-prefill ones handed to a child process when the cache is
     empty (numba_setup.compile_aside: ~half of the compile time each side, on the other core). The set is
     whole, but its attention kernels are not ready until finish_numba_warm_up()."""
-    from . import numba_attention, numba_gemm, numba_ops, numba_prefill, numba_quant  # imports (and configures) numba: only when asked for
-    from .numba_setup import compile_aside
+    from .numba_cpu import (attention as numba_attention, gemm as numba_gemm, ops as numba_ops,
+                            prefill as numba_prefill, quant as numba_quant)  # imports (and configures) numba: only when asked for
+    from .numba_cpu.setup import compile_aside
 
     # The GEMM first here: the child's prefill warm-up adds a signature to the same module's cache index,
     # seconds later.
@@ -96,8 +97,8 @@ def finish_numba_warm_up() -> None:
     kernels, so that no request pays for a compile. Idempotent. A caller with work that needs no attention
     (the worker: loading the model and packing its weights) does it between the halves, while the child
     still compiles: ~0.8 s off a start with an empty cache."""
-    from . import numba_attention, numba_prefill
-    from .numba_setup import finish_aside
+    from .numba_cpu import attention as numba_attention, prefill as numba_prefill
+    from .numba_cpu.setup import finish_aside
 
     if _finished.is_set():
         return
@@ -122,7 +123,7 @@ def numba_kernels() -> KernelSet:
 
 
 def _device_only(fn: Callable[..., Any], arg: int, op: str) -> Callable[..., Any]:
-    from .cuda_ops import is_cupy_array
+    from .cuda.ops import is_cupy_array
 
     @functools.wraps(fn)
     def checked(*args: Any, **kwargs: Any) -> Any:
@@ -147,7 +148,7 @@ _DEVICE_ARG = {"embedding": 0, "linear": 0, "rms_norm": 0, "add_rms_norm": 0, "r
 
 @functools.lru_cache(maxsize=None)
 def cuda_kernels() -> KernelSet:
-    from . import cuda_ops
+    from .cuda import ops as cuda_ops
 
     return KernelSet("cuda", **{op: getattr(cuda_ops, op) if op not in _DEVICE_ARG
                                 else _device_only(getattr(cuda_ops, op), _DEVICE_ARG[op], op) for op in OP_NAMES})
@@ -188,6 +189,6 @@ def numba_code_path() -> str | None:
     imports numba, ~0.3 s the first time); None without numba."""
     if importlib.util.find_spec("numba") is None:
         return None
-    from .numba_setup import CODE_PATH
+    from .numba_cpu.setup import CODE_PATH
 
     return CODE_PATH

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from pagedserve.cupy_kernels.backend import Backend
-from pagedserve.cupy_kernels.cuda_ops import is_cupy_array
+from pagedserve.cupy_kernels.cuda.ops import is_cupy_array
 
 from .batch import ForwardBatch
 

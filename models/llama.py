@@ -14,16 +14,16 @@ import numpy as np
 
 from pagedserve.cupy_kernels.backend import Backend, get_backend
 from pagedserve.cupy_kernels.collectives import SingleRank
-from pagedserve.cupy_kernels.quant import QuantWeight, concat_rows
+from pagedserve.cupy_kernels.reference.quant import QuantWeight, concat_rows
 
 from . import activation_check
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .device_batch import to_device
-from .gguf_loader import quant_weight
+from .loading.gguf_loader import quant_weight
 from .rope import rope_inv_freq
 from .tensor_parallel import TPShard
-from .weights_check import check_float16_range
+from .loading.weights_check import check_float16_range
 
 
 @dataclass
@@ -35,7 +35,7 @@ class LayerWeights:
     post_norm: Any
     gate_up: Any  # [hidden, 2 * intermediate]
     down: Any  # [intermediate, hidden]
-    # The same four weights as GGUF blocks (cupy_kernels/quant.py), for the numba set's few-row matmuls;
+    # The same four weights as GGUF blocks (cupy_kernels/reference/quant.py), for the numba set's few-row matmuls;
     # None for a model without them, on the GPU, and with the numpy reference set.
     qkv_q: QuantWeight | None = None
     o_proj_q: QuantWeight | None = None

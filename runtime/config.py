@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.cupy_kernels.cuda_ops import ATTN_BLOCK_SIZES
+from pagedserve.cupy_kernels.cuda.ops import ATTN_BLOCK_SIZES
 from pagedserve.cupy_kernels.kernel_set import CPU_KERNEL_SETS
 
-from .spec_config import SpeculativeConfig
+from .spec_decode.config import SpeculativeConfig
 
 # KV cache on the CPU backend when kv_cache_memory_bytes is unset: 4 GiB, vLLM's CPU default (its
 # VLLM_CPU_KVCACHE_SPACE unset), or half of what the host has available where that is less
@@ -25,29 +25,29 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     # While decodes run, size prefill chunks by cost: a token attending to k keys counts 1 + k / K against
     # max_num_batched_tokens, K = the model's matmul FLOPs per token over its attention FLOPs per key, so
-    # steps deep in a long prompt cost what steps at its start do (runtime/scheduler.py). False = by count.
+    # steps deep in a long prompt cost what steps at its start do (runtime/core/scheduler.py). False = by count.
     cost_aware_chunking: bool = True
     enable_prefix_caching: bool = True
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None  # CPU: bytes for the KV pool (None = DEFAULT_CPU_KV_BYTES)
     num_kv_blocks: int | None = None  # overrides the byte budget (tests use it to force preemption)
     gpu_memory_utilization: float = 0.9
-    # GPU: replay decode steps from CUDA graphs captured per batch size (runtime/cuda_graphs.py).
+    # GPU: replay decode steps from CUDA graphs captured per batch size (runtime/worker/cuda_graphs.py).
     enable_cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] | None = None  # None = cuda_graphs.default_batch_sizes
     seed: int | None = 0
-    # Most top logprobs a request may ask for (vLLM's max_logprobs); see runtime/request_limits.py.
+    # Most top logprobs a request may ask for (vLLM's max_logprobs); see runtime/engine/request_limits.py.
     max_logprobs: int = 20
     # Threads of numpy's BLAS (OpenBLAS) and numba's loops for the whole process; None = as started
     # (OPENBLAS_NUM_THREADS, else every core; with tensor_parallel_size N, cores / N per rank). On a host
     # shared with busy processes, fewer threads are faster: "auto" measures step cost and switches between
-    # all, half and one of the started threads as the host's load changes (runtime/cpu_threads_tuner.py).
+    # all, half and one of the started threads as the host's load changes (runtime/engine/cpu_threads_tuner.py).
     cpu_threads: int | str | None = None
     # CPU kernels: "numba" (compiled) or "numpy" (the reference); "auto" = numba when it imports, else numpy
     # (cupy_kernels/kernel_set.cpu_kernels).
     cpu_kernels: str = "auto"
     use_weight_cache: bool = True
-    # Tensor parallelism (runtime/executor.py): ranks that each hold 1/N of every layer's heads and MLP.
+    # Tensor parallelism (runtime/executor/__init__.py): ranks that each hold 1/N of every layer's heads and MLP.
     tensor_parallel_size: int = 1
     # How ranks 1..N-1 are started: "mp" = local processes (default), "ray" = Ray actors (several hosts).
     distributed_executor_backend: str | None = None  # None = "mp"
@@ -56,7 +56,7 @@ class EngineConfig:
     # Request lifecycle log events (queued, scheduled, first_token, preempted, finished, aborted):
     # None = off (offline use), False = on without text, True = on with prompts and outputs.
     log_requests: bool | None = None
-    # Speculative decoding (runtime/spec_config.py): None = off; a SpeculativeConfig or vLLM's dict,
+    # Speculative decoding (runtime/spec_decode/config.py): None = off; a SpeculativeConfig or vLLM's dict,
     # e.g. {"method": "ngram", "num_speculative_tokens": 4} or {"model": PATH, "num_speculative_tokens": 4}.
     speculative_config: SpeculativeConfig | dict | None = None
 

@@ -6,9 +6,9 @@ import sys
 import time
 from typing import Sequence, Union
 
-from .beam_search import BeamSearchParams
+from .core.beam_search import BeamSearchParams
 from .config import EngineConfig
-from .engine import LLMEngine
+from .engine.llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 

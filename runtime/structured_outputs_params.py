@@ -12,7 +12,7 @@ Validation happens here, at construction, without the model's tokenizer (a fract
 for the grammars people write): a bad schema, regex or grammar raises ValueError naming the field and
 quoting llguidance's own message, so the sidecar answers INVALID_ARGUMENT before the request takes any
 KV block. The llguidance grammar built on the way is kept (``grammar_text``) for the engine's compiler
-(runtime/grammar_compiler.py), which builds the token-level matcher off the step loop.
+(runtime/structured_output/grammar_compiler.py), which builds the token-level matcher off the step loop.
 
 JSON formatting: outputs are compact JSON with Python's separators (``", "`` and ``": "``) and no other
 whitespace. llguidance's default lets whitespace go anywhere, and a sampling model can then fill

@@ -1,7 +1,7 @@
 """The decode side's KV connector: asks the prefill instance for a prompt's blocks over gRPC.
 
 Control always goes through the KVTransfer.Prefill call; the bytes go through a shared-memory segment
-(same host, runtime/kv_shm.py) or in the call's stream as crc32-checked chunks of at most 4 MiB.
+(same host, runtime/kv_transfer/kv_shm.py) or in the call's stream as crc32-checked chunks of at most 4 MiB.
 Each transfer runs in a thread of a small pool, so the engine's step loop never waits on the network;
 the engine polls ``get_finished()``.
 
@@ -21,9 +21,9 @@ import grpc
 import numpy as np
 import structlog
 
-from pagedserve.runtime.kv_connector import (KVConnector, KVHandshakeError, KVLoadResult, KVLoadSpec, KVTransferSpec,
-                                             check_compatible)
-from pagedserve.runtime.kv_shm import ShmSegment
+from pagedserve.runtime.kv_transfer.kv_connector import (KVConnector, KVHandshakeError, KVLoadResult, KVLoadSpec,
+                                                         KVTransferSpec, check_compatible)
+from pagedserve.runtime.kv_transfer.kv_shm import ShmSegment
 
 from .kv_transfer_servicer import spec_from_proto, spec_to_proto
 from .pb import kv_transfer_pb2 as pb

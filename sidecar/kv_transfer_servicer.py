@@ -18,9 +18,10 @@ import grpc
 import numpy as np
 import structlog
 
-from pagedserve.runtime.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
-from pagedserve.runtime.kv_connector import CHUNK_BYTES, KVBlockIO, KVExport, KVTransferSpec, chunk_checksums
-from pagedserve.runtime.kv_shm import ShmSegment
+from pagedserve.runtime.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
+from pagedserve.runtime.kv_transfer.kv_connector import (CHUNK_BYTES, KVBlockIO, KVExport, KVTransferSpec,
+                                                         chunk_checksums)
+from pagedserve.runtime.kv_transfer.kv_shm import ShmSegment
 from pagedserve.runtime.sampling_params import SamplingParams
 
 from .pb import kv_transfer_pb2 as pb

@@ -15,7 +15,7 @@ Names follow vLLM's where vLLM has one (vllm:time_to_first_token_seconds -> page
     pagedserve_num_preemptions_total               counter
     pagedserve_prefix_cache_queries_total / _hits_total   counters of prompt tokens looked up / found cached
     pagedserve_prefix_cache_hit_rate               gauge: hits / queries since start
-    pagedserve_memory_budget_bytes                 gauge: the engine's memory budget (runtime/memory_budget.py);
+    pagedserve_memory_budget_bytes                 gauge: the engine's memory budget (runtime/worker/memory_budget.py);
                                                    compare with process_resident_memory_bytes, exported too
 
 Engine gauges are read at scrape time from the worker's published snapshot (AsyncEngine.stats), never
@@ -35,7 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from pagedserve.runtime.async_engine import AsyncEngine
+from pagedserve.runtime.engine.async_engine import AsyncEngine
 
 # vLLM's buckets, cut to what a small CPU/GPU sidecar sees.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)

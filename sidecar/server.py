@@ -21,8 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from pagedserve.runtime.async_engine import AsyncEngine
-from pagedserve.runtime.engine import LLMEngine
+from pagedserve.runtime.engine.async_engine import AsyncEngine
+from pagedserve.runtime.engine.llm_engine import LLMEngine
 from pagedserve.runtime.sampling_params import SamplingParams
 
 from .kv_transfer_servicer import KVTransferServicer
@@ -143,7 +143,7 @@ class SidecarServer:
 
     def _setup_disaggregation(self, engine: LLMEngine) -> None:
         """Every role answers handshakes; a decode instance connects to its prefill target (may raise)."""
-        from pagedserve.runtime.kv_shm import host_id
+        from pagedserve.runtime.kv_transfer.kv_shm import host_id
 
         s = self.settings
         spec = engine.kv_transfer_spec(s.role, host_id())

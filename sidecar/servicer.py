@@ -17,8 +17,8 @@ from typing import Any, Callable
 import grpc
 import structlog
 
-from pagedserve.runtime.async_engine import LONG_PROMPT_CHARS, AsyncEngine, EngineStoppedError, QueueFullError
-from pagedserve.runtime.kv_connector import KVTransferError
+from pagedserve.runtime.engine.async_engine import LONG_PROMPT_CHARS, AsyncEngine, EngineStoppedError, QueueFullError
+from pagedserve.runtime.kv_transfer.kv_connector import KVTransferError
 from pagedserve.runtime.outputs import RequestOutput
 from pagedserve.runtime.sampling_params import SamplingParams
 from pagedserve.runtime.structured_outputs_params import StructuredOutputsParams

@@ -75,7 +75,7 @@ def host_features() -> set[str]:
 def host_code_path() -> str:
     """The path numba compiles for in a process with neither variable set: the host's own."""
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES")}
-    out = subprocess.run([sys.executable, "-c", "from pagedserve.cupy_kernels.numba_setup import CODE_PATH; "
+    out = subprocess.run([sys.executable, "-c", "from pagedserve.cupy_kernels.numba_cpu.setup import CODE_PATH; "
                           "print(CODE_PATH)"], env=env, capture_output=True, text=True, timeout=120, check=True)
     return out.stdout.strip().splitlines()[-1]
 
@@ -97,7 +97,7 @@ def plan() -> list[tuple[str, str]]:
 
 def check_forced(path: str) -> str:
     """What numba compiles for under `path`'s environment (must be `path` itself)."""
-    out = subprocess.run([sys.executable, "-c", "from pagedserve.cupy_kernels.numba_setup import CODE_PATH; "
+    out = subprocess.run([sys.executable, "-c", "from pagedserve.cupy_kernels.numba_cpu.setup import CODE_PATH; "
                           "print(CODE_PATH)"], env=forced_env(path), capture_output=True, text=True, timeout=120,
                          check=True)
     return out.stdout.strip().splitlines()[-1]

@@ -34,7 +34,7 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_loaded(smollm2_path):
-    from pagedserve.models.loader import load_model
+    from pagedserve.models.loading.loader import load_model
 
     return load_model(smollm2_path)
 

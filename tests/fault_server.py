@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from pagedserve.runtime import async_engine, engine
+from pagedserve.runtime.engine import async_engine, llm_engine as engine
 
 
 def _inject() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.models.tokenizer import Tokenizer, load_hf_tokenizer
+from pagedserve.models.tokenizer.tokenizer import Tokenizer, load_hf_tokenizer
 
 DATA = Path(__file__).parent / "data"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.runtime.scheduler import chunk_within
+from pagedserve.runtime.core.scheduler import chunk_within
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
@@ -245,7 +245,7 @@ def test_doc_table(tmp_path: Path) -> None:
 def test_throughput_breakdown() -> None:
     from pagedserve.cupy_kernels import kernel_set
     from pagedserve.models import llama
-    from pagedserve.models.loader import load_model
+    from pagedserve.models.loading.loader import load_model
 
     throughput = _load("throughput")
     tables = lambda: tuple(dataclasses.astuple(k) for k in (kernel_set.numba_kernels(), kernel_set.numpy_kernels()))  # noqa: E731

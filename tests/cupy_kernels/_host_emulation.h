@@ -1,7 +1,7 @@
 // Host emulation of the small CUDA subset pagedserve's kernels use, for tests without a GPU.
 //
 // The kernel family files (paged_attention.cu, norm.cu, ...) are compiled unchanged as C++ after this
-// header, which stands in for cupy_kernels/common.cu (whose PTX asm cannot run on a CPU) and for the
+// header, which stands in for cupy_kernels/cuda/common.cu (whose PTX asm cannot run on a CPU) and for the
 // CUDA built-ins. Each CUDA thread of a CTA runs as a fiber (ucontext); __syncthreads and warp shuffles
 // are barriers that switch fibers, so the kernels' real control flow, indexing and synchronisation
 // run, CTA after CTA (a fiber is entered once with setcontext, then switched with _setjmp/_longjmp,

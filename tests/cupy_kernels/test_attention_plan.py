@@ -16,8 +16,8 @@ import sys
 import numpy as np
 import pytest
 
-from pagedserve.cupy_kernels import cuda_ops
-from pagedserve.cupy_kernels.paged_attention import paged_attention
+from pagedserve.cupy_kernels.cuda import ops as cuda_ops
+from pagedserve.cupy_kernels.reference.paged_attention import paged_attention
 
 TILE = cuda_ops.ATTN_TILE_N
 PART = cuda_ops.PARTITION_SIZE

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedserve.cupy_kernels import blas_threads as bt
+from pagedserve.cupy_kernels.host import blas_threads as bt
 from pagedserve.runtime.config import EngineConfig
 
 pytestmark = pytest.mark.skipif(bt.blas_threads() is None, reason="numpy's BLAS is not an OpenBLAS found here")
@@ -52,7 +52,7 @@ def test_numba_threads_follow_cpu_threads(restore_threads, monkeypatch):
     """numba's count is per calling thread: apply_threads sets it in whichever thread runs the kernels."""
     import threading
 
-    from pagedserve.cupy_kernels import numba_setup
+    from pagedserve.cupy_kernels.numba_cpu import setup as numba_setup
 
     monkeypatch.setattr(bt, "_cpu_threads", None)
     bt.set_cpu_threads(1)
@@ -103,7 +103,7 @@ SHOW = ("import os, pagedserve.cupy_kernels as k; "
 def test_importing_pagedserve_first_sets_openblas_thread_timeout():
     assert _fresh_python("import pagedserve.runtime; " + SHOW, OPENBLAS_THREAD_TIMEOUT=None) == "18 True"
     # every subpackage sets it, whichever is imported first (its modules import numpy)
-    assert _fresh_python("import pagedserve.models.loader; " + SHOW, OPENBLAS_THREAD_TIMEOUT=None) == "18 True"
+    assert _fresh_python("import pagedserve.models.loading.loader; " + SHOW, OPENBLAS_THREAD_TIMEOUT=None) == "18 True"
 
 
 def test_a_users_openblas_setting_wins():

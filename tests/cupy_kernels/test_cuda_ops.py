@@ -28,8 +28,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagedserve.cupy_kernels import cuda_ops, ops
-from pagedserve.cupy_kernels import paged_attention as pa
+from pagedserve.cupy_kernels.cuda import ops as cuda_ops
+from pagedserve.cupy_kernels.reference import ops
+from pagedserve.cupy_kernels.reference import paged_attention as pa
 from pagedserve.cupy_kernels.kernel_set import cuda_kernels
 from numerics import f32_tol
 
@@ -313,7 +314,7 @@ def copy_on_write_after_preemption() -> list[tuple[int, int]]:
     """The pending copies of the sequence kv_cache_manager.take_pending_copies warns about: a fork's
     copy X -> Y, then the parent is preempted and frees X, then a later copy-on-write takes X as its
     destination, all before the step applies them."""
-    from pagedserve.runtime.kv_cache_manager import KVCacheManager
+    from pagedserve.runtime.core.kv_cache_manager import KVCacheManager
 
     mgr = KVCacheManager(num_blocks=5, block_size=4)
     assert mgr.allocate_slots("p", 0, 6)  # p: [0, 1], block 1 partly filled
@@ -356,7 +357,7 @@ def test_kernel_cache_on_disk_serves_a_fresh_process():
     loads them from there (a hit, no compile) and they compute the same thing."""
     import tempfile
 
-    from pagedserve.cupy_kernels import kernel_cache
+    from pagedserve.cupy_kernels.cuda import kernel_cache
 
     cp = _cp()
     logits = cp.asarray(np.random.default_rng(0).standard_normal((3, 1000)).astype(np.float32))
@@ -544,9 +545,9 @@ def test_ops_return_device_arrays():
 
 def _load_tiny(name: str):
     try:  # the loader needs tokenizers; the GPU box may only have numpy + CuPy
-        from pagedserve.models.loader import load_model
+        from pagedserve.models.loading.loader import load_model
     except ImportError:
-        from pagedserve.models.hf_loader import load_hf_weights
+        from pagedserve.models.loading.hf_loader import load_hf_weights
 
         return load_hf_weights(DATA / name)
     loaded = load_model(DATA / name)

@@ -83,7 +83,7 @@ def _graph_check(name: str, capturer=None):
     on a GPU; test_kernels_on_host.py passes a fake to run the same check on the emulated kernels."""
     from pagedserve.cupy_kernels.backend import get_backend
     from pagedserve.models.kv_cache import allocate_kv_caches
-    from pagedserve.runtime.cuda_graphs import CupyGraphCapturer, DecodeGraphs
+    from pagedserve.runtime.worker.cuda_graphs import CupyGraphCapturer, DecodeGraphs
 
     _, gpu = T._model_pair(name)
     cfg = gpu.config
@@ -164,7 +164,7 @@ class _SyncingModel:
 def test_capture_error_falls_back_to_eager_and_the_device_stays_usable():
     from pagedserve.cupy_kernels.backend import get_backend
     from pagedserve.models.kv_cache import allocate_kv_caches
-    from pagedserve.runtime.cuda_graphs import CupyGraphCapturer, DecodeGraphs
+    from pagedserve.runtime.worker.cuda_graphs import CupyGraphCapturer, DecodeGraphs
 
     _, gpu = T._model_pair("tiny-llama")
     kv = allocate_kv_caches(gpu.config, 16, BS, get_backend("cuda"))
@@ -187,8 +187,8 @@ def test_graph_pool_draws_only_from_the_reserved_arena():
     arena too small fails the capture (graphs dropped) instead of a pool retry that frees graph memory."""
     from pagedserve.cupy_kernels.backend import get_backend
     from pagedserve.models.kv_cache import allocate_kv_caches
-    from pagedserve.runtime import cuda_graphs
-    from pagedserve.runtime.cuda_graphs import CupyGraphCapturer, DecodeGraphs
+    from pagedserve.runtime.worker import cuda_graphs
+    from pagedserve.runtime.worker.cuda_graphs import CupyGraphCapturer, DecodeGraphs
 
     _, gpu = T._model_pair("tiny-llama")
     kv = allocate_kv_caches(gpu.config, 64, BS, get_backend("cuda"))
@@ -212,7 +212,7 @@ def test_graph_pool_draws_only_from_the_reserved_arena():
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_greedy_argmax_goes_through_argmax_rows_with_numpys_rule(dtype):
     cp = _cp()
-    from pagedserve.runtime.model_runner import _DeviceArrayModule
+    from pagedserve.runtime.engine.model_runner import _DeviceArrayModule
 
     xp = _DeviceArrayModule(cp)
     logits = np.random.default_rng(1).standard_normal((6, 3000)).astype(dtype)
@@ -230,8 +230,8 @@ def test_greedy_argmax_goes_through_argmax_rows_with_numpys_rule(dtype):
 def test_sampler_on_device_matches_numpy():
     """Every sampler path on CuPy arrays against the numpy sampler on the same logits and uniforms."""
     cp = _cp()
-    from pagedserve.runtime.model_runner import _DeviceArrayModule
-    from pagedserve.runtime.sampler import Sampler
+    from pagedserve.runtime.engine.model_runner import _DeviceArrayModule
+    from pagedserve.runtime.sample.sampler import Sampler
     from pagedserve.runtime.sampling_params import SamplingParams
 
     rng = np.random.default_rng(3)
@@ -271,7 +271,7 @@ def _tiny_loaded():
     try:
         import structlog  # noqa: F401
         import tokenizers  # noqa: F401
-        from pagedserve.models.loader import load_model
+        from pagedserve.models.loading.loader import load_model
     except ImportError as e:
         pytest.skip(f"the engine needs its optional dependencies: {e}")
     return load_model(T.DATA / "tiny-llama")
@@ -293,7 +293,7 @@ def test_engine_on_gpu_same_tokens_with_and_without_graphs():
     """Four sequences decoding together (a captured size, so replays are bit-exact): greedy, seeded
     sampling and parallel sampling give the same tokens and logprobs with graphs on and off."""
     from pagedserve.runtime.config import EngineConfig
-    from pagedserve.runtime.engine import LLMEngine
+    from pagedserve.runtime.engine.llm_engine import LLMEngine
     from pagedserve.runtime.sampling_params import SamplingParams
 
     loaded = _tiny_loaded()
@@ -328,7 +328,7 @@ def test_speculative_decoding_on_gpu_keeps_greedy_tokens_and_frees_both_pools():
     """Verify steps (eager, 1 + k logits rows), the rejection sampler on CuPy arrays and a draft model's own
     pool on the device: greedy tokens equal the run without speculation; seeded sampling runs through."""
     from pagedserve.runtime.config import EngineConfig
-    from pagedserve.runtime.engine import LLMEngine
+    from pagedserve.runtime.engine.llm_engine import LLMEngine
     from pagedserve.runtime.sampling_params import SamplingParams
 
     loaded = _tiny_loaded()
@@ -364,7 +364,7 @@ def test_kv_sizing_fills_gpu_memory_utilization():
     device memory in use is gpu_memory_utilization x total, within 512 MiB either way."""
     cp = _cp()
     from pagedserve.runtime.config import EngineConfig
-    from pagedserve.runtime.engine import LLMEngine
+    from pagedserve.runtime.engine.llm_engine import LLMEngine
     from pagedserve.runtime.sampling_params import SamplingParams
 
     loaded = _tiny_loaded()
@@ -421,9 +421,9 @@ def test_device_sampler_with_cupy_reads_back_once_and_matches_the_host_path():
     with broadcast indices, one packed .get()): tokens as the numpy path gives them where both walk the
     same order, top-p draws inside the nucleus."""
     cp = _cp()
-    from pagedserve.runtime import sampling_device
-    from pagedserve.runtime.model_runner import _DeviceArrayModule
-    from pagedserve.runtime.sampler import Sampler
+    from pagedserve.runtime.sample import sampling_device
+    from pagedserve.runtime.engine.model_runner import _DeviceArrayModule
+    from pagedserve.runtime.sample.sampler import Sampler
 
     spec = importlib.util.spec_from_file_location(
         "pagedserve_sampling_device_tests", Path(__file__).resolve().parents[1] / "runtime" / "test_sampling_device.py")

@@ -17,7 +17,7 @@ TINY = Path(__file__).resolve().parents[1] / "data" / "tiny-llama"
 def test_cupy_bitmask_equals_numpy(vocab):
     import cupy
 
-    from pagedserve.runtime.sampling_ops import apply_token_bitmask
+    from pagedserve.runtime.sample.sampling_ops import apply_token_bitmask
 
     rng = np.random.default_rng(vocab)
     logits = rng.standard_normal((6, vocab)).astype(np.float32)

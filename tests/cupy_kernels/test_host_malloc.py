@@ -1,4 +1,4 @@
-"""cupy_kernels/host_malloc.py: glibc keeps the CPU backend's freed activation pages (tested in a fresh
+"""cupy_kernels/host/malloc.py: glibc keeps the CPU backend's freed activation pages (tested in a fresh
 interpreter each time: the settings are per process)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ve
 CHURN = """
 import json, resource, threading
 import numpy as np
-from pagedserve.cupy_kernels.host_malloc import tune_malloc
+from pagedserve.cupy_kernels.host.malloc import tune_malloc
 result = tune_malloc() if TUNE else {}
 if TUNE:
     assert tune_malloc() == result  # applied once per process; the same answer after

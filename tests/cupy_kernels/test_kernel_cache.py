@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from pagedserve.cupy_kernels import cuda_ops, kernel_cache
-from pagedserve.cupy_kernels.kernel_cache import CompiledModule, KernelCache
+from pagedserve.cupy_kernels.cuda import ops as cuda_ops, kernel_cache
+from pagedserve.cupy_kernels.cuda.kernel_cache import CompiledModule, KernelCache
 
 
 class FakeCompiler:

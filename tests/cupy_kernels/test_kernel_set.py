@@ -30,7 +30,7 @@ def test_pack_weight_takes_a_host_weight_at_load_in_every_set():
 
 def test_pack_weight_takes_row_parts():
     """A fused weight's parts (qkv, gate_up): the numba set packs their rows in turn; the others keep arrays."""
-    from pagedserve.cupy_kernels.numba_gemm import PANEL  # 32 columns on AVX-512 code, 16 on AVX2 and baseline
+    from pagedserve.cupy_kernels.numba_cpu.gemm import PANEL  # 32 columns on AVX-512 code, 16 on AVX2 and baseline
 
     parts = [np.full((PANEL, 8), 1, np.float32), np.full((8, 8), 2, np.float32)]
     assert kernel_set.cuda_kernels().pack_weight(parts) is None

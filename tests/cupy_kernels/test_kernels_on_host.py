@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagedserve.cupy_kernels import cuda_ops
+from pagedserve.cupy_kernels.cuda import ops as cuda_ops
 from pagedserve.cupy_kernels.kernel_set import cuda_kernels
 
 cuda = cuda_kernels()
@@ -360,9 +360,10 @@ def test_device_metadata_on_host(runtime_tests):
 def test_engine_on_host_with_graphs_and_device_sampling(runtime_tests, monkeypatch):
     """LLMEngine(device="cuda") on the emulation: graphs (fake capture) and eager give the same tokens;
     the sampler runs on the stand-in CuPy arrays with greedy rows through the argmax_rows kernel."""
-    from pagedserve.runtime import cuda_graphs, model_runner
+    from pagedserve.runtime.worker import cuda_graphs
+    from pagedserve.runtime.engine import model_runner
     from pagedserve.runtime.config import EngineConfig
-    from pagedserve.runtime.engine import LLMEngine
+    from pagedserve.runtime.engine.llm_engine import LLMEngine
     from pagedserve.runtime.sampling_params import SamplingParams
 
     def params(temperature, seed, n=1):

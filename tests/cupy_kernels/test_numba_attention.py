@@ -1,4 +1,4 @@
-"""numba unified paged attention (cupy_kernels/numba_attention.py) against the numpy reference.
+"""numba unified paged attention (cupy_kernels/numba_cpu/attention.py) against the numpy reference.
 
 Tolerance: both compute softmax(q.k * scale) . v in float32. A score carries rounding of a D-term dot
 product (relative error up to about D * eps of |q||k| * scale) and each exp/normalisation a few eps; the
@@ -14,11 +14,11 @@ import pytest
 from code_paths import run_as_avx2
 from paged_batches import assert_each_alone_equals_together, make_batch
 
-from pagedserve.cupy_kernels import numba_attention as na
-from pagedserve.cupy_kernels import numba_prefill as prefill
-from pagedserve.cupy_kernels import numba_setup
-from pagedserve.cupy_kernels import paged_attention as pa
-from pagedserve.cupy_kernels.numba_attention_ir import LANES
+from pagedserve.cupy_kernels.numba_cpu import attention as na
+from pagedserve.cupy_kernels.numba_cpu import prefill
+from pagedserve.cupy_kernels.numba_cpu import setup as numba_setup
+from pagedserve.cupy_kernels.reference import paged_attention as pa
+from pagedserve.cupy_kernels.numba_cpu.attention_ir import LANES
 
 EPS = np.finfo(np.float32).eps
 

@@ -1,4 +1,4 @@
-"""The numba set's packed float32 GEMM (cupy_kernels/numba_gemm.py) against numpy's matmul (ops.linear).
+"""The numba set's packed float32 GEMM (cupy_kernels/numba_cpu/gemm.py) against numpy's matmul (ops.linear).
 
 Each output of the kernel is one FMA chain over k in order; numpy's BLAS sums in its own order. Both are
 float32 dot products of length `in`: the tolerance is numerics.f32_tol with scale = the largest
@@ -14,7 +14,8 @@ import pytest
 from code_paths import run_as_avx2
 from numerics import f32_tol
 
-from pagedserve.cupy_kernels import numba_gemm, numba_ops, ops
+from pagedserve.cupy_kernels.numba_cpu import gemm as numba_gemm, ops as numba_ops
+from pagedserve.cupy_kernels.reference import ops
 
 
 def weight(out: int, inp: int, seed: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""numba elementwise kernels and the KV cache write (cupy_kernels/numba_ops.py) against the numpy references.
+"""numba elementwise kernels and the KV cache write (cupy_kernels/numba_cpu/ops.py) against the numpy references.
 
 Tolerances from float32 rounding: RMSNorm sums `hidden` squares (relative error up to about hidden * eps in
 the sum, half that after the square root) and then divides and multiplies (2 eps). SiLU is a few operations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedserve.cupy_kernels import numba_ops as nb
-from pagedserve.cupy_kernels import ops
-from pagedserve.cupy_kernels import paged_attention as pa
+from pagedserve.cupy_kernels.numba_cpu import ops as nb
+from pagedserve.cupy_kernels.reference import ops
+from pagedserve.cupy_kernels.reference import paged_attention as pa
 from numerics import f32_tol
 
 EPS = np.finfo(np.float32).eps
@@ -196,7 +196,7 @@ def test_fast_exp_within_two_ulp():
 
 def test_fast_exp2_within_two_ulp_on_the_softmax_range():
     """2^x for x <= 0 (scores minus their row max, in log2 units), down to the clamp at -126."""
-    from pagedserve.cupy_kernels.numba_setup import numba
+    from pagedserve.cupy_kernels.numba_cpu.setup import numba
 
     @numba.njit
     def exp2_all(xs, out):

@@ -1,4 +1,4 @@
-"""The numba set's matmul path for long prefill chunks (cupy_kernels/numba_prefill.py), and the routing in
+"""The numba set's matmul path for long prefill chunks (cupy_kernels/numba_cpu/prefill.py), and the routing in
 numba_attention.paged_attention, against the numpy reference.
 
 Tolerance as in test_numba_attention.py: 8 * (D + L) * eps * max|v| (a D-term dot product per score, an
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from paged_batches import assert_each_alone_equals_together, make_batch
 
-from pagedserve.cupy_kernels import numba_attention as na
-from pagedserve.cupy_kernels import numba_setup
-from pagedserve.cupy_kernels import numba_prefill as npf
-from pagedserve.cupy_kernels import paged_attention as pa
+from pagedserve.cupy_kernels.numba_cpu import attention as na
+from pagedserve.cupy_kernels.numba_cpu import setup as numba_setup
+from pagedserve.cupy_kernels.numba_cpu import prefill as npf
+from pagedserve.cupy_kernels.reference import paged_attention as pa
 
 EPS = np.finfo(np.float32).eps
 
@@ -117,7 +117,7 @@ def test_the_workspace_is_reused_and_grows(monkeypatch):
 def test_the_workspace_holds_a_slot_per_running_thread(monkeypatch):
     """Each numba thread's rows get a slot, for the threads the call runs on (not numba's whole pool); the
     thread count changes no bit."""
-    from pagedserve.cupy_kernels import blas_threads as bt
+    from pagedserve.cupy_kernels.host import blas_threads as bt
 
     rng = np.random.default_rng(11)
     batch = make_batch(rng, [(400, 200)], num_kv=1, group=2, head_dim=64, block_size=16)
@@ -162,8 +162,8 @@ def test_a_strided_or_read_only_query_gets_machine_code_of_its_own_type():
 def test_row_max_is_exact_at_every_length_and_alignment():
     """The vector max (llvmlite intrinsic): every length around its lane and chain widths, rows starting
     off a vector boundary, the max in the tail or in any lane, infinities."""
-    from pagedserve.cupy_kernels import numba_ops
-    from pagedserve.cupy_kernels.numba_setup import numba
+    from pagedserve.cupy_kernels.numba_cpu import ops as numba_ops
+    from pagedserve.cupy_kernels.numba_cpu.setup import numba
 
     @numba.njit
     def row_maxima(s, offset, n, out):
@@ -187,7 +187,7 @@ def test_row_max_is_exact_at_every_length_and_alignment():
 def test_after_the_warm_up_a_prefill_compiles_nothing():
     """The work item, the GEMM's row tiles and the prange over the items: the warm-up compiled them for the types
     the model passes (C-contiguous float32 query, int32 block table)."""
-    from pagedserve.cupy_kernels import numba_gemm
+    from pagedserve.cupy_kernels.numba_cpu import gemm as numba_gemm
 
     npf.warm_up()
     kernels = (npf._ITEM, npf._ITEMS, npf._GATHER, npf._GATHER_PANEL, numba_gemm.PANEL_ROWS)

@@ -1,4 +1,4 @@
-"""GGUF blocks (cupy_kernels/quant.py) and the numba matmul over them (numba_quant.py) against the references.
+"""GGUF blocks (cupy_kernels/reference/quant.py) and the numba matmul over them (numba_quant.py) against the references.
 
 quant.dequantize must give the gguf package's float32 values bit for bit (pagedserve's float32 weights are
 those). The kernel dequantizes each block in registers to those exact values (d q + m, or d q) and adds
@@ -15,7 +15,8 @@ import pytest
 from code_paths import run_as_avx2
 from numerics import f32_tol
 
-from pagedserve.cupy_kernels import numba_gemm, numba_ops, numba_quant, numba_setup, ops, quant
+from pagedserve.cupy_kernels.numba_cpu import gemm as numba_gemm, ops as numba_ops, quant as numba_quant, setup as numba_setup
+from pagedserve.cupy_kernels.reference import ops, quant
 
 gguf = pytest.importorskip("gguf")
 

@@ -24,7 +24,7 @@ from model_factory import random_model
 from pagedserve.cupy_kernels.backend import get_backend
 from pagedserve.cupy_kernels import numba_attention, numba_ops, numba_prefill, numba_quant
 from model_factory import write_gguf
-from pagedserve.models.gguf_loader import load_gguf_weights
+from pagedserve.models.loading.gguf_loader import load_gguf_weights
 from pagedserve.models.batch import SeqChunk, build_forward_batch
 from pagedserve.models.kv_cache import allocate_kv_caches
 from pagedserve.models.llama import LlamaForCausalLM
@@ -73,7 +73,7 @@ EMPTY_CACHE_START = """
 import numpy as np
 from pagedserve.cupy_kernels import kernel_set, numba_attention, paged_attention
 from pagedserve.cupy_kernels.backend import finish_warm_up, get_backend
-from pagedserve.cupy_kernels.numba_setup import compile_aside
+from pagedserve.cupy_kernels.numba_cpu.setup import compile_aside
 # The worker's way: the child compiles attention and the prefill kernels while this process compiles the rest,
 # then packs a weight (the model's load) before it waits for the child.
 backend = get_backend("cpu", "numba", finish_warm_up=False)
@@ -100,15 +100,15 @@ def test_an_empty_cache_compiles_attention_aside_and_loads_it(tmp_path):
     proc = subprocess.run([sys.executable, "-c", EMPTY_CACHE_START], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-3000:]
-    assert list(tmp_path.rglob("numba_attention._attention_chunks-*.nbi"))
-    assert list(tmp_path.rglob("numba_prefill._gather_panels-*.nbi"))
+    assert list(tmp_path.rglob("attention._attention_chunks-*.nbi"))
+    assert list(tmp_path.rglob("prefill._gather_panels-*.nbi"))
 
 
 def test_a_failed_child_only_costs_time(tmp_path, capsys):
     """finish_aside returns whatever the child did; the caller's warm_up then compiles in-process."""
     from types import SimpleNamespace
 
-    from pagedserve.cupy_kernels.numba_setup import compile_aside, finish_aside
+    from pagedserve.cupy_kernels.numba_cpu.setup import compile_aside, finish_aside
 
     fake = SimpleNamespace(_cache=SimpleNamespace(_cache_file=SimpleNamespace(_index_path=str(tmp_path / "none"))),
                            py_func=SimpleNamespace(__module__="pagedserve.no_such_module"))
@@ -125,7 +125,7 @@ def test_compile_aside_takes_the_modules_without_a_cache_index(tmp_path, monkeyp
     """One child for every module whose marker kernel has no cache index yet, each module once."""
     from types import SimpleNamespace
 
-    from pagedserve.cupy_kernels import numba_setup
+    from pagedserve.cupy_kernels.numba_cpu import setup as numba_setup
 
     def fake(index: str, module: str):
         return SimpleNamespace(_cache=SimpleNamespace(_cache_file=SimpleNamespace(_index_path=str(tmp_path / index))),
@@ -145,7 +145,7 @@ def test_call_compiled_runs_a_kernel_by_address_and_propagates_its_errors():
     prange numba wraps those in a SystemError, as for a direct call); the callee is compiled once, on its own."""
     import numpy as np
 
-    from pagedserve.cupy_kernels.numba_setup import call_compiled, native_address, numba
+    from pagedserve.cupy_kernels.numba_cpu.setup import call_compiled, native_address, numba
 
     @numba.njit
     def part(i, x, out):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.cupy_kernels import cuda_ops
+from pagedserve.cupy_kernels.cuda import ops as cuda_ops
 
 ARCHS = ("sm_80", "sm_90")
 # Static shared memory a CTA may use without an opt-in (the kernels never opt in).

@@ -10,7 +10,7 @@ from pagedserve.models.batch import SeqChunk, build_forward_batch
 from pagedserve.models.kv_cache import allocate_kv_caches
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.cuda_graphs import build_decode_graphs
+from pagedserve.runtime.worker.cuda_graphs import build_decode_graphs
 
 from model_factory import random_model
 

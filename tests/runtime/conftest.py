@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.models.loader import load_model
+from pagedserve.models.loading.loader import load_model
 
 
 @pytest.fixture(scope="module")

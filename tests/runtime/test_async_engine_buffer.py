@@ -8,10 +8,10 @@ import time
 import anyio
 import pytest
 
-from pagedserve.models.loader import load_model
-from pagedserve.runtime.async_engine import AsyncEngine
+from pagedserve.models.loading.loader import load_model
+from pagedserve.runtime.engine.async_engine import AsyncEngine
 from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.engine import LLMEngine
+from pagedserve.runtime.engine.llm_engine import LLMEngine
 from pagedserve.runtime.sampling_params import SamplingParams
 
 

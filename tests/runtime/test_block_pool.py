@@ -11,13 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedserve.runtime.block_pool import (
-    BlockPool,
-    BlockPoolIntegrityError,
-    FreeKVBlockQueue,
-    KVBlock,
-    NoFreeBlocksError,
-)
+from pagedserve.runtime.core.block_pool import BlockPool, BlockPoolIntegrityError, FreeKVBlockQueue, KVBlock, NoFreeBlocksError
 
 
 def test_fresh_pool_is_all_free_in_id_order() -> None:
@@ -174,7 +168,7 @@ def test_check_integrity_catches_a_corrupted_free_queue() -> None:
 def test_check_integrity_still_raises_under_python_O() -> None:
     # The check must not rely on `assert` statements, which -O strips.
     code = (
-        "from pagedserve.runtime.block_pool import BlockPool, BlockPoolIntegrityError\n"
+        "from pagedserve.runtime.core.block_pool import BlockPool, BlockPoolIntegrityError\n"
         "pool = BlockPool(4, 4); pool.allocate(2)\n"
         "try:\n"
         "    pool.check_integrity([[0]])\n"

@@ -1,4 +1,4 @@
-"""cpu_threads="auto" (runtime/cpu_threads_tuner.py): probes, switches and backs off by measured step cost.
+"""cpu_threads="auto" (runtime/engine/cpu_threads_tuner.py): probes, switches and backs off by measured step cost.
 
 A fake clock makes each step cost what the test says for the thread count it ran at, so the decisions
 are checked exactly; one engine test runs the real thing on the tiny model.
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.cupy_kernels import blas_threads as bt
+from pagedserve.cupy_kernels.host import blas_threads as bt
 from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.cpu_threads_tuner import CpuThreadsTuner, candidate_counts
+from pagedserve.runtime.engine.cpu_threads_tuner import CpuThreadsTuner, candidate_counts
 
 
 class Host:

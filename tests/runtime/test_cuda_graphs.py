@@ -1,4 +1,4 @@
-"""runtime/cuda_graphs.py on the CPU: bucketing, padding, static buffers, replay and the eager fallback.
+"""runtime/worker/cuda_graphs.py on the CPU: bucketing, padding, static buffers, replay and the eager fallback.
 
 The CUDA part hides behind GraphCapturer; here a fake records the forward instead of capturing it and
 "replays" it by calling it, so a replay reads the static buffers as they are at launch time, like a
@@ -19,11 +19,8 @@ from pagedserve.models.device_batch import unpack_batch
 from pagedserve.models.kv_cache import allocate_kv_caches
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.cuda_graphs import (
-    DEFAULT_BATCH_SIZES, ArenaAllocator, ArenaExhausted, DecodeGraphs, build_decode_graphs, context_buckets,
-    default_batch_sizes, graph_pool_reserve, is_decode_step, pack_decode_batch, padded_size, resolve_batch_sizes,
-)
-from pagedserve.runtime.engine import LLMEngine
+from pagedserve.runtime.worker.cuda_graphs import DEFAULT_BATCH_SIZES, ArenaAllocator, ArenaExhausted, DecodeGraphs, build_decode_graphs, context_buckets, default_batch_sizes, graph_pool_reserve, is_decode_step, pack_decode_batch, padded_size, resolve_batch_sizes
+from pagedserve.runtime.engine.llm_engine import LLMEngine
 from pagedserve.runtime.sampling_params import SamplingParams
 
 from model_factory import random_model

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pagedserve.runtime.detokenizer import DeltaText, IncrementalDetokenizer
+from pagedserve.runtime.engine.detokenizer import DeltaText, IncrementalDetokenizer
 
 FFFD = "\ufffd"
 SPECIALS = ["<|endoftext|>", "<|im_end|>"]
@@ -339,7 +339,7 @@ _GGUF = Path(
 
 def test_smollm2_tokenizer_round_trip() -> None:
     try:
-        from pagedserve.models.tokenizer import load_gguf_tokenizer
+        from pagedserve.models.tokenizer.tokenizer import load_gguf_tokenizer
     except ImportError:
         pytest.skip("models.tokenizer.load_gguf_tokenizer is not available")
     if not _GGUF.exists():

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.engine import LLMEngine
+from pagedserve.runtime.engine.llm_engine import LLMEngine
 from pagedserve.runtime.sampling_params import SamplingParams
-from pagedserve.runtime.scheduler import chunk_within
+from pagedserve.runtime.core.scheduler import chunk_within
 
 
 def make_engine(tiny, **kw):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.runtime import model_runner
+from pagedserve.runtime.engine import model_runner
 from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.engine import LLMEngine
+from pagedserve.runtime.engine.llm_engine import LLMEngine
 from pagedserve.runtime.sampling_params import SamplingParams
 
 POISON = 499  # a token id that only the bad request's prompt holds

@@ -1,4 +1,4 @@
-"""runtime/gpu_memory.py on the CPU: the KV sizing arithmetic with made-up numbers, the profile batches,
+"""runtime/worker/gpu_memory.py on the CPU: the KV sizing arithmetic with made-up numbers, the profile batches,
 and the profile orchestration run against the numpy model with a stand-in for CuPy's memory calls."""
 
 from __future__ import annotations
@@ -15,13 +15,10 @@ from pagedserve.models.device_batch import unpack_batch
 from pagedserve.models.kv_cache import kv_bytes_per_block
 from pagedserve.cupy_kernels.backend import get_backend
 from pagedserve.models.llama import LlamaForCausalLM
-from pagedserve.runtime import gpu_memory
+from pagedserve.runtime.worker import gpu_memory
 from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.cuda_graphs import graph_pool_reserve
-from pagedserve.runtime.gpu_memory import (
-    DeviceMemory, array_bytes, decode_profile_batch, graph_static_bytes, model_weight_bytes, profile_chunks,
-    size_kv_cache,
-)
+from pagedserve.runtime.worker.cuda_graphs import graph_pool_reserve
+from pagedserve.runtime.worker.gpu_memory import DeviceMemory, array_bytes, decode_profile_batch, graph_static_bytes, model_weight_bytes, profile_chunks, size_kv_cache
 
 from model_factory import random_model
 

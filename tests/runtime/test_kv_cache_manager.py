@@ -12,8 +12,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedserve.runtime.block_pool import BlockPoolIntegrityError
-from pagedserve.runtime.kv_cache_manager import KVCacheManager, KVCacheUsage
+from pagedserve.runtime.core.block_pool import BlockPoolIntegrityError
+from pagedserve.runtime.core.kv_cache_manager import KVCacheManager, KVCacheUsage
 
 
 def _refs(mgr: KVCacheManager) -> list[int]:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.runtime import engine as engine_mod
-from pagedserve.runtime import worker as worker_mod
+from pagedserve.runtime.engine import llm_engine as engine_mod
+from pagedserve.runtime.worker import worker as worker_mod
 from pagedserve.runtime.config import DEFAULT_CPU_KV_BYTES, EngineConfig
-from pagedserve.runtime.engine import LLMEngine
-from pagedserve.runtime.memory_budget import (activation_bytes, default_cpu_kv_bytes, host_memory_available,
-                                               resident_bytes)
-from pagedserve.runtime.worker import Worker
+from pagedserve.runtime.engine.llm_engine import LLMEngine
+from pagedserve.runtime.worker.memory_budget import activation_bytes, default_cpu_kv_bytes, host_memory_available, resident_bytes
+from pagedserve.runtime.worker.worker import Worker
 
 
 def test_budget_adds_up(tiny):
@@ -34,8 +33,8 @@ def test_activations_grow_with_the_step_budget(tiny):
 def test_the_numba_prefill_tiles_of_every_thread_are_counted(tiny):
     """Each CPU thread's tile of scores (TILE_TOKENS query tokens x G heads x max_model_len keys) in the numba
     long-prefill path: with many threads and a small step budget it outgrows the reference's all-heads scores."""
-    from pagedserve.cupy_kernels import numba_prefill
-    from pagedserve.runtime import memory_budget
+    from pagedserve.cupy_kernels.numba_cpu import prefill as numba_prefill
+    from pagedserve.runtime.worker import memory_budget
 
     assert memory_budget.PREFILL_TILE_TOKENS == numba_prefill.TILE_TOKENS
     cfg = tiny.config

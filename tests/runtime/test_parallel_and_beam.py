@@ -11,10 +11,10 @@ from pagedserve.cupy_kernels.backend import get_backend
 from pagedserve.models.batch import SeqChunk, build_forward_batch
 from pagedserve.models.kv_cache import allocate_kv_caches
 from pagedserve.models.llama import LlamaForCausalLM
-from pagedserve.models.loader import load_model
-from pagedserve.runtime.beam_search import BeamSearchParams, length_penalized
+from pagedserve.models.loading.loader import load_model
+from pagedserve.runtime.core.beam_search import BeamSearchParams, length_penalized
 from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.engine import LLMEngine
+from pagedserve.runtime.engine.llm_engine import LLMEngine
 from pagedserve.runtime.sampling_params import SamplingParams
 
 
@@ -96,7 +96,7 @@ def full_logprobs(model, tokens):
 
 
 def reference_beam_search(model, prompt, width, max_tokens, length_penalty, eos):
-    """The rule of runtime/beam_search.py, written plainly with a full forward per beam per step."""
+    """The rule of runtime/core/beam_search.py, written plainly with a full forward per beam per step."""
     beams = [([], 0.0)]
     done = []
     for _ in range(max_tokens):

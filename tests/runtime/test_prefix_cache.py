@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedserve.runtime.block_pool import BlockPool
+from pagedserve.runtime.core.block_pool import BlockPool
 from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.engine import LLMEngine
-from pagedserve.runtime.kv_cache_manager import KVCacheManager
+from pagedserve.runtime.engine.llm_engine import LLMEngine
+from pagedserve.runtime.core.kv_cache_manager import KVCacheManager
 from pagedserve.runtime.sampling_params import SamplingParams
 
 

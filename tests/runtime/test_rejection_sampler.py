@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from chi_square import goodness_of_fit
 
-from pagedserve.runtime.rejection_sampler import RejectionSampler, dense_probs
-from pagedserve.runtime.request import Request
+from pagedserve.runtime.sample.rejection_sampler import RejectionSampler, dense_probs
+from pagedserve.runtime.core.request import Request
 from pagedserve.runtime.sampling_params import SamplingParams
 
 V = 8

@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 
 from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.engine import LLMEngine
-from pagedserve.runtime.kv_connector import (KVConnector, KVExport, KVHandshakeError, KVLoadResult, KVTransferError,
-                                             check_compatible, chunk_checksums)
-from pagedserve.runtime.kv_shm import ShmSegment
-from pagedserve.runtime.request import RequestStatus
+from pagedserve.runtime.engine.llm_engine import LLMEngine
+from pagedserve.runtime.kv_transfer.kv_connector import KVConnector, KVExport, KVHandshakeError, KVLoadResult, KVTransferError, check_compatible, chunk_checksums
+from pagedserve.runtime.kv_transfer.kv_shm import ShmSegment
+from pagedserve.runtime.core.request import RequestStatus
 from pagedserve.runtime.sampling_params import SamplingParams
 
 
@@ -211,7 +210,7 @@ def test_shm_segment_close_leaves_live_arrays_mapped():
     this wrote to an unmapped page and killed the process with SIGSEGV, so it runs in a child."""
     code = """if True:
         import gc
-        from pagedserve.runtime.kv_shm import ShmSegment
+        from pagedserve.runtime.kv_transfer.kv_shm import ShmSegment
         seg = ShmSegment.create((64, 1024), "float32")
         sender = ShmSegment.open(str(seg.path), (64, 1024), "float32")
         out = sender.array          # what the sink holds while it copies

@@ -6,10 +6,10 @@ import tracemalloc
 
 import pytest
 
-from pagedserve.models.loader import load_model
+from pagedserve.models.loading.loader import load_model
 from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.engine import LLMEngine
-from pagedserve.runtime.request_limits import RequestLimits, kv_blocks_needed
+from pagedserve.runtime.engine.llm_engine import LLMEngine
+from pagedserve.runtime.engine.request_limits import RequestLimits, kv_blocks_needed
 from pagedserve.runtime.sampling_params import SamplingParams
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from numerics import f32_tol, max_abs
 
-from pagedserve.runtime.sampler import Sampler, SamplerOutput, apply_penalties_and_bans
+from pagedserve.runtime.sample.sampler import Sampler, SamplerOutput, apply_penalties_and_bans
 from pagedserve.runtime.sampling_params import SamplingParams
 
 # 4096 is a multiple of 16 wide enough for the two-level (grid) helpers; 1000 is not, so it takes
@@ -383,7 +383,7 @@ def test_greedy_rows_ignore_seed_generator_and_mix_with_random_rows() -> None:
 
 @pytest.mark.parametrize("width", [3, 4096])
 def test_inverse_cdf_edges_never_pick_zero_weight(width: int) -> None:
-    from pagedserve.runtime.sampler import _inverse_cdf
+    from pagedserve.runtime.sample.sampler import _inverse_cdf
 
     w = np.zeros((3, width), dtype=np.float32)
     w[0, 0] = 1.0  # only the first column has weight

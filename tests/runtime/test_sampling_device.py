@@ -1,4 +1,4 @@
-"""The sampler's device path (runtime/sampling_device.py), run with numpy standing in for CuPy.
+"""The sampler's device path (runtime/sample/sampling_device.py), run with numpy standing in for CuPy.
 
 `StrictXp` hands out arrays that refuse every implicit host conversion (bool, int, float, item,
 tolist) and count `.get()`, the explicit device->host copy: the device path must read back once per
@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedserve.runtime import sampling_device
-from pagedserve.runtime.sampler import Sampler
-from pagedserve.runtime.sampling_ops import _first_above, _top_candidates
+from pagedserve.runtime.sample import sampling_device
+from pagedserve.runtime.sample.sampler import Sampler
+from pagedserve.runtime.sample.sampling_ops import _first_above, _top_candidates
 from pagedserve.runtime.sampling_params import SamplingParams
 
 

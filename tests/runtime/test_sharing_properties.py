@@ -6,9 +6,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from pagedserve.runtime.beam_search import BeamSearchParams
+from pagedserve.runtime.core.beam_search import BeamSearchParams
 from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.engine import LLMEngine
+from pagedserve.runtime.engine.llm_engine import LLMEngine
 from pagedserve.runtime.sampling_params import SamplingParams
 
 

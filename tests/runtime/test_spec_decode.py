@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from chi_square import two_sample
 
-from pagedserve.runtime.async_engine import _spec_fields
+from pagedserve.runtime.engine.async_engine import _spec_fields
 from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.engine import LLMEngine
+from pagedserve.runtime.engine.llm_engine import LLMEngine
 from pagedserve.runtime.sampling_params import SamplingParams
-from pagedserve.runtime.spec_config import SpeculativeConfig
+from pagedserve.runtime.spec_decode.config import SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
          "min_acceptance_rate": 0.0}
@@ -228,7 +228,7 @@ def test_config_spellings():
 def test_a_draft_with_another_vocabulary_is_refused(tiny, data_dir):
     import dataclasses
 
-    from pagedserve.runtime.draft_proposer import load_draft
+    from pagedserve.runtime.spec_decode.draft_proposer import load_draft
 
     other = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config, vocab_size=1024))
     with pytest.raises(ValueError, match="vocab_size"):

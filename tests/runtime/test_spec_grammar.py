@@ -1,5 +1,5 @@
 """Speculative decoding of guided sequences: drafts checked against the grammar, verify rows masked by the
-state after the drafts before them, the matcher advanced by accepted tokens only (runtime/spec_grammar.py).
+state after the drafts before them, the matcher advanced by accepted tokens only (runtime/spec_decode/grammar.py).
 
 On the tiny random-weight model the grammar's mask alone keeps outputs in the language, so a verify row
 without the right mask would show at once (a refused token raises, or greedy tokens differ)."""
@@ -12,11 +12,11 @@ import re
 import numpy as np
 import pytest
 
-from pagedserve.runtime.beam_search import BeamSearchParams
+from pagedserve.runtime.core.beam_search import BeamSearchParams
 from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.engine import LLMEngine
+from pagedserve.runtime.engine.llm_engine import LLMEngine
 from pagedserve.runtime.sampling_params import SamplingParams
-from pagedserve.runtime.spec_grammar import DraftGuide, guided_ngram_drafts
+from pagedserve.runtime.spec_decode.grammar import DraftGuide, guided_ngram_drafts
 from pagedserve.runtime.structured_outputs_params import StructuredOutputsParams as SO
 
 DATE = r"[0-9]{4}-(0[1-9]|1[0-2])-[0-3][0-9]"

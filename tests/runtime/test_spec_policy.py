@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.runtime.spec_config import SpeculativeConfig
-from pagedserve.runtime.spec_policy import Candidate, SpecPolicy, StepCosts, expected_gain
+from pagedserve.runtime.spec_decode.config import SpeculativeConfig
+from pagedserve.runtime.spec_decode.policy import Candidate, SpecPolicy, StepCosts, expected_gain
 
 
 def policy(*, shadow=True, gpu=False, k=4, k_max=12, probe=16, min_rate=None) -> SpecPolicy:

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from model_factory import random_model
-from pagedserve.models.loader import LoadedModel
+from pagedserve.models.loading.loader import LoadedModel
 from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.engine import LLMEngine
+from pagedserve.runtime.engine.llm_engine import LLMEngine
 from pagedserve.runtime.sampling_params import SamplingParams
 from pagedserve.runtime.structured_outputs_params import StructuredOutputsParams as SO
 from structured_schemas import SCHEMAS, validate

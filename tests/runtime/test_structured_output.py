@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.engine import LLMEngine
-from pagedserve.runtime.sampling_ops import apply_token_bitmask
+from pagedserve.runtime.engine.llm_engine import LLMEngine
+from pagedserve.runtime.sample.sampling_ops import apply_token_bitmask
 from pagedserve.runtime.sampling_params import SamplingParams
 from pagedserve.runtime.structured_outputs_params import MAX_CONSTRAINT_CHARS, StructuredOutputsParams as SO
 
@@ -80,7 +80,7 @@ def test_a_character_the_vocabulary_cannot_produce_is_refused(smollm2_loaded):
     # Found by the reliability fuzz: SmolLM2's byte-level vocabulary has no token holding byte 0x06, so
     # a regex needing it can never match; llguidance's mask then let a wrong token through, its parser
     # refused that token, and the request failed INTERNAL mid-stream. It is now refused up front.
-    from pagedserve.runtime.structured_output import StructuredOutputManager
+    from pagedserve.runtime.structured_output.manager import StructuredOutputManager
 
     manager = StructuredOutputManager(smollm2_loaded.tokenizer, smollm2_loaded.config.vocab_size)
     missing = manager.compiler.unproducible_bytes()
@@ -260,7 +260,7 @@ def test_preemption_chunking_and_prefix_cache_change_nothing(tiny):
 
 def test_guided_beam_search(tiny):
     """Every beam follows its own matcher (forked with it): all hypotheses are complete dates, best first."""
-    from pagedserve.runtime.beam_search import BeamSearchParams, length_penalized
+    from pagedserve.runtime.core.beam_search import BeamSearchParams, length_penalized
 
     engine = make_engine(tiny)
     engine.add_beam_request("b", [5, 6, 7], BeamSearchParams(beam_width=3, max_tokens=16,

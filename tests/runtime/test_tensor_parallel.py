@@ -19,15 +19,15 @@ import pytest
 from numerics import assert_close_model
 
 from pagedserve.models.batch import SeqChunk, build_forward_batch
-from pagedserve.models.gguf_loader import is_quant_name
-from pagedserve.models.loader import load_model
+from pagedserve.models.loading.gguf_loader import is_quant_name
+from pagedserve.models.loading.loader import load_model
 from pagedserve.models.tensor_parallel import TPShard
 from pagedserve.runtime import LLM, SamplingParams
 from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.engine import LLMEngine
+from pagedserve.runtime.engine.llm_engine import LLMEngine
 from pagedserve.runtime.executor import WorkerFailedError
-from pagedserve.runtime.mp_executor import check_world_size
-from pagedserve.runtime.worker import ExecuteModelRequest
+from pagedserve.runtime.executor.mp_executor import check_world_size
+from pagedserve.runtime.worker.worker import ExecuteModelRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPTS = ["hello there", "the quick brown fox jumps over", "1 2 3 4 5 6 7 8 9 10 11 12 13 14"]

@@ -26,13 +26,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pagedserve.sidecar import client as client_mod
-from pagedserve.sidecar.client import (
-    AsyncPagedServeClient,
-    GenerationChunk,
-    PagedServeClient,
-    PagedServeError,
-    resolve_target,
-)
+from pagedserve.sidecar.client import AsyncPagedServeClient, GenerationChunk, PagedServeClient, PagedServeError, resolve_target
 from pagedserve.sidecar.pb import generation_pb2 as pb
 from pagedserve.sidecar.pb import generation_pb2_grpc as pb_grpc
 

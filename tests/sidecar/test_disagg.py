@@ -13,7 +13,7 @@ import grpc
 import pytest
 from server_proc import ServerProcess, client_for, wait_idle
 
-from pagedserve.runtime.kv_shm import PREFIX, shm_dir
+from pagedserve.runtime.kv_transfer.kv_shm import PREFIX, shm_dir
 from pagedserve.sidecar.client import PagedServeError
 from pagedserve.sidecar.settings import Settings
 

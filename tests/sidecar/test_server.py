@@ -13,7 +13,7 @@ import grpc
 import pytest
 from server_proc import TINY, ServerProcess, client_for, wait_idle
 
-from pagedserve.cupy_kernels.blas_threads import blas_info
+from pagedserve.cupy_kernels.host.blas_threads import blas_info
 from pagedserve.cupy_kernels.kernel_set import numba_code_path
 from pagedserve.runtime import LLM, SamplingParams
 from pagedserve.sidecar import client as client_mod

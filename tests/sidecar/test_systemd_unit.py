@@ -31,7 +31,7 @@ UNIT = REPO / "systemd" / "pagedserve.service"
 ENV_EXAMPLE = REPO / "systemd" / "pagedserve.env.example"
 
 # Every setting `pagedserve serve` reads from the environment: one per Settings field, plus the
-# weight cache's directory (read by pagedserve.models.weight_cache).
+# weight cache's directory (read by pagedserve.models.loading.weight_cache).
 SETTINGS = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(Settings)} | {"PAGEDSERVE_CACHE_DIR"}
 
 INSTALL_HINT = ("systemd-analyze was not found on PATH. It ships in the `systemd` package; on Debian/Ubuntu "

@@ -1,0 +1,1 @@
+"""Host settings the kernels depend on: BLAS threads, malloc tuning, the cache directory."""

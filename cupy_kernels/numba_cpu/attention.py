@@ -1,0 +1,500 @@
+"""Unified paged attention compiled with numba: prefill chunks and decodes in one varlen call, K/V read in
+place from the block pool (no gather copy), grouped-query heads packed so a K/V row is read once for its G
+query heads. Same signature and result (within float32 rounding) as paged_attention.paged_attention, the
+numpy reference it is tested against (tests/cupy_kernels/test_numba_attention.py).
+
+Work is cut into items (sequence, tile of up to Q_TILE query tokens: a decode is one item of one token),
+and consecutive items into CHUNKS_PER_THREAD chunks per thread of about equal cost, run in a `prange`
+taken dynamically (a thread slowed by another process on a shared host takes fewer). A chunk allocates its
+scratch once. An item holds its tile x H query rows and walks its sequence's blocks in order:
+
+    for each segment of up to K_SEGMENT keys the tile can see (whole blocks):
+        S = Q . K^T                     K rows (all kv heads of a token: contiguous) read in order, a run of
+                                        RUN keys at a time, used by the G query heads of their kv head;
+                                        causal: key pos <= row pos
+        m' = max(m, max S); P = exp(S - m'); l = l * exp(m - m') + sum P     (one softmax per segment;
+        acc = acc * exp(m - m') + P . V                                       the rescale only past 512 keys)
+    out = acc / l
+
+A query row takes a run of RUN keys in one pass over head_dim when it sees them all: the RUN dot products
+share each load of q and keep their sums in registers, and its acc row is loaded and stored once per run
+instead of once per key (both runs are LLVM vector IR: numba_attention_ir.py); keys past the row's last full
+run go one at a time. A decode step reads every sequence's whole context from a pool far larger than the L3
+cache, and blocks lie anywhere in it: the rows of the block one ahead in the chunk's reads (the next K block,
+the segment's first V block after the last K block, the next item's first K block after the last V block) are
+prefetched while a run is computed, a few hints per query head's share of the run. Inner loops index the
+arrays directly: a row view (`k_cache[b, j, h]`) costs a reference-count call each time it is made. Against
+the loop nest before (horizontal dot products key by key, acc updated key by key, hints row by row) this took
+a 64-sequence, 192-token decode step over 30 layers from 38 to 29 ms on one thread (1-thread rates matter: in
+the engine, OpenBLAS's threads spin after each matmul and hold the second core).
+
+Prefill chunks of 16 or more tokens where numba_prefill's tiles (Q.K^T, softmax and P.V on one core per tile
+of query tokens) cost less than this loop nest (numba_prefill.takes_matmul_path: whole prompts from ~128
+tokens, chunks deep in a longer context) are computed there, unless PAGEDSERVE_BATCH_INVARIANT=1; everything
+else (decodes, short chunks over short contexts) by this loop nest.
+
+Batch invariance: in the loop nest, a query row's arithmetic (its keys, in order, in segments at fixed
+positions, in runs at fixed positions within each block, the single keys after its last full run, and the
+fixed vector width of its dot products, in the one loop nest every item runs) depends only on its own
+sequence and position: not on the tile it landed in, the other sequences in the batch, whether its prompt
+was chunked (a chunk of one token included), or the thread that ran it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+from . import attention_ir as ir_loops
+from . import prefill
+from . import setup as numba_setup
+from ..reference import paged_attention as reference
+from .ops import fast_exp, row_max
+from .setup import JIT, JIT_EXACT, apply_threads, call_compiled, native_address, numba
+
+Q_TILE = 16  # query tokens per prefill item: its Q_TILE * H score rows share each K/V row read
+K_SEGMENT = 512  # keys whose scores are held at once; softmax is exact within a segment, rescaled across
+RUN = ir_loops.RUN  # keys per run in _scores and _accumulate (written out for 8; runs of 4 or 16 were slower)
+PREFETCH_BLOCKS = 1  # blocks ahead of the one being read whose rows are prefetched (1, 2, 3: the same speed)
+CHUNKS_PER_THREAD = 4  # work is cut into this many equal-cost chunks per thread, taken dynamically
+# Below this many multiply-adds (Q.K and P.V together) a call runs on one thread: waking the pool costs more.
+PARALLEL_MIN_MACS = 1 << 21
+_F32 = np.dtype(np.float32)
+
+
+@numba.njit(**JIT)
+def _work_items(query_start_loc, seq_lens, q_tile, num_chunks):
+    """Work items (sequence, first token, end token; tokens relative to the sequence's first query row)
+    and the bounds of `num_chunks` runs of consecutive items of about equal cost (keys x query rows)."""
+    num_seqs = query_start_loc.shape[0] - 1
+    count = 0
+    for i in range(num_seqs):
+        n = query_start_loc[i + 1] - query_start_loc[i]
+        count += (n + q_tile - 1) // q_tile
+    items = np.empty((count, 3), dtype=np.int64)
+    cost = np.empty(count, dtype=np.float64)
+    w, total = 0, 0.0
+    for i in range(num_seqs):
+        n = query_start_loc[i + 1] - query_start_loc[i]
+        first_pos = seq_lens[i] - n
+        for t0 in range(0, n, q_tile):
+            t1 = min(t0 + q_tile, n)
+            items[w, 0], items[w, 1], items[w, 2] = i, t0, t1
+            cost[w] = (t1 - t0) * (first_pos + (t0 + t1 + 1) / 2.0) + 16.0  # + a fixed cost per item
+            total += cost[w]
+            w += 1
+    num_chunks = max(1, min(num_chunks, count))
+    bounds = np.empty(num_chunks + 1, dtype=np.int64)
+    bounds[0], c, run = 0, 1, 0.0
+    for w in range(count):
+        run += cost[w]
+        while c < num_chunks and run >= total * c / num_chunks:
+            bounds[c] = w + 1
+            c += 1
+    while c <= num_chunks:
+        bounds[c] = count
+        c += 1
+    return items, bounds
+
+
+@intrinsic
+def _prefetch(typingctx, address, index):
+    """Ask the CPU to start loading the cache line of float32 element `index` of the array at `address`
+    (numba_attention_ir.address; a hint: never faults, changes no value). The hardware prefetcher follows a
+    stream within a block, but blocks lie anywhere in the pool; fetching the next block while this one is
+    computed doubled the decode rate on pools larger than the L3 cache."""
+    if not (isinstance(address, types.Integer) and isinstance(index, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        at = [context.cast(builder, v, t, types.intp) for v, t in zip(args, signature.args)]
+        data = builder.inttoptr(at[0], ir.FloatType().as_pointer())
+        ptr = builder.bitcast(builder.gep(data, [at[1]]), ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]),
+                                            "llvm.prefetch.p0i8")
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, keep, data
+        return context.get_dummy_value()
+    return types.none(address, index), codegen
+
+
+@numba.njit(inline="always", **JIT)
+def _prefetch_part(cache_address, block, row, row_floats, block_size, part, part_floats):
+    """Prefetch part `part` (part_floats floats, a multiple of 16) of token rows row .. row + RUN - 1 of
+    `block` (each row: all kv heads, row_floats contiguous floats), one hint per 64-byte line. The hints
+    are spread over the run's work, one part per query head's share of it: issued as one burst per run,
+    the same hints left a 64-sequence decode step (1 thread) at 64 ms instead of 29 ms, probably because a
+    burst fills the core's queue of outstanding misses and the hints behind it are dropped."""
+    base = (block * block_size + row) * row_floats
+    end = min(RUN, block_size - row) * row_floats
+    for off in range(part * part_floats, min((part + 1) * part_floats, end), 16):
+        _prefetch(cache_address, base + off)
+
+
+@numba.njit(inline="always", **JIT)
+def _scores(q, s, k_cache, r, block, h, off, j, nv, head_dim):
+    """Row r's scores for the keys of `block` (kv head h) from j: s[r, off + jj] = q[r] . K[block, jj, h].
+    RUN keys at once (their dot products share each load of q and keep their sums in registers, in vector IR:
+    numba_attention_ir.dot_run) when the row sees them all (nv: the keys of the block it sees) and head_dim is
+    a multiple of the IR's LANES; else one key at a time up to nv. (An 8-key numba loop for other head dims
+    cost ~1 s of the loop nest's compile; SmolLM2's 64, and 80, 96, 128, 256 are multiples of 16.)"""
+    if j + RUN <= nv and head_dim % ir_loops.LANES == 0:
+        row_floats = k_cache.shape[2] * head_dim
+        key = (block * k_cache.shape[1] + j) * row_floats + h * head_dim
+        ir_loops.dot_run(ir_loops.address(q), r * head_dim, ir_loops.address(k_cache), key, row_floats, head_dim,
+                         ir_loops.address(s), r * s.shape[1] + off + j)
+    else:  # a partial run, or a head_dim the vector runs do not take: key by key
+        for jj in range(j, min(nv, j + RUN)):
+            dot = np.float32(0.0)
+            for d in range(head_dim):
+                dot += q[r, d] * k_cache[block, jj, h, d]
+            s[r, off + jj] = dot
+
+
+@numba.njit(inline="always", **JIT)
+def _accumulate(s, acc, v_cache, r, block, h, off, j, nv, head_dim):
+    """acc[r] += s[r, off + jj] * V[block, jj, h] over the keys from j: RUN of them in one pass over acc[r]
+    (numba_attention_ir.axpy_run) when row r sees them all and head_dim is a multiple of the IR's LANES,
+    else one at a time up to nv."""
+    if j + RUN <= nv and head_dim % ir_loops.LANES == 0:
+        row_floats = v_cache.shape[2] * head_dim
+        value = (block * v_cache.shape[1] + j) * row_floats + h * head_dim
+        ir_loops.axpy_run(ir_loops.address(s), r * s.shape[1] + off + j, ir_loops.address(v_cache), value, row_floats,
+                          head_dim, ir_loops.address(acc), r * head_dim)
+    else:  # a partial run, or a head_dim the vector runs do not take: key by key
+        for jj in range(j, min(nv, j + RUN)):
+            p = s[r, off + jj]
+            for d in range(head_dim):
+                acc[r, d] += p * v_cache[block, jj, h, d]
+
+
+def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, items, bounds,
+                     out):
+    """Chunk c of the work: its items one after the other."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    row_floats = num_kv_heads * head_dim
+    block_floats = block_size * row_floats
+    segment_blocks = K_SEGMENT // block_size
+    k_address, v_address = ir_loops.address(k_cache), ir_loops.address(v_cache)  # for the prefetch hints
+    # A run's prefetch hints are issued in num_heads parts (one per query head's work), whole lines each.
+    part_floats = (RUN * row_floats + 16 * num_heads - 1) // (16 * num_heads) * 16
+    # Scratch for the whole chunk, allocated once: rows are (token, query head) of one item.
+    max_rows = 0
+    for w in range(bounds[c], bounds[c + 1]):
+        max_rows = max(max_rows, (items[w, 2] - items[w, 1]) * num_heads)
+    q = np.empty((max_rows, head_dim), dtype=np.float32)
+    acc = np.empty((max_rows, head_dim), dtype=np.float32)
+    m = np.empty(max_rows, dtype=np.float32)
+    den = np.empty(max_rows, dtype=np.float32)
+    s = np.empty((max_rows, K_SEGMENT), dtype=np.float32)
+    for w in range(bounds[c], bounds[c + 1]):
+        seq, t0, t1 = items[w, 0], items[w, 1], items[w, 2]
+        start = query_start_loc[seq]
+        first_pos = seq_lens[seq] - (query_start_loc[seq + 1] - start)  # position of query token 0
+        rows = (t1 - t0) * num_heads
+        for r in range(rows):
+            for d in range(head_dim):
+                q[r, d] = query[start + t0 + r // num_heads, r % num_heads, d] * scale
+                acc[r, d] = 0.0
+            m[r], den[r] = -np.inf, 0.0
+        num_keys = first_pos + t1  # the item's last row sees keys 0 .. first_pos + t1 - 1
+        num_blocks = (num_keys + block_size - 1) // block_size
+        next_seq, next_blocks = 0, 0  # the chunk's next item: its sequence and how many blocks it reads
+        if w + 1 < bounds[c + 1]:
+            next_seq = items[w + 1, 0]
+            next_new = query_start_loc[next_seq + 1] - query_start_loc[next_seq]
+            next_keys = seq_lens[next_seq] - next_new + items[w + 1, 2]
+            next_blocks = min((next_keys + block_size - 1) // block_size, segment_blocks)
+        for b0 in range(0, num_blocks, segment_blocks):
+            b1 = min(b0 + segment_blocks, num_blocks)
+            k0, k1 = b0 * block_size, min(b1 * block_size, num_keys)
+            # S = Q . K^T over the segment, a run of RUN keys at a time; key j is seen by tokens
+            # t >= j - first_pos (causal). Each K row (all kv heads of a token: contiguous) is read
+            # in order; the next block's rows are prefetched as this block's are read.
+            for b in range(b0, b1):
+                block, off = block_tables[seq, b], (b - b0) * block_size
+                ahead, ahead_address = -1, k_address  # the block PREFETCH_BLOCKS ahead in this chunk's reads
+                if b + PREFETCH_BLOCKS < b1:
+                    ahead = block_tables[seq, b + PREFETCH_BLOCKS]
+                elif b + PREFETCH_BLOCKS - b1 < b1 - b0:
+                    ahead, ahead_address = block_tables[seq, b0 + b + PREFETCH_BLOCKS - b1], v_address
+                n = min(block_size, k1 - k0 - off)
+                for j in range(0, n, RUN):
+                    for h in range(num_kv_heads):
+                        for t in range(max(t0, k0 + off + j - first_pos), t1):
+                            nv = min(n, first_pos + t + 1 - k0 - off)  # keys of the block token t sees
+                            r0 = (t - t0) * num_heads + h * group
+                            for r in range(r0, r0 + group):
+                                if t == t1 - 1 and ahead >= 0:  # the last token sees the whole run
+                                    _prefetch_part(ahead_address, ahead, j, row_floats, block_size,
+                                                   r - r0 + h * group, part_floats)
+                                _scores(q, s, k_cache, r, block, h, off, j, nv, head_dim)
+            # Softmax over the segment, rescaling what earlier segments summed (online softmax).
+            for r in range(rows):
+                seen = min(k1, first_pos + t0 + r // num_heads + 1) - k0
+                if seen <= 0:
+                    continue
+                m_new = max(m[r], row_max(s[r], seen))  # exact: the same bits as a scalar max
+                total = np.float32(0.0)
+                for j in range(seen):
+                    p = fast_exp(s[r, j] - m_new)
+                    s[r, j] = p
+                    total += p
+                if m[r] > -np.inf:  # not the first segment: rescale (contexts > K_SEGMENT only)
+                    corr = fast_exp(m[r] - m_new)
+                    den[r] *= corr
+                    for d in range(head_dim):
+                        acc[r, d] *= corr
+                den[r] += total
+                m[r] = m_new
+            # acc += P . V over the segment, in the same order.
+            for b in range(b0, b1):
+                block, off = block_tables[seq, b], (b - b0) * block_size
+                ahead, ahead_address, x = -1, v_address, b + PREFETCH_BLOCKS - b1
+                if x < 0:
+                    ahead = block_tables[seq, b + PREFETCH_BLOCKS]
+                elif b1 < num_blocks:  # the next segment's K
+                    ahead, ahead_address = block_tables[seq, min(b1 + x, num_blocks - 1)], k_address
+                elif x < next_blocks:  # the K of the chunk's next item
+                    ahead, ahead_address = block_tables[next_seq, x], k_address
+                n = min(block_size, k1 - k0 - off)
+                for j in range(0, n, RUN):
+                    for h in range(num_kv_heads):
+                        for t in range(max(t0, k0 + off + j - first_pos), t1):
+                            nv = min(n, first_pos + t + 1 - k0 - off)
+                            r0 = (t - t0) * num_heads + h * group
+                            for r in range(r0, r0 + group):
+                                if t == t1 - 1 and ahead >= 0:
+                                    _prefetch_part(ahead_address, ahead, j, row_floats, block_size,
+                                                   r - r0 + h * group, part_floats)
+                                _accumulate(s, acc, v_cache, r, block, h, off, j, nv, head_dim)
+        for r in range(rows):
+            inv = np.float32(1.0) / den[r]
+            for d in range(head_dim):
+                out[start + t0 + r // num_heads, r % num_heads, d] = acc[r, d] * inv
+
+
+# The chunk is its own (serial) function and the parallel one only a prange over chunks: compiled inside
+# the prange, the loop nest went through numba's parfor passes, which took 3x as long to compile (11.7
+# s against 4.0 on the Emerald Rapids VM) for the same machine code loop. The prange calls it by address
+# (numba_setup.call_compiled): called by name, its module was linked into the prange's body and into the
+# parallel kernel, and optimised and emitted again in each (13.0 s for the two against 0.8 now).
+_ATTENTION_CHUNK = numba.njit(**JIT)(_attention_chunk)
+
+
+def _attention_chunks(chunk_address, query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, items,
+                      bounds, out):
+    for c in numba.prange(bounds.shape[0] - 1):
+        # int64 c: the parfor types its index uint64 where the loop body was typed with int64 (two compiles)
+        call_compiled(chunk_address, (np.int64(c), query, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                                      scale, items, bounds, out))
+
+
+_ATTENTION = numba.njit(parallel=True, **JIT)(_attention_chunks)
+
+
+@numba.njit(**JIT_EXACT)
+def _scan(query_start_loc, seq_lens, block_tables, num_tokens, num_blocks, block_size):
+    """One pass over a batch's metadata: (error code, sum over sequences of context x new tokens, the most
+    new tokens of a sequence). Codes:
+    1 query_start_loc does not rise from 0 to num_tokens, 2 a context shorter than its new tokens or longer
+    than its block table, 3 a block id outside the pool. One compiled call instead of a dozen numpy ones:
+    in a decode step of one sequence those took ~30 us of each layer's attention."""
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc[0] != 0 or query_start_loc[num_seqs] != num_tokens:
+        return 1, 0, 0
+    capacity = block_tables.shape[1] * block_size
+    macs, most = 0, 0
+    for i in range(num_seqs):
+        n = query_start_loc[i + 1] - query_start_loc[i]
+        if n < 0:
+            return 1, 0, 0
+        if seq_lens[i] < n or seq_lens[i] > capacity:
+            return 2, 0, 0
+        macs += seq_lens[i] * n
+        most = max(most, n)
+    for i in range(num_seqs):
+        for j in range(block_tables.shape[1]):
+            if block_tables[i, j] < 0 or block_tables[i, j] >= num_blocks:
+                return 3, 0, 0
+    return 0, macs, most
+
+
+def _check_shapes(query_shape, cache_shape) -> None:
+    if len(query_shape) != 3 or len(cache_shape) != 4:
+        raise ValueError(f"paged_attention: query {tuple(query_shape)} must be [tokens, heads, head_dim] and the "
+                         f"caches {tuple(cache_shape)} [blocks, block_size, kv_heads, head_dim]")
+    if query_shape[1] % cache_shape[2] or query_shape[2] != cache_shape[3]:
+        raise ValueError(f"paged_attention: query {tuple(query_shape)} does not fit a cache of {tuple(cache_shape)}")
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionPlan:
+    """One step's attention metadata, checked once for all of the model's layers, and the loop nest's work
+    cut from it (plan_attention). Without one, paged_attention makes one at each call: in a one-request
+    decode step that was ~25 us of each layer's ~50 (the checks, the work items, the conversions, in caches
+    the layer's weights have just streamed through). It keeps its own copies of the metadata, so arrays
+    changed after planning cannot make the loop nest read what was not checked, and it serves only calls
+    that pass the same metadata objects and shapes it was made for."""
+    sources: tuple  # the caller's query_start_loc, seq_lens and block_tables (identity)
+    query_start_loc: np.ndarray  # int64 copies, C-contiguous
+    seq_lens: np.ndarray
+    block_tables: np.ndarray  # a C-contiguous copy, its integer dtype kept
+    query_shape: tuple  # (tokens, heads, head_dim)
+    pool: tuple  # (num_blocks, block_size) of the caches it was checked against
+    long_chunks: np.ndarray | None  # sequences numba_prefill's matmul path computes; None when none
+    parallel: bool  # the loop nest on all threads (numba_setup.apply_threads)
+    items: np.ndarray | None  # the loop nest's work over the whole batch (None with long chunks)
+    bounds: np.ndarray | None
+
+
+def plan_attention(query_shape, cache_shape, query_start_loc, seq_lens, block_tables, *, copy: bool = True
+                   ) -> AttentionPlan:
+    """Check a step's metadata against the query and cache shapes (ValueError, or IndexError for a block id
+    outside the pool: what the compiled loop, which reads the pool without bounds checks, trusts) and plan
+    the work. `copy=False`: paged_attention's own throwaway plan, used at once."""
+    _check_shapes(query_shape, cache_shape)
+    sources = (query_start_loc, seq_lens, block_tables)
+    convert = np.array if copy else np.asarray  # (numpy 1.26 refuses np.array's copy=None)
+    qsl = convert(query_start_loc, dtype=np.int64, order="C")
+    lens = convert(seq_lens, dtype=np.int64, order="C")
+    tables = convert(block_tables, order="C")
+    num_seqs = lens.shape[0] if lens.ndim == 1 else -1
+    if qsl.shape != (num_seqs + 1,) or tables.ndim != 2 or tables.shape[0] != num_seqs:
+        raise ValueError(f"paged_attention: query_start_loc {qsl.shape}, seq_lens {lens.shape} and "
+                         f"block_tables {tables.shape} disagree on the number of sequences")
+    if tables.dtype.kind not in "iu":
+        raise ValueError(f"paged_attention: block_tables must hold integers, not {tables.dtype}")
+    num_tokens, num_heads, head_dim = query_shape
+    code, macs, most_new = _scan(qsl, lens, tables, num_tokens, cache_shape[0], cache_shape[1])
+    if code == 1:
+        raise ValueError("paged_attention: query_start_loc must rise from 0 to the number of query tokens")
+    if code == 2:
+        raise ValueError("paged_attention: a sequence's context is shorter than its new tokens or longer than "
+                         "its block table")
+    if code == 3:
+        raise IndexError(f"paged_attention: a block id is outside the pool of {cache_shape[0]} blocks")
+    # numba_setup.BATCH_INVARIANT: every chunk through the loop nest (a row's arithmetic the same whether its
+    # prompt came in one chunk or many); by default long chunks take numba_prefill's matmul path (never one
+    # of fewer than its MIN_TOKENS new tokens: a step of decodes skips the test).
+    long_chunks = None
+    if most_new >= prefill.MIN_TOKENS and not numba_setup.BATCH_INVARIANT:
+        chosen = prefill.takes_matmul_path(np.diff(qsl), lens)
+        long_chunks = chosen if chosen.any() else None
+    parallel, items, bounds = False, None, None
+    if long_chunks is None and num_tokens:
+        parallel, items, bounds = _cut_work(qsl, lens, int(macs), num_heads, head_dim)
+    return AttentionPlan(sources, qsl, lens, tables, tuple(query_shape), tuple(cache_shape[:2]), long_chunks,
+                         parallel, items, bounds)
+
+
+def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float,
+                    plan: AttentionPlan | None = None) -> np.ndarray:
+    """Unified paged attention over a flat varlen batch: query [T, H, D] -> out [T, H, D] (float32). A cache of
+    another dtype, or one that is not C-contiguous (the vector-IR runs address it as one), takes the numpy
+    reference. `plan`: plan_attention's for this step's metadata (the model makes one a step); else one is
+    made here."""
+    if (query.dtype != _F32 or k_cache.dtype != _F32 or v_cache.dtype != _F32
+            or not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous)):
+        return reference.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged_attention: the key and value caches {k_cache.shape}, {v_cache.shape} must have one "
+                         "shape")
+    if plan is None:
+        plan = plan_attention(query.shape, k_cache.shape, query_start_loc, seq_lens, block_tables, copy=False)
+    elif (plan.query_shape != query.shape or plan.pool != k_cache.shape[:2] or plan.sources[0] is not query_start_loc
+          or plan.sources[1] is not seq_lens or plan.sources[2] is not block_tables):
+        raise ValueError(f"paged_attention: the plan was made for other metadata or shapes (query {plan.query_shape}, "
+                         f"pool {plan.pool}; here {query.shape}, {k_cache.shape[:2]})")
+    else:
+        _check_shapes(query.shape, k_cache.shape)  # each layer's own caches
+    query_start_loc, seq_lens, block_tables = plan.query_start_loc, plan.seq_lens, plan.block_tables
+    out = np.empty(query.shape, dtype=_F32)
+    if query.shape[0] == 0:
+        return out
+    long_chunks = plan.long_chunks
+    if long_chunks is not None:
+        for i in np.flatnonzero(long_chunks):
+            prefill.prefill_sequence(query, k_cache, v_cache, int(query_start_loc[i]), int(query_start_loc[i + 1]),
+                                     int(seq_lens[i]), block_tables[i], scale, out)
+        rest = np.flatnonzero(~long_chunks)
+        if rest.size == 0:
+            return out
+        num_new = np.diff(query_start_loc)
+        rows = np.concatenate([np.arange(query_start_loc[i], query_start_loc[i + 1]) for i in rest])
+        sub_qsl = np.zeros(rest.size + 1, dtype=np.int64)
+        np.cumsum(num_new[rest], out=sub_qsl[1:])
+        out[rows] = _loop_nest(query[rows], k_cache, v_cache, sub_qsl, seq_lens[rest], block_tables[rest], scale)
+        return out
+    apply_threads(plan.parallel)
+    _run(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, plan.items, plan.bounds, out)
+    return out
+
+
+def _cut_work(query_start_loc, seq_lens, context_macs: int, num_heads: int, head_dim: int):
+    """(parallel, items, bounds): whether the loop nest shares the batch over the threads (numba's count is set
+    here), and its work items cut into chunks for them. context_macs: the sum of context x new tokens."""
+    parallel = context_macs * num_heads * head_dim * 2 >= PARALLEL_MIN_MACS
+    threads = apply_threads(parallel)
+    # One thread: one chunk (each chunk allocates its scratch), and no schedule to set (the context ~7 us).
+    items, bounds = _work_items(query_start_loc, seq_lens, Q_TILE, threads * CHUNKS_PER_THREAD if threads > 1 else 1)
+    return parallel, items, bounds
+
+
+def _run(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, items, bounds, out) -> None:
+    """The compiled kernel over checked metadata and its work cut into chunks (numba's threads already set)."""
+    args = (query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, np.float32(scale), items, bounds, out)
+    address = _chunk_address(args)
+    if bounds.shape[0] == 2:  # one chunk: no schedule to set
+        _ATTENTION(address, *args)
+    else:
+        with numba.parallel_chunksize(1):
+            _ATTENTION(address, *args)
+
+
+def _loop_nest(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale):
+    """The compiled kernel over a (checked) sub-batch: the sequences a step with long chunks leaves to it."""
+    num_tokens, num_heads, head_dim = query.shape
+    out = np.empty((num_tokens, num_heads, head_dim), dtype=_F32)
+    if num_tokens == 0:
+        return out
+    _, items, bounds = _cut_work(query_start_loc, seq_lens, int(np.dot(seq_lens, np.diff(query_start_loc))),
+                                 num_heads, head_dim)
+    _run(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, items, bounds, out)
+    return out
+
+
+_CHUNK_ADDRESSES: dict = {}
+
+
+def _chunk_address(args) -> int:
+    """The loop nest's machine code for these arguments' types. The usual case (every array C-contiguous,
+    aligned and writable: numba's C layout) is keyed by the block table's dtype alone; numba.typeof (~9 us an
+    array) only for others."""
+    query, k_cache, v_cache, query_start_loc, seq_lens, block_tables = args[:6]
+    if (query.flags.carray and k_cache.flags.carray and v_cache.flags.carray and query_start_loc.flags.carray
+            and seq_lens.flags.carray and block_tables.flags.carray):
+        key = block_tables.dtype.num
+    else:
+        key = tuple(numba.typeof(a) for a in args[:6])
+    address = _CHUNK_ADDRESSES.get(key)
+    if address is None:
+        address = _CHUNK_ADDRESSES[key] = native_address(_ATTENTION_CHUNK, (np.int64(0), *args))
+    return address
+
+
+def warm_up() -> None:
+    """Compile (or load from the cache) the kernel for the argument types the model passes."""
+    cache = np.ones((2, 4, 1, 4), dtype=_F32)
+    qsl, lens = np.array([0, 2, 3], dtype=np.int64), np.array([2, 5], dtype=np.int64)
+    items, bounds = _work_items(qsl, lens, Q_TILE, 2)
+    _scan(qsl, lens, np.zeros((2, 2), dtype=np.int32), 3, 2, 4)
+    args = (np.ones((3, 2, 4), _F32), cache, cache, qsl, lens, np.zeros((2, 2), dtype=np.int32), np.float32(1.0),
+            items, bounds, np.empty((3, 2, 4), _F32))
+    _ATTENTION(_chunk_address(args), *args)

@@ -1,0 +1,122 @@
+"""The two inner loops of the numba attention loop nest (numba_attention.py), written as LLVM vector IR:
+a run of RUN dot products (scores) and a run of RUN scaled rows added to an accumulator (P . V).
+
+As numba loops they ran at 15 and 9 GMAC/s on one thread of the Emerald Rapids VM (cache-resident data):
+LLVM's Intel tuning vectorised at 256 bits, every dot product ended in its own horizontal sum, and the
+accumulate loop was versioned behind run-time checks that the accumulator might alias the cache. Here a
+key's dot product is a chain of FMAs over LANES-float pieces of head_dim; the RUN partial vectors are
+summed together by a transpose tree (each level pairs the vectors up and halves the lanes per key: 7
+shuffle pairs for 8 keys instead of 8 horizontal sums); the accumulate is loads, FMAs and one store per
+piece. Same data, same thread: 26 and 18 GMAC/s. Whole kernel, 64 sequences x 192 tokens decoding (one
+layer, a pool far larger than the cache): 1 thread 1.59 -> 1.46 ms, 2 threads 1.22 -> 1.06; 256 sequences,
+2 threads, 4.82 -> 4.14 ms (medians of 15 interleaved rounds).
+
+The arrays come in as addresses (`address`, taken once per call of the loop nest's helpers): an array
+passed to an intrinsic inside the loop nest was reference-counted at each call, two atomic operations
+that took 30% of the kernel's time.
+
+A row's rounding depends only on the compiled code, the same for every row, call and thread: a dot
+product sums its pieces in order (one FMA each), then the lanes in the tree's order; an accumulate adds the
+RUN products, written ((p0 v0 + p1 v1) + (p2 v2 + p3 v3)) + ((p4 v4 + p5 v5) + (p6 v6 + p7 v7)), to acc
+(numba's fastmath flags, which the attention kernels compile with, let LLVM reorder that sum once, at
+compile time).
+LANES is 16 with AVX-512 (one register) and 8 without (8 keys' 16-lane sums, two registers each, would
+take all 16 of AVX2's). Both need head_dim to be a multiple of LANES; the loop nest goes key by key
+otherwise. The loop nest's prefetch hints take the pool by `address` too.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+from .gemm import AVX512, lane_sums, splat
+
+LANES = 16 if AVX512 else 8  # float32 lanes per vector piece of head_dim
+RUN = 8  # keys per call (numba_attention.RUN)
+
+
+@intrinsic
+def address(typingctx, arr):
+    """The address of a C-contiguous float32 array's first element, as an integer (for dot_run and axpy_run:
+    an array passed to an intrinsic inside the loop nest is reference-counted at each call)."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and arr.layout == "C"):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.ptrtoint(data, context.get_value_type(types.intp))
+
+    return types.intp(arr), codegen
+
+
+def _run(body):
+    """An intrinsic f(a, a_at, b, b_at, stride, head_dim, c, c_at) -> None over three float32 arrays given as
+    addresses (`address`) and flat offsets into them: `body(builder, a, b, c, stride, head_dim)` emits the
+    loop, given pointers to a[a_at], b[b_at] and c[c_at] and intp values."""
+
+    @intrinsic
+    def run(typingctx, a, a_at, b, b_at, stride, head_dim, c, c_at):
+        if not all(isinstance(v, types.Integer) for v in (a, a_at, b, b_at, stride, head_dim, c, c_at)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            ints = [context.cast(builder, v, t, types.intp) for v, t in zip(args, signature.args)]
+            f32p = ir.FloatType().as_pointer()
+            a_ptr, b_ptr, c_ptr = (builder.gep(builder.inttoptr(ints[i], f32p), [ints[i + 1]]) for i in (0, 2, 6))
+            body(builder, a_ptr, b_ptr, c_ptr, ints[4], ints[5])
+            return context.get_dummy_value()
+
+        return types.none(a, a_at, b, b_at, stride, head_dim, c, c_at), codegen
+
+    return run
+
+
+def _vector_ops(builder):
+    """(the LANES-float vector type, llvm.fma on it, a function giving a vector pointer at ptr + offset)."""
+    vf = ir.VectorType(ir.FloatType(), LANES)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{LANES}f32")
+
+    def at(ptr, offset):
+        return builder.bitcast(builder.gep(ptr, [offset]), vf.as_pointer())
+
+    return vf, fma, at
+
+
+def _dot_body(builder, q, k, s, stride, head_dim):
+    """s[i] = sum_d q[d] * k[i stride + d] for i < RUN."""
+    vf, fma, at = _vector_ops(builder)
+    intp = stride.type
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * LANES)) for _ in range(RUN)]
+    key_offsets = [builder.mul(stride, ir.Constant(intp, i)) for i in range(RUN)]
+    with cgutils.for_range(builder, builder.sdiv(head_dim, ir.Constant(intp, LANES)), intp=intp) as loop:
+        c = builder.mul(loop.index, ir.Constant(intp, LANES))
+        qv = builder.load(at(q, c), align=4)
+        for acc, ko in zip(accs, key_offsets):
+            key = builder.load(at(k, builder.add(ko, c)), align=4)
+            builder.store(builder.call(fma, [qv, key, builder.load(acc)]), acc)
+    sums = lane_sums(builder, [builder.load(a) for a in accs])
+    builder.store(sums, builder.bitcast(s, sums.type.as_pointer()), align=4)
+
+
+def _axpy_body(builder, p, v, acc, stride, head_dim):
+    """acc[d] += sum_i p[i] v[i stride + d] over d < head_dim, the RUN terms as
+    ((p0 v0 + p1 v1) + (p2 v2 + p3 v3)) + ((p4 v4 + p5 v5) + (p6 v6 + p7 v7))."""
+    vf, fma, at = _vector_ops(builder)
+    intp = stride.type
+    ps = [splat(builder, builder.load(builder.gep(p, [ir.Constant(intp, i)])), vf) for i in range(RUN)]
+    row_offsets = [builder.mul(stride, ir.Constant(intp, i)) for i in range(RUN)]
+    with cgutils.for_range(builder, builder.sdiv(head_dim, ir.Constant(intp, LANES)), intp=intp) as loop:
+        c = builder.mul(loop.index, ir.Constant(intp, LANES))
+        rows = [builder.load(at(v, builder.add(o, c)), align=4) for o in row_offsets]
+        pairs = [builder.call(fma, [ps[i + 1], rows[i + 1], builder.fmul(ps[i], rows[i])]) for i in range(0, RUN, 2)]
+        total = builder.fadd(builder.fadd(pairs[0], pairs[1]), builder.fadd(pairs[2], pairs[3]))
+        out = at(acc, c)
+        builder.store(builder.fadd(builder.load(out, align=4), total), out, align=4)
+
+
+# dot_run(q, q_at, k, k_at, stride, head_dim, s, s_at): s[s_at + i] = sum_d q[q_at + d] * k[k_at + i stride + d]
+# for i < RUN. axpy_run(p, p_at, v, v_at, stride, head_dim, acc, acc_at): acc[acc_at + d] += sum_i p[p_at + i]
+# v[v_at + i stride + d] for d < head_dim. Arrays as addresses, offsets in floats; head_dim a multiple of LANES.
+dot_run = _run(_dot_body)
+axpy_run = _run(_axpy_body)

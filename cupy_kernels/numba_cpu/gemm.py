@@ -1,0 +1,360 @@
+"""The numba set's float32 matmul: weights packed once at load into column panels, a register-tiled kernel.
+
+OpenBLAS packs its operand on every call: a decode step of 64 sequences streams each layer weight from
+memory, copies it into its panel format, and only then multiplies (the layers' four matmuls ran at ~293
+GFLOP/s at 64 rows on the test VM, against ~430 for a large square sgemm). Here the weight is stored in
+that panel format from the start, once:
+
+    panels[p, k, j] = W[32 p + j, k]      W the [out, in] checkpoint weight; [out / 32, in, 32] float32
+
+so a panel (32 output columns, every k) is one contiguous stream. The kernel keeps a 12-row x 32-column
+tile of the output in twenty-four 16-lane registers and walks k: two vector loads of the panel, one
+broadcast of each of the 12 activation rows, 24 FMAs, and a prefetch of the panel 64 rows of k ahead
+(without AVX-512: 16-column panels and 6-row tiles in 8-lane registers). The figures below were measured
+with 8-row tiles (_BIG_ROWS has the 12-row ones'). Panels are shared out over the threads
+(prange); a panel (73 KB for in = 576) stays in L2 while every tile of a block of activation rows (about
+half the L2's worth: row_passes) passes over it, and the block itself stays in L2 while the thread's panels
+pass over it.
+
+Measured on the test VM (SmolLM2's 30 layers, four matmuls each, 2 threads, against numpy's OpenBLAS on
+[in, out] weights, its native kernel): 1 row 9.9 vs 11.4 ms, 8 rows 11.3 vs 23.1, 64 rows 33.4 vs 46.4
+(407 vs 293 GFLOP/s), 256 rows 114 vs 131, 2,048 rows 900 vs 1,000 (483 vs 436 GFLOP/s); the prefetch
+then took 64 rows to 30.1-30.8 ms (440-451 GFLOP/s). Few rows are bound by memory bandwidth, which moves
+with the VM's neighbours (1 row: 5.8-10 ms from one hour to the next).
+
+Numerics: each output is one FMA chain over k in order, the same bits whatever the number of rows in the
+call, the row's place in its tile, or the thread count (tests/cupy_kernels/test_numba_gemm.py); against
+numpy's matmul (the reference, ops.linear) it differs by the order of the sums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+from .setup import CODE_PATH, JIT, apply_threads, numba
+
+# The tile must fit the vector registers: AVX-512 has 32 of 16 floats, an 8 x 32 tile takes 16 (+2 for the
+# panel row, +1 broadcast), a 12 x 32 one 24 (_BIG_ROWS). AVX2 has 16 of 8 floats: a 6 x 16 tile (12 + 2
+# + 1), as OpenBLAS's Haswell kernel; 8 x 32 there spills and ran at 168 GFLOP/s against 221 for 6 x 16
+# (64 rows, AVX2 code on the test VM; OpenBLAS's Haswell kernel 185).
+AVX512 = CODE_PATH == "avx512"  # numba_setup.CODE_PATH: what numba emits, not the CPU's name
+PANEL = 32 if AVX512 else 16  # output columns per panel: two vector registers per row
+_LANES = PANEL // 2
+# Rows per pass over a panel, then 8 (AVX-512), 4, 2 and 1 for the rest. 12 rows x 2 vectors = 24
+# accumulators of AVX-512's 32 registers (+ 2 panel vectors and a broadcast). Against 8-row tiles on the
+# Emerald Rapids VM, SmolLM2's four layer matmuls, 2 threads, medians of 15 interleaved rounds: 64 rows
+# 257.6 -> 271.6 GFLOP/s, 256 rows 172.1 -> 183.7, 2,048 rows 109.4 -> 114.6 (a slow phase of the host).
+# The same bits: each output is one FMA chain in k order whatever the tile.
+_BIG_ROWS = 12 if AVX512 else 6
+# Panel rows (k) ahead of the current one to prefetch: 8 KB on AVX-512. SmolLM2's layers at 64 rows
+# 33.1 -> 30.1-30.8 ms (32 ahead: 30.7-31.1; 128: 30.7-31.2; 256: 31.1-31.3).
+_PREFETCH_K = 64
+# Activation rows per pass over the panels: a block of them (120 x 576 floats = 276 KB) stays in L2 while
+# every panel of the thread passes over it. Unblocked, 256 rows (590 KB at in = 576) overflow a 512 KB L2
+# (AMD Zen 3) and were read again from L3 for every panel. AVX2 host, 2 threads: SmolLM2's four layer
+# matmuls at 256 rows, six layers cycled, ran at a median of 82-85 GFLOP/s unblocked and 164-167 blocked
+# (OpenBLAS 150-155; 7 interleaved rounds); in the engine the gain is smaller (the 256-request throughput run
+# within the host's noise, 209 vs 199-226 tok/s; bench/jitter.py's p99 at budget 256, whose steps are
+# 256-row chunks, 816 and 1,041 ms against 1,156 and 1,216 unblocked, interleaved runs). 96 rows did as well
+# as 120, 192 worse; also cutting k (256-row slices of a panel kept in L1) made 1-64 rows slower. A multiple
+# of both big-tile heights (6, 12): tiles fall where they did, and each output's FMA chain is unchanged.
+ROW_BLOCK = 120
+# Since then the rows per block follow the host's L2 (row_passes): a block of A takes at most half of it, the
+# other half for the panels passing over it, within [MIN_ROW_BLOCK, MAX_ROW_BLOCK] rows, and a matmul's rows
+# are cut into blocks of about equal size (each starting on a whole big tile). On the Emerald Rapids VM (2 MB
+# L2), SmolLM2's four layer matmuls, medians of 7 interleaved rounds, against blocks of ROW_BLOCK: 123 rows +6
+# to +10% (the block of 3 rows streamed every weight again for them), 247 rows (bench/jitter.py's steps) +3 to
+# +4%, 256 +5%, 512 +1%, 64 and 2,048 rows within the noise (-4 to +2%).
+MIN_ROW_BLOCK = 96
+MAX_ROW_BLOCK = 480
+
+
+def _size_bytes(text: str) -> int:
+    """A sysfs cache size ("2048K", "1M", "512") in bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip()
+    return int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)
+
+
+def _cpu_count(cpu_list: str) -> int:
+    """How many CPUs a sysfs CPU list ("0", "0-1", "0-3,8-11") names."""
+    count = 0
+    for part in cpu_list.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            count += int(last or first) - int(first) + 1
+    return count
+
+
+def _l2_bytes() -> int:
+    """The L2 cache a core has to itself (Linux sysfs: cpu0's level-2 data or unified cache, divided among the
+    CPUs that share it); 0 where it cannot be read."""
+    import glob
+
+    for index in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
+        try:
+            with open(f"{index}/level") as f:
+                level = f.read().strip()
+            with open(f"{index}/type") as f:
+                kind = f.read().strip()
+            if level != "2" or kind == "Instruction":
+                continue
+            with open(f"{index}/size") as f:
+                size = _size_bytes(f.read())
+            with open(f"{index}/shared_cpu_list") as f:
+                sharing = _cpu_count(f.read())
+        except (OSError, ValueError):
+            return 0
+        return size // max(1, sharing)
+    return 0
+
+
+L2_BYTES = _l2_bytes()
+
+
+def row_passes(m: int, k: int) -> int:
+    """Passes over the panels for an [m, k] input: blocks of about half the core's L2 of rows (ROW_BLOCK when
+    the L2 is unknown), within [MIN_ROW_BLOCK, MAX_ROW_BLOCK]; matmul_into evens the rows out over them."""
+    target = ROW_BLOCK
+    if L2_BYTES:
+        target = min(MAX_ROW_BLOCK, max(MIN_ROW_BLOCK, L2_BYTES // 2 // (4 * max(k, 1)) // 12 * 12))
+    return max(1, -(-m // target))
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A matmul weight [out, in] as column panels [ceil(out / PANEL), in, PANEL] (the last one zero-padded;
+    PANEL is 32 with AVX-512, else 16);
+    stands where the other sets hold the [in, out] array (`shape`, `dtype`, `nbytes` as that array's)."""
+
+    panels: np.ndarray
+    out_features: int
+
+    @property
+    def in_features(self) -> int:
+        return int(self.panels.shape[1])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.in_features, self.out_features
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.panels.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.panels.nbytes)
+
+
+def pack(w: np.ndarray) -> PackedWeight:
+    """Panels of a float32 [out, in] weight (read-only, C-contiguous)."""
+    return pack_rows([w])
+
+
+def pack_rows(parts) -> PackedWeight:
+    """Panels of the [out, in] weight whose rows are the float32 `parts`' rows in turn (a fused qkv or gate_up
+    weight), each part copied straight into its panels: no concatenated copy first (at load, that copy was
+    0.25 of a ~2 s warm start). A part that starts inside a panel makes the whole a concatenation first."""
+    parts = [np.asarray(w) for w in parts]
+    if not parts or any(w.ndim != 2 for w in parts) or len({w.shape[1] for w in parts}) != 1:
+        raise ValueError(f"a matmul weight must be [out, in] parts of one in, got shapes {[w.shape for w in parts]}")
+    if any(w.shape[0] % PANEL for w in parts[:-1]):
+        parts = [np.concatenate(parts)]
+    out, k = sum(w.shape[0] for w in parts), parts[0].shape[1]
+    panels = np.zeros((-(-out // PANEL), k, PANEL), dtype=np.float32)
+    at = 0  # the part's first panel
+    for w in parts:
+        full = w.shape[0] // PANEL
+        if full:
+            panels[at:at + full] = w[: full * PANEL].reshape(full, PANEL, k).transpose(0, 2, 1)
+        if w.shape[0] % PANEL:
+            panels[at + full, :, : w.shape[0] % PANEL] = w[full * PANEL :].T
+        at += full
+    panels.flags.writeable = False
+    return PackedWeight(panels, out)
+
+
+def unpack(p: PackedWeight) -> np.ndarray:
+    """The [out, in] weight back (for tests and references)."""
+    count, k, _ = p.panels.shape
+    return np.ascontiguousarray(p.panels.transpose(0, 2, 1).reshape(count * PANEL, k)[: p.out_features])
+
+
+def splat(builder, value, vec_t):
+    """LLVM IR: a vector of vec_t with `value` in every lane (for the intrinsics here, in numba_quant and in
+    numba_attention_ir)."""
+    undef = ir.Constant(vec_t, ir.Undefined)
+    first = builder.insert_element(undef, value, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(first, undef, ir.Constant(ir.VectorType(ir.IntType(32), vec_t.count),
+                                                            [0] * vec_t.count))
+
+
+def lane_sums(builder, vectors):
+    """LLVM IR: the lane sums of len(vectors) (a power of two, at most their lane count) equal-width float
+    vectors, as one vector with vector k's sum in lane k; a fixed order of additions, so a fixed rounding
+    (numba_quant's row totals, numba_attention_ir's dot products). Each level pairs the vectors up and, per
+    pair, gathers the first half of every sum's lanes of both into one vector and the second halves into
+    another, and adds the two: the lanes per sum and the number of vectors halve. With one vector left, it
+    folds into itself until one lane per sum remains (for a single vector: pairwise halving)."""
+    i32, lanes = ir.IntType(32), vectors[0].type.count
+    sums, width, vecs = 1, lanes, list(vectors)  # each vector holds `sums` sums of `width` lanes, sum-major
+
+    def halves():
+        lo = [g * width + i for g in range(sums) for i in range(width // 2)]
+        return lo, [i + width // 2 for i in lo]
+
+    while len(vecs) > 1:
+        masks = [ir.Constant(ir.VectorType(i32, lanes), m + [lanes + i for i in m]) for m in halves()]
+        vecs = [builder.fadd(*(builder.shuffle_vector(a, b, m) for m in masks)) for a, b in zip(vecs[0::2], vecs[1::2])]
+        sums, width = sums * 2, width // 2
+    vec = vecs[0]
+    while width > 1:
+        vec = builder.fadd(*(builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(i32, len(m)), m))
+                             for m in halves()))
+        width //= 2
+    assert sums == len(vectors) == vec.type.count
+    return vec
+
+
+def _tile_kernel(rows: int):
+    """An intrinsic tile(a, a_at, lda, b, b_at, k, c, c_at, ldc): C[rows, 32] = A[rows, :k] @ panel, with
+    A's row r at a[a_at + r lda], the panel at b[b_at:] ([k, 32]), C's row r at c[c_at + r ldc]; 1-D C
+    float32 arrays."""
+
+    @intrinsic
+    def tile(typingctx, a, a_at, lda, b, b_at, k, c, c_at, ldc):
+        for arr in (a, b, c):
+            if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.layout == "C"
+                    and arr.dtype == types.float32):
+                return None
+        if not all(isinstance(v, types.Integer) for v in (a_at, lda, b_at, k, c_at, ldc)):
+            return None
+        sig = types.void(a, a_at, lda, b, b_at, k, c, c_at, ldc)
+
+        def codegen(context, builder, signature, args):
+            def data(i):
+                return context.make_array(signature.args[i])(context, builder, args[i]).data
+
+            def index(i):
+                return context.cast(builder, args[i], signature.args[i], types.intp)
+
+            a_ptr, b_ptr, c_ptr = data(0), data(3), data(6)
+            a_at, lda, b_at, k_v, c_at, ldc = (index(i) for i in (1, 2, 4, 5, 7, 8))
+            intp = a_at.type
+            vf = ir.VectorType(ir.FloatType(), _LANES)
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
+                                                 f"llvm.fma.v{_LANES}f32")
+
+            def const(v):
+                return ir.Constant(intp, v)
+
+            def vec_at(ptr, offset):
+                return builder.bitcast(builder.gep(ptr, [offset]), vf.as_pointer())
+
+            halves = PANEL // _LANES
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * _LANES)) for _ in range(halves)]
+                    for _ in range(rows)]
+            starts = [builder.add(a_at, builder.mul(lda, const(r))) for r in range(rows)]
+            prefetch = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] + [ir.IntType(32)] * 3),
+                "llvm.prefetch.p0i8")
+            read, keep, data_cache = (ir.Constant(ir.IntType(32), v) for v in (0, 3, 1))
+            with cgutils.for_range(builder, k_v, intp=intp) as loop:
+                kk = loop.index
+                at = builder.add(b_at, builder.mul(kk, const(PANEL)))
+                for line in range(0, PANEL, 16):  # 16 floats per 64-byte line; past the end a prefetch is a no-op
+                    ahead = builder.gep(b_ptr, [builder.add(at, const(_PREFETCH_K * PANEL + line))])
+                    builder.call(prefetch, [builder.bitcast(ahead, ir.IntType(8).as_pointer()), read, keep, data_cache])
+                panel = [builder.load(vec_at(b_ptr, builder.add(at, const(h * _LANES))), align=4)
+                         for h in range(halves)]
+                for r in range(rows):
+                    x = splat(builder, builder.load(builder.gep(a_ptr, [builder.add(starts[r], kk)])), vf)
+                    for h in range(halves):
+                        builder.store(builder.call(fma, [x, panel[h], builder.load(accs[r][h])]), accs[r][h])
+            for r in range(rows):
+                row_at = builder.add(c_at, builder.mul(ldc, const(r)))
+                for h in range(halves):
+                    builder.store(builder.load(accs[r][h]), vec_at(c_ptr, builder.add(row_at, const(h * _LANES))),
+                                  align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+_TILE_BIG, _TILE8, _TILE4, _TILE2, _TILE1 = (_tile_kernel(r) for r in (_BIG_ROWS, 8, 4, 2, 1))
+
+
+def _panel_rows(a, a_at, lda, m, b, b_at, k, c, c_at, ldc):
+    """C rows 0 .. m - 1 (row r: PANEL floats at c[c_at + r ldc]) = A rows (row r: k floats at a[a_at + r lda])
+    @ the panel at b[b_at:] ([k, PANEL]): tiles of _BIG_ROWS rows, then 8 (AVX-512), 4, 2 and 1 for the rest."""
+    r = 0
+    while r + _BIG_ROWS <= m:
+        _TILE_BIG(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc)
+        r += _BIG_ROWS
+    if r + 8 <= m:  # AVX-512 only: AVX2's 6-row tiles leave at most 5
+        _TILE8(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc)
+        r += 8
+    if r + 4 <= m:
+        _TILE4(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc)
+        r += 4
+    if r + 2 <= m:
+        _TILE2(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc)
+        r += 2
+    if r < m:
+        _TILE1(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc)
+
+
+_PANEL_ROWS_INLINE = numba.njit(inline="always", **JIT)(_panel_rows)
+# The same as a function of its own, which numba_prefill's work items call by address (numba_setup.call_compiled):
+# their compile then holds no copy of the tiles' unrolled code.
+PANEL_ROWS = numba.njit(**JIT)(_panel_rows)
+
+
+@numba.njit(parallel=True, **JIT)
+def matmul_into(x, panels, out, passes):
+    """out [m, panels * PANEL] = x [m, k] @ the weight of `panels` [count, k, PANEL], the rows in `passes`
+    blocks of about equal size, each starting on a whole big tile (row_passes); all C-contiguous float32 (the
+    kernel itself: `matmul` checks, allocates and slices)."""
+    m, k = x.shape
+    count = panels.shape[0]
+    n = count * PANEL
+    a = x.reshape(m * k)
+    b = panels.reshape(count * k * PANEL)
+    c = out.reshape(m * n)
+    for i in range(passes):  # one parallel pass over the panels per block of rows
+        m0 = (i * m // passes) // 12 * 12
+        m1 = m if i == passes - 1 else ((i + 1) * m // passes) // 12 * 12
+        if m1 <= m0:
+            continue
+        for p in numba.prange(count):
+            _PANEL_ROWS_INLINE(a, m0 * k, k, m1 - m0, b, p * k * PANEL, k, c, m0 * n + p * PANEL, n)
+
+
+def matmul(x: np.ndarray, w: PackedWeight, bias: np.ndarray | None = None) -> np.ndarray:
+    """x [T, in] @ W.T (+ bias) -> [T, out] float32; ops.linear(x, unpack(w).T, bias) is the reference."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"packed linear: input of shape {x.shape} for a weight of [in, out] = {w.shape}")
+    padded = w.panels.shape[0] * PANEL
+    out = np.empty((x.shape[0], padded), dtype=np.float32)
+    if x.shape[0]:
+        apply_threads(parallel=True)
+        matmul_into(x, w.panels, out, row_passes(x.shape[0], x.shape[1]))
+    if padded != w.out_features:
+        out = np.ascontiguousarray(out[:, : w.out_features])
+    if bias is not None:
+        out += bias
+    return out
+
+
+def warm_up() -> None:
+    """Compile the kernel for the types the model passes (read-only panels, as pack makes them)."""
+    matmul(np.ones((11, 8), dtype=np.float32), pack(np.ones((40, 8), dtype=np.float32)))

@@ -1,0 +1,262 @@
+"""Long prefill chunks for the numba set's paged attention: Q.K^T and P.V through numba_gemm's register-
+tiled kernel, the masked softmax between them, all three on one core's tile of query rows at a time. Same
+result as paged_attention.paged_attention (the numpy reference) within float32 rounding;
+tests/cupy_kernels/test_numba_prefill.py compares them.
+
+Why a second path: a chunk of n query tokens against L keys is two matmuls of n*G x 64 x L per kv head
+(G query heads share a kv head). At n = 240, L = 4,000 (bench/jitter.py's last chunks) numba_attention's
+loop nest, built for decodes (one row per key, reading K/V in place), ran at ~40 GFLOP/s.
+
+The sequence's keys and values are first copied out of its blocks into the GEMM's panel layout (once per
+layer: ~1 ms at 4,000 keys). Then each work item (kv head h, a tile of TILE_TOKENS query tokens: its
+TILE_TOKENS x G rows) runs on one core, in a `prange` taken dynamically (head by head, each head's costliest
+tiles first):
+
+    S = Q_tile . K_h^T                      over the key panels the tile's last token sees (none past it)
+    P = 2^(S - rowmax) on keys <= the row's position, 0 past it; l = row sum     (Q pre-scaled by
+                                                                                   scale * log2(e))
+    out rows = (P . V_h) / l                over the keys the tile's last token sees
+
+A tile's scores ([48, 4,000] floats, 768 KB, for SmolLM2 at 4,000 keys) stay in that core's L2 cache through
+the three steps, in the core's own workspace. The path before took each step over a whole kv head's rows
+with the GEMM's threads sharing the columns, so the softmax and P.V read half of each score row from the other
+core's cache, and it computed the whole n x L rectangle (the masked half of a prompt's own keys included):
+one layer, 240 new tokens over 4,000 keys, 2 threads, 26.7-30.2 against 17.7-24.2 ms now, and a 2,048-token
+prompt 88.6-95.7 against 36.0-52.1 ms (docs/benchmarks.md has the measurements). The bits did not change:
+each output is the GEMM's one FMA chain in k order whatever the tile, and a masked score is an exact 0 (an
+FMA with it adds nothing).
+
+A row's result depends only on its own sequence and position (never on the batch or the tile): batch
+invariance holds. It is not the same arithmetic as numba_attention's loop nest, so a prompt computed in one
+chunk and in several chunks (some taking the other path) may differ in the last bits; set
+PAGEDSERVE_BATCH_INVARIANT=1 to run every chunk through the loop nest (slower long prefills).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from .gemm import PANEL, PANEL_ROWS
+from .ops import fast_exp2, row_max
+from .setup import JIT, JIT_EXACT, apply_threads, call_compiled, native_address, numba
+
+# A sequence's chunk takes this path when it has at least MIN_TOKENS new tokens and the loop nest would cost
+# more. The loop nest computes the (query token, key) pairs a token sees, n (L - (n - 1) / 2) for n new tokens
+# over a context of L; this path the same pairs and, in each tile, the masked triangle of the tile's own keys
+# (about n (min(n, TILE_TOKENS) - 1) / 2 more), at twice the rate, plus a cost per sequence (the gather, a
+# parallel call). Measured on 2 cores with SmolLM2's shapes (bench/attention_paths.py, docs/benchmarks.md,
+# 2026-12-01): a 2,048-token prompt 73.9 ms a layer in the loop nest against 37.1 here, 1,024 17.0 / 8.8, 240
+# new over 4,000 keys ~44 / ~19; near the break-even, 16 prompts of 128 tokens 7.3 / 5.7 ms, 16 chunks of 64
+# over 128 keys 3.7 / 3.8, 16 chunks of 32 over 128 keys 2.6 / 4.0 (~0.1 ms a sequence here).
+MIN_TOKENS = 16
+LOOP_NEST_PAIR_COST = 2.0  # a seen pair in the loop nest, in pairs of this path
+MATMUL_FIXED_PAIRS = 6_000  # this path's cost per sequence, in its pairs
+# Query tokens per work item: their TILE_TOKENS x G score rows (G query heads per kv head) stay in one core's L2
+# cache through Q.K^T, the softmax and P.V. 240 new over 4,000 keys, one layer, 2 threads (ms): 8 tokens 13.5,
+# 16: 13.8, 32: 12.9, 48: 15.6, 80: 16.7 (the host's noise is ~10%); 16 makes 45 items of SmolLM2's 240-token
+# chunks for the two threads to share out. Long contexts keep the 16 (a thread's scores: 6 MB at 32,768 keys):
+# tiles cut to 1 MB of scores were slower (256 new over 32,768 keys 148-153 against 254-260 ms a layer; over
+# 8,192 keys 25-34 against 30-36). A workspace per thread, TILE_TOKENS x G x L floats each: counted in
+# runtime/worker/memory_budget.py (PREFILL_TILE_TOKENS, which must equal this).
+TILE_TOKENS = 16
+_F32 = np.dtype(np.float32)
+LOG2_E = 1.4426950408889634
+
+
+def takes_matmul_path(num_new: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+    """Which sequences of a batch this path computes, by their own sizes only (never the batch's): chunks of
+    at least MIN_TOKENS new tokens whose seen pairs would cost the loop nest more than this path's pairs."""
+    seen = num_new * (seq_lens - (num_new - 1) / 2)
+    computed = seen + num_new * (np.minimum(num_new, TILE_TOKENS) - 1) / 2
+    return (num_new >= MIN_TOKENS) & (LOOP_NEST_PAIR_COST * seen > computed + MATMUL_FIXED_PAIRS)
+
+
+def _gather_panel(c, k_cache, v_cache, block_table, context_len, kp, vp):
+    """Panel c of the sequence's keys and values, out of its blocks, in numba_gemm's panel layout (P = PANEL):
+    kp[h, c, d, j] = K[h, c P + j, d] (the keys as a [L, D] weight: S = Q . K^T), and the same keys' rows of
+    vp[h, cv, p, j] = V[h, p, cv P + j] (the values as a [D, L] weight: O = P . V); positions past
+    context_len and head dims past D are zero (a score there is masked to 0, and 0 * garbage could be NaN)."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    panel = kp.shape[3]
+    for j in range(panel):
+        p = c * panel + j
+        inside = p < context_len
+        block = block_table[p // block_size] if inside else 0
+        i = p % block_size
+        for h in range(num_kv_heads):
+            for d in range(head_dim):
+                kp[h, c, d, j] = k_cache[block, i, h, d] if inside else np.float32(0.0)
+            for cv in range(vp.shape[1]):
+                for jv in range(panel):
+                    d = cv * panel + jv
+                    vp[h, cv, p, jv] = v_cache[block, i, h, d] if inside and d < head_dim else np.float32(0.0)
+
+
+# A panel is its own (serial) function, called by address from the prange, as the items are: the gather as one
+# parallel function took 2.2 s of an empty cache's compile (on the critical path of a cold start), against
+# ~0.3 s for this and ~0.3 s for the prange over addresses.
+_GATHER_PANEL = numba.njit(**JIT_EXACT)(_gather_panel)
+
+
+def _gather_panels(panel, k_cache, v_cache, block_table, context_len, kp, vp):
+    """All panels (_gather_panel), parallel over them."""
+    for c in numba.prange(kp.shape[1]):
+        call_compiled(panel, (np.int64(c), k_cache, v_cache, block_table, context_len, kp, vp))
+
+
+_GATHER = numba.njit(parallel=True, **JIT_EXACT)(_gather_panels)
+
+
+_local = threading.local()
+
+
+def _buffer(name: str, size: int) -> np.ndarray:
+    """A float32 buffer of at least `size`, kept per thread and grown as needed."""
+    buf = getattr(_local, name, None)
+    if buf is None or buf.size < size:
+        buf = np.empty(max(size, 2 * buf.size if buf is not None else 0), dtype=_F32)
+        setattr(_local, name, buf)
+    return buf
+
+
+def _workspace(num_kv_heads: int, key_panels: int, value_panels: int, head_dim: int, rows: int, threads: int):
+    """Key and value panels, and each numba thread's rows: scaled queries [rows * head_dim], scores [rows, padded
+    context], P.V's output [rows * padded head dim] and row factors [rows]; views of buffers kept per (calling)
+    thread, with a slot for each of the `threads` the call runs on (numba.get_thread_id is below
+    numba.get_num_threads()), so a host running fewer threads than numba's pool holds no more. Fresh
+    multi-megabyte arrays each layer cost more than the copy itself: the allocator hands them out as new pages,
+    and first-touch page faults ran at ~2.5 s per GiB on the test VM (3 ms of a 12 ms layer at 4,000 keys)."""
+    padded = key_panels * PANEL
+    width = value_panels * PANEL
+    kv = num_kv_heads * key_panels * head_dim * PANEL
+    vv = num_kv_heads * value_panels * padded * PANEL
+    k_and_v = _buffer("kv", kv + vv)
+    scores = _buffer("scores", threads * rows * padded)
+    return (k_and_v[:kv].reshape(num_kv_heads, key_panels, head_dim, PANEL),
+            k_and_v[kv:kv + vv].reshape(num_kv_heads, value_panels, padded, PANEL),
+            _buffer("queries", threads * rows * head_dim)[:threads * rows * head_dim].reshape(threads, rows * head_dim),
+            scores[:threads * rows * padded].reshape(threads, rows, padded),
+            _buffer("outputs", threads * rows * width)[:threads * rows * width].reshape(threads, rows * width),
+            _buffer("factors", threads * rows)[:threads * rows].reshape(threads, rows))
+
+
+def _prefill_item(w, panel_rows, query, start, n, first_pos, kp, vp, q_scale, tile_tokens, q, s, pv, den, out):
+    """Work item w: kv head w // tiles, its tile of query tokens w % tiles from the chunk's end (the costliest
+    first), with this thread's rows q, s, pv, den. panel_rows: the address of numba_gemm.PANEL_ROWS. Items of
+    one head in a row share its key and value panels in the caches: with the heads taken in turn instead, a
+    layer of a 4,000-token prompt took 207-213 ms against 163-166 (2,048 tokens: 55-56 against 44)."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, key_panels, value_panels = kp.shape[0], kp.shape[1], vp.shape[1]
+    group = num_heads // num_kv_heads
+    padded, width = key_panels * PANEL, value_panels * PANEL
+    k_flat, v_flat, s_flat = kp.reshape(kp.size), vp.reshape(vp.size), s.reshape(s.size)
+    tiles = (n + tile_tokens - 1) // tile_tokens
+    h = w // tiles
+    t0 = (tiles - 1 - w % tiles) * tile_tokens
+    t1 = min(t0 + tile_tokens, n)
+    rows = (t1 - t0) * group
+    keys = first_pos + t1  # the keys the tile's last token sees
+    zero = np.int64(0)
+    for r in range(rows):  # rows (token, group head), scaled
+        for d in range(head_dim):
+            q[r * head_dim + d] = query[start + t0 + r // group, h * group + r % group, d] * q_scale
+    for p in range((keys + PANEL - 1) // PANEL):  # S = Q . K^T, a panel of PANEL keys at a time
+        call_compiled(panel_rows, (q, zero, head_dim, rows, k_flat, (h * key_panels + p) * head_dim * PANEL, head_dim,
+                                   s_flat, p * PANEL, padded))
+    for r in range(rows):
+        row = s[r]
+        seen = first_pos + t0 + r // group + 1
+        m = row_max(row, seen)
+        total = np.float32(0.0)
+        for j in range(seen):
+            x = fast_exp2(row[j] - m)
+            row[j] = x
+            total += x
+        for j in range(seen, keys):
+            row[j] = 0.0
+        den[r] = np.float32(1.0) / total
+    for c in range(value_panels):  # P . V over the keys the tile sees, PANEL head dims at a time
+        call_compiled(panel_rows, (s_flat, zero, padded, rows, v_flat, (h * value_panels + c) * padded * PANEL, keys,
+                                   pv, c * PANEL, width))
+    for r in range(rows):
+        inv = den[r]
+        for d in range(head_dim):
+            out[start + t0 + r // group, h * group + r % group, d] = pv[r * width + d] * inv
+
+
+# The item is its own (serial) function, called by address from the prange (numba_attention's loop nest does
+# the same, for the same reason: compile time).
+_ITEM = numba.njit(**JIT)(_prefill_item)
+
+
+def _prefill_items(item, panel_rows, query, start, n, first_pos, kp, vp, q_scale, tile_tokens, qs, ss, pvs, dens,
+                   out):
+    for w in numba.prange(kp.shape[0] * ((n + tile_tokens - 1) // tile_tokens)):
+        t = numba.get_thread_id()
+        call_compiled(item, (np.int64(w), panel_rows, query, start, n, first_pos, kp, vp, q_scale, tile_tokens,
+                             qs[t], ss[t], pvs[t], dens[t], out))
+
+
+_ITEMS = numba.njit(parallel=True, **JIT)(_prefill_items)
+_ADDRESSES: dict = {}
+
+
+def _flags(a: np.ndarray) -> tuple:
+    f = a.flags
+    return a.dtype, a.ndim, f.c_contiguous, f.f_contiguous, f.writeable, f.aligned
+
+
+def _addresses(k_cache, v_cache, block_table, args) -> tuple[int, int, int]:
+    """The machine code of the gather's panel, of the item (for these arguments' types) and of
+    numba_gemm.PANEL_ROWS."""
+    # Only the query's and the gather's inputs' numba types can vary (the panels are this module's workspace
+    # views, the rest fixed types): their dtype, rank, layout, mutability and alignment, read from their flags
+    # (numba.typeof of the three arrays cost ~26 us a call, a quarter of a 16-token chunk's whole call).
+    query = args[0]
+    key = tuple(_flags(a) for a in (query, k_cache, v_cache, block_table))
+    found = _ADDRESSES.get(key)
+    if found is None:
+        query, kp, vp, q_scale, tile_tokens, qs, ss, pvs, dens, out = args
+        row = qs[0]
+        panel = native_address(_GATHER_PANEL, (np.int64(0), k_cache, v_cache, block_table, np.int64(0), kp, vp))
+        panel_rows = native_address(PANEL_ROWS, (row, np.int64(0), np.int64(0), np.int64(0), row, np.int64(0),
+                                                 np.int64(0), row, np.int64(0), np.int64(0)))
+        item = native_address(_ITEM, (np.int64(0), panel_rows, query, np.int64(0), np.int64(0), np.int64(0), kp, vp,
+                                      q_scale, tile_tokens, qs[0], ss[0], pvs[0], dens[0], out))
+        found = _ADDRESSES[key] = (panel, item, panel_rows)
+    return found
+
+
+def prefill_sequence(query, k_cache, v_cache, start: int, end: int, context_len: int, block_table, scale: float,
+                     out) -> None:
+    """out[start:end] = attention of query rows start:end (the sequence's new tokens, the last of its
+    context_len positions) over its context, causal within the chunk."""
+    n = end - start
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    apply_threads(parallel=True)
+    threads = numba.get_num_threads()  # what get_thread_id ranges over, whoever set it
+    key_panels = -(-context_len // PANEL)
+    value_panels = -(-head_dim // PANEL)
+    tile_tokens = max(1, min(TILE_TOKENS, n))
+    kp, vp, qs, ss, pvs, dens = _workspace(num_kv_heads, key_panels, value_panels, head_dim, tile_tokens * group,
+                                            threads)
+    # Scores in log2 units, so the softmax takes 2^x (fast_exp2, cheaper than exp): the same weights.
+    q_scale, tiles = np.float32(scale * LOG2_E), np.int64(tile_tokens)
+    args = (query, kp, vp, q_scale, tiles, qs, ss, pvs, dens, out)
+    panel, item, panel_rows = _addresses(k_cache, v_cache, block_table, args)
+    _GATHER(panel, k_cache, v_cache, block_table, np.int64(context_len), kp, vp)
+    with numba.parallel_chunksize(1):
+        _ITEMS(item, panel_rows, query, np.int64(start), np.int64(n), np.int64(context_len - n), kp, vp, q_scale,
+               tiles, qs, ss, pvs, dens, out)
+
+
+def warm_up() -> None:
+    """Compile (or load from the cache) the gather, the work item, the GEMM's row tiles and the prange over the
+    items for the argument types prefill_sequence passes."""
+    cache = np.ones((2, 4, 1, 4), dtype=_F32)
+    query, out = np.ones((3, 2, 4), dtype=_F32), np.empty((3, 2, 4), dtype=_F32)
+    prefill_sequence(query, cache, cache, 0, 3, 5, np.zeros(2, dtype=np.int32), 0.5, out)

@@ -1,0 +1,1 @@
+"""The numpy reference kernels: every other kernel set is tested against these."""

@@ -1,0 +1,1 @@
+"""Loading weights: GGUF and safetensors files, the conversion cache, load-time checks."""

@@ -1,0 +1,192 @@
+"""Loading llama-architecture GGUF files: config from metadata, tensors dequantized to float32.
+
+Matmul weights stored as Q8_0, Q4_0 or Q4_1 blocks are also kept as blocks (cupy_kernels/reference/quant.py), under
+the float32 weight's name plus ".q4.qs", ".q4.scales", ".q4.mins" or ".q8.qs", ".q8.scales"
+(`quant_names`); the model reads them back with `quant_weight`. The CPU's numba kernels multiply a few
+rows by the blocks directly (numba_quant.py); everything else uses the float32 weights, which are the
+blocks' exact values.
+
+llama.cpp's converter reorders the rows of q and k so that rotary pairs are interleaved
+(GPT-J style); our rotary op uses the Hugging Face "rotate half" layout, so `unpermute_qk` puts the
+rows back. Tensor names are mapped to Hugging Face names so one model class serves both formats.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pagedserve.cupy_kernels.reference.quant import QUANT_TYPES, QuantWeight, kind_of, make_quant_weight, split_blocks
+
+from ..config import ModelConfig
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def open_gguf(path: str | Path):
+    """A GGUFReader for `path`, with a ValueError naming the file when it is missing or corrupt."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: GGUF file not found")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError/struct.error/IndexError on bad bytes
+        raise ValueError(f"{path}: corrupt or unreadable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def field_value(reader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def gguf_config(reader, path: str | Path) -> ModelConfig:
+    arch = field_value(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {SUPPORTED_GGUF_ARCHITECTURES}")
+
+    def need(key: str):
+        value = field_value(reader, f"{arch}.{key}")
+        if value is None:
+            raise ValueError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    kv_heads = int(field_value(reader, f"{arch}.attention.head_count_kv", heads))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = field_value(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+    if vocab is None:
+        raise ValueError(f"{path}: GGUF metadata gives no vocab size")
+    tensor_names = {t.name for t in reader.tensors}
+    eos = field_value(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_hidden_layers=int(need("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=int(field_value(reader, f"{arch}.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(field_value(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(field_value(reader, f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+        name=str(field_value(reader, "general.name", "")),
+    )
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> rotate-half halves).
+
+    Rows of one head go from [x0, y0, x1, y1, ...] back to [x0, x1, ..., y0, y1, ...]. Works for
+    weights [rows, cols] and biases [rows].
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _dequantize(tensor, path) -> np.ndarray:
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = tensor.tensor_type
+    try:
+        if qtype == GGMLQuantizationType.F32:
+            return np.array(tensor.data, dtype=np.float32)
+        if qtype in (GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+            return quants.dequantize(tensor.data, qtype).astype(np.float32)
+        return quants.dequantize(tensor.data, qtype).astype(np.float32, copy=False)
+    except NotImplementedError:
+        raise ValueError(f"{path}: tensor {tensor.name!r} uses quant type {qtype.name}, "
+                         "which this gguf package cannot dequantize") from None
+
+
+def is_quant_name(name: str) -> bool:
+    return any(name.endswith(f".q{b}.{part}") for b in (4, 8) for part in ("qs", "scales", "mins"))
+
+
+def quant_names(name: str, kind: str) -> dict[str, str]:
+    """The block arrays' names for float32 weight `name`: {"qs": ..., "scales": ...[, "mins": ...]}."""
+    parts = ("qs", "scales", "mins") if kind == "q4" else ("qs", "scales")
+    return {part: f"{name}.{kind}.{part}" for part in parts}
+
+
+def quant_weight(weights: dict[str, np.ndarray], name: str) -> QuantWeight | None:
+    """The blocks of weight `name` when `weights` hold them (a GGUF model), else None."""
+    for kind in ("q4", "q8"):
+        names = quant_names(name, kind)
+        if all(n in weights for n in names.values()):
+            mins = weights[names["mins"]] if kind == "q4" else None
+            return make_quant_weight(kind, weights[names["qs"]], weights[names["scales"]], mins)
+    return None
+
+
+def _quant_arrays(tensor, hf_name: str, rows_fix) -> dict[str, np.ndarray]:
+    """The block arrays of a 2-D matmul weight stored as Q8_0/Q4_0/Q4_1 (empty for other tensors)."""
+    qtype = tensor.tensor_type.name
+    if qtype not in QUANT_TYPES or len(tensor.shape) != 2:
+        return {}
+    arrays = split_blocks(qtype, np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1))
+    names = quant_names(hf_name, kind_of(qtype))
+    return {names[part]: np.ascontiguousarray(rows_fix(a)) for part, a in arrays.items()}
+
+
+def load_gguf_weights(path: str | Path, reader=None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Config and float32 weights (Hugging Face names, HF q/k row order) of a llama GGUF file, plus the
+    block arrays of its quantized matmul weights (`quant_names`)."""
+    reader = reader or open_gguf(path)
+    config = gguf_config(reader, path)
+    weights: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        name = tensor.name
+        if name in _GLOBAL_NAMES:
+            hf_name = _GLOBAL_NAMES[name]
+        elif (m := _LAYER_RE.match(name)) and m.group(2) in _LAYER_NAMES:
+            hf_name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+        else:
+            raise ValueError(f"{path}: unexpected tensor {name!r} for a llama model")
+        w = _dequantize(tensor, path)
+        expected_numel = int(np.prod([int(d) for d in tensor.shape]))
+        if w.size != expected_numel:
+            raise ValueError(f"{path}: tensor {name!r} dequantized to {w.size} values, expected {expected_numel}")
+        w = w.reshape([int(d) for d in reversed(tensor.shape)])  # GGUF lists dims fastest-first
+
+        def rows_fix(a):
+            if ".attn_q." in name:
+                return unpermute_qk(a, config.num_attention_heads)
+            if ".attn_k." in name:
+                return unpermute_qk(a, config.num_key_value_heads)
+            return a
+
+        weights[hf_name] = np.ascontiguousarray(rows_fix(w))
+        weights.update(_quant_arrays(tensor, hf_name, rows_fix))
+    return config, weights

@@ -1,0 +1,53 @@
+"""Loading a Hugging Face model directory: config.json plus one or many *.safetensors files."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ModelConfig, load_hf_config
+from .safetensors_io import read_safetensors
+from ..tensor_parallel import TPShard, check_tensor_parallel
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The weight files: those named by the shard index if there is one, else every *.safetensors."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: corrupt shard index ({e!r})") from None
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index}: names shard files that do not exist: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no *.safetensors weight files found")
+    return files
+
+
+def load_hf_weights(model_dir: str | Path, shard: TPShard | None = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Config and float32 weights; with a tensor-parallel `shard`, only that rank's slices are read."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ValueError(f"{model_dir}: model directory not found")
+    config = load_hf_config(model_dir)
+    select = None
+    if shard is not None and shard.is_sharded:
+        check_tensor_parallel(config, shard.world_size)
+        select = functools.partial(shard.index_for, config)
+    weights: dict[str, np.ndarray] = {}
+    for f in safetensors_files(model_dir):
+        for name, tensor in read_safetensors(f, select=select).items():
+            if name in weights:
+                raise ValueError(f"{f}: tensor {name!r} appears in more than one shard")
+            weights[name] = tensor
+    return config, weights

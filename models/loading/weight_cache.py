@@ -1,0 +1,90 @@
+"""A conversion cache for GGUF weights: dequantizing takes seconds, reading float32 safetensors does not.
+
+Entries live in `<cache root>/gguf-<sha256 of the GGUF file>-v<format>/` and hold model.safetensors
+(float32, Hugging Face names, q/k already un-permuted, plus the block arrays of quantized matmul weights),
+config.json and the tokenizer files. Keying by content hash means a replaced or edited file never reuses a stale entry. Entries are written to a
+temporary directory and renamed into place, so a crash mid-write leaves no half entry behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from pagedserve.cupy_kernels.host.cache_dir import cache_root  # noqa: F401  (re-exported: loader.py asks here)
+
+from ..config import ModelConfig
+from .safetensors_io import read_safetensors
+from ..tensor_parallel import TPShard, check_tensor_parallel
+
+CACHE_FORMAT = 2  # 2: the GGUF blocks of quantized matmul weights are kept too (gguf_loader.quant_names)
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def entry_dir(root: Path, digest: str) -> Path:
+    return root / f"gguf-{digest}-v{CACHE_FORMAT}"
+
+
+def save_entry(root: Path, digest: str, config: ModelConfig, weights: dict[str, np.ndarray],
+               extra_files: dict[str, str]) -> Path:
+    """Write an entry atomically; returns its directory. `extra_files` maps file names to text."""
+    from safetensors.numpy import save_file
+
+    final = entry_dir(root, digest)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
+    try:
+        save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+        for name, text in extra_files.items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process won the race and wrote the same entry
+            shutil.rmtree(tmp, ignore_errors=True)
+        for stale in root.glob(f"gguf-{digest}-v*"):  # the same file in an older format: never read again
+            if stale != final:
+                shutil.rmtree(stale, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def load_entry(root: Path, digest: str, shard: TPShard | None = None
+               ) -> tuple[ModelConfig, dict[str, np.ndarray], Path] | None:
+    """The cached config and weights (only `shard`'s slices, read from the memory-mapped file), or None
+    when there is no complete entry."""
+    d = entry_dir(root, digest)
+    if not (d / "model.safetensors").is_file() or not (d / "config.json").is_file():
+        return None
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["eos_token_ids"] = tuple(cfg.get("eos_token_ids") or ())
+        config = ModelConfig(**cfg)
+    except (ValueError, TypeError, OSError):
+        return None  # a damaged entry is rebuilt, never trusted
+    select = None
+    if shard is not None and shard.is_sharded:
+        check_tensor_parallel(config, shard.world_size)  # a ValueError naming the numbers, not a cache miss
+        select = functools.partial(shard.index_for, config)
+    try:
+        weights = read_safetensors(d / "model.safetensors", select=select)
+    except (ValueError, TypeError, OSError):
+        return None  # a damaged entry is rebuilt, never trusted
+    return config, weights, d

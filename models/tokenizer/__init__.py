@@ -1,0 +1,1 @@
+"""Tokenizers (tokenizer.json and GGUF vocabularies) and chat templates."""

@@ -1,0 +1,584 @@
+"""LLMEngine: requests in, per-step outputs out. The step is schedule, run, update."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections import deque
+from typing import Iterable, Sequence
+
+import numpy as np
+import structlog
+
+from pagedserve.cupy_kernels.backend import to_host
+from pagedserve.cupy_kernels import OPENBLAS_ENV_APPLIED
+from pagedserve.cupy_kernels.host.blas_threads import STARTED_BLAS_THREADS, blas_info, set_cpu_threads
+from pagedserve.cupy_kernels.kernel_set import numba_code_path
+from pagedserve.models.kv_cache import kv_bytes_per_block
+from pagedserve.models.loading.loader import LoadedModel, load_model
+
+from ..config import EngineConfig
+from .cpu_threads_tuner import CpuThreadsTuner
+from .detokenizer import IncrementalDetokenizer
+from ..executor import WorkerFailedError, make_executor
+from ..core.kv_cache_manager import KVCacheManager
+from ..worker.memory_budget import (PER_REQUEST_BYTES, MemoryBudget, activation_bytes, check_fits_host,
+                                    host_memory_available, resident_bytes, weights_bytes)
+from ..core.beam_search import BeamSearchParams, Proposal, select
+from ..kv_transfer.kv_connector import KVBlockIO, KVConnector, KVTransferSpec, KVTransferStats, model_fingerprint
+from .model_runner import ModelRunner, SampledToken, StepResult
+from ..outputs import CompletionOutput, EngineStats, RequestOutput
+from ..core.request import Request, RequestStatus
+from ..kv_transfer.remote_prefill import RemotePrefill, export_blocks
+from .request_events import RequestEvents
+from .request_limits import RequestLimits, ServerShape, check_fits, check_ids, check_params, check_prompt_ids
+from ..sample.sampler import Sampler
+from ..sampling_params import SamplingParams
+from ..core.scheduler import Scheduler, SchedulerOutput, keys_per_token
+from ..structured_output.manager import StructuredOutputManager
+from ..spec_decode.decoder import build_spec_decoder
+from ..core.sequence_group import SequenceGroup, completion, group_output, sample_generator
+
+log = structlog.get_logger("pagedserve.engine")
+
+_STAGES = {"schedule": "scheduling it", "prepare": "preparing it", "forward": "running the forward pass of its batch",
+           "sample": "sampling its next token", "update": "updating and detokenizing its output"}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        # The workers (one per tensor-parallel rank) load the model, pick the backend and hold the KV pool.
+        self.executor = make_executor(config, loaded)
+        try:
+            self._init_after_workers(config, loaded)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+
+    def _init_after_workers(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
+        worker = self.executor.driver_worker
+        self.model_name = worker.model_name
+        self.model_config = worker.model_config
+        self.tokenizer = worker.tokenizer
+        self.backend = worker.backend
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
+                             f"max_position_embeddings ({self.model_config.max_position_embeddings})")
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"with chunked prefill off, max_num_batched_tokens ({config.max_num_batched_tokens}) "
+                             f"must be >= max_model_len ({self.max_model_len}) or long prompts could never run")
+        self.block_size = config.block_size
+        num_blocks = config.num_kv_blocks or self.executor.determine_num_kv_blocks(self.max_model_len)
+        self.num_kv_blocks = num_blocks
+        self.memory_budget = self._check_host_memory(num_blocks)
+        self.limits = RequestLimits(max_logprobs=config.max_logprobs)
+        self.shape = ServerShape(self.model_config.vocab_size, self.max_model_len, config.max_num_seqs, num_blocks,
+                                 self.block_size)
+        # GPU: decode CUDA graphs are captured now, against these very KV caches.
+        self.executor.initialize_cache(num_blocks, self.max_model_len)
+        self.kv_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(self.executor, self.kv_manager, Sampler(config.seed, self.backend.ops.logsumexp_rows))
+        # Guided decoding: grammars compile in a worker thread; costs nothing until a request has one.
+        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
+        self.runner.structured = self.structured
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                   config.enable_chunked_prefill,
+                                   keys_per_token(self.model_config) if config.cost_aware_chunking else None)
+        # Speculative decoding (None = off): proposes drafts after each step; a draft model brings its own pool.
+        # A self-draft needs the target's whole weights, which the workers do not keep: loaded again (cached).
+        self.spec = build_spec_decoder(
+            config.speculative_config, lambda: loaded or load_model(config.model, use_cache=config.use_weight_cache),
+            self.backend, num_blocks, self.block_size, self.max_model_len, config.seed, config.use_weight_cache)
+        if self.spec is not None:
+            self.scheduler.release_hooks.append(self.spec.free)
+            self.spec.structured = self.structured  # guided sequences' drafts are checked against their grammar
+        # cpu_threads="auto": the thread count follows measured step cost (runtime/engine/cpu_threads_tuner.py).
+        self.threads_tuner = None
+        if config.cpu_threads == "auto" and not self.backend.is_gpu:
+            self.threads_tuner = CpuThreadsTuner(
+                STARTED_BLAS_THREADS or os.cpu_count() or 1, set_cpu_threads,
+                on_switch=lambda old, new, old_cost, new_cost: log.info(
+                    "engine.cpu_threads", threads=new, was=old, ms_per_token=round(1e3 * new_cost, 3),
+                    was_ms_per_token=round(1e3 * old_cost, 3)))
+        self.groups: dict[str, SequenceGroup] = {}
+        self.events = RequestEvents(config.log_requests)
+        self._throughput: deque[tuple[float, int, int]] = deque()  # (time, output tokens, all tokens)
+        self.num_preemptions = 0
+        # Disaggregated serving (kv_connector.py): blocks in and out of the pool in the wire layout. Under
+        # tensor parallelism each rank holds a slice of the heads, so whole blocks are not in one place: off.
+        worker = self.executor.driver_worker
+        self.block_io = KVBlockIO(worker.kv_caches, self.backend) if self.executor.world_size == 1 else None
+        self.kv_stats = KVTransferStats()
+        self.remote_prefill: RemotePrefill | None = None  # set on a decode instance
+        self.failed_requests: list[tuple[str, Exception]] = []  # taken by the caller after each step
+        self.blas = blas_info()  # numpy's BLAS: its kernel ("architecture") and threads, for logs and stats
+        self.numba_code_path = None if self.backend.is_gpu else numba_code_path()  # avx512 / avx2 / baseline
+        log.info("engine.kv_pool", num_blocks=num_blocks, block_size=self.block_size,
+                 num_token_slots=num_blocks * self.block_size, backend=self.backend.name,
+                 kernels=self.backend.ops.name, model=self.model_name,
+                 blas_threads=(self.blas or {}).get("num_threads"), blas_kernel=(self.blas or {}).get("architecture"),
+                 numba_code_path=self.numba_code_path,
+                 tensor_parallel_size=self.executor.world_size, **worker.malloc,
+                 gguf_block_matmuls=worker.model.quantized_matmuls,  # numba: few-row matmuls on GGUF blocks
+                 openblas_env_applied=OPENBLAS_ENV_APPLIED)  # False: numpy was imported before pagedserve
+
+    @property
+    def cpu_threads(self) -> int | None:
+        """Threads the CPU backend runs at now (the tuner's choice under cpu_threads="auto")."""
+        if self.threads_tuner is not None:
+            return self.threads_tuner.current
+        return (self.blas or {}).get("num_threads")
+
+    @property
+    def model(self):
+        """The driver worker's model (rank 0's shard under tensor parallelism)."""
+        return self.executor.driver_worker.model
+
+    @property
+    def kv_sizing(self):
+        """GPU: the gpu_memory.KVCacheSizing behind the pool's size (rank 0's); None on the CPU."""
+        return self.executor.driver_worker.kv_sizing
+
+    def shutdown(self) -> None:
+        """Stop the rank processes (tensor parallelism); a no-op for a single rank."""
+        self.executor.shutdown()
+
+    def _check_host_memory(self, num_blocks: int) -> MemoryBudget:
+        """Refuse at start settings whose KV pool and activations the host cannot hold (memory_budget.py)."""
+        c = self.config
+        worker = self.executor.driver_worker
+        cpu = not self.backend.is_gpu
+        # CPU tensor parallelism: every rank's share of the pool lives on this host.
+        kv_bytes = num_blocks * worker.kv_bytes_per_block() * c.tensor_parallel_size if cpu else 0
+        threads = c.cpu_threads if isinstance(c.cpu_threads, int) else os.cpu_count() or 1
+        budget = MemoryBudget(
+            held_bytes=resident_bytes(), weights_bytes=weights_bytes(self.model_config, self.backend.dtype.itemsize),
+            kv_cache_bytes=kv_bytes,
+            activation_bytes=activation_bytes(self.model_config, c.max_num_batched_tokens, c.max_num_seqs,
+                                              self.max_model_len, num_blocks * self.block_size, threads) if cpu else 0,
+            request_state_bytes=c.max_num_seqs * PER_REQUEST_BYTES)
+        available, source = host_memory_available()
+        log.info("engine.memory_budget", available_gib=round(available / 2**30, 3) if available else None,
+                 available_from=source, **budget.log_fields())
+        check_fits_host(budget, available, source, "kv_cache_memory_bytes (or num_kv_blocks), "
+                        "max_num_batched_tokens or max_num_seqs")
+        return budget
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> SequenceGroup:
+        """Validate and queue a request; raises ValueError with a precise message on bad input."""
+        group = self.make_request(request_id, prompt, params, arrival_time, cache_salt)
+        self.add_prepared(group)
+        return group
+
+    def add_beam_request(self, request_id: str, prompt: str | Sequence[int], params: BeamSearchParams,
+                         arrival_time: float | None = None) -> SequenceGroup:
+        """Queue a beam search; its one finished output carries beam_width completions, best first."""
+        sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True,
+                                  structured_outputs=params.structured_outputs)
+        group = self.make_request(request_id, prompt, sampling, arrival_time)
+        group.beam = params
+        per_beam = -(-(len(group.prompt_token_ids) + params.max_tokens) // self.block_size)
+        if params.beam_width * per_beam > self.num_kv_blocks or params.beam_width > self.config.max_num_seqs:
+            raise ValueError(f"beam search of width {params.beam_width} needs up to {params.beam_width * per_beam} "
+                             f"KV blocks and {params.beam_width} sequence slots; the pool has {self.num_kv_blocks} "
+                             f"blocks and max_num_seqs is {self.config.max_num_seqs}")
+        self.add_prepared(group)
+        return group
+
+    def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                     arrival_time: float | None = None, cache_salt: str | None = None) -> SequenceGroup:
+        """Validate a request and build it, touching no engine state (safe from another thread)."""
+        params = params or SamplingParams()
+        # Limits first, tokenizing after: nothing is allocated for a request the server would refuse.
+        check_ids(self.limits, request_id, cache_salt)
+        check_params(self.limits, self.shape, params)
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, check_prompt_ids(self.shape, prompt)
+        check_fits(self.shape, len(ids), params)
+        arrival = arrival_time or time.monotonic()
+        group = SequenceGroup(request_id, text, ids, params, arrival, eos_token_ids=self.model_config.eos_token_ids,
+                              num_to_fork=(params.best_of or params.n) - 1)
+        if params.structured_outputs is not None:
+            group.grammar = self.structured.compile(params.structured_outputs)
+        first = self._new_seq(group, request_id, 0)
+        first.cache_salt = cache_salt
+        group.seqs.append(first)
+        group.first = first
+        return group
+
+    def _new_seq(self, group: SequenceGroup, seq_id: str, index: int) -> Request:
+        p = group.params
+        r = Request(seq_id, group.prompt_token_ids, p, group.arrival_time, eos_token_ids=group.eos_token_ids,
+                    prompt=group.prompt, generator=sample_generator(p.seed, index), sample_index=index, group=group)
+        r.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, group.prompt_token_ids, skip_special_tokens=p.skip_special_tokens, stop=p.stop,
+            include_stop_str_in_output=p.include_stop_str_in_output, min_tokens=p.min_tokens)
+        return r
+
+    def add_prepared(self, group: SequenceGroup) -> None:
+        """Queue a request built by make_request."""
+        if group.request_id in self.groups:
+            raise ValueError(f"request_id {group.request_id!r} is already in use")
+        self.groups[group.request_id] = group
+        if self.remote_prefill is None or not self.remote_prefill.try_start(group.seqs[0]):
+            self.scheduler.add_request(group.seqs[0])
+        self.events.queued(group.seqs[0])
+        if group.grammar is not None:
+            self.structured.track(group)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests (every sequence of each); their blocks are freed at once. Unknown ids are ignored."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            group = self.groups.pop(rid, None)
+            if group is None:
+                continue
+            group.aborted = True
+            for seq in group.live:
+                if self.remote_prefill is not None:
+                    self.remote_prefill.abort(seq.request_id)
+                self.scheduler.finish_request(seq, RequestStatus.FINISHED_ABORTED)
+            self.events.ended("request.aborted", group.first, rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run, update. A request whose part of this raises fails alone (its output carries
+        `error`, its blocks are freed); a failed forward fails the requests in its batch, no others."""
+        failed: list[RequestOutput | None] = list(self._fail_bad_grammars())
+        if self.remote_prefill is not None:
+            self._land_remote_kv()
+        sched = self.scheduler.schedule()
+        self.num_preemptions += len(sched.preempted)
+        self.events.scheduled(sched)
+        failed += [self._fail_group(r.group, e, "schedule") for r, e in sched.failed]
+        forks: dict[int, list[Request]] = {}
+        if not sched.is_empty:
+            forks = self._plan_forks(sched, failed)
+            self._drop_finished(sched, forks)
+        if sched.is_empty:
+            if self.scheduler.waiting_for_kv:  # only transfers in flight: wait for one, do not spin
+                self.remote_prefill.connector.wait(0.02)
+            elif not any(o is not None for o in failed):
+                self.structured.wait_for_any(timeout_s=0.05)  # only grammars left to compile: wait, do not spin
+            return [o for o in failed if o is not None]
+        try:
+            started = self.spec.clock() if self.spec is not None else 0.0
+            if self.threads_tuner is not None:
+                self.threads_tuner.before_step()
+            results = self.runner.execute(sched, forks)
+            if self.threads_tuner is not None:
+                self.threads_tuner.after_step(sched.num_batched_tokens)
+            if self.spec is not None:  # what steps cost by their rows: the speculation policy's cost side
+                self.spec.observe_step(sched.scheduled, sched.num_batched_tokens, self.spec.clock() - started)
+        except WorkerFailedError:  # a rank died: no request can run any more; the async engine stops
+            raise
+        except Exception as e:  # the batch's forward: every request in it fails, the others wait on
+            for s in sched.scheduled:
+                failed.append(self._fail_group(s.request.group, e, "forward", forks))
+            return [o for o in failed if o is not None]
+        outputs = [o for o in failed if o is not None] + self._update(sched, forks, results)
+        if self.spec is not None:  # drafts for the next step, from the tokens just appended
+            self.spec.propose(self.scheduler.running)
+        return outputs
+
+    def _fail_group(self, group: SequenceGroup | None, error: Exception, stage: str,
+                    forks: dict[int, list[Request]] | None = None) -> RequestOutput | None:
+        """End a request whose processing raised: every sequence finished, every block freed, one
+        final output carrying the error. None if it had already ended (another sequence failed first)."""
+        if group is None or self.groups.get(group.request_id) is not group:
+            return None
+        del self.groups[group.request_id]
+        group.aborted = True
+        unforked = [c for cs in (forks or {}).values() for c in cs if c.group is group]
+        for seq in [*group.live, *unforked]:
+            if self.remote_prefill is not None:  # a transfer in flight for it is cancelled too
+                self.remote_prefill.abort(seq.request_id)
+            self.scheduler.finish_request(seq, RequestStatus.FINISHED_ABORTED)
+        group.num_to_fork = 0
+        message = f"request failed while {_STAGES[stage]}: {error!r}"
+        log.error("request.failed", request_id=group.request_id, stage=stage, error=repr(error))
+        self.events.ended("request.aborted", group.first, group.request_id)
+        out = group_output(group, [completion(s, s.sample_index) for s in group.seqs[: group.params.n]], finished=True)
+        out.error = message
+        return out
+
+    def _drop_finished(self, sched: SchedulerOutput, forks: dict[int, list[Request]]) -> None:
+        """Take requests failed since scheduling out of the batch (their blocks are already free)."""
+        keep = [i for i, s in enumerate(sched.scheduled) if not s.request.is_finished]
+        if len(keep) < len(sched.scheduled):
+            new_forks = {k: forks[i] for k, i in enumerate(keep) if i in forks}
+            sched.scheduled = [sched.scheduled[i] for i in keep]
+            forks.clear()
+            forks.update(new_forks)
+
+    def _plan_forks(self, sched: SchedulerOutput, failed: list) -> dict[int, list[Request]]:
+        """Samples 1.. of n > 1 requests whose prompt completes this step: created now, forked after."""
+        forks: dict[int, list[Request]] = {}
+        for i, s in enumerate(sched.scheduled):
+            r = s.request
+            group = r.group
+            if group.num_to_fork and r.sample_index == 0 and r.num_computed_tokens + s.num_new_tokens == r.num_tokens:
+                try:
+                    forks[i] = [self._new_seq(group, group.next_seq_id(), k) for k in range(1, group.num_to_fork + 1)]
+                except Exception as e:
+                    failed.append(self._fail_group(group, e, "prepare"))
+        return forks
+
+    def _update(self, sched: SchedulerOutput, forks: dict[int, list[Request]],
+                results: list[StepResult | None]) -> list[RequestOutput]:
+        now = time.monotonic()
+        changed: dict[str, list[CompletionOutput]] = {}
+        num_out = 0
+        failed: list[RequestOutput | None] = []
+        for i, (s, result) in enumerate(zip(sched.scheduled, results)):
+            if s.request.group.aborted:  # another of its sequences failed earlier in this loop
+                continue
+            if result is not None and result.error is not None:
+                failed.append(self._fail_group(s.request.group, result.error, result.error_stage, forks))
+                continue
+            try:
+                r = s.request
+                r.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)  # drafts count once accepted
+                self.kv_manager.cache_full_blocks(r.request_id, r.all_token_ids, r.num_computed_tokens, r.cache_salt)
+                if r.kv_export is not None and r.num_computed_tokens >= r.num_prompt_tokens:
+                    export_blocks(r, self.kv_manager, self.block_io, self.kv_stats)  # before it finishes
+                if result is None:
+                    continue  # a prefill chunk that did not reach the end of the prompt
+                group = r.group
+                if r.timings.first_token is None:
+                    r.timings.first_token = now
+                    self.events.first_token(r, now)
+                if group.beam is not None:
+                    group.beam_pending[r.request_id] = result.beam_topk
+                    num_out += self._advance_beams(group)
+                    if group.is_finished:
+                        changed.setdefault(group.request_id, [])
+                    continue
+                for child in forks.get(i, []):  # share the prompt's blocks with every other sample
+                    self.kv_manager.fork(r.request_id, child.request_id)
+                    child.num_computed_tokens = r.num_computed_tokens
+                    child.num_cached_tokens = r.num_cached_tokens
+                    child.timings = dataclasses.replace(r.timings)
+                    self.scheduler.add_running(child)
+                    group.seqs.append(child)
+                group.num_to_fork = 0
+                kids = forks.get(i, [])
+                for seq, toks in zip([r, *kids], [result.tokens, *([t] for t in result.fork_samples)]):
+                    completion_out = self._append_tokens(seq, toks)
+                    num_out += len(completion_out.new_token_ids)
+                    changed.setdefault(group.request_id, []).append(completion_out)
+                if s.spec_token_ids:
+                    self._rollback_rejected(r, result)
+            except Exception as e:  # appending, hashing, forking, detokenizing this request
+                failed.append(self._fail_group(s.request.group, e, "update", forks))
+        self._throughput.append((now, num_out, sched.num_batched_tokens))
+        return [o for o in failed if o is not None] + self._collect(changed)
+
+    def _append_tokens(self, r: Request, toks: list[SampledToken]) -> CompletionOutput:
+        """Append a step's tokens one by one (several after a verify step), stopping at the first that
+        ends the request: nothing past max_tokens, a stop token or a stop string is emitted."""
+        new_text, new_ids = "", []
+        for tok in toks:
+            r.append_output_token(tok.token_id)
+            r.cumulative_logprob += tok.logprob
+            new_ids.append(tok.token_id)
+            if r.sampling_params.logprobs is not None:
+                r.output_logprobs.append(tok.logprob)
+                r.output_top_logprobs.append(tok.top_logprobs or [])
+            delta = r.detokenizer.add_tokens([tok.token_id])
+            status = self._stop_status(r, tok.token_id, delta.stop_hit, self.structured.accept(r, tok.token_id))
+            new_text += delta.text
+            if status is not None:
+                if delta.stop_hit is None:
+                    new_text += r.detokenizer.finish()
+                self.scheduler.finish_request(r, status)
+                break
+        return completion(r, r.sample_index, new_text, new_ids)
+
+    def _rollback_rejected(self, r: Request, result: StepResult) -> None:
+        """After a verify step: the accepted drafts' K/V is valid (computed), the rejected drafts' slots
+        are released. all_token_ids holds only accepted tokens, so no hash ever covers a rejected one."""
+        self.spec.observe(r, result.num_draft_tokens, result.num_accepted_tokens)
+        if r.is_finished:  # finishing already freed every block
+            return
+        r.num_computed_tokens += result.num_accepted_tokens
+        self.kv_manager.truncate(r.request_id, r.num_computed_tokens)
+        self.kv_manager.cache_full_blocks(r.request_id, r.all_token_ids, r.num_computed_tokens, r.cache_salt)
+
+    def _fail_bad_grammars(self) -> list[RequestOutput]:
+        """Requests whose grammar failed to compile for this tokenizer end aborted (they hold no KV block).
+        Validation at construction catches bad constraints; this is for what only the tokenizer shows."""
+        outputs = []
+        for group, error in self.structured.poll_failed():
+            if self.groups.get(group.request_id) is not group:
+                continue  # aborted meanwhile
+            log.warning("request.grammar_failed", request_id=group.request_id, error=str(error)[:300])
+            self.abort_request(group.request_id)
+            outputs.append(group_output(group, group.final_completions(self.tokenizer.decode), finished=True))
+        return outputs
+
+    def _collect(self, changed: dict[str, list[CompletionOutput]]) -> list[RequestOutput]:
+        """One RequestOutput per group that moved: its new deltas, or its final outputs when it is done."""
+        outputs = []
+        for rid, completions in changed.items():
+            group = self.groups.get(rid)
+            if group is None:
+                continue
+            if group.is_finished:
+                del self.groups[rid]
+                final = group.final_completions(self.tokenizer.decode)
+                if group.beam is None and group.params.n == len(group.seqs):  # streamed samples: keep deltas
+                    deltas = {c.index: c for c in completions}
+                    for c in final:
+                        if c.index in deltas:
+                            c.new_text, c.new_token_ids = deltas[c.index].new_text, deltas[c.index].new_token_ids
+                outputs.append(group_output(group, final, finished=True))
+                self.events.ended("request.finished", group.first, rid, group)
+            elif group.beam is None and (group.params.best_of or group.params.n) == group.params.n:
+                outputs.append(group_output(group, completions, finished=False))
+        return outputs
+
+    def _advance_beams(self, group: SequenceGroup) -> int:
+        """Once every live beam has its next-token proposals, pick the new beams (see beam_search.py)."""
+        live = group.live
+        if any(b.request_id not in group.beam_pending for b in live):
+            return 0  # a sibling was preempted and is being recomputed
+        bp = group.beam
+        proposals = []
+        for k, beam in enumerate(live):
+            ids, lps = group.beam_pending.pop(beam.request_id)
+            proposals += [Proposal(k, int(t), float(lp), beam.cumulative_logprob + float(lp)) for t, lp in zip(ids, lps)]
+        survivors, finished = select(proposals, bp.beam_width, group.eos_token_ids, bp.ignore_eos)
+        for p in finished:
+            group.beam_done.append((live[p.beam].output_token_ids + [p.token_id], p.score, "stop"))
+        taken: set[int] = set()
+        new_live: list[Request] = []
+        for p in survivors:  # forks first, from each parent's state before any token is appended
+            parent = live[p.beam]
+            if p.beam in taken:
+                child = self._new_seq(group, group.next_seq_id(), parent.sample_index)
+                child.output_token_ids = list(parent.output_token_ids)
+                child.all_token_ids = list(parent.all_token_ids)
+                child.cumulative_logprob = parent.cumulative_logprob
+                child.timings = dataclasses.replace(parent.timings)
+                self.structured.fork(parent, child)
+                if parent.status == RequestStatus.RUNNING:
+                    self.kv_manager.fork(parent.request_id, child.request_id)
+                    child.num_computed_tokens = parent.num_computed_tokens
+                    self.scheduler.add_running(child)
+                else:  # the parent was preempted after proposing: the child recomputes too
+                    self.scheduler.add_request(child)
+                new_live.append(child)
+            else:
+                taken.add(p.beam)
+                new_live.append(parent)
+        for k, beam in enumerate(live):
+            if k not in taken:  # a beam that died: its blocks go back (shared ones stay with the others)
+                self.scheduler.finish_request(beam, RequestStatus.FINISHED_ABORTED)
+        for beam, p in zip(new_live, survivors):
+            beam.append_output_token(p.token_id)
+            beam.cumulative_logprob = p.score
+            if self.structured.accept(beam, p.token_id):  # its grammar is complete: a finished hypothesis
+                group.beam_done.append((list(beam.output_token_ids), beam.cumulative_logprob, "stop"))
+                self.scheduler.finish_request(beam, RequestStatus.FINISHED_STOPPED)
+        new_live = [b for b in new_live if not b.is_finished]
+        group.seqs = new_live
+        if new_live and (new_live[0].num_output_tokens >= bp.max_tokens or new_live[0].num_tokens >= self.max_model_len):
+            for beam in new_live:
+                group.beam_done.append((list(beam.output_token_ids), beam.cumulative_logprob, "length"))
+                self.scheduler.finish_request(beam, RequestStatus.FINISHED_LENGTH)
+        return len(survivors)
+
+    def _stop_status(self, r: Request, token_id: int, stop_hit: str | None,
+                     grammar_done: bool | None = None) -> RequestStatus | None:
+        p = r.sampling_params
+        if grammar_done:  # the grammar takes no more tokens (min_tokens cannot be honoured past it)
+            r.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if r.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token_id in r.eos_token_ids:
+                r.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if p.stop_token_ids and token_id in p.stop_token_ids:
+                r.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if stop_hit is not None:
+                r.stop_reason = stop_hit
+                return RequestStatus.FINISHED_STOPPED
+        if r.num_output_tokens >= p.max_tokens or r.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # -- disaggregated prefill -------------------------------------------------------------------
+
+    def enable_remote_prefill(self, connector: KVConnector, fallback: str = "local") -> None:
+        """Decode role: prompts' full blocks come from a prefill instance through `connector`."""
+        if self.block_io is None:
+            raise ValueError("disaggregated prefill/decode needs tensor_parallel_size 1")
+        self.remote_prefill = RemotePrefill(connector, self.kv_manager, self.scheduler, self.block_io,
+                                            self.kv_stats, fallback)
+
+    def _land_remote_kv(self) -> None:
+        for rid, error in self.remote_prefill.poll():
+            self.abort_request(rid)
+            self.failed_requests.append((rid, error))
+
+    def take_failed_requests(self) -> list[tuple[str, Exception]]:
+        failed, self.failed_requests = self.failed_requests, []
+        return failed
+
+    def kv_transfer_spec(self, role: str, host_id: str = "") -> KVTransferSpec:
+        """What a handshake tells the other instance about this one."""
+        c = self.model_config
+        embed = to_host(self.model.embed_tokens[:4])
+        return KVTransferSpec(role, self.model_name, model_fingerprint(self.model_name, c, embed), self.block_size,
+                              str(np.dtype(self.backend.dtype)), c.num_hidden_layers, c.num_key_value_heads,
+                              c.head_dim, self.max_model_len, host_id)
+
+    # -- observability ---------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise if the block pool's ref counts disagree with the live block tables."""
+        self.kv_manager.check_integrity()
+
+    def get_stats(self, window_s: float = 10.0) -> EngineStats:
+        now = time.monotonic()
+        while self._throughput and now - self._throughput[0][0] > window_s:
+            self._throughput.popleft()
+        span = now - self._throughput[0][0] if len(self._throughput) > 1 else 0.0
+        out_tps = sum(x[1] for x in self._throughput) / span if span > 0 else 0.0
+        all_tps = sum(x[2] for x in self._throughput) / span if span > 0 else 0.0
+        usage = self.kv_manager.usage()
+        sched = self.scheduler
+        held = sum(r.num_computed_tokens for r in sched.running)
+        slots = usage.num_used_blocks * self.block_size
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.backend.dtype.itemsize)
+        table_blocks = sum(len(self.kv_manager.block_table(r.request_id)) for r in sched.running)
+        return EngineStats(
+            len(sched.running), len(sched.waiting) + len(sched.waiting_for_kv),  # waiting: queued or receiving KV
+            usage.num_used_blocks, usage.num_blocks,
+            min(held / slots, 1.0) if slots else 0.0, out_tps, all_tps, self.num_preemptions,
+            prefix_cache_hit_rate=sched.num_cached_prompt_tokens / sched.num_prompt_tokens if sched.num_prompt_tokens else 0.0,
+            prefix_cache_request_hit_rate=sched.num_admitted_with_hit / sched.num_admitted if sched.num_admitted else 0.0,
+            num_shared_blocks=usage.num_shared_blocks, num_exclusive_blocks=usage.num_exclusive_blocks,
+            kv_bytes_used=usage.num_used_blocks * per_block, kv_bytes_without_sharing=table_blocks * per_block,
+            kv_transfer=self.kv_stats.snapshot(),
+            **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        if self.spec is None:
+            return {}
+        s = self.spec.stats
+        return dict(spec_method=s.method, spec_num_draft_tokens=s.num_draft_tokens,
+                    spec_num_accepted_tokens=s.num_accepted_tokens, spec_mean_accepted_length=s.mean_accepted_length)

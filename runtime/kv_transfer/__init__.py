@@ -1,0 +1,1 @@
+"""Disaggregated prefill/decode: KV blocks in and out of the pool, shared memory, remote prefill."""

@@ -1,0 +1,1 @@
+"""Sampling: the sampler, exact rejection sampling for speculative decoding, and their host and device ops."""

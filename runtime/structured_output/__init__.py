@@ -1,0 +1,1 @@
+"""Structured outputs through llguidance: grammar compilation and per-sample token masks."""
