@@ -13,11 +13,11 @@ import pagedserve.cupy_kernels  # noqa: F401  (sets OpenBLAS's environment befor
 
 _EXPORTS = {
     "LLM": ".llm",
-    "LLMEngine": ".engine",
+    "LLMEngine": ".engine.llm_engine",
     "EngineConfig": ".config",
     "SamplingParams": ".sampling_params",
     "StructuredOutputsParams": ".structured_outputs_params",
-    "BeamSearchParams": ".beam_search",
+    "BeamSearchParams": ".core.beam_search",
     "RequestOutput": ".outputs",
     "CompletionOutput": ".outputs",
     "EngineStats": ".outputs",

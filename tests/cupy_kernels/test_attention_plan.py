@@ -221,7 +221,8 @@ def test_host_metadata_checks():
 def test_numpy_arrays_never_dispatch_and_cupy_is_not_imported():
     code = (
         "import sys, numpy as np\n"
-        "from pagedserve.cupy_kernels import ops, cuda_ops, paged_attention\n"
+        "from pagedserve.cupy_kernels.reference import ops, paged_attention\n"
+            "from pagedserve.cupy_kernels.cuda import ops as cuda_ops\n"
         "import pagedserve.models.llama\n"
         "assert not cuda_ops.is_cupy_array(np.zeros(2)) and not cuda_ops.is_cupy_array(None)\n"
         "ops.silu_and_mul(np.ones((2, 4), np.float32))\n"

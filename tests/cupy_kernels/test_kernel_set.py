@@ -99,7 +99,8 @@ def test_auto_without_numba_is_the_reference(monkeypatch):
 def test_the_code_path_is_read_back_from_what_numba_emits(path, tmp_path):
     """numba_setup.CODE_PATH is what LLVM emits for numba's target (compiling needs no CPU that runs the code,
     so every path is checked on any x86-64 host), and the kernels' variants follow it."""
-    proc = run_as(path, "from pagedserve.cupy_kernels import numba_setup, numba_gemm, numba_attention_ir\n"
+    proc = run_as(path, "from pagedserve.cupy_kernels.numba_cpu import setup as numba_setup, gemm as numba_gemm, "
+                        "attention_ir as numba_attention_ir\n"
                         "print(numba_setup.CODE_PATH, numba_gemm.PANEL, numba_attention_ir.LANES)", tmp_path)
     assert proc.returncode == 0, proc.stderr
     wide = path == "avx512"

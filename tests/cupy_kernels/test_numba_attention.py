@@ -77,7 +77,8 @@ def test_a_cache_that_is_not_c_contiguous_takes_the_reference():
 AVX2_CHECK = """
 import numpy as np
 from paged_batches import make_batch
-from pagedserve.cupy_kernels import numba_attention as na, numba_attention_ir, paged_attention as pa
+from pagedserve.cupy_kernels.numba_cpu import attention as na, attention_ir as numba_attention_ir
+from pagedserve.cupy_kernels.reference import paged_attention as pa
 assert numba_attention_ir.LANES == 8, numba_attention_ir.LANES
 rng = np.random.default_rng(0)
 for head_dim in (8, 64, 12):  # runs as 8 or 1 vector pieces; 12: key by key

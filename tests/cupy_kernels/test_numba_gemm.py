@@ -138,7 +138,7 @@ def test_the_set_packs_float32_only_and_multiplies_either_form():
 
 AVX2_CHECK = """
 import numpy as np
-from pagedserve.cupy_kernels import numba_gemm
+from pagedserve.cupy_kernels.numba_cpu import gemm as numba_gemm
 assert not numba_gemm.AVX512 and numba_gemm.PANEL == 16, (numba_gemm.AVX512, numba_gemm.PANEL)
 rng = np.random.default_rng(0)
 w = rng.standard_normal((37, 40)).astype(np.float32)

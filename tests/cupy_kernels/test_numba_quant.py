@@ -130,7 +130,8 @@ def test_bad_shapes_raise_value_errors():
 AVX2_CHECK = """
 import numpy as np
 from numerics import f32_tol
-from pagedserve.cupy_kernels import numba_gemm, numba_quant, quant
+from pagedserve.cupy_kernels.numba_cpu import gemm as numba_gemm, quant as numba_quant
+from pagedserve.cupy_kernels.reference import quant
 assert not numba_gemm.AVX512 and numba_quant._BIG_ROWS == 3, (numba_gemm.AVX512, numba_quant._BIG_ROWS)
 rng = np.random.default_rng(0)
 for kind in ("q4", "q8"):

@@ -22,7 +22,8 @@ import numpy as np
 import numba
 from model_factory import random_model
 from pagedserve.cupy_kernels.backend import get_backend
-from pagedserve.cupy_kernels import numba_attention, numba_ops, numba_prefill, numba_quant
+from pagedserve.cupy_kernels.numba_cpu import attention as numba_attention, ops as numba_ops
+from pagedserve.cupy_kernels.numba_cpu import prefill as numba_prefill, quant as numba_quant
 from model_factory import write_gguf
 from pagedserve.models.loading.gguf_loader import load_gguf_weights
 from pagedserve.models.batch import SeqChunk, build_forward_batch
@@ -71,7 +72,9 @@ def test_a_forward_compiles_nothing_the_warm_up_did_not(tmp_path):
 
 EMPTY_CACHE_START = """
 import numpy as np
-from pagedserve.cupy_kernels import kernel_set, numba_attention, paged_attention
+from pagedserve.cupy_kernels import kernel_set
+from pagedserve.cupy_kernels.numba_cpu import attention as numba_attention
+from pagedserve.cupy_kernels.reference import paged_attention
 from pagedserve.cupy_kernels.backend import finish_warm_up, get_backend
 from pagedserve.cupy_kernels.numba_cpu.setup import compile_aside
 # The worker's way: the child compiles attention and the prefill kernels while this process compiles the rest,
