@@ -5,31 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.engine.llm_engine import LLMEngine
+from engine_helpers import drain, make_engine
 from pagedserve.runtime.sampling_params import SamplingParams
 from pagedserve.runtime.core.scheduler import chunk_within
-
-
-def make_engine(tiny, **kw):
-    cfg = dict(device="cpu", max_num_batched_tokens=64, num_kv_blocks=512, seed=0)
-    cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg), loaded=tiny)
-
-
-def run_all(engine, check_integrity=True, on_step=None):
-    finished = {}
-    steps = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-        if check_integrity:
-            engine.check_integrity()
-        if on_step:
-            on_step(engine, steps)
-        steps += 1
-    return finished
 
 
 def workload(n=32, seed=0, vocab=512):
@@ -52,12 +30,12 @@ def test_batched_chunked_preempted_equals_alone(tiny, seeded):
     for i, (prompt, max_tokens) in enumerate(reqs):
         e = make_engine(tiny, max_num_batched_tokens=2048)
         e.add_request(str(i), prompt, params_for(i, max_tokens, seeded))
-        alone.append(run_all(e, check_integrity=False)[str(i)].outputs[0].token_ids)
+        alone.append(drain(e, integrity=False)[str(i)].outputs[0].token_ids)
     # 48 blocks = 768 token slots for 32 requests of up to 340 tokens: preemption is certain.
     e = make_engine(tiny, num_kv_blocks=48, max_num_batched_tokens=64)
     for i, (prompt, max_tokens) in enumerate(reqs):
         e.add_request(str(i), prompt, params_for(i, max_tokens, seeded))
-    together = run_all(e)
+    together = drain(e)
     assert e.num_preemptions > 0, "the pool was meant to be small enough to force preemption"
     for i, (_, max_tokens) in enumerate(reqs):
         got = together[str(i)].outputs[0]
@@ -75,7 +53,7 @@ def test_aborts_mid_flight_free_every_block(tiny):
         if step in (2, 5, 9):
             engine.abort_request([str(i) for i in range(step, 16, 3)])
 
-    finished = run_all(e, on_step=abort_some)
+    finished = drain(e, on_step=abort_some)
     assert len(finished) < 16
     assert e.kv_manager.usage().num_used_blocks == 0 and not e.has_unfinished_requests()
 
@@ -88,10 +66,14 @@ def test_decodes_get_a_token_every_step_during_a_long_chunked_prefill(tiny):
     e.add_request("long", list(np.random.default_rng(3).integers(3, 512, size=2000)),
                   SamplingParams(temperature=0, max_tokens=1))
     chunks = 0
-    while "long" in e.groups and e.groups["long"].seqs[0].num_output_tokens == 0:
+    for _ in range(2000):  # at least one prompt token a step
+        if "long" not in e.groups or e.groups["long"].seqs[0].num_output_tokens:
+            break
         outs = {o.request_id for o in e.step()}
         assert {f"d{i}" for i in range(4)} <= outs, "a running decode missed a step"
         chunks += 1
+    else:
+        pytest.fail("the 2,000-token prompt was not prefilled within 2,000 steps")
     assert chunks >= 2000 // 128  # the prompt really was cut into chunks
 
 
@@ -103,10 +85,14 @@ def _long_prompt_beside_decodes(e):
     e.add_request("long", list(np.random.default_rng(3).integers(3, 512, size=2000)),
                   SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     steps = 0
-    while e.groups["long"].seqs[0].num_output_tokens == 0:
+    for _ in range(2000):
+        if e.groups["long"].seqs[0].num_output_tokens:
+            break
         e.step()
         steps += 1
-    finished = run_all(e)
+    else:
+        pytest.fail("the 2,000-token prompt was not prefilled within 2,000 steps")
+    finished = drain(e)
     return steps, {rid: out.outputs[0].token_ids for rid, out in finished.items()}
 
 
@@ -119,8 +105,12 @@ def test_cost_aware_chunks_shrink_deep_in_a_prompt_and_change_no_token(tiny):
         make_engine(tiny, max_num_batched_tokens=128, cost_aware_chunking=False))
     assert by_count == -(-2000 // 124)  # 124 prompt tokens a step beside the 4 decodes
     expected, done = 0, 0
-    while done < 2000:
-        done += chunk_within(124, done, 2000 - done, keys_per_token)
+    for _ in range(2000):
+        if done >= 2000:
+            break
+        chunk = chunk_within(124, done, 2000 - done, keys_per_token)
+        assert chunk >= 1, f"chunk_within gave {chunk} tokens at {done}"
+        done += chunk
         expected += 1
     assert by_cost == expected == 45  # chunks from 112 tokens down to ~28
     assert tokens == tokens_by_count and len(tokens) == 5
@@ -139,24 +129,24 @@ def test_admission_errors_are_precise_and_leave_nothing_behind(tiny):
     e.add_request("ok", [5, 6], SamplingParams(max_tokens=3, temperature=0))
     with pytest.raises(ValueError, match="already in use"):
         e.add_request("ok", [5, 6], SamplingParams())
-    assert len(run_all(e)) == 1 and e.kv_manager.usage().num_used_blocks == 0
+    assert len(drain(e)) == 1 and e.kv_manager.usage().num_used_blocks == 0
 
 
 def test_stop_conditions(tiny):
     e = make_engine(tiny)
     base = list(range(10, 30))
     e.add_request("ref", base, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    ref = run_all(e)["ref"].outputs[0]
+    ref = drain(e)["ref"].outputs[0]
     ids, text = ref.token_ids, ref.text
     # stop_token_ids: ends at the first occurrence, reported as the stop reason
     e.add_request("tok", base, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[ids[4]], ignore_eos=True))
-    got = run_all(e)["tok"].outputs[0]
+    got = drain(e)["tok"].outputs[0]
     first = ids.index(ids[4])
     assert got.token_ids == ids[: first + 1] and got.finish_reason == "stop" and got.stop_reason == ids[4]
     # min_tokens bans the stop token until enough tokens are out
     e.add_request("min", base, SamplingParams(temperature=0, max_tokens=12, min_tokens=12,
                                               stop_token_ids=[ids[0]], ignore_eos=True))
-    got = run_all(e)["min"].outputs[0]
+    got = drain(e)["min"].outputs[0]
     assert len(got.token_ids) == 12 and ids[0] not in got.token_ids
     # a stop string is left out of the text
     # (the first two-character piece from the middle on that is not blank; the reference has one)
@@ -164,7 +154,7 @@ def test_stop_conditions(tiny):
     assert starts, f"the reference output has no stop string to test with: {text!r}"
     stop = text[starts[0] : starts[0] + 2]
     e.add_request("str", base, SamplingParams(temperature=0, max_tokens=12, stop=[stop], ignore_eos=True))
-    got = run_all(e)["str"].outputs[0]
+    got = drain(e)["str"].outputs[0]
     assert got.finish_reason == "stop" and got.stop_reason == stop
     assert got.text == text[: text.index(stop)]
     assert e.kv_manager.usage().num_used_blocks == 0
@@ -177,7 +167,7 @@ def test_stats_and_timings(tiny):
     s = e.get_stats()
     assert s.num_running == 1 and s.num_waiting == 0 and s.num_kv_blocks_total == 100
     assert s.num_kv_blocks_used == 3 and 0 < s.kv_token_slot_utilization <= 1
-    out = run_all(e)["a"]
+    out = drain(e)["a"]
     m = out.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     assert out.outputs[0].finish_reason == "length"
