@@ -1,7 +1,8 @@
 """The numba set's two paged-attention paths for one prefill chunk: the loop nest (numba_attention) and the
 matmul path (numba_prefill; OpenBLAS until the packed GEMM replaced it, hence the "blas" JSON keys), timed
 side by side over chunk sizes and context lengths (new tokens = context: a whole prompt), --sequences of them
-in one call (16 x 128: a prefill step of bench/throughput.py). Where the matmul path wins sets numba_prefill.MIN_TOKENS and its cost weights
+in one call (16 x 128: a prefill step of bench/throughput.py). Where the matmul path wins sets
+numba_prefill.MIN_TOKENS and its cost weights
 (LOOP_NEST_PAIR_COST, MATMUL_FIXED_PAIRS). SmolLM2-135M's shapes (9 query heads, 3 kv heads, head_dim
 64, block 16) by default; the pool is larger than the L3 cache and its blocks shuffled, as in a server.
 
@@ -77,7 +78,8 @@ def main() -> None:
             b = batch(rng, context, new, heads, kv_heads, head_dim, block_size, pool_blocks, args.sequences)
             nest, blas = time_path(b, True, args.reps), time_path(b, False, args.reps)
             routed = bool(numba_prefill.takes_matmul_path(np.array([new]), np.array([context]))[0])
-            print(json.dumps({"context": context, "new_tokens": new, "sequences": args.sequences, "ms_loop_nest": round(nest, 3),
+            print(json.dumps({"context": context, "new_tokens": new, "sequences": args.sequences,
+                              "ms_loop_nest": round(nest, 3),
                               "ms_blas_path": round(blas, 3), "blas_faster": blas < nest, "routed_to_blas": routed,
                               "sgemm_gflops": round(gflops, 1), "machine": machine(), "loadavg": loadavg()}),
                   flush=True)

@@ -172,7 +172,10 @@ def run_load(socket: str, args: argparse.Namespace, vocab: int, seed: int) -> di
         ends = np.asarray(ts[1:])
         itls += [float(g) for g, e in zip(gaps, ends) if window_start <= e <= window_end]
         baseline += [float(g) for g, e in zip(gaps, ends) if e < window_start]
-    ms = lambda xs: {k: (round(1000 * v, 2) if v is not None else None) for k, v in plots.percentiles(xs).items()}
+
+    def ms(xs):
+        return {k: (round(1000 * v, 2) if v is not None else None) for k, v in plots.percentiles(xs).items()}
+
     d = {k: getattr(after, k) - getattr(before, k) for k in ("kv_blocks_received", "kv_bytes_received",
                                                              "remote_prefills", "local_prefill_fallbacks")}
     seconds = after.kv_transfer_s - before.kv_transfer_s
@@ -182,7 +185,8 @@ def run_load(socket: str, args: argparse.Namespace, vocab: int, seed: int) -> di
             "window_s": round(window_end - window_start, 2), **d,
             "kv_transfer_s": round(seconds, 6),
             "transfer_gb_per_s": round(d["kv_bytes_received"] / seconds / 1e9, 3) if seconds > 0 else None,
-            "transfer_ms_per_request": round(1000 * seconds / d["remote_prefills"], 3) if d["remote_prefills"] else None}
+            "transfer_ms_per_request": (round(1000 * seconds / d["remote_prefills"], 3)
+                                        if d["remote_prefills"] else None)}
 
 
 def leak_check(tmp: Path, args: argparse.Namespace, vocab: int) -> dict:
@@ -262,13 +266,15 @@ def run(args: argparse.Namespace) -> dict:
     p99 = {k: v["itl_ms"]["p99"] for k, v in results.items()}
     summary = {"p99_itl_ms_by_config": p99, "p50_itl_ms_by_config": {k: v["itl_ms"]["p50"] for k, v in results.items()},
                "long_prompt_ttft_s_mean_by_config": {k: v["long_prompt_ttft_s_mean"] for k, v in results.items()},
-               "transfer_gb_per_s": {k: results[k]["transfer_gb_per_s"] for k in ("disagg_shm_chunked", "disagg_grpc_chunked")},
+               "transfer_gb_per_s": {k: results[k]["transfer_gb_per_s"]
+                                     for k in ("disagg_shm_chunked", "disagg_grpc_chunked")},
                "transfer_ms_per_request": {k: results[k]["transfer_ms_per_request"]
                                            for k in ("disagg_shm_chunked", "disagg_grpc_chunked")},
                "leak_check_blocks_left": sum(leak["kv_blocks_used_after"].values())}
     summary["p99_itl_ms_colocated_1thread_chunked"] = p99["colocated_1thread_chunked"]
     summary["claim_p99_itl_below_colocated_reproduced"] = bool(
-        p99["disagg_shm_chunked"] < p99["colocated_chunked"] and p99["disagg_shm_unchunked"] < p99["colocated_unchunked"])
+        p99["disagg_shm_chunked"] < p99["colocated_chunked"]
+        and p99["disagg_shm_unchunked"] < p99["colocated_unchunked"])
     return {"benchmark": NAME, "quick": args.quick, "claim": CLAIM,
             "config": {"model": loaded.name, "model_path": str(loaded.path), "streams": args.streams,
                        "long_prompts": args.long_prompts, "long_prompt_len": args.long_prompt_len,
@@ -311,9 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--long-prompts", type=int, default=None, help="default 3 (2 with --quick)")
     ap.add_argument("--long-prompt-len", type=int, default=None, help="default 1024 (300 with --quick)")
     ap.add_argument("--long-interval", type=float, default=None, help="seconds between arrivals; default 2 (0.2)")
-    ap.add_argument("--budget", type=int, default=None, help="chunked prefill's max_num_batched_tokens; default 256 (64)")
+    ap.add_argument("--budget", type=int, default=None,
+                    help="chunked prefill's max_num_batched_tokens; default 256 (64)")
     ap.add_argument("--max-model-len", type=int, default=None, help="default 2048 (512 with --quick)")
-    ap.add_argument("--kv-bytes", type=int, default=None, help="each instance's KV cache budget; default 512 MiB (64 MiB)")
+    ap.add_argument("--kv-bytes", type=int, default=None,
+                    help="each instance's KV cache budget; default 512 MiB (64 MiB)")
     ap.add_argument("--leak-requests", type=int, default=None, help="default 100 (20 with --quick)")
     ap.add_argument("--leak-cancel-within", type=float, default=None,
                     help="cancels land uniformly within this many seconds of sending; default 3 (0.2)")

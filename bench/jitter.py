@@ -110,8 +110,8 @@ def run_config(loaded, args: argparse.Namespace, budget: int | None, cost_aware:
             "long_prompt_ttft_s": round(token_times[LONG_ID][0] - arrival, 3),
             "long_prompt_prefill_steps": prefill_steps, "long_prompt_chunks": chunks,
             "slowest_step_s": round(max(e - s for s, e, _ in step_times[first_step:]), 3),
-            "backend": engine.backend.name, "cpu_kernels": engine.backend.ops.name, "stream0_itl_trace": {"t_since_arrival_s": [t for t, _ in trace],
-                                                                   "itl_ms": [v for _, v in trace]}}
+            "backend": engine.backend.name, "cpu_kernels": engine.backend.ops.name,
+            "stream0_itl_trace": {"t_since_arrival_s": [t for t, _ in trace], "itl_ms": [v for _, v in trace]}}
 
 
 def heaviest_step_gflop(cfg, streams: int, stream_context: float, long_len: int, budget: int | None,

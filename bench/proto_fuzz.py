@@ -57,7 +57,8 @@ def _floats() -> st.SearchStrategy[float]:
 def _strings(shape: FuzzShape) -> st.SearchStrategy[str]:
     # Built once and shared: thousands of drawn requests refer to the same few huge strings.
     huge = ["\u00e9" * n for n in (shape.max_prompt_chars, shape.max_prompt_chars + 1, 3 * shape.max_prompt_chars)]
-    normal = st.one_of(st.sampled_from(["", "\x00", "\ufffd", "a" * 1001, "<|im_start|>", "\n\n"]), st.text(max_size=40))
+    normal = st.one_of(st.sampled_from(["", "\x00", "\ufffd", "a" * 1001, "<|im_start|>", "\n\n"]),
+                       st.text(max_size=40))
     return st.integers(0, 49).flatmap(lambda k: st.sampled_from(huge) if k == 0 else normal)
 
 
@@ -94,7 +95,8 @@ def _scalar(f: FieldDescriptor, shape: FuzzShape, depth: int, mild: bool) -> st.
     if name in ("ids", "token_ids", "stop_token_ids") and f.type in _INT_RANGES:
         return _token_ids(shape)
     if name == "role":
-        return st.one_of(st.sampled_from(["system", "user", "assistant", "tool", "", "wizard", "USER"]), st.text(max_size=8))
+        return st.one_of(st.sampled_from(["system", "user", "assistant", "tool", "", "wizard", "USER"]),
+                         st.text(max_size=8))
     if name == "request_id":
         return st.one_of(st.sampled_from(["", "dup", "dup", "dup-2", "a#b", "x" * 300]), st.text(max_size=12))
     if f.type in _INT_RANGES:

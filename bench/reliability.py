@@ -212,7 +212,8 @@ async def run_fuzz(srv: Server, shape: FuzzShape, n: int, concurrency: int, dead
                 "slowest_completion_s": round(slowest["completion_s"], 2),
                 "largest_completion_bound_s": round(slowest["completion_bound_s"], 1),
                 "always_serving": all(h == "SERVING" for h in health), "health_checks": len(health),
-                "rss_peak_gib": round(mem.get("VmHWM", 0) / 2**20, 3), "rss_sampled_peak_gib": round(peak_rss / 2**20, 3),
+                "rss_peak_gib": round(mem.get("VmHWM", 0) / 2**20, 3),
+                "rss_sampled_peak_gib": round(peak_rss / 2**20, 3),
                 "seconds": round(time.perf_counter() - t0, 1), "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
     def timed_out() -> bool:

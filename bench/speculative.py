@@ -333,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default all; 2 with --quick)")
     ap.add_argument("--cpu-threads", type=int, default=1,
                     help="numpy BLAS threads (default 1: the CPU-time rates assume one thread)")
-    ap.add_argument("--rounds", type=int, default=None, help="runs per method, fastest kept; default 2 (1 with --quick)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="runs per method, fastest kept; default 2 (1 with --quick)")
     return ap
 
 

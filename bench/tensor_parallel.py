@@ -81,7 +81,8 @@ def run_engine(model: str, tp: int, threads: int, requests: int, prompt_len: int
         def generate(n: int, out_len: int) -> tuple[float, list[float]]:
             params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
             for k in range(n):
-                engine.add_request(f"r{time.monotonic_ns()}-{k}", rng.integers(3, min(engine.model_config.vocab_size, 20000), prompt_len).tolist(), params)
+                prompt = rng.integers(3, min(engine.model_config.vocab_size, 20000), prompt_len).tolist()
+                engine.add_request(f"r{time.monotonic_ns()}-{k}", prompt, params)
             t0, stamps = time.perf_counter(), []
             while engine.has_unfinished_requests():
                 if engine.step():

@@ -92,7 +92,8 @@ def run(loaded, num_requests: int, prompt_len: int, output_len: int, max_num_bat
                             + output_len * model_flops_per_token(cfg, mean_ctx, True))
     tuner = engine.threads_tuner
     return {"requests": num_requests, "cpu_kernels": engine.backend.ops.name,
-            "cpu_threads": cpu_threads, "threads_switches": tuner.switches if tuner else None, "prompt_len": prompt_len, "output_len": output_len,
+            "cpu_threads": cpu_threads, "threads_switches": tuner.switches if tuner else None,
+            "prompt_len": prompt_len, "output_len": output_len,
             "max_num_batched_tokens": max_num_batched_tokens, "steps": steps, "seconds": round(elapsed, 2),
             "output_tokens_per_s": round(out_tokens / elapsed, 1),
             "total_tokens_per_s": round(num_requests * (prompt_len + output_len) / elapsed, 1),
