@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
+from engine_helpers import drain, make_engine
 from numerics import model_tol
 
 from pagedserve.cupy_kernels.backend import get_backend
@@ -13,8 +16,6 @@ from pagedserve.models.kv_cache import allocate_kv_caches
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.loading.loader import load_model
 from pagedserve.runtime.core.beam_search import BeamSearchParams, length_penalized
-from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.engine.llm_engine import LLMEngine
 from pagedserve.runtime.sampling_params import SamplingParams
 
 
@@ -23,22 +24,12 @@ def tiny(request, data_dir):
     return load_model(data_dir / request.param)
 
 
-def engine(tiny, **kw):
-    cfg = dict(device="cpu", max_num_batched_tokens=1024, num_kv_blocks=300, seed=0)
-    cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg), loaded=tiny)
+engine = functools.partial(make_engine, max_num_batched_tokens=1024, num_kv_blocks=300)
 
 
 def run(e, peak=None):
-    done = {}
-    while e.has_unfinished_requests():
-        for out in e.step():
-            if out.finished:
-                done[out.request_id] = out
-        e.check_integrity()
-        if peak is not None:
-            peak.append(e.kv_manager.usage().num_used_blocks)
-    return done
+    """drain, noting the blocks in use after each step in `peak` when given."""
+    return drain(e, on_step=None if peak is None else lambda e, _: peak.append(e.kv_manager.usage().num_used_blocks))
 
 
 PROMPT = np.random.default_rng(3).integers(3, 500, size=512).tolist()
@@ -76,7 +67,8 @@ def test_sample_0_equals_n1_with_the_same_seed_and_samples_are_reproducible(tiny
 
 def test_best_of_returns_the_most_likely_n(tiny):
     e = engine(tiny)
-    e.add_request("b", PROMPT[:30], SamplingParams(n=2, best_of=5, temperature=1.0, seed=2, max_tokens=8, ignore_eos=True))
+    e.add_request("b", PROMPT[:30],
+                  SamplingParams(n=2, best_of=5, temperature=1.0, seed=2, max_tokens=8, ignore_eos=True))
     out = run(e)["b"]
     assert len(out.outputs) == 2
     assert out.outputs[0].cumulative_logprob >= out.outputs[1].cumulative_logprob

@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
+from engine_helpers import drain, make_engine
+
 from pagedserve.runtime.core.block_pool import BlockPool
-from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.engine.llm_engine import LLMEngine
 from pagedserve.runtime.core.kv_cache_manager import KVCacheManager
 from pagedserve.runtime.sampling_params import SamplingParams
 
 
-def engine(tiny, **kw):
-    cfg = dict(device="cpu", max_num_batched_tokens=256, num_kv_blocks=400, seed=0)
-    cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg), loaded=tiny)
-
-
-def run(e):
-    done = {}
-    while e.has_unfinished_requests():
-        for out in e.step():
-            if out.finished:
-                done[out.request_id] = out
-        e.check_integrity()
-    return done
+engine = functools.partial(make_engine, max_num_batched_tokens=256, num_kv_blocks=400)
+run = drain
 
 
 SYSTEM = np.random.default_rng(7).integers(3, 512, size=500).tolist()
