@@ -6,24 +6,24 @@ outputs equal a colocated engine's, only missing blocks move, faults free every 
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from pagedserve.runtime.config import EngineConfig
+import engine_helpers
+from engine_helpers import drain
 from pagedserve.runtime.engine.llm_engine import LLMEngine
-from pagedserve.runtime.kv_transfer.kv_connector import KVConnector, KVExport, KVHandshakeError, KVLoadResult, KVTransferError, check_compatible, chunk_checksums
+from pagedserve.runtime.kv_transfer.kv_connector import (KVConnector, KVExport, KVHandshakeError, KVLoadResult,
+                                                         KVTransferError, check_compatible, chunk_checksums)
 from pagedserve.runtime.kv_transfer.kv_shm import ShmSegment
 from pagedserve.runtime.core.request import RequestStatus
 from pagedserve.runtime.sampling_params import SamplingParams
 
 
-def make_engine(tiny, **kw):
-    cfg = dict(device="cpu", max_num_batched_tokens=64, num_kv_blocks=256, seed=0, block_size=8)
-    cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg), loaded=tiny)
+make_engine = functools.partial(engine_helpers.make_engine, num_kv_blocks=256, block_size=8)
 
 
 class InlineConnector(KVConnector):
@@ -55,8 +55,7 @@ class InlineConnector(KVConnector):
                                           cache_salt=spec.cache_salt)
         group.seqs[0].kv_export = export
         self.prefill.add_prepared(group)
-        while self.prefill.has_unfinished_requests():
-            self.prefill.step()
+        drain(self.prefill, max_steps=100, leaks=False)  # a prompt of at most a few chunks
         if self.fault == "corrupt":
             self._deliver(KVLoadResult(spec.request_id, error="transfer broken: checksum mismatch", broken=True))
             return
@@ -66,13 +65,7 @@ class InlineConnector(KVConnector):
 def run(engine, requests):
     for rid, prompt, params in requests:
         engine.add_request(rid, prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = [c.token_ids for c in out.outputs]
-        engine.check_integrity()
-    return done
+    return {rid: [c.token_ids for c in out.outputs] for rid, out in drain(engine).items()}
 
 
 def workload():
