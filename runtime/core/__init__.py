@@ -1,1 +1,3 @@
-"""The engine's state without arrays: requests, the block pool, the KV cache manager, the scheduler, sequence groups and beams."""
+"""The engine's state without arrays: requests, the block pool, the KV cache manager, the scheduler, sequence groups
+and beams.
+"""

@@ -21,8 +21,13 @@ recomputed from its prompt and the tokens it already produced (so it yields the 
 
 A request with structured outputs is passed over (it keeps its place) until its grammar is compiled.
 Speculative decoding: a decode with drafts (request.spec_token_ids) is scheduled as 1 + k tokens and
-gets slots for all of them; after verification the engine moves num_computed_tokens past the
+gets slots for all of them; after verification rollback_rejected moves num_computed_tokens past the
 accepted drafts only and truncates the block table, releasing the slots of the rejected ones.
+
+Only the scheduler changes KV state (through the KV manager): admission, preemption and finishing here;
+after a step the engine reports what was computed (commit_computed), which drafts were kept
+(rollback_rejected) and which samples or beams split off (fork); a decode instance's remote prefill
+admits through start_remote_kv. Copy-on-write copies leave with the step (SchedulerOutput.blocks_to_copy).
 
 With prefix caching, a request being admitted first takes the longest cached prefix of full blocks
 (those tokens count as computed), so a shared system prompt, or a preempted request's own freed but
@@ -46,6 +51,16 @@ class ScheduledRequest:
     num_new_tokens: int  # includes the draft tokens below
     spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step (after the newest token)
 
+    @property
+    def num_real_tokens(self) -> int:
+        """The sequence's own new tokens (prompt chunk or newest token), without the drafts after them."""
+        return self.num_new_tokens - len(self.spec_token_ids)
+
+    @property
+    def completes_prompt(self) -> bool:
+        """This step computes the sequence's last known token, so it samples (decodes always do)."""
+        return self.request.num_computed_tokens + self.num_real_tokens == self.request.num_tokens
+
 
 @dataclass
 class SchedulerOutput:
@@ -55,6 +70,8 @@ class SchedulerOutput:
     # Requests whose scheduling raised: already out of the queues with their blocks freed; the engine
     # fails their groups. One request's bug costs the others nothing.
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
+    # Copy-on-write block copies (src, dst) the device makes before this step's forward.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -167,6 +184,59 @@ class Scheduler:
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)
 
+    # -- KV state after a step: the engine reports, the scheduler (through the KV manager) changes it ----------
+
+    def commit_computed(self, request: Request, num_tokens: int) -> None:
+        """`num_tokens` more of the request's tokens have their K/V in its blocks: count them, and offer its
+        full blocks to the prefix cache."""
+        request.num_computed_tokens += num_tokens
+        self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens,
+                                  request.cache_salt)
+
+    def rollback_rejected(self, request: Request, num_accepted: int) -> None:
+        """After a verify step: the accepted drafts' K/V counts as computed, the rejected drafts' slots are
+        released. all_token_ids holds only accepted tokens, so no hash ever covers a rejected one."""
+        if request.is_finished:  # finishing already freed every block
+            return
+        request.num_computed_tokens += num_accepted
+        self.kv.truncate(request.request_id, request.num_computed_tokens)
+        self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens,
+                                  request.cache_salt)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """`child` (a parallel sample or a beam) shares every block of the running `parent` (copy-on-write)
+        and runs from the next step."""
+        self.kv.fork(parent.request_id, child.request_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.add_running(child)
+
+    def start_remote_kv(self, request: Request, num_blocks: int) -> tuple[int, list[int]] | str:
+        """Disaggregated serving: hold `request` while a prefill instance computes its first `num_blocks`
+        prompt blocks. Its cached prefix is shared, the rest allocated now; returns (first block to fetch,
+        destination block ids), or why it is to be queued as usual instead: "cached" (nothing is missing)
+        or "no free blocks for the transfer"."""
+        cached = self.kv.find_cached_prefix(request.prompt_token_ids, request.cache_salt)
+        if len(cached) >= num_blocks:
+            return "cached"
+        if not self.kv.allocate_with_prefix(request.request_id, cached,
+                                            (num_blocks - len(cached)) * self.kv.block_size):
+            return "no free blocks for the transfer"
+        request.num_cached_tokens = len(cached) * self.kv.block_size
+        request.timings.first_scheduled = time.monotonic()
+        self.add_waiting_for_kv(request)
+        return len(cached), self.kv.block_table(request.request_id)[len(cached):]
+
+    def remote_kv_landed(self, request: Request, num_blocks: int) -> None:
+        """Its first `num_blocks` blocks arrived: count them computed, cache them, schedule the rest."""
+        request.num_computed_tokens = 0
+        self.commit_computed(request, num_blocks * self.kv.block_size)
+        self.kv_arrived(request)
+
+    def remote_kv_failed(self, request: Request) -> None:
+        """The transfer failed or could not start: free its blocks and prefill it here."""
+        self.kv.free(request.request_id)
+        self.kv_failed(request)
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
@@ -257,6 +327,7 @@ class Scheduler:
                     break
             except Exception as e:
                 self._fail(unit, e, out)
+        out.blocks_to_copy = self.kv.take_pending_copies()
         return out
 
     @staticmethod

@@ -1,1 +1,3 @@
-"""The engine step (schedule, execute, update) and what surrounds it: the model runner, the async engine, detokenizing, request limits and events."""
+"""The engine step (schedule, execute, update) and what surrounds it: the model runner, the async engine, detokenizing,
+request limits and events.
+"""

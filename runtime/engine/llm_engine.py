@@ -328,7 +328,7 @@ class LLMEngine:
         for i, s in enumerate(sched.scheduled):
             r = s.request
             group = r.group
-            if group.num_to_fork and r.sample_index == 0 and r.num_computed_tokens + s.num_new_tokens == r.num_tokens:
+            if group.num_to_fork and r.sample_index == 0 and s.completes_prompt:
                 try:
                     forks[i] = [self._new_seq(group, group.next_seq_id(), k) for k in range(1, group.num_to_fork + 1)]
                 except Exception as e:
@@ -349,8 +349,7 @@ class LLMEngine:
                 continue
             try:
                 r = s.request
-                r.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)  # drafts count once accepted
-                self.kv_manager.cache_full_blocks(r.request_id, r.all_token_ids, r.num_computed_tokens, r.cache_salt)
+                self.scheduler.commit_computed(r, s.num_real_tokens)  # drafts count once accepted
                 if r.kv_export is not None and r.num_computed_tokens >= r.num_prompt_tokens:
                     export_blocks(r, self.kv_manager, self.block_io, self.kv_stats)  # before it finishes
                 if result is None:
@@ -366,11 +365,9 @@ class LLMEngine:
                         changed.setdefault(group.request_id, [])
                     continue
                 for child in forks.get(i, []):  # share the prompt's blocks with every other sample
-                    self.kv_manager.fork(r.request_id, child.request_id)
-                    child.num_computed_tokens = r.num_computed_tokens
                     child.num_cached_tokens = r.num_cached_tokens
                     child.timings = dataclasses.replace(r.timings)
-                    self.scheduler.add_running(child)
+                    self.scheduler.fork(r, child)
                     group.seqs.append(child)
                 group.num_to_fork = 0
                 kids = forks.get(i, [])
@@ -379,7 +376,8 @@ class LLMEngine:
                     num_out += len(completion_out.new_token_ids)
                     changed.setdefault(group.request_id, []).append(completion_out)
                 if s.spec_token_ids:
-                    self._rollback_rejected(r, result)
+                    self.spec.observe(r, result.num_draft_tokens, result.num_accepted_tokens)
+                    self.scheduler.rollback_rejected(r, result.num_accepted_tokens)  # frees rejected slots
             except Exception as e:  # appending, hashing, forking, detokenizing this request
                 failed.append(self._fail_group(s.request.group, e, "update", forks))
         self._throughput.append((now, num_out, sched.num_batched_tokens))
@@ -405,16 +403,6 @@ class LLMEngine:
                 self.scheduler.finish_request(r, status)
                 break
         return completion(r, r.sample_index, new_text, new_ids)
-
-    def _rollback_rejected(self, r: Request, result: StepResult) -> None:
-        """After a verify step: the accepted drafts' K/V is valid (computed), the rejected drafts' slots
-        are released. all_token_ids holds only accepted tokens, so no hash ever covers a rejected one."""
-        self.spec.observe(r, result.num_draft_tokens, result.num_accepted_tokens)
-        if r.is_finished:  # finishing already freed every block
-            return
-        r.num_computed_tokens += result.num_accepted_tokens
-        self.kv_manager.truncate(r.request_id, r.num_computed_tokens)
-        self.kv_manager.cache_full_blocks(r.request_id, r.all_token_ids, r.num_computed_tokens, r.cache_salt)
 
     def _fail_bad_grammars(self) -> list[RequestOutput]:
         """Requests whose grammar failed to compile for this tokenizer end aborted (they hold no KV block).
@@ -458,7 +446,8 @@ class LLMEngine:
         proposals = []
         for k, beam in enumerate(live):
             ids, lps = group.beam_pending.pop(beam.request_id)
-            proposals += [Proposal(k, int(t), float(lp), beam.cumulative_logprob + float(lp)) for t, lp in zip(ids, lps)]
+            proposals += [Proposal(k, int(t), float(lp), beam.cumulative_logprob + float(lp))
+                          for t, lp in zip(ids, lps)]
         survivors, finished = select(proposals, bp.beam_width, group.eos_token_ids, bp.ignore_eos)
         for p in finished:
             group.beam_done.append((live[p.beam].output_token_ids + [p.token_id], p.score, "stop"))
@@ -474,9 +463,7 @@ class LLMEngine:
                 child.timings = dataclasses.replace(parent.timings)
                 self.structured.fork(parent, child)
                 if parent.status == RequestStatus.RUNNING:
-                    self.kv_manager.fork(parent.request_id, child.request_id)
-                    child.num_computed_tokens = parent.num_computed_tokens
-                    self.scheduler.add_running(child)
+                    self.scheduler.fork(parent, child)
                 else:  # the parent was preempted after proposing: the child recomputes too
                     self.scheduler.add_request(child)
                 new_live.append(child)
@@ -494,7 +481,9 @@ class LLMEngine:
                 self.scheduler.finish_request(beam, RequestStatus.FINISHED_STOPPED)
         new_live = [b for b in new_live if not b.is_finished]
         group.seqs = new_live
-        if new_live and (new_live[0].num_output_tokens >= bp.max_tokens or new_live[0].num_tokens >= self.max_model_len):
+        longest = new_live[0] if new_live else None
+        if longest is not None and (longest.num_output_tokens >= bp.max_tokens
+                                    or longest.num_tokens >= self.max_model_len):
             for beam in new_live:
                 group.beam_done.append((list(beam.output_token_ids), beam.cumulative_logprob, "length"))
                 self.scheduler.finish_request(beam, RequestStatus.FINISHED_LENGTH)
@@ -526,7 +515,7 @@ class LLMEngine:
         """Decode role: prompts' full blocks come from a prefill instance through `connector`."""
         if self.block_io is None:
             raise ValueError("disaggregated prefill/decode needs tensor_parallel_size 1")
-        self.remote_prefill = RemotePrefill(connector, self.kv_manager, self.scheduler, self.block_io,
+        self.remote_prefill = RemotePrefill(connector, self.scheduler, self.block_io,
                                             self.kv_stats, fallback)
 
     def _land_remote_kv(self) -> None:
@@ -569,8 +558,10 @@ class LLMEngine:
             len(sched.running), len(sched.waiting) + len(sched.waiting_for_kv),  # waiting: queued or receiving KV
             usage.num_used_blocks, usage.num_blocks,
             min(held / slots, 1.0) if slots else 0.0, out_tps, all_tps, self.num_preemptions,
-            prefix_cache_hit_rate=sched.num_cached_prompt_tokens / sched.num_prompt_tokens if sched.num_prompt_tokens else 0.0,
-            prefix_cache_request_hit_rate=sched.num_admitted_with_hit / sched.num_admitted if sched.num_admitted else 0.0,
+            prefix_cache_hit_rate=(sched.num_cached_prompt_tokens / sched.num_prompt_tokens
+                                   if sched.num_prompt_tokens else 0.0),
+            prefix_cache_request_hit_rate=(sched.num_admitted_with_hit / sched.num_admitted
+                                           if sched.num_admitted else 0.0),
             num_shared_blocks=usage.num_shared_blocks, num_exclusive_blocks=usage.num_exclusive_blocks,
             kv_bytes_used=usage.num_used_blocks * per_block, kv_bytes_without_sharing=table_blocks * per_block,
             kv_transfer=self.kv_stats.snapshot(),

@@ -80,15 +80,14 @@ class ModelRunner:
         """One forward pass. Entry i is for sched.scheduled[i]: None mid-prefill, else its samples
         (its own and those of `forks[i]`, the samples about to fork from it) or beam proposals."""
         forks = forks or {}
-        copies = self.kv.take_pending_copies()
         chunks, completing, first_rows = [], [], []
         results: list[StepResult | None] = [None] * len(sched.scheduled)
         num_rows = 0
         for i, s in enumerate(sched.scheduled):
             r = s.request
             start = r.num_computed_tokens
-            num_real = s.num_new_tokens - len(s.spec_token_ids)  # the sequence's own tokens, then its drafts
-            completes = start + num_real == r.num_tokens
+            num_real = s.num_real_tokens  # the sequence's own tokens, then its drafts
+            completes = s.completes_prompt
             num_logits = 1 + len(s.spec_token_ids) if completes else 0
             try:
                 chunk = SeqChunk(r.all_token_ids[start : start + num_real] + s.spec_token_ids, start,
@@ -122,7 +121,7 @@ class ModelRunner:
         masked = seqs + [sched.scheduled[i].request for _, i in beams] + [sched.scheduled[i].request for i, _ in verify]
         drafts = [[]] * (len(seqs) + len(beams)) + [sched.scheduled[i].spec_token_ids for i, _ in verify]
         bitmask = self.structured.start_bitmask(masked, drafts) if self.structured is not None else None
-        logits = self.executor.execute_model(ExecuteModelRequest(batch, copies))
+        logits = self.executor.execute_model(ExecuteModelRequest(batch, sched.blocks_to_copy))
         bitmask = bitmask.result() if bitmask is not None else None
         for k, (row, i) in enumerate(beams):
             width = 2 * sched.scheduled[i].request.group.beam.beam_width

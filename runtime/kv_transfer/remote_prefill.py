@@ -32,12 +32,12 @@ FALLBACKS = ("local", "fail")
 
 
 class RemotePrefill:
-    def __init__(self, connector: KVConnector, kv: KVCacheManager, scheduler: Scheduler, block_io: KVBlockIO,
+    def __init__(self, connector: KVConnector, scheduler: Scheduler, block_io: KVBlockIO,
                  stats: KVTransferStats, fallback: str = "local") -> None:
         if fallback not in FALLBACKS:
             raise ValueError(f"prefill_fallback must be one of {list(FALLBACKS)}, got {fallback!r}")
         self.connector = connector
-        self.kv = kv
+        self.block_size = scheduler.kv.block_size
         self.scheduler = scheduler
         self.block_io = block_io
         self.stats = stats
@@ -47,27 +47,23 @@ class RemotePrefill:
     def try_start(self, request: Request) -> bool:
         """Start fetching the request's missing full prompt blocks. True: the request is queued (waiting for
         its KV, or for a local prefill if the transport could not start); False: queue it as usual."""
-        bs = self.kv.block_size
-        n = (request.num_prompt_tokens - 1) // bs
-        cached = self.kv.find_cached_prefix(request.prompt_token_ids, request.cache_salt)
-        if len(cached) >= n:
-            return False  # everything but the tail is here already: nothing to fetch
-        if not self.kv.allocate_with_prefix(request.request_id, cached, (n - len(cached)) * bs):
-            self._fell_back(request, "no free blocks for the transfer")
+        bs = self.block_size
+        n = (request.num_prompt_tokens - 1) // bs  # every full block but the one holding the last token
+        started = self.scheduler.start_remote_kv(request, n)  # admission: the scheduler's
+        if isinstance(started, str):
+            if started != "cached":  # "cached": everything but the tail is here already, nothing to fetch
+                self._fell_back(request, started)
             return False
+        first_block, dst_block_ids = started
         spec = KVLoadSpec(request.request_id, request.prompt_token_ids[: n * bs], request.cache_salt,
-                          first_block=len(cached), dst_block_ids=self.kv.block_table(request.request_id)[len(cached):])
+                          first_block=first_block, dst_block_ids=dst_block_ids)
         self._specs[request.request_id] = spec
-        request.num_cached_tokens = len(cached) * bs
-        request.timings.first_scheduled = time.monotonic()
-        self.scheduler.add_waiting_for_kv(request)
         try:
             self.connector.start_load(spec)
         except Exception as e:  # a transport that cannot even start (shut down, out of threads): prefill here
             del self._specs[request.request_id]
-            self.kv.free(request.request_id)
             self._fell_back(request, f"local error: {e!r}")
-            self.scheduler.kv_failed(request)  # queued for a local prefill
+            self.scheduler.remote_kv_failed(request)  # queued for a local prefill
         return True
 
     def abort(self, request_id: str) -> None:
@@ -86,9 +82,8 @@ class RemotePrefill:
                 if result.ok:
                     self._land(request, spec, result)
                 elif result.broken or self.fallback == "local":
-                    self.kv.free(request.request_id)
                     self._fell_back(request, result.error)
-                    self.scheduler.kv_failed(request)
+                    self.scheduler.remote_kv_failed(request)
                 else:
                     failed.append((request.group.request_id if request.group else request.request_id,
                                    KVTransferError(f"remote prefill failed and --prefill-fallback is fail: "
@@ -101,10 +96,7 @@ class RemotePrefill:
         t0 = time.monotonic()
         if result.data is not None:
             self.block_io.write(spec.dst_block_ids, result.data)
-        request.num_computed_tokens = spec.num_blocks * self.kv.block_size
-        self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens,
-                                  request.cache_salt)
-        self.scheduler.kv_arrived(request)
+        self.scheduler.remote_kv_landed(request, spec.num_blocks)
         s = self.stats
         seconds = result.transfer_s + time.monotonic() - t0
         s.remote_prefills += 1
