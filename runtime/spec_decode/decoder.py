@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from pagedserve.models.llama import LlamaForCausalLM
+from pagedserve.models import registry
 
 from .draft_proposer import DraftProposer, load_draft
 from ..core.request import Request, RequestStatus
@@ -151,7 +151,8 @@ class SpecDecoder:
 
 
 def build_spec_decoder(config: SpeculativeConfig | None, target: Callable[[], Any], backend: Any, num_blocks: int,
-                       block_size: int, max_model_len: int, seed: int | None, use_cache: bool = True) -> SpecDecoder | None:
+                       block_size: int, max_model_len: int, seed: int | None,
+                       use_cache: bool = True) -> SpecDecoder | None:
     """The engine's SpecDecoder (None when speculation is off); loads or builds the draft model.
 
     target: gives the target's LoadedModel (whole weights), called only for a draft model. The draft runs
@@ -162,5 +163,6 @@ def build_spec_decoder(config: SpeculativeConfig | None, target: Callable[[], An
     draft = None
     if config.method == "draft":
         cfg, weights, name = load_draft(config.model, config.draft_num_layers, target(), use_cache)
-        draft = DraftProposer(LlamaForCausalLM(cfg, weights, backend, source=name), num_blocks, block_size, seed)
+        model = registry.for_config(cfg).model_class(cfg, weights, backend, source=name)
+        draft = DraftProposer(model, num_blocks, block_size, seed)
     return SpecDecoder(config, max_model_len, draft, gpu=bool(getattr(backend, "is_gpu", False)))

@@ -30,7 +30,7 @@ from pagedserve.models.batch import SeqChunk, build_forward_batch
 from pagedserve.cupy_kernels.backend import to_host
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.kv_cache import allocate_kv_caches
-from pagedserve.models.llama import LlamaForCausalLM, expected_shapes
+from pagedserve.models.registry import expected_shapes
 from pagedserve.models.loading.loader import LoadedModel, load_model
 
 from ..core.kv_cache_manager import KVCacheManager
@@ -71,7 +71,8 @@ def load_draft(spec_model: str | None, num_layers: int | None, target: LoadedMod
 
 
 class DraftProposer:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int | None = None) -> None:
+    def __init__(self, model: Any, num_blocks: int, block_size: int, seed: int | None = None) -> None:
+        """`model`: an instance of the draft config's registry model class (models/registry.py)."""
         self.model = model
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, model.backend)

@@ -39,8 +39,9 @@ What capture needs, and how it is met:
   would then hand that same memory out again, to this pool or to anyone. Hence the private pool
   draws from an arena reserved before the first capture (`ArenaAllocator`): one cudaMalloc of the
   measured need (the warm-ups of every graph, run first under a throw-away pool that caches and
-  reuses like the private one will, plus a margin) that the arena only ever hands out forwards. A block the pool lets go is never handed out again, so a
-  retry cannot alias a graph's memory; it gets fresh arena bytes or fails, and a failure drops
+  reuses like the private one will, plus a margin) that the arena only ever hands out forwards. A
+  block the pool lets go is never handed out again, so a retry cannot alias a graph's memory; it
+  gets fresh arena bytes or fails, and a failure drops
   every graph (below). gpu_memory.py counts the same reservation against the KV cache.
 - The ops allocate their outputs (cupy.empty) inside the forward, which the private pool covers;
   no `out=` parameters are needed in the op layer.
@@ -141,7 +142,8 @@ def context_buckets(max_blocks: int, block_size: int) -> tuple[int, ...]:
         parts *= 2
 
 
-def pack_decode_batch(batch: ForwardBatch | None, size: int, max_blocks: int) -> tuple[np.ndarray, np.ndarray, PackedLayout]:
+def pack_decode_batch(batch: ForwardBatch | None, size: int,
+                      max_blocks: int) -> tuple[np.ndarray, np.ndarray, PackedLayout]:
     """Host buffers (see device_batch.pack_batch) for a decode batch padded to `size` rows.
 
     batch=None gives padding rows only (what the static buffers hold while capturing). Padding rows

@@ -37,7 +37,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from pagedserve.models.batch import ForwardBatch, SeqChunk, build_forward_batch
+from pagedserve.models import registry
+from pagedserve.models.batch import SeqChunk, build_forward_batch
 from pagedserve.models.device_batch import unpack_batch
 from pagedserve.models.kv_cache import allocate_kv_caches
 
@@ -118,12 +119,9 @@ def array_bytes(arrays: Iterable[Any]) -> int:
 
 
 def model_weight_bytes(model: Any) -> int:
-    """Bytes of a LlamaForCausalLM's weights (a tied lm_head is a view and counts once)."""
-    arrays = [model.embed_tokens, model.norm, model.lm_head]
-    for layer in model.layers:
-        arrays += [layer.input_norm, layer.qkv, layer.qkv_bias, layer.o_proj, layer.post_norm, layer.gate_up,
-                   layer.down]
-    return array_bytes(arrays)
+    """Bytes of a model's weights on its device: its rank's slices of the architecture's shape table
+    (models/registry.py) at the backend's dtype (a tied lm_head is a view of the embedding: counted once)."""
+    return registry.weight_bytes(model.config, model.backend.dtype.itemsize, model.shard)
 
 
 def profile_chunks(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,

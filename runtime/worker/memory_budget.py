@@ -26,6 +26,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pagedserve.models import registry
 from pagedserve.models.config import ModelConfig
 
 from ..config import DEFAULT_CPU_KV_BYTES
@@ -79,12 +80,8 @@ def activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs
 
 
 def weights_bytes(cfg: ModelConfig, itemsize: int) -> int:
-    """The weights' size from the config: embeddings (and an untied lm_head), per layer the attention and
-    MLP matrices and the two norms, the final norm."""
-    h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-    embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    return (embed + cfg.num_hidden_layers * per_layer + h) * itemsize
+    """The weights' size from the config: every tensor of the architecture's shape table (models/registry.py)."""
+    return registry.weight_bytes(cfg, itemsize)
 
 
 def resident_bytes() -> int:

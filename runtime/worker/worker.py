@@ -27,7 +27,7 @@ from pagedserve.cupy_kernels.host.blas_threads import set_blas_threads, set_cpu_
 from pagedserve.cupy_kernels.host.malloc import tune_malloc
 from pagedserve.models.batch import ForwardBatch
 from pagedserve.models.kv_cache import allocate_kv_caches, kv_bytes_per_block
-from pagedserve.models.llama import LlamaForCausalLM
+from pagedserve.models import registry
 from pagedserve.models.loading.loader import LoadedModel, load_model
 from pagedserve.models.tensor_parallel import TPShard, check_tensor_parallel, shard_weights
 
@@ -85,8 +85,9 @@ class Worker:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name, self.model_path = loaded.name, loaded.path
-        self.model = LlamaForCausalLM(loaded.config, weights, self.backend, source=str(loaded.path), shard=shard,
-                                      comm=comm)
+        model_class = registry.for_config(loaded.config).model_class
+        self.model = model_class(loaded.config, weights, self.backend, source=str(loaded.path), shard=shard,
+                                 comm=comm)
         finish_warm_up(self.backend)
         self.kv_caches: list[tuple[Any, Any]] | None = None
         self.graphs: DecodeGraphs | None = None
