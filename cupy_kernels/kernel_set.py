@@ -24,8 +24,8 @@ from typing import Any, Callable
 from .reference import ops, paged_attention
 
 # The op names every kernel set provides, in the order of a forward pass.
-OP_NAMES = ("embedding", "linear", "pack_weight", "rms_norm", "add_rms_norm", "rope_cos_sin", "apply_rotary", "silu_and_mul",
-            "reshape_and_cache", "rotary_and_cache", "copy_blocks", "plan_attention", "paged_attention",
+OP_NAMES = ("embedding", "linear", "pack_weight", "rms_norm", "add_rms_norm", "rope_cos_sin", "apply_rotary",
+            "silu_and_mul", "reshape_and_cache", "rotary_and_cache", "copy_blocks", "plan_attention", "paged_attention",
             "logsumexp_rows")
 
 CPU_KERNEL_SETS = ("auto", "numba", "numpy")
@@ -78,8 +78,9 @@ def _numba_started() -> KernelSet:
     the on-disk cache) here, the attention and long-prefill ones handed to a child process when the cache is
     empty (numba_setup.compile_aside: ~half of the compile time each side, on the other core). The set is
     whole, but its attention kernels are not ready until finish_numba_warm_up()."""
+    # Imports (and configures) numba: only when asked for.
     from .numba_cpu import (attention as numba_attention, gemm as numba_gemm, ops as numba_ops,
-                            prefill as numba_prefill, quant as numba_quant)  # imports (and configures) numba: only when asked for
+                            prefill as numba_prefill, quant as numba_quant)
     from .numba_cpu.setup import compile_aside
 
     # The GEMM first here: the child's prefill warm-up adds a signature to the same module's cache index,

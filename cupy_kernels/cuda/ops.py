@@ -473,7 +473,8 @@ def copy_blocks(kv_caches, block_mapping) -> None:
     first = caches[0]
     for c in caches:
         if not is_cupy_array(c) or c.shape != first.shape or c.dtype != first.dtype or not c.flags.c_contiguous:
-            raise ValueError("copy_blocks: every K and V cache must be a C-contiguous CuPy array of one shape and dtype")
+            raise ValueError("copy_blocks: every K and V cache must be a C-contiguous CuPy array"
+                             " of one shape and dtype")
     mapping = np.asarray(block_mapping, dtype=np.int64).reshape(-1, 2)
     num_blocks = first.shape[0]
     if int(mapping.min()) < 0 or int(mapping.max()) >= num_blocks:
@@ -527,7 +528,8 @@ def _check_host_metadata(query_start_loc, seq_lens, block_tables, num_tokens: in
     tables = np.asarray(block_tables)
     b = lens.shape[0]
     if qsl.shape != (b + 1,) or qsl[0] != 0 or qsl[-1] != num_tokens:
-        raise ValueError(f"paged_attention: query_start_loc must be [{b + 1}] from 0 to {num_tokens}, got {qsl.tolist()}")
+        raise ValueError(f"paged_attention: query_start_loc must be [{b + 1}] from 0 to {num_tokens},"
+                         f" got {qsl.tolist()}")
     num_new = np.diff(qsl)
     if (num_new < 1).any():
         raise ValueError("paged_attention: every sequence needs at least one query token")

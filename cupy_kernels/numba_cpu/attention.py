@@ -179,7 +179,6 @@ def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, bloc
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     row_floats = num_kv_heads * head_dim
-    block_floats = block_size * row_floats
     segment_blocks = K_SEGMENT // block_size
     k_address, v_address = ir_loops.address(k_cache), ir_loops.address(v_cache)  # for the prefetch hints
     # A run's prefetch hints are issued in num_heads parts (one per query head's work), whole lines each.

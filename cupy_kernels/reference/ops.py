@@ -3,8 +3,8 @@
 These numpy functions are the reference. The numba (numba_ops.py) and CUDA (cuda_ops.py) versions of an
 op take the same arguments and return the same result (within float32 / float16 rounding), and models/
 reaches whichever the backend chose through `backend.ops` (kernel_set.py), so it never changes when the
-backend does; each compiled kernel is tested against the function here. Shapes use T = tokens in the flat batch, H = query
-heads, KV = key/value heads, D = head dim.
+backend does; each compiled kernel is tested against the function here. Shapes use T = tokens in the flat batch,
+H = query heads, KV = key/value heads, D = head dim.
 """
 
 from __future__ import annotations
