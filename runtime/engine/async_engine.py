@@ -57,7 +57,8 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     for c in newer.outputs:
         o = older_by_index.pop(c.index, None)
         if o is not None:
-            c = dataclasses.replace(c, new_text=o.new_text + c.new_text, new_token_ids=o.new_token_ids + c.new_token_ids)
+            c = dataclasses.replace(c, new_text=o.new_text + c.new_text,
+                                    new_token_ids=o.new_token_ids + c.new_token_ids)
         merged.append(c)
     return dataclasses.replace(newer, outputs=sorted([*older_by_index.values(), *merged], key=lambda c: c.index))
 
@@ -152,7 +153,8 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                        cache_salt: str | None = None, kv_export: KVExport | None = None,
-                       on_admitted: Callable[[SequenceGroup], Awaitable[None]] | None = None) -> AsyncIterator[RequestOutput]:
+                       on_admitted: Callable[[SequenceGroup], Awaitable[None]] | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step. Leaving early (cancel, break) aborts it.
 
         on_admitted(group) is awaited once the request passed every check and was handed to the engine,
@@ -304,8 +306,8 @@ class AsyncEngine:
                             self.engine.abort_request(payload.request_id)
                         log.error("request.failed", request_id=payload.request_id, stage="queue", error=repr(e))
                         if self._loop is not None:
-                            self._loop.call_soon_threadsafe(self._fail, payload.request_id,
-                                                            RequestFailedError(f"request failed while queueing it: {e!r}"))
+                            error = RequestFailedError(f"request failed while queueing it: {e!r}")
+                            self._loop.call_soon_threadsafe(self._fail, payload.request_id, error)
             else:
                 self.engine.abort_request(payload)
 

@@ -34,8 +34,9 @@ class RequestEvents:
         for r, num_new in sched.admitted:
             if r.num_preemptions == 0:
                 t = r.timings
-                log.info("request.scheduled", request_id=r.request_id, queue_time_s=round(t.first_scheduled - t.arrival, 6),
-                         num_new_tokens=num_new, cached_tokens=r.num_cached_tokens)
+                log.info("request.scheduled", request_id=r.request_id,
+                         queue_time_s=round(t.first_scheduled - t.arrival, 6), num_new_tokens=num_new,
+                         cached_tokens=r.num_cached_tokens)
 
     def first_token(self, r, now: float) -> None:
         if self.enabled and r.sample_index == 0:

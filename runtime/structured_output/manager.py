@@ -167,7 +167,8 @@ class StructuredOutputManager:
 
     # -- the step's bitmask -----------------------------------------------------------------------
 
-    def start_bitmask(self, seqs: Sequence[Any], drafts: Sequence[Sequence[int]] | None = None) -> _PendingBitmask | None:
+    def start_bitmask(self, seqs: Sequence[Any],
+                      drafts: Sequence[Sequence[int]] | None = None) -> _PendingBitmask | None:
         """Fill the bitmask of the constrained sequences among `seqs` in a worker thread; None when none is
         constrained. .result() gives a GrammarBitmask whose rows number the sampler's rows: sequence i has
         1 + len(drafts[i]) of them (drafts: speculative verify rows; None = one row each), the first for
