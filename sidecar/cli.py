@@ -126,7 +126,8 @@ def _add_text_args(p: argparse.ArgumentParser) -> None:
     guided.add_argument("--json-schema", metavar="FILE", default=None, help="the output follows this JSON Schema")
     guided.add_argument("--regex", metavar="RE", default=None, help="the output matches this regular expression")
     guided.add_argument("--choice", metavar="A,B,C", default=None, help="the output is one of these strings")
-    guided.add_argument("--grammar", metavar="FILE", default=None, help="the output follows this Lark (or GBNF) grammar")
+    guided.add_argument("--grammar", metavar="FILE", default=None,
+                        help="the output follows this Lark (or GBNF) grammar")
 
 
 def build_parser() -> argparse.ArgumentParser:

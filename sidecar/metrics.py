@@ -46,7 +46,8 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 _NAMED_STATS = {"num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_total", "kv_token_slot_utilization",
                 "num_preemptions", "prefix_cache_hit_rate"}
 # Where the speculative- and guided-decoding figures get their names once those features land, e.g.
-#   "spec_decode_num_accepted_tokens": ("counter", "pagedserve_spec_decode_num_accepted_tokens", "Draft tokens accepted"),
+#   "spec_decode_num_accepted_tokens":
+#       ("counter", "pagedserve_spec_decode_num_accepted_tokens", "Draft tokens accepted"),
 _FEATURE_METRICS: dict[str, tuple[str, str, str]] = {}
 
 
@@ -115,14 +116,16 @@ class _EngineCollector(Collector):
                        sched.num_prompt_tokens)
         yield _counter("pagedserve_prefix_cache_hits", "Prompt tokens found in the prefix cache",
                        sched.num_cached_prompt_tokens)
-        yield _gauge("pagedserve_prefix_cache_hit_rate", "Prefix cache hits / queries since start", s.prefix_cache_hit_rate)
+        yield _gauge("pagedserve_prefix_cache_hit_rate", "Prefix cache hits / queries since start",
+                     s.prefix_cache_hit_rate)
         budget = engine.engine.memory_budget
         yield _gauge("pagedserve_memory_budget_bytes", "The engine's memory budget at start", budget.total_bytes)
         for f in dataclasses.fields(s):
             value = getattr(s, f.name)
             if f.name in _NAMED_STATS or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
-            kind, name, doc = _FEATURE_METRICS.get(f.name, ("gauge", f"pagedserve_engine_{f.name}", f"EngineStats.{f.name}"))
+            default = ("gauge", f"pagedserve_engine_{f.name}", f"EngineStats.{f.name}")
+            kind, name, doc = _FEATURE_METRICS.get(f.name, default)
             yield (_counter if kind == "counter" else _gauge)(name, doc, value)
 
 

@@ -268,7 +268,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if bad:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids must be in [0, {vocab}); got {bad[:5]}")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return pb.DetokenizeResponse(text=engine.engine.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip))
+        text = engine.engine.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
+        return pb.DetokenizeResponse(text=text)
 
     async def GetModelInfo(self, request, context):
         engine = await self._engine(context)
