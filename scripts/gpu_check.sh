@@ -253,8 +253,19 @@ t0=$SECONDS
 rc=$?
 record environment "$rc" "$t0"
 grep "^gpu_kit:" "$WORK/environment.log" | sed 's/^gpu_kit: //' | while IFS= read -r line; do log "$line"; done
+# pytest's options for the GPU tests, the same for this collection as for the run (step 4), so that the
+# dry run proves them: the record plugin, and a per-test timeout where pytest-timeout is (it is on the image).
+PYTEST_COMMON=(-p no:cacheprovider -p gpu_pytest_record)
+PER_TEST=null
+if "$PY" -c "import pytest_timeout" 2>/dev/null; then
+  PER_TEST=$PER_TEST_S
+  PYTEST_COMMON+=("--timeout=$PER_TEST_S" --timeout-method=signal)  # no -p: its entry point loads it
+else
+  log "warning: pytest-timeout is not importable: no per-test timeout, only the suite's"
+fi
 t0=$SECONDS
-(cd "$ROOT" && "$PY" -m pytest tests/cupy_kernels -m gpu --collect-only -q -p no:cacheprovider) > "$WORK/collect.log" 2>&1
+(cd "$ROOT" && GPU_TEST_RECORD="$WORK/collect.jsonl" PYTHONPATH="$ROOT/scripts:$PYTHONPATH" \
+  "$PY" -m pytest tests/cupy_kernels -m gpu "${PYTEST_COMMON[@]}" --collect-only -q) > "$WORK/collect.log" 2>&1
 rc=$?
 record collect "$rc" "$t0"
 log "GPU tests collected: $(tail -n 1 "$WORK/collect.log") (exit $rc, $((SECONDS - t0)) s)"
@@ -328,22 +339,13 @@ log "device: $("$PY" -c "import json,sys; print(json.load(open(sys.argv[1])).get
 export PAGEDSERVE_GPU_ERRORS="$WORK/errors.jsonl" PAGEDSERVE_GPU_REFERENCE="$REFERENCE"
 export PAGEDSERVE_CACHE_DIR="$WORK/cache"  # the kernel cache: compiled once, shared by tests and benchmarks
 : > "$PAGEDSERVE_GPU_ERRORS"
-TIMEOUT_ARGS=()
-PER_TEST=null
-if "$PY" -c "import pytest_timeout" 2>/dev/null; then
-  PER_TEST=$PER_TEST_S
-  TIMEOUT_ARGS=(-p pytest_timeout "--timeout=$PER_TEST_S" --timeout-method=signal)
-else
-  log "warning: pytest-timeout is not importable: no per-test timeout, only the suite's"
-fi
 TESTS_CAP="$(left "$TESTS_S" 40)"
 if [ "$TESTS_CAP" -lt 5 ]; then TESTS_CAP=5; fi
 log "GPU tests: ${TESTS_CAP} s for the suite, ${PER_TEST} s per test; log: $OUT_DIR/gpu_tests.log"
 t0=$SECONDS
 (cd "$ROOT" && GPU_TEST_RECORD="$WORK/tests.jsonl" PYTHONPATH="$ROOT/scripts:$PYTHONPATH" \
-  timeout -k 15 "$TESTS_CAP" "$PY" -m pytest tests/cupy_kernels -m gpu -v -rfEs --durations=30 -p no:cacheprovider \
-    -p gpu_pytest_record "${TIMEOUT_ARGS[@]}" --ignore=tests/cupy_kernels/test_nccl.py \
-    --junitxml="$OUT_DIR/gpu_tests.xml") > "$OUT_DIR/gpu_tests.log" 2>&1
+  timeout -k 15 "$TESTS_CAP" "$PY" -m pytest tests/cupy_kernels -m gpu "${PYTEST_COMMON[@]}" -v -rfEs --durations=30 \
+    --ignore=tests/cupy_kernels/test_nccl.py --junitxml="$OUT_DIR/gpu_tests.xml") > "$OUT_DIR/gpu_tests.log" 2>&1
 TESTS_RC=$?
 record tests "$TESTS_RC" "$t0"
 grep -E "^(FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed)" "$OUT_DIR/gpu_tests.log" | tail -n 25 >&2
@@ -377,8 +379,8 @@ cap="$(left "$TP_S")"
 if [ "$cap" -ge 5 ]; then
   t0=$SECONDS
   (cd "$ROOT" && GPU_TEST_RECORD="$WORK/tp.jsonl" PYTHONPATH="$ROOT/scripts:$PYTHONPATH" \
-    timeout -k 5 "$cap" "$PY" -m pytest tests/cupy_kernels/test_nccl.py -m gpu -q -rs -p no:cacheprovider \
-      -p gpu_pytest_record) > "$WORK/tp.log" 2>&1
+    timeout -k 5 "$cap" "$PY" -m pytest tests/cupy_kernels/test_nccl.py -m gpu "${PYTEST_COMMON[@]}" -q -rs) \
+      > "$WORK/tp.log" 2>&1
   rc=$?
   record tensor_parallel "$rc" "$t0"
   log "tensor parallelism: $TP_STATUS; exit $rc"

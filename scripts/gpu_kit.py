@@ -231,7 +231,7 @@ def _pip_download(python: str, dest: Path, reqs: list[str], constraints: list[st
     os.unlink(f.name)
     if proc.returncode != 0:
         lines = [ln for ln in proc.stderr.splitlines() if "is ignored: it is neither" not in ln]
-        nomatch = [m.group(1) for ln in lines for m in [re.search(r"No matching distribution found for (\S+)", ln)] if m]
+        nomatch = re.findall(r"No matching distribution found for (\S+)", "\n".join(lines))
         if nomatch:
             log(f"no CPython {image['python']} manylinux (glibc <= {image['glibc']}) x86_64 wheel on the index for "
                 f"{', '.join(nomatch)}, at a version the image's packages allow: it can neither travel nor be "
@@ -347,7 +347,8 @@ def size(check_dir: Path, root: Path = ROOT) -> int:
     wheels = folder_bytes(check_dir / "wheels")
     ref = folder_bytes(check_dir / "reference")
     total = tree + wheels + ref
-    line = (f"travels: .gpu_check/wheels {wheels / MIB:.1f} MiB + .gpu_check/reference {ref / MIB:.1f} MiB "
+    ref_text = f"{ref / MIB:.1f} MiB" if ref else "not computed (about 1.2 MiB)"
+    line = (f"travels: .gpu_check/wheels {wheels / MIB:.1f} MiB + .gpu_check/reference {ref_text} "
             f"+ the tree {tree / MIB:.1f} MiB = {total / MIB:.1f} MiB of {TRAVEL_LIMIT_BYTES // MIB} MiB")
     kit_file = check_dir / "kit.json"
     if kit_file.exists():
@@ -480,9 +481,10 @@ def check_env(site: Path | None, out: Path, root: Path = ROOT) -> int:
                 note(info.name, e)
     result["imports"] = {"imported": len(modules), "failed": failed, "first_missing": first_missing}
     if failed:
-        problems.append(f"{len(failed)} pagedserve module(s) do not import"
-                        + (f"; first missing module: {first_missing['module']} (imported by {first_missing['imported_by']})"
-                           if first_missing else "") + ": " + "; ".join(f"{k}: {v}" for k, v in list(failed.items())[:5]))
+        first = (f"; first missing module: {first_missing['module']} (imported by {first_missing['imported_by']})"
+                 if first_missing else "")
+        problems.append(f"{len(failed)} pagedserve module(s) do not import{first}: "
+                        + "; ".join(f"{k}: {v}" for k, v in list(failed.items())[:5]))
     # 4. the image's own versions of the listed packages (outside the carried folder), to keep the list true
     try:
         image = load_image()
@@ -532,11 +534,12 @@ def _read_json(path: Path):
         return None
 
 
-def _tail(path: Path, n: int = 20) -> list[str]:
+def _tail(path: Path, n: int = 20, width: int = 400) -> list[str]:
     try:
-        return path.read_text(errors="replace").splitlines()[-n:]
+        lines = path.read_text(errors="replace").splitlines()[-n:]
     except OSError:
         return []
+    return [ln if len(ln) <= width else ln[:width] + " [...]" for ln in lines]
 
 
 def read_test_records(path: Path) -> dict:
@@ -755,7 +758,7 @@ def results(work: Path, out_dir: Path, meta: dict) -> int:
     (out_dir / "gpu_results.json").write_text(json.dumps(result, indent=2) + "\n")
     for f in failures:
         log(f"FAILED: {f}")
-    att = result.get("attention", {}).get("headline_pct_of_peak_bandwidth") if isinstance(result.get("attention"), dict) else None
+    att = (result.get("attention") or {}).get("headline_pct_of_peak_bandwidth")
     log(f"wrote {out_dir / 'gpu_results.json'} (exit {exit_code}"
         + (f"; attention headline {att}% of peak bandwidth" if att is not None else "") + ")")
     return exit_code
@@ -783,6 +786,9 @@ def dry_verify(path: Path, expect_carried: int) -> int:
         bad.append(f"imports: {imports}")
     if not (r.get("collected") or {}).get("gpu_tests"):
         bad.append(f"collection: {r.get('collected')}")
+    if not r.get("kit", {}).get("per_test_timeout_s"):
+        bad.append("the GPU tests were collected without a per-test timeout: pytest-timeout is missing from the "
+                   "image's packages (.gpu_check/machine-wheels)")
     for b in bad:
         log("DRY RUN: " + b)
     if not bad:
@@ -790,7 +796,8 @@ def dry_verify(path: Path, expect_carried: int) -> int:
         log(f"the real run's own steps, with a venv python3 over the image's packages: {expect_carried} carried wheels "
             f"installed --no-deps --target and first on PYTHONPATH ({len(carried_mods)} carried modules imported from "
             f"there, the image's copies shadowed), {len(env.get('requirements', {}))} requirements met, "
-            f"{imports['imported']} pagedserve modules imported, {r['collected']['gpu_tests']} GPU tests collected, "
+            f"{imports['imported']} pagedserve modules imported, {r['collected']['gpu_tests']} GPU tests collected "
+            f"with the run's pytest options ({r['kit']['per_test_timeout_s']} s per test), "
             f"then exit 2 at the GPU preflight ({r['preflight']['no_gpu'][:60]})")
     return 1 if bad else 0
 
