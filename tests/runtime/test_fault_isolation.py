@@ -7,11 +7,14 @@ gives the very tokens it gives in a clean run; the block pool is consistent afte
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
+import engine_helpers
+from engine_helpers import drain
+
 from pagedserve.runtime.engine import model_runner
-from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.engine.llm_engine import LLMEngine
 from pagedserve.runtime.sampling_params import SamplingParams
 
 POISON = 499  # a token id that only the bad request's prompt holds
@@ -19,8 +22,7 @@ GOOD = {f"good{i}": [3 + (i * 11 + j) % 400 for j in range(7 + 9 * i)] for i in 
 BAD_PROMPT = [5, 6, POISON, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
 
 
-def make_engine(tiny):
-    return LLMEngine(EngineConfig(device="cpu", num_kv_blocks=64, max_num_batched_tokens=32, seed=0), loaded=tiny)
+make_engine = functools.partial(engine_helpers.make_engine, num_kv_blocks=64, max_num_batched_tokens=32)
 
 
 def params(**kw):
@@ -36,19 +38,20 @@ def reference(tiny):
 
 
 def run(e, late=None):
+    """drain(e); with `late`, those requests arrive after the third step, however many are unfinished then."""
     done = {}
-    step = 0
-    while e.has_unfinished_requests() or (late and step < 3):
-        for out in e.step():
-            if out.finished:
-                assert out.request_id not in done
-                done[out.request_id] = out
-        e.check_integrity()
-        step += 1
-        if late and step == 3:
-            for rid, prompt in late.items():
-                e.add_request(rid, prompt, params())
-    return done
+    if late:
+        for _ in range(3):
+            for out in e.step():
+                if out.finished:
+                    assert out.request_id not in done
+                    done[out.request_id] = out
+            e.check_integrity()
+        for rid, prompt in late.items():
+            e.add_request(rid, prompt, params())
+    rest = drain(e, max_steps=500)
+    assert not set(rest) & set(done), "a request finished twice"
+    return {**done, **rest}
 
 
 def check(e, done, reference, stage_words):

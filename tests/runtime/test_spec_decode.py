@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+import engine_helpers
 from chi_square import two_sample
+from engine_helpers import drain
 
 from pagedserve.runtime.engine.async_engine import _spec_fields
 from pagedserve.runtime.config import EngineConfig
@@ -20,7 +23,8 @@ def specs(data_dir):
     return {
         "ngram": NGRAM,
         # min_acceptance_rate 0: always speculate, whatever the policy would decide (these tests check exactness).
-        "self_draft": {"method": "draft", "draft_num_layers": 1, "num_speculative_tokens": 3, "min_acceptance_rate": 0.0},
+        "self_draft": {"method": "draft", "draft_num_layers": 1, "num_speculative_tokens": 3,
+                       "min_acceptance_rate": 0.0},
         "other_draft": {"model": str(data_dir / "tiny-qwen2"), "num_speculative_tokens": 2, "min_acceptance_rate": 0.0},
         # The target as its own draft: every draft accepted, so bonus tokens and cuts at max_tokens and
         # stop tokens inside a run of accepted drafts are exercised.
@@ -29,9 +33,7 @@ def specs(data_dir):
 
 
 def make_engine(tiny, spec=None, **kw):
-    cfg = dict(device="cpu", max_num_batched_tokens=64, num_kv_blocks=512, seed=0, speculative_config=spec)
-    cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg), loaded=tiny)
+    return engine_helpers.make_engine(tiny, speculative_config=spec, **kw)
 
 
 def workload(n, seed):
@@ -45,19 +47,7 @@ def workload(n, seed):
     return out
 
 
-def run_all(engine, on_step=None):
-    finished, steps = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-        engine.check_integrity()
-        if engine.spec is not None and engine.spec.draft is not None:
-            engine.spec.draft.kv.check_integrity()
-        if on_step:
-            on_step(engine, steps)
-        steps += 1
-    return finished
+run_all = drain  # checks both pools (the engine's and a draft model's) after every step, and for leaks at the end
 
 
 def greedy_params(i, max_tokens, stop=None):
@@ -133,7 +123,7 @@ def test_rollback_with_aborts_leaves_no_block_and_no_hash_of_a_rejected_token(ti
             aborted.append(str(rng.choice(sorted(engine.groups))))
             engine.abort_request(aborted[-1])
 
-    run_all(e, abort_some)
+    run_all(e, on_step=abort_some)
     assert aborted
     assert e.spec.stats.num_draft_tokens > e.spec.stats.num_accepted_tokens  # rejections happened
     assert e.kv_manager.usage().num_used_blocks == 0
@@ -149,9 +139,7 @@ def _next3(engine, prompt, num, temperature, seed_base):
     for i in range(num):
         engine.add_request(str(i), prompt, SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True,
                                                           seed=seed_base + i))
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    done = drain(engine, max_steps=20 * num, integrity=False)
     ids = np.array([done[str(i)].outputs[0].token_ids for i in range(num)])
     return np.bincount(ids[:, 0] * V * V + ids[:, 1] * V + ids[:, 2], minlength=V ** 3)
 
@@ -197,11 +185,13 @@ def test_drafts_never_run_past_max_tokens_or_max_model_len(tiny):
     e = make_engine(tiny, NGRAM, max_model_len=40)
     e.add_request("a", [5, 6, 7, 8] * 8, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     e.add_request("b", [9, 10] * 3, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-    while e.has_unfinished_requests():
-        e.step()
+
+    def check_drafts(e, _):
         for r in e.scheduler.running:
             assert r.num_output_tokens + len(r.spec_token_ids) + 1 <= r.sampling_params.max_tokens
             assert r.num_tokens + len(r.spec_token_ids) + 1 <= 40
+
+    drain(e, max_steps=100, on_step=check_drafts)
 
 
 @pytest.mark.parametrize("config, field", [
@@ -257,9 +247,7 @@ def test_speculation_under_tensor_parallelism_keeps_greedy_tokens(data_dir):
                                    tensor_parallel_size=tp, speculative_config=spec))
         try:
             e.add_request("a", [5, 6, 7, 8] * 6, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
-            while e.has_unfinished_requests():
-                done = [o for o in e.step() if o.finished]
-            return done[0].outputs[0].token_ids, e.spec
+            return drain(e, max_steps=200)["a"].outputs[0].token_ids, e.spec
         finally:
             e.shutdown()
 

@@ -12,9 +12,10 @@ import re
 import numpy as np
 import pytest
 
+import engine_helpers
+from engine_helpers import drain
+
 from pagedserve.runtime.core.beam_search import BeamSearchParams
-from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.engine.llm_engine import LLMEngine
 from pagedserve.runtime.sampling_params import SamplingParams
 from pagedserve.runtime.spec_decode.grammar import DraftGuide, guided_ngram_drafts
 from pagedserve.runtime.structured_outputs_params import StructuredOutputsParams as SO
@@ -41,24 +42,10 @@ def specs(data_dir):
 
 
 def make_engine(tiny, spec=None, **kw):
-    cfg = dict(device="cpu", max_num_batched_tokens=64, num_kv_blocks=512, seed=0, speculative_config=spec)
-    cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg), loaded=tiny)
+    return engine_helpers.make_engine(tiny, speculative_config=spec, **kw)
 
 
-def run_all(engine):
-    finished = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-        engine.check_integrity()
-        if engine.spec is not None and engine.spec.draft is not None:
-            engine.spec.draft.kv.check_integrity()
-    assert engine.kv_manager.usage().num_used_blocks == 0  # nothing leaked, in either pool
-    if engine.spec is not None and engine.spec.draft is not None:
-        assert engine.spec.draft.kv.usage().num_used_blocks == 0
-    return finished
+run_all = drain  # checks both pools (the engine's and a draft model's) after every step, and for leaks at the end
 
 
 def guided_workload(tok):

@@ -1,18 +1,20 @@
 """Structured outputs on the tiny committed model: validation, the bitmask, the compile cache, the
 scheduler's wait for a grammar, and guided requests under n > 1, preemption, chunked prefill and prefix
-caching (with speculative decoding: test_spec_grammar.py). A random-weight model is the harsh case for a grammar: it picks among the allowed tokens
-almost at random, so the mask alone keeps the output in the language."""
+caching (with speculative decoding: test_spec_grammar.py). A random-weight model is the harsh case for a
+grammar: it picks among the allowed tokens almost at random, so the mask alone keeps the output in the language."""
 
 from __future__ import annotations
 
+import functools
 import re
 from concurrent.futures import Future
 
 import numpy as np
 import pytest
 
-from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.engine.llm_engine import LLMEngine
+import engine_helpers
+from engine_helpers import drain
+
 from pagedserve.runtime.sample.sampling_ops import apply_token_bitmask
 from pagedserve.runtime.sampling_params import SamplingParams
 from pagedserve.runtime.structured_outputs_params import MAX_CONSTRAINT_CHARS, StructuredOutputsParams as SO
@@ -20,22 +22,10 @@ from pagedserve.runtime.structured_outputs_params import MAX_CONSTRAINT_CHARS, S
 DATE = r"[0-9]{4}-(0[1-9]|1[0-2])-[0-3][0-9]"
 
 
-def make_engine(tiny, **kw):
-    cfg = dict(device="cpu", max_num_batched_tokens=256, num_kv_blocks=256, seed=0)
-    cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg), loaded=tiny)
+make_engine = functools.partial(engine_helpers.make_engine, max_num_batched_tokens=256, num_kv_blocks=256)
 
 
-def run_all(engine, check_integrity=True):
-    finished = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-        if check_integrity:
-            engine.check_integrity()
-    assert engine.kv_manager.usage().num_used_blocks == 0  # nothing leaked
-    return finished
+run_all = drain
 
 
 # -- validation -------------------------------------------------------------------------------------
