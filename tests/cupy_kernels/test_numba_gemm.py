@@ -110,7 +110,37 @@ def test_row_passes_follow_the_l2(monkeypatch):
 def test_sysfs_cache_fields_parse():
     assert [numba_gemm._size_bytes(t) for t in ("2048K\n", "1M", "512", "1G")] == [2 << 20, 1 << 20, 512, 1 << 30]
     assert [numba_gemm._cpu_count(t) for t in ("0\n", "0-1", "0-3,8-11", "2,5")] == [1, 2, 8, 2]
-    assert numba_gemm.L2_BYTES >= 0
+
+
+def _fake_cache(root, index, level, kind, size, shared):
+    d = root / f"index{index}"
+    d.mkdir()
+    for name, text in (("level", level), ("type", kind), ("size", size), ("shared_cpu_list", shared)):
+        (d / name).write_text(text + "\n")
+
+
+def test_l2_bytes_reads_cpu0s_level_2_cache_per_sharing_cpu(tmp_path, monkeypatch):
+    """The L2 probe on a fake sysfs: level 1 and instruction caches are skipped, the L2 is divided among the
+    CPUs sharing it, and 0 where there is none or it cannot be read."""
+    import glob
+
+    caches = tmp_path / "caches"
+    caches.mkdir()
+    _fake_cache(caches, 0, "1", "Data", "48K", "0-1")
+    _fake_cache(caches, 1, "2", "Instruction", "64K", "0")
+    _fake_cache(caches, 2, "2", "Unified", "2048K", "0-1")
+    _fake_cache(caches, 3, "3", "Unified", "32M", "0-15")
+    real_glob = glob.glob
+    monkeypatch.setattr(glob, "glob", lambda pattern: real_glob(str(caches / "index*")))
+    assert numba_gemm._l2_bytes() == 1 << 20  # 2 MB shared by 2 CPUs
+    (caches / "index2" / "size").write_text("not a size\n")
+    assert numba_gemm._l2_bytes() == 0
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setattr(glob, "glob", lambda pattern: real_glob(str(empty / "index*")))
+    assert numba_gemm._l2_bytes() == 0
+    monkeypatch.undo()
+    assert numba_gemm.L2_BYTES == numba_gemm._l2_bytes()  # the module's value is this machine's probe
 
 
 def test_bias_strided_input_and_bad_shapes():
@@ -131,7 +161,8 @@ def test_the_set_packs_float32_only_and_multiplies_either_form():
     assert numba_ops.pack_weight(w.astype(np.float16)) is None
     assert ops.pack_weight(w) is None
     x = np.random.default_rng(6).standard_normal((4, 16)).astype(np.float32)
-    np.testing.assert_array_equal(numba_ops.linear(x, numba_ops.pack_weight(w)), numba_gemm.matmul(x, numba_gemm.pack(w)))
+    np.testing.assert_array_equal(numba_ops.linear(x, numba_ops.pack_weight(w)),
+                                  numba_gemm.matmul(x, numba_gemm.pack(w)))
     w16 = np.ascontiguousarray(w.T.astype(np.float16))
     np.testing.assert_array_equal(numba_ops.linear(x.astype(np.float16), w16), ops.linear(x.astype(np.float16), w16))
 
