@@ -144,13 +144,16 @@ class _FakeEvent:
 
 
 class _FakeDeviceBuffer:
-    def __init__(self, shape, dtype, log):
+    def __init__(self, shape, dtype, log, pinned):
         self.host = np.zeros(shape, dtype)
         self.log = log
+        self.pinned = pinned
 
     def set(self, arr, stream=None):
         assert stream is not None, "an async copy names its stream"
-        assert isinstance(arr.base, np.ndarray) or arr.base is not None  # a view of the staging buffer
+        # an async copy must come from pinned memory: the source is a view of a buffer the fake pinned
+        assert any(np.shares_memory(arr, np.frombuffer(p, np.uint8)) for p in self.pinned), \
+            "copied from pageable memory, not the pinned staging buffer"
         self.host[...] = arr
         self.log.append(("copy", arr.nbytes))
 
@@ -158,13 +161,16 @@ class _FakeDeviceBuffer:
 def _fake_cupy_with_pinned_memory(log):
     stream = types.SimpleNamespace(record=lambda: _FakeEvent(log))
 
+    pinned = []
+
     def alloc_pinned_memory(n):
         log.append(("pin", n))
-        return bytearray(n)
+        pinned.append(bytearray(n))
+        return pinned[-1]
 
     cuda = types.SimpleNamespace(alloc_pinned_memory=alloc_pinned_memory, get_current_stream=lambda: stream,
                                  runtime=types.SimpleNamespace(getDevice=lambda: 0))
-    return types.SimpleNamespace(cuda=cuda, empty=lambda shape, dtype: _FakeDeviceBuffer(shape, dtype, log))
+    return types.SimpleNamespace(cuda=cuda, empty=lambda shape, dtype: _FakeDeviceBuffer(shape, dtype, log, pinned))
 
 
 def test_pinned_staging_copies_asynchronously_and_reuses_its_buffer_after_the_last_copy():
