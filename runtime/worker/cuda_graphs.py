@@ -333,7 +333,7 @@ class _Captured:
 class DecodeGraphs:
     """Captured decode forwards by (padded batch size, table width); `run` replays one or returns None."""
 
-    model: Any  # LlamaForCausalLM
+    model: Any  # the registry's model class for the config (models/registry.py)
     kv_caches: list[tuple[Any, Any]]
     sizes: tuple[int, ...]
     max_blocks: int  # widest block table: ceil(max_model_len / block_size)
