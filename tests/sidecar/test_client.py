@@ -25,8 +25,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from engine_helpers import wait_until
+
 from pagedserve.sidecar import client as client_mod
-from pagedserve.sidecar.client import AsyncPagedServeClient, GenerationChunk, PagedServeClient, PagedServeError, resolve_target
+from pagedserve.sidecar.client import (AsyncPagedServeClient, GenerationChunk, PagedServeClient, PagedServeError,
+                                       resolve_target)
 from pagedserve.sidecar.pb import generation_pb2 as pb
 from pagedserve.sidecar.pb import generation_pb2_grpc as pb_grpc
 
@@ -326,8 +329,12 @@ def test_deadline_and_per_call_timeout(server):
         assert time.monotonic() - t0 < 2.0
         assert fake.slow_ended.wait(2.0)
         # a per-call timeout overrides the client's default
+        sent = fake.slow_chunks_sent
+        t_call = time.monotonic()
         stream = c.generate("slow", timeout=5.0)
-        time.sleep(0.4)
+        # the server streams on past the client's 0.2 s default (a chunk every 20 ms)
+        wait_until(lambda: fake.slow_chunks_sent - sent >= 20 and time.monotonic() - t_call > 0.4, 5.0,
+                   "the slow stream to outlive the client's default deadline")
         assert next(stream).text == "."
         stream.close()
 
@@ -454,12 +461,14 @@ def test_async_errors_cancel_and_deadline(server):
             # cancelling the task that reads the stream cancels the RPC too
             fake.slow_ended.clear()
 
+            streaming = asyncio.Event()
+
             async def read_all() -> None:
                 async for _ in c.generate("slow", timeout=10.0):
-                    pass
+                    streaming.set()  # the RPC is in flight: its first chunk is here
 
             task = asyncio.create_task(read_all())
-            await asyncio.sleep(0.1)
+            await asyncio.wait_for(streaming.wait(), 5)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
