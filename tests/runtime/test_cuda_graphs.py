@@ -19,10 +19,14 @@ from pagedserve.models.device_batch import unpack_batch
 from pagedserve.models.kv_cache import allocate_kv_caches
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.runtime.config import EngineConfig
-from pagedserve.runtime.worker.cuda_graphs import DEFAULT_BATCH_SIZES, ArenaAllocator, ArenaExhausted, DecodeGraphs, build_decode_graphs, context_buckets, default_batch_sizes, graph_pool_reserve, is_decode_step, pack_decode_batch, padded_size, resolve_batch_sizes
+from pagedserve.runtime.worker.cuda_graphs import (DEFAULT_BATCH_SIZES, ArenaAllocator, ArenaExhausted, DecodeGraphs,
+                                                   build_decode_graphs, context_buckets, default_batch_sizes,
+                                                   graph_pool_reserve, is_decode_step, pack_decode_batch, padded_size,
+                                                   resolve_batch_sizes)
 from pagedserve.runtime.engine.llm_engine import LLMEngine
 from pagedserve.runtime.sampling_params import SamplingParams
 
+from engine_helpers import drain
 from model_factory import random_model
 from numerics import assert_close_model, model_tol
 
@@ -97,7 +101,8 @@ def test_config_validates_graph_settings():
 
 
 def test_gpu_block_sizes_are_checked_before_anything_is_loaded():
-    with pytest.raises(ValueError, match="block_size 8 runs on the CPU backend only; on the GPU it must be one of 16, 32"):
+    with pytest.raises(ValueError,
+                       match="block_size 8 runs on the CPU backend only; on the GPU it must be one of 16, 32"):
         EngineConfig(device="cuda", block_size=8)
     assert EngineConfig(device="cuda", block_size=32).block_size == 32
     assert EngineConfig(device="cpu", block_size=8).block_size == 8
@@ -141,7 +146,8 @@ def test_padding_rows_write_nothing_and_read_one_key_of_block_0():
 def _model_and_caches(num_blocks=40):
     cfg, weights = random_model(layers=2, vocab=61)
     model = LlamaForCausalLM(cfg, weights)
-    return model, allocate_kv_caches(cfg, num_blocks, BS, model.backend), allocate_kv_caches(cfg, num_blocks, BS, model.backend)
+    return (model, allocate_kv_caches(cfg, num_blocks, BS, model.backend),
+            allocate_kv_caches(cfg, num_blocks, BS, model.backend))
 
 
 def _zero(kv):
@@ -160,7 +166,8 @@ def test_replays_match_eager_steps_and_write_the_same_kv():
     lens = [int(n) for n in rng.integers(2, 60, size=7)]
     tables = [list(range(4 * i, 4 * i + 4)) for i in range(7)]
     # prefill everything eagerly in both caches
-    prompt = build_forward_batch([SeqChunk(rng.integers(0, 61, n - 1).tolist(), 0, t) for n, t in zip(lens, tables)], BS)
+    prompt = build_forward_batch([SeqChunk(rng.integers(0, 61, n - 1).tolist(), 0, t)
+                                  for n, t in zip(lens, tables)], BS)
     model.forward(prompt, kv_eager)
     model.forward(prompt, kv_graph)
     for rows in ([0, 1, 2], [3], [0, 1, 2, 3, 4, 5, 6], [6, 2]):  # padded to 4, 1, 8, 4
@@ -228,12 +235,8 @@ def test_engine_steps_through_graphs_give_the_eager_tokens(tiny):
         for i in range(6):
             params = SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=5 + 3 * i, ignore_eos=True)
             e.add_request(str(i), rng.integers(3, 500, size=int(rng.integers(3, 90))).tolist(), params)
-        done = {}
-        while e.has_unfinished_requests():
-            for out in e.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0]
-        return {k: (v.token_ids, v.cumulative_logprob) for k, v in done.items()}
+        done = drain(e, max_steps=500)
+        return {k: (v.outputs[0].token_ids, v.outputs[0].cumulative_logprob) for k, v in done.items()}
 
     eager = run(engine())
     e = engine()
@@ -272,7 +275,8 @@ def test_replays_use_the_narrowest_bucket_and_upload_only_its_width():
     rng = np.random.default_rng(3)
     lens = [30, 600, 45]
     tables = [list(range(0, 2)), list(range(2, 41)), list(range(41, 44))]
-    prompt = build_forward_batch([SeqChunk(rng.integers(0, 61, n - 1).tolist(), 0, t) for n, t in zip(lens, tables)], BS)
+    prompt = build_forward_batch([SeqChunk(rng.integers(0, 61, n - 1).tolist(), 0, t)
+                                  for n, t in zip(lens, tables)], BS)
     model.forward(prompt, kv_eager)
     model.forward(prompt, kv_graph)
     for rows, width in (([0, 2], 32), ([0, 1, 2], 64), ([1], 64)):

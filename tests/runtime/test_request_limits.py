@@ -6,6 +6,8 @@ import tracemalloc
 
 import pytest
 
+from engine_helpers import drain
+
 from pagedserve.models.loading.loader import load_model
 from pagedserve.runtime.config import EngineConfig
 from pagedserve.runtime.engine.llm_engine import LLMEngine
@@ -72,16 +74,15 @@ def test_what_fits_exactly_is_accepted_and_runs(engine):
     assert kv_blocks_needed(96, 64, 5, 16) == 26
     engine.add_request("fits", [7] * 96, SamplingParams(n=5, temperature=1.0, seed=1, max_tokens=64, ignore_eos=True))
     engine.add_request("top", [7] * 10, SamplingParams(logprobs=20, top_k=512, max_tokens=4, ignore_eos=True))
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+    done = drain(engine, max_steps=500)
     assert [len(c.token_ids) for c in done["fits"].outputs] == [64] * 5
     assert all(20 <= len(lp) <= 21 for lp in done["top"].outputs[0].logprobs)  # top 20 + the chosen one
     assert engine.kv_manager.usage().num_used_blocks == 0
 
 
 def test_max_logprobs_is_configurable(data_dir):
-    e = LLMEngine(EngineConfig(device="cpu", num_kv_blocks=16, max_logprobs=2), loaded=load_model(data_dir / "tiny-llama"))
+    e = LLMEngine(EngineConfig(device="cpu", num_kv_blocks=16, max_logprobs=2),
+                  loaded=load_model(data_dir / "tiny-llama"))
     with pytest.raises(ValueError, match=r"logprobs must be in \[0, 2\] \(max_logprobs\), got 3"):
         e.make_request("r", [5], SamplingParams(logprobs=3))
     with pytest.raises(ValueError, match="max_logprobs must be a non-negative integer"):

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from engine_helpers import drain
+
 from model_factory import random_model
 from pagedserve.models.loading.loader import LoadedModel
 from pagedserve.runtime.config import EngineConfig
@@ -28,14 +30,7 @@ from pagedserve.runtime.structured_outputs_params import StructuredOutputsParams
 from structured_schemas import SCHEMAS, validate
 
 
-def run_all(engine):
-    finished = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-    assert engine.kv_manager.usage().num_used_blocks == 0
-    return finished
+run_all = drain  # bounded; integrity after every step; no block held at the end
 
 
 def check_json(name, text):
@@ -79,12 +74,10 @@ def test_32_schemas_n4_temperature_1_on_the_embedded_model(smollm2_loaded):
                                          tokenize=True)
         engine.add_request(name, prompt, SamplingParams(n=4, temperature=1.0, seed=i, max_tokens=160,
                                                         structured_outputs=SO(json=SCHEMAS[name])))
-    finished, peak = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-        peak = max(peak, len(engine.scheduler.running))
+    running = []
+    finished = drain(engine, max_steps=2_000, integrity=False,
+                     on_step=lambda e, _: running.append(len(e.scheduler.running)))
+    peak = max(running)
     assert engine.kv_manager.usage().num_used_blocks == 0
     assert peak == 4 * len(SCHEMAS)  # batched: every sample decoding in the same steps
     cut = [(name, c.text) for name in SCHEMAS for c in finished[name].outputs if c.finish_reason != "stop"]
@@ -133,7 +126,8 @@ def embedded(smollm2_loaded):
     for who, age in PEOPLE:
         prompt = tok.encode(FEW_SHOT.replace("{who}", who).replace("{age}", str(age)))
         engine.add_request(f"free-{who}", prompt, SamplingParams.greedy(max_tokens=24))
-        engine.add_request(f"json-{who}", prompt, SamplingParams.greedy(max_tokens=24, structured_outputs=SO(json=PERSON)))
+        engine.add_request(f"json-{who}", prompt,
+                           SamplingParams.greedy(max_tokens=24, structured_outputs=SO(json=PERSON)))
     return run_all(engine)
 
 
