@@ -281,10 +281,13 @@ def _generate(engine, requests):
     for rid, prompt, params in requests:
         engine.add_request(rid, prompt, params)
     done = {}
-    while engine.has_unfinished_requests():
+    for _ in range(5_000):  # bounded (this file also runs under _mini_runner, without engine_helpers' pytest.fail)
+        if not engine.has_unfinished_requests():
+            break
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = [(c.token_ids, c.cumulative_logprob) for c in out.outputs]
+    assert not engine.has_unfinished_requests(), "requests still unfinished after 5,000 steps"
     return done
 
 

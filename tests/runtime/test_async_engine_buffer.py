@@ -8,6 +8,8 @@ import time
 import anyio
 import pytest
 
+from engine_helpers import drain
+
 from pagedserve.models.loading.loader import load_model
 from pagedserve.runtime.engine.async_engine import AsyncEngine
 from pagedserve.runtime.config import EngineConfig
@@ -23,9 +25,7 @@ def engine(data_dir):
 def test_late_reader_gets_every_token_through_a_bounded_buffer(engine):
     params = SamplingParams(n=2, temperature=0.9, seed=3, max_tokens=40, ignore_eos=True, logprobs=2)
     engine.add_request("ref", [5, 6, 7], params)
-    ref = {}
-    while engine.has_unfinished_requests():
-        ref.update({o.request_id: o for o in engine.step() if o.finished})
+    ref = drain(engine, max_steps=500)
     expected = [c.token_ids for c in ref["ref"].outputs]
 
     async def main():
