@@ -26,7 +26,7 @@ try:  # run from a checkout without installing: the repository's folders are pag
 except ImportError:
     sys.exit("bench/gpu_attention.py: pagedserve is not importable (pip install -e . or see scripts/gpu_check.sh)")
 
-from pagedserve.cupy_kernels import cuda_ops  # noqa: E402
+from pagedserve.cupy_kernels.cuda import ops as cuda_ops  # noqa: E402
 from pagedserve.cupy_kernels.kernel_set import cuda_kernels  # noqa: E402
 
 paged_attention = cuda_kernels().paged_attention  # the CUDA op table: device arrays only

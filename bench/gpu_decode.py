@@ -6,7 +6,7 @@ Prints one JSON object on stdout, and nothing else there (logs go to stderr): fo
 peak bandwidth. Three figures per batch: `step_ms` with the batch metadata already on the device (the
 kernels alone, launched eagerly); `step_ms_host_metadata` with numpy metadata, which the forward checks
 and uploads once per step (models/device_batch.py: what an eager engine step costs); and
-`step_ms_graph`, the same host metadata through runtime/cuda_graphs.py (padding, two uploads into static
+`step_ms_graph`, the same host metadata through runtime/worker/cuda_graphs.py (padding, two uploads into static
 buffers, one graph launch: what an engine decode step costs with CUDA graphs on). `graph_speedup` =
 host-metadata eager / graph. A capture failure does not stop the benchmark:
 `cuda_graphs.disabled_reason` says why, and the graph figures are null.
@@ -39,7 +39,7 @@ from pagedserve.models.batch import ForwardBatch  # noqa: E402
 from pagedserve.models.config import ModelConfig  # noqa: E402
 from pagedserve.models.kv_cache import allocate_kv_caches, kv_bytes_per_block  # noqa: E402
 from pagedserve.models.llama import LlamaForCausalLM, expected_shapes  # noqa: E402
-from pagedserve.runtime.cuda_graphs import CupyGraphCapturer, DecodeGraphs  # noqa: E402
+from pagedserve.runtime.worker.cuda_graphs import CupyGraphCapturer, DecodeGraphs  # noqa: E402
 
 
 def llama31_8b_config(layers: int) -> ModelConfig:

@@ -26,7 +26,7 @@ try:  # run from a checkout without installing: the repository's folders are pag
 except ImportError:
     sys.exit("bench/gpu_sampler.py: pagedserve is not importable (pip install -e . or see scripts/gpu_check.sh)")
 
-from pagedserve.runtime.sampler import Sampler  # noqa: E402
+from pagedserve.runtime.sample.sampler import Sampler  # noqa: E402
 from pagedserve.runtime.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -71,7 +71,7 @@ def main() -> None:
 def run(args: argparse.Namespace) -> dict:
     import cupy as cp
 
-    from pagedserve.runtime.model_runner import _DeviceArrayModule
+    from pagedserve.runtime.engine.model_runner import _DeviceArrayModule
 
     xp = _DeviceArrayModule(cp)
     b, v = args.batch, args.vocab
