@@ -224,7 +224,7 @@ SCHEMAS: dict[str, dict] = {
                            "required": ["v"], "additionalProperties": False},
                   "branch": {"type": "object",
                              "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
-                                            "kids": {"type": "array", "maxItems": 2, "items": {"$ref": "#/$defs/leaf"}}},
+                                            "kids": {"type": "array", "maxItems": 2, "items": {"$ref": "#/$defs/leaf"}}},  # noqa: E501
                              "required": ["v"], "additionalProperties": False}},
         "type": "object",
         "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},

@@ -75,7 +75,7 @@ def emulate(query, k_cache, v_cache, qsl, seq_lens, block_tables, scale):
                 tokens = q_begin + q0 + qi[valid]
                 q[valid] = query[tokens, heads[kv_head][valid]].astype(np.float32) * scale_log2
                 m = np.full(bm, -np.inf, dtype=np.float32)
-                l = np.zeros(bm, dtype=np.float32)
+                row_sum = np.zeros(bm, dtype=np.float32)
                 acc = np.zeros((bm, dim), dtype=np.float32)
                 for t0 in range(k_begin, k_end, TILE):
                     keys = t0 + np.arange(TILE)
@@ -92,18 +92,18 @@ def emulate(query, k_cache, v_cache, qsl, seq_lens, block_tables, scale):
                     m_use = np.where(m_new == -np.inf, 0, m_new).astype(np.float32)
                     p = np.exp2(s - m_use[:, None])
                     alpha = np.exp2(m - m_use)
-                    l = l * alpha + p.sum(axis=1)
+                    row_sum = row_sum * alpha + p.sum(axis=1)
                     acc = acc * alpha[:, None] + p @ v
                     m = m_new
                 for r in np.flatnonzero(valid):
                     head = heads[kv_head][r]
                     if not split:
                         token = q_begin + q0 + qi[r]
-                        out[token, head] = acc[r] / l[r]
+                        out[token, head] = acc[r] / row_sum[r]
                         writes[token, head] += 1
                     else:
                         part_acc[seq, head, part] = acc[r]
-                        part_ml[seq, head, part] = (m[r], l[r])
+                        part_ml[seq, head, part] = (m[r], row_sum[r])
     for seq in range(b):  # the reduce kernel
         n = int(qsl[seq + 1] - qsl[seq])
         seq_len = int(seq_lens[seq])

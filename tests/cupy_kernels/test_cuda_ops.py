@@ -221,7 +221,7 @@ def test_paged_attention_rejects_unsupported_shapes():
         cuda.paged_attention(q, cache, cache, np.array([0, 1]), np.array([1]), np.zeros((1, 1), np.int32), 1.0)
     cache = cp.zeros((4, 8, 1, 64), dtype=cp.float16)
     with pytest.raises(ValueError, match="block_size 8"):
-        cuda.paged_attention(q[:, :, :64], cache, cache, np.array([0, 1]), np.array([1]), np.zeros((1, 1), np.int32), 1.0)
+        cuda.paged_attention(q[:, :, :64], cache, cache, np.array([0, 1]), np.array([1]), np.zeros((1, 1), np.int32), 1.0)  # noqa: E501
     cache = cp.zeros((4, 16, 1, 64), dtype=cp.float16)
     with pytest.raises(IndexError, match="block id"):
         cuda.paged_attention(q[:, :, :64], cache, cache, np.array([0, 1]), np.array([1]), np.full((1, 1), 9, np.int32),
@@ -250,7 +250,7 @@ def test_reshape_and_cache(dtype):
     pa.reshape_and_cache(key, value, ref_k, ref_v, slots)
     qkv_d = cp.asarray(qkv)
     got_k, got_v = cp.asarray(k_cache), cp.asarray(v_cache)
-    cuda.reshape_and_cache(qkv_d[:, 4 * d: 4 * d + kv * d].reshape(t, kv, d), qkv_d[:, 4 * d + kv * d:].reshape(t, kv, d),
+    cuda.reshape_and_cache(qkv_d[:, 4 * d: 4 * d + kv * d].reshape(t, kv, d), qkv_d[:, 4 * d + kv * d:].reshape(t, kv, d),  # noqa: E501
                          got_k, got_v, slots)
     np.testing.assert_array_equal(to_host(got_k), ref_k)
     np.testing.assert_array_equal(to_host(got_v), ref_v)
@@ -357,7 +357,7 @@ def test_kernel_cache_on_disk_serves_a_fresh_process():
     loads them from there (a hit, no compile) and they compute the same thing."""
     import tempfile
 
-    from pagedserve.cupy_kernels.cuda import kernel_cache
+    from pagedserve.cupy_kernels.cuda import kernel_cache  # noqa: F401 (must import)
 
     cp = _cp()
     logits = cp.asarray(np.random.default_rng(0).standard_normal((3, 1000)).astype(np.float32))

@@ -241,7 +241,7 @@ def test_sampler_on_device_matches_numpy():
         SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=5),
         SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.0, top_k=20, seed=2),
         SamplingParams(temperature=0.7, top_p=0.9, seed=3), SamplingParams(temperature=1.2, top_p=0.999, seed=4),
-        SamplingParams(temperature=1.0, min_p=0.1, seed=5), SamplingParams(temperature=0.9, top_k=50, top_p=0.8, seed=6),
+        SamplingParams(temperature=1.0, min_p=0.1, seed=5), SamplingParams(temperature=0.9, top_k=50, top_p=0.8, seed=6),  # noqa: E501
         SamplingParams(temperature=0.0, repetition_penalty=1.3), SamplingParams(temperature=1.0, presence_penalty=0.5,
                                                                                 frequency_penalty=0.3, seed=7),
         SamplingParams(temperature=1.0, logprobs=3, seed=8), SamplingParams(temperature=0.0, logprobs=0),
@@ -343,7 +343,7 @@ def test_speculative_decoding_on_gpu_keeps_greedy_tokens_and_frees_both_pools():
     sampled = [("s", base * 2, SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=16, ignore_eos=True))]
     results = {}
     # min_acceptance_rate 0: always speculate (the policy could switch drafts off; this checks exactness).
-    for name, spec in (("off", None), ("ngram", {"method": "ngram", "prompt_lookup_min": 1, "min_acceptance_rate": 0.0}),
+    for name, spec in (("off", None), ("ngram", {"method": "ngram", "prompt_lookup_min": 1, "min_acceptance_rate": 0.0}),  # noqa: E501
                        ("draft", {"method": "draft", "draft_num_layers": 1, "num_speculative_tokens": 3,
                                   "min_acceptance_rate": 0.0})):
         engine = LLMEngine(EngineConfig(device="cuda", num_kv_blocks=256, max_num_seqs=4, seed=0,

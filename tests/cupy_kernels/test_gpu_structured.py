@@ -35,8 +35,8 @@ def test_guided_generation_on_the_gpu():
     llm = LLM(str(TINY), device="cuda", seed=0, enable_cuda_graphs=True)
     date = r"[0-9]{4}-(0[1-9]|1[0-2])-[0-3][0-9]"
     outs = llm.generate([[5, 6, 7], [5, 9]], [
-        SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=date)),
-        SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+        SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=date)),  # noqa: E501
+        SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),  # noqa: E501
     ], use_tqdm=False)
     assert all(re.fullmatch(date, c.text) and c.finish_reason == "stop" for c in outs[0].outputs)
     assert outs[1].outputs[0].text in ("yes", "no")

@@ -120,7 +120,7 @@ def fake_cupy(libs) -> types.ModuleType:
     cp.empty = lambda shape, dtype=np.float64: _garbage(shape, dtype)
     cp.zeros = lambda shape, dtype=np.float64: np.zeros(shape, dtype).view(EmulatedArray)
     cp.ones = lambda shape, dtype=np.float64: np.ones(shape, dtype).view(EmulatedArray)
-    cp.asarray = lambda a, dtype=None: a if isinstance(a, EmulatedArray) and dtype in (None, a.dtype) else _dev(a, dtype)
+    cp.asarray = lambda a, dtype=None: a if isinstance(a, EmulatedArray) and dtype in (None, a.dtype) else _dev(a, dtype)  # noqa: E501
     cp.ascontiguousarray = lambda a, dtype=None: np.ascontiguousarray(a, dtype=dtype).view(EmulatedArray)
     cp.take = lambda a, ids, axis=None: np.take(a.view(np.ndarray), np.asarray(ids), axis=axis).view(EmulatedArray)
     cp.cos = lambda x: np.cos(np.asarray(x)).view(EmulatedArray)
@@ -141,7 +141,7 @@ def _build(module: cuda_ops.KernelModule, workdir: Path) -> Path:
     src = workdir / f"{module.name}.cpp"
     src.write_text("\n".join(lines) + "\n")
     lib = workdir / f"lib{module.name}.so"
-    proc = subprocess.run([GXX, "-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-U_FORTIFY_SOURCE", "-o", str(lib), str(src)],
+    proc = subprocess.run([GXX, "-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-U_FORTIFY_SOURCE", "-o", str(lib), str(src)],  # noqa: E501
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"g++ failed for {module.name}:\n{proc.stderr[-6000:]}"
     return lib

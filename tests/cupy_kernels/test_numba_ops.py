@@ -164,7 +164,7 @@ def test_add_rms_norm_is_the_same_bits_on_one_thread_or_all(monkeypatch):
     np.testing.assert_array_equal(nb.rms_norm(x, w, 1e-6), shared_plain)
 
 
-@pytest.mark.parametrize("rows,vocab", [(0, 9), (1, 1), (1, 49152), (3, 1000), (5, 4 * nb.LOGSUMEXP_PARALLEL_MIN // 5 + 7)])
+@pytest.mark.parametrize("rows,vocab", [(0, 9), (1, 1), (1, 49152), (3, 1000), (5, 4 * nb.LOGSUMEXP_PARALLEL_MIN // 5 + 7)])  # noqa: E501
 @pytest.mark.parametrize("given_max", [False, True])
 def test_logsumexp_rows(rows, vocab, given_max):
     """The sampler's log-normaliser: a sum of `vocab` exps (each within 2 ulp), then a log and an add. Masked

@@ -15,7 +15,7 @@ import pytest
 from code_paths import run_as_avx2
 from numerics import f32_tol
 
-from pagedserve.cupy_kernels.numba_cpu import gemm as numba_gemm, ops as numba_ops, quant as numba_quant, setup as numba_setup
+from pagedserve.cupy_kernels.numba_cpu import gemm as numba_gemm, ops as numba_ops, quant as numba_quant, setup as numba_setup  # noqa: E501
 from pagedserve.cupy_kernels.reference import ops, quant
 
 gguf = pytest.importorskip("gguf")

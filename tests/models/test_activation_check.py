@@ -51,7 +51,7 @@ def test_clean_forwards_record_the_peak_per_checkpoint(monkeypatch):
     batch = build_forward_batch([SeqChunk([1, 2, 3], 0, [0])], 16)
     plain = LlamaForCausalLM(cfg, weights)
     plain.check_activations = False
-    np.testing.assert_array_equal(model.forward(batch, kv), plain.forward(batch, allocate_kv_caches(cfg, 8, 16, plain.backend)))
+    np.testing.assert_array_equal(model.forward(batch, kv), plain.forward(batch, allocate_kv_caches(cfg, 8, 16, plain.backend)))  # noqa: E501
     assert list(model.activation_peaks) == ["layer 0 input", "layer 0 after attention", "layer 1 input",
                                             "layer 1 after attention", "final norm input"]
     assert all(0 < v < 1e4 for v in model.activation_peaks.values())

@@ -133,7 +133,7 @@ def test_quantized_matmuls_keep_their_blocks_and_decode_as_the_float32_weights(t
         tables = [[0, 1], [2, 3], [4, 5]]
         prefill = build_forward_batch([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)], 16)
         model.forward(prefill, kv)
-        decode = build_forward_batch([SeqChunk([5 + i], len(p), t) for i, (p, t) in enumerate(zip(prompts, tables))], 16)
+        decode = build_forward_batch([SeqChunk([5 + i], len(p), t) for i, (p, t) in enumerate(zip(prompts, tables))], 16)  # noqa: E501
         outs[name] = model.forward(decode, kv)  # 3 rows: the blocks on numba
     scale = float(np.abs(outs["numpy"]).max())
     np.testing.assert_allclose(outs["numba"], outs["numpy"], rtol=0, atol=model_tol(gcfg, scale))

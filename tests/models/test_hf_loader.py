@@ -68,7 +68,7 @@ def test_shape_mismatch_names_the_tensor(data_dir, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["intermediate_size"] = 300
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"tiny-llama: tensor 'model.layers.0.mlp.gate_proj.weight' has shape \(256, 128\), expected \(300, 128\)"):
+    with pytest.raises(ValueError, match=r"tiny-llama: tensor 'model.layers.0.mlp.gate_proj.weight' has shape \(256, 128\), expected \(300, 128\)"):  # noqa: E501
         load_model(d)
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedserve.runtime.core.block_pool import BlockPool, BlockPoolIntegrityError, FreeKVBlockQueue, KVBlock, NoFreeBlocksError
+from pagedserve.runtime.core.block_pool import BlockPool, BlockPoolIntegrityError, FreeKVBlockQueue, KVBlock, NoFreeBlocksError  # noqa: E501
 
 
 def test_fresh_pool_is_all_free_in_id_order() -> None:

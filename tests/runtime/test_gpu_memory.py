@@ -18,7 +18,7 @@ from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.runtime.worker import gpu_memory
 from pagedserve.runtime.config import EngineConfig
 from pagedserve.runtime.worker.cuda_graphs import graph_pool_reserve
-from pagedserve.runtime.worker.gpu_memory import DeviceMemory, array_bytes, decode_profile_batch, graph_static_bytes, model_weight_bytes, profile_chunks, size_kv_cache
+from pagedserve.runtime.worker.gpu_memory import DeviceMemory, array_bytes, decode_profile_batch, graph_static_bytes, model_weight_bytes, profile_chunks, size_kv_cache  # noqa: E501
 
 from model_factory import random_model
 
@@ -123,11 +123,11 @@ def test_profile_runs_the_forwards_and_sampler_and_does_the_arithmetic(monkeypat
     model.backend = Backend("cupy", xp, np.dtype(np.float32), numpy_kernels())  # the GPU path, on numpy arrays
     forwards = []
     real_forward = model.forward
-    model.forward = lambda batch, kv: forwards.append((batch.num_tokens, batch.block_tables.shape)) or real_forward(batch, kv)
+    model.forward = lambda batch, kv: forwards.append((batch.num_tokens, batch.block_tables.shape)) or real_forward(batch, kv)  # noqa: E501
     w = model_weight_bytes(model)
     readings = iter([
         DeviceMemory(free_bytes=70 * GIB, total_bytes=80 * GIB, pool_used_bytes=w + 100, pool_total_bytes=w + 1000),
-        DeviceMemory(free_bytes=67 * GIB, total_bytes=80 * GIB, pool_used_bytes=w + 100, pool_total_bytes=w + 1000 + 3 * GIB),
+        DeviceMemory(free_bytes=67 * GIB, total_bytes=80 * GIB, pool_used_bytes=w + 100, pool_total_bytes=w + 1000 + 3 * GIB),  # noqa: E501
         DeviceMemory(free_bytes=70 * GIB, total_bytes=80 * GIB, pool_used_bytes=w + 50, pool_total_bytes=w + 250),
     ])
     monkeypatch.setattr(gpu_memory, "read_device_memory", lambda cp: next(readings))

@@ -8,7 +8,7 @@ from pagedserve.runtime.engine import llm_engine as engine_mod
 from pagedserve.runtime.worker import worker as worker_mod
 from pagedserve.runtime.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from pagedserve.runtime.engine.llm_engine import LLMEngine
-from pagedserve.runtime.worker.memory_budget import activation_bytes, default_cpu_kv_bytes, host_memory_available, resident_bytes
+from pagedserve.runtime.worker.memory_budget import activation_bytes, default_cpu_kv_bytes, host_memory_available, resident_bytes  # noqa: E501
 from pagedserve.runtime.worker.worker import Worker
 
 

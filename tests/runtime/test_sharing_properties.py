@@ -26,7 +26,7 @@ request_st = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=25, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate], suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate], suppress_health_check=[HealthCheck.function_scoped_fixture])  # noqa: E501
 @given(requests=st.lists(request_st, min_size=1, max_size=10), num_blocks=st.integers(12, 40),
        budget=st.sampled_from([16, 48, 256]))
 def test_random_mixes_keep_integrity_and_free_everything(tiny, requests, num_blocks, budget):
@@ -39,7 +39,7 @@ def test_random_mixes_keep_integrity_and_free_everything(tiny, requests, num_blo
                 prompt = PREFIXES[r["prefix"]] + r["suffix"]
                 try:
                     if r["kind"] == "beam":
-                        e.add_beam_request(str(i), prompt, BeamSearchParams(beam_width=r["n"], max_tokens=r["max_tokens"]))
+                        e.add_beam_request(str(i), prompt, BeamSearchParams(beam_width=r["n"], max_tokens=r["max_tokens"]))  # noqa: E501
                     else:
                         n = r["n"] if r["kind"] == "n" else 1
                         e.add_request(str(i), prompt, SamplingParams(n=n, temperature=0.8, seed=r["seed"],

@@ -331,4 +331,4 @@ def test_role_settings_from_the_environment():
 
     s = load_settings(None, {"PAGEDSERVE_ROLE": "decode", "PAGEDSERVE_PREFILL_TARGET": "127.0.0.1:7000",
                              "PAGEDSERVE_PREFILL_FALLBACK": "fail"})
-    assert (s.role, s.prefill_target, s.prefill_fallback, s.kv_transport) == ("decode", "127.0.0.1:7000", "fail", "auto")
+    assert (s.role, s.prefill_target, s.prefill_fallback, s.kv_transport) == ("decode", "127.0.0.1:7000", "fail", "auto")  # noqa: E501

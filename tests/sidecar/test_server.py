@@ -42,7 +42,7 @@ def offline():
 
 
 def greedy_ids(offline, prompt, n):
-    return offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
+    return offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids  # noqa: E501
 
 
 def assert_serves_normally(c, offline):

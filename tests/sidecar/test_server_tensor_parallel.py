@@ -7,10 +7,8 @@ import json
 import os
 import signal
 import threading
-import time
 
 import grpc
-import pytest
 from server_proc import TINY, ServerProcess, client_for
 
 from pagedserve.runtime import LLM, SamplingParams
