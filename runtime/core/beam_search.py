@@ -16,10 +16,17 @@ The result: the beam_width finished hypotheses with the best cumulative_logprob 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 from ..structured_outputs_params import StructuredOutputsParams
+from .request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+    from .sequence_group import SequenceGroup
 
 
 @dataclass
@@ -72,3 +79,58 @@ def select(proposals: list[Proposal], width: int, eos_ids: tuple[int, ...],
 
 def length_penalized(cumulative_logprob: float, length: int, length_penalty: float) -> float:
     return cumulative_logprob / (max(length, 1) ** length_penalty)
+
+
+def advance_beams(group: SequenceGroup, scheduler: Scheduler, new_seq: Callable[[SequenceGroup, str, int], Request],
+                  accept: Callable[[Request, int], bool | None], fork_grammar: Callable[[Request, Request], None],
+                  max_model_len: int) -> int:
+    """Once every live beam of `group` has its proposals (group.beam_pending), pick the new beams (steps 2-4):
+    a surviving proposal on a beam already taken forks it (sharing its blocks), a beam no proposal took is
+    freed, a beam whose grammar is complete (`accept` true) finishes its hypothesis. Returns the tokens
+    appended (0 while a preempted sibling is still being recomputed)."""
+    live = group.live
+    if any(b.request_id not in group.beam_pending for b in live):
+        return 0
+    bp = group.beam
+    proposals = []
+    for k, beam in enumerate(live):
+        ids, lps = group.beam_pending.pop(beam.request_id)
+        proposals += [Proposal(k, int(t), float(lp), beam.cumulative_logprob + float(lp)) for t, lp in zip(ids, lps)]
+    survivors, finished = select(proposals, bp.beam_width, group.eos_token_ids, bp.ignore_eos)
+    for p in finished:
+        group.beam_done.append((live[p.beam].output_token_ids + [p.token_id], p.score, "stop"))
+    taken: set[int] = set()
+    new_live: list[Request] = []
+    for p in survivors:  # forks first, from each parent's state before any token is appended
+        parent = live[p.beam]
+        if p.beam in taken:
+            child = new_seq(group, group.next_seq_id(), parent.sample_index)
+            child.output_token_ids = list(parent.output_token_ids)
+            child.all_token_ids = list(parent.all_token_ids)
+            child.cumulative_logprob = parent.cumulative_logprob
+            child.timings = dataclasses.replace(parent.timings)
+            fork_grammar(parent, child)
+            if parent.status == RequestStatus.RUNNING:
+                scheduler.fork(parent, child)
+            else:  # the parent was preempted after proposing: the child recomputes too
+                scheduler.add_request(child)
+            new_live.append(child)
+        else:
+            taken.add(p.beam)
+            new_live.append(parent)
+    for k, beam in enumerate(live):
+        if k not in taken:  # a beam that died: its blocks go back (shared ones stay with the others)
+            scheduler.finish_request(beam, RequestStatus.FINISHED_ABORTED)
+    for beam, p in zip(new_live, survivors):
+        beam.append_output_token(p.token_id)
+        beam.cumulative_logprob = p.score
+        if accept(beam, p.token_id):  # its grammar is complete: a finished hypothesis
+            group.beam_done.append((list(beam.output_token_ids), beam.cumulative_logprob, "stop"))
+            scheduler.finish_request(beam, RequestStatus.FINISHED_STOPPED)
+    new_live = [b for b in new_live if not b.is_finished]
+    group.seqs = new_live
+    if new_live and (new_live[0].num_output_tokens >= bp.max_tokens or new_live[0].num_tokens >= max_model_len):
+        for beam in new_live:
+            group.beam_done.append((list(beam.output_token_ids), beam.cumulative_logprob, "length"))
+            scheduler.finish_request(beam, RequestStatus.FINISHED_LENGTH)
+    return len(survivors)

@@ -12,8 +12,10 @@ The group's id is the user's request id; sequence ids are `<id>` for sequence 0 
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -21,6 +23,9 @@ from .beam_search import BeamSearchParams, length_penalized
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Request
 from ..sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
 
 
 def sample_generator(seed: int | None, index: int) -> np.random.Generator | None:
@@ -65,6 +70,16 @@ class SequenceGroup:
     @property
     def is_finished(self) -> bool:
         return self.aborted or (not self.live and self.num_to_fork == 0)
+
+    def fork_samples(self, parent: Request, children: list[Request], scheduler: Scheduler) -> None:
+        """Samples 1.. of an n > 1 request, once sequence 0's prefill completes: each shares every block of
+        the prompt (copy-on-write) and runs from the next step; nothing is left to fork."""
+        for child in children:
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.timings = dataclasses.replace(parent.timings)
+            scheduler.fork(parent, child)
+            self.seqs.append(child)
+        self.num_to_fork = 0
 
     def final_completions(self, decode) -> list[CompletionOutput]:
         """The outputs the user gets once the group is done (best n by cumulative logprob for best_of)."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections import deque
@@ -20,25 +19,26 @@ from pagedserve.models.loading.loader import LoadedModel, load_model
 
 from ..config import EngineConfig
 from .cpu_threads_tuner import CpuThreadsTuner
-from .detokenizer import IncrementalDetokenizer
 from ..executor import WorkerFailedError, make_executor
 from ..core.kv_cache_manager import KVCacheManager
 from ..worker.memory_budget import (PER_REQUEST_BYTES, MemoryBudget, activation_bytes, check_fits_host,
                                     host_memory_available, resident_bytes, weights_bytes)
-from ..core.beam_search import BeamSearchParams, Proposal, select
+from ..core.beam_search import BeamSearchParams
 from ..kv_transfer.kv_connector import KVBlockIO, KVConnector, KVTransferSpec, KVTransferStats, model_fingerprint
-from .model_runner import ModelRunner, SampledToken, StepResult
+from .input_processor import InputProcessor
+from .model_runner import ModelRunner, StepResult
+from .output_processor import OutputProcessor
 from ..outputs import CompletionOutput, EngineStats, RequestOutput
 from ..core.request import Request, RequestStatus
 from ..kv_transfer.remote_prefill import RemotePrefill, export_blocks
 from .request_events import RequestEvents
-from .request_limits import RequestLimits, ServerShape, check_fits, check_ids, check_params, check_prompt_ids
+from .request_limits import RequestLimits, ServerShape
 from ..sample.sampler import Sampler
 from ..sampling_params import SamplingParams
 from ..core.scheduler import Scheduler, SchedulerOutput, keys_per_token
 from ..structured_output.manager import StructuredOutputManager
 from ..spec_decode.decoder import build_spec_decoder
-from ..core.sequence_group import SequenceGroup, completion, group_output, sample_generator
+from ..core.sequence_group import SequenceGroup, completion, group_output
 
 log = structlog.get_logger("pagedserve.engine")
 
@@ -114,6 +114,11 @@ class LLMEngine:
         self.kv_stats = KVTransferStats()
         self.remote_prefill: RemotePrefill | None = None  # set on a decode instance
         self.failed_requests: list[tuple[str, Exception]] = []  # taken by the caller after each step
+        self.inputs = InputProcessor(self.tokenizer, self.limits, self.shape, self.structured,
+                                     self.model_config.eos_token_ids)
+        self.outputs = OutputProcessor(
+            self.scheduler, self.structured, self.events, self.tokenizer.decode, self.max_model_len,
+            self.inputs.new_seq, self.spec, lambda r: export_blocks(r, self.kv_manager, self.block_io, self.kv_stats))
         self.blas = blas_info()  # numpy's BLAS: its kernel ("architecture") and threads, for logs and stats
         self.numba_code_path = None if self.backend.is_gpu else numba_code_path()  # avx512 / avx2 / baseline
         log.info("engine.kv_pool", num_blocks=num_blocks, block_size=self.block_size,
@@ -179,49 +184,14 @@ class LLMEngine:
     def add_beam_request(self, request_id: str, prompt: str | Sequence[int], params: BeamSearchParams,
                          arrival_time: float | None = None) -> SequenceGroup:
         """Queue a beam search; its one finished output carries beam_width completions, best first."""
-        sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True,
-                                  structured_outputs=params.structured_outputs)
-        group = self.make_request(request_id, prompt, sampling, arrival_time)
-        group.beam = params
-        per_beam = -(-(len(group.prompt_token_ids) + params.max_tokens) // self.block_size)
-        if params.beam_width * per_beam > self.num_kv_blocks or params.beam_width > self.config.max_num_seqs:
-            raise ValueError(f"beam search of width {params.beam_width} needs up to {params.beam_width * per_beam} "
-                             f"KV blocks and {params.beam_width} sequence slots; the pool has {self.num_kv_blocks} "
-                             f"blocks and max_num_seqs is {self.config.max_num_seqs}")
+        group = self.inputs.make_beam_request(request_id, prompt, params, arrival_time)
         self.add_prepared(group)
         return group
 
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                      arrival_time: float | None = None, cache_salt: str | None = None) -> SequenceGroup:
         """Validate a request and build it, touching no engine state (safe from another thread)."""
-        params = params or SamplingParams()
-        # Limits first, tokenizing after: nothing is allocated for a request the server would refuse.
-        check_ids(self.limits, request_id, cache_salt)
-        check_params(self.limits, self.shape, params)
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, check_prompt_ids(self.shape, prompt)
-        check_fits(self.shape, len(ids), params)
-        arrival = arrival_time or time.monotonic()
-        group = SequenceGroup(request_id, text, ids, params, arrival, eos_token_ids=self.model_config.eos_token_ids,
-                              num_to_fork=(params.best_of or params.n) - 1)
-        if params.structured_outputs is not None:
-            group.grammar = self.structured.compile(params.structured_outputs)
-        first = self._new_seq(group, request_id, 0)
-        first.cache_salt = cache_salt
-        group.seqs.append(first)
-        group.first = first
-        return group
-
-    def _new_seq(self, group: SequenceGroup, seq_id: str, index: int) -> Request:
-        p = group.params
-        r = Request(seq_id, group.prompt_token_ids, p, group.arrival_time, eos_token_ids=group.eos_token_ids,
-                    prompt=group.prompt, generator=sample_generator(p.seed, index), sample_index=index, group=group)
-        r.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, group.prompt_token_ids, skip_special_tokens=p.skip_special_tokens, stop=p.stop,
-            include_stop_str_in_output=p.include_stop_str_in_output, min_tokens=p.min_tokens)
-        return r
+        return self.inputs.make_request(request_id, prompt, params, arrival_time, cache_salt)
 
     def add_prepared(self, group: SequenceGroup) -> None:
         """Queue a request built by make_request."""
@@ -330,79 +300,36 @@ class LLMEngine:
             group = r.group
             if group.num_to_fork and r.sample_index == 0 and s.completes_prompt:
                 try:
-                    forks[i] = [self._new_seq(group, group.next_seq_id(), k) for k in range(1, group.num_to_fork + 1)]
+                    forks[i] = [self.inputs.new_seq(group, group.next_seq_id(), k)
+                                for k in range(1, group.num_to_fork + 1)]
                 except Exception as e:
                     failed.append(self._fail_group(group, e, "prepare"))
         return forks
 
     def _update(self, sched: SchedulerOutput, forks: dict[int, list[Request]],
                 results: list[StepResult | None]) -> list[RequestOutput]:
+        """Each scheduled sequence's results through the output processor; one that raises fails its request."""
         now = time.monotonic()
         changed: dict[str, list[CompletionOutput]] = {}
         num_out = 0
         failed: list[RequestOutput | None] = []
         for i, (s, result) in enumerate(zip(sched.scheduled, results)):
-            if s.request.group.aborted:  # another of its sequences failed earlier in this loop
+            group = s.request.group
+            if group.aborted:  # another of its sequences failed earlier in this loop
                 continue
             if result is not None and result.error is not None:
-                failed.append(self._fail_group(s.request.group, result.error, result.error_stage, forks))
+                failed.append(self._fail_group(group, result.error, result.error_stage, forks))
                 continue
             try:
-                r = s.request
-                self.scheduler.commit_computed(r, s.num_real_tokens)  # drafts count once accepted
-                if r.kv_export is not None and r.num_computed_tokens >= r.num_prompt_tokens:
-                    export_blocks(r, self.kv_manager, self.block_io, self.kv_stats)  # before it finishes
-                if result is None:
-                    continue  # a prefill chunk that did not reach the end of the prompt
-                group = r.group
-                if r.timings.first_token is None:
-                    r.timings.first_token = now
-                    self.events.first_token(r, now)
-                if group.beam is not None:
-                    group.beam_pending[r.request_id] = result.beam_topk
-                    num_out += self._advance_beams(group)
-                    if group.is_finished:
-                        changed.setdefault(group.request_id, [])
-                    continue
-                for child in forks.get(i, []):  # share the prompt's blocks with every other sample
-                    child.num_cached_tokens = r.num_cached_tokens
-                    child.timings = dataclasses.replace(r.timings)
-                    self.scheduler.fork(r, child)
-                    group.seqs.append(child)
-                group.num_to_fork = 0
-                kids = forks.get(i, [])
-                for seq, toks in zip([r, *kids], [result.tokens, *([t] for t in result.fork_samples)]):
-                    completion_out = self._append_tokens(seq, toks)
-                    num_out += len(completion_out.new_token_ids)
-                    changed.setdefault(group.request_id, []).append(completion_out)
-                if s.spec_token_ids:
-                    self.spec.observe(r, result.num_draft_tokens, result.num_accepted_tokens)
-                    self.scheduler.rollback_rejected(r, result.num_accepted_tokens)  # frees rejected slots
+                completions, appended = self.outputs.update(s, result, forks.get(i, []), now)
             except Exception as e:  # appending, hashing, forking, detokenizing this request
-                failed.append(self._fail_group(s.request.group, e, "update", forks))
+                failed.append(self._fail_group(group, e, "update", forks))
+                continue
+            num_out += appended
+            if completions is not None:
+                changed.setdefault(group.request_id, []).extend(completions)
         self._throughput.append((now, num_out, sched.num_batched_tokens))
-        return [o for o in failed if o is not None] + self._collect(changed)
-
-    def _append_tokens(self, r: Request, toks: list[SampledToken]) -> CompletionOutput:
-        """Append a step's tokens one by one (several after a verify step), stopping at the first that
-        ends the request: nothing past max_tokens, a stop token or a stop string is emitted."""
-        new_text, new_ids = "", []
-        for tok in toks:
-            r.append_output_token(tok.token_id)
-            r.cumulative_logprob += tok.logprob
-            new_ids.append(tok.token_id)
-            if r.sampling_params.logprobs is not None:
-                r.output_logprobs.append(tok.logprob)
-                r.output_top_logprobs.append(tok.top_logprobs or [])
-            delta = r.detokenizer.add_tokens([tok.token_id])
-            status = self._stop_status(r, tok.token_id, delta.stop_hit, self.structured.accept(r, tok.token_id))
-            new_text += delta.text
-            if status is not None:
-                if delta.stop_hit is None:
-                    new_text += r.detokenizer.finish()
-                self.scheduler.finish_request(r, status)
-                break
-        return completion(r, r.sample_index, new_text, new_ids)
+        return [o for o in failed if o is not None] + self.outputs.collect(self.groups, changed)
 
     def _fail_bad_grammars(self) -> list[RequestOutput]:
         """Requests whose grammar failed to compile for this tokenizer end aborted (they hold no KV block).
@@ -415,99 +342,6 @@ class LLMEngine:
             self.abort_request(group.request_id)
             outputs.append(group_output(group, group.final_completions(self.tokenizer.decode), finished=True))
         return outputs
-
-    def _collect(self, changed: dict[str, list[CompletionOutput]]) -> list[RequestOutput]:
-        """One RequestOutput per group that moved: its new deltas, or its final outputs when it is done."""
-        outputs = []
-        for rid, completions in changed.items():
-            group = self.groups.get(rid)
-            if group is None:
-                continue
-            if group.is_finished:
-                del self.groups[rid]
-                final = group.final_completions(self.tokenizer.decode)
-                if group.beam is None and group.params.n == len(group.seqs):  # streamed samples: keep deltas
-                    deltas = {c.index: c for c in completions}
-                    for c in final:
-                        if c.index in deltas:
-                            c.new_text, c.new_token_ids = deltas[c.index].new_text, deltas[c.index].new_token_ids
-                outputs.append(group_output(group, final, finished=True))
-                self.events.ended("request.finished", group.first, rid, group)
-            elif group.beam is None and (group.params.best_of or group.params.n) == group.params.n:
-                outputs.append(group_output(group, completions, finished=False))
-        return outputs
-
-    def _advance_beams(self, group: SequenceGroup) -> int:
-        """Once every live beam has its next-token proposals, pick the new beams (see beam_search.py)."""
-        live = group.live
-        if any(b.request_id not in group.beam_pending for b in live):
-            return 0  # a sibling was preempted and is being recomputed
-        bp = group.beam
-        proposals = []
-        for k, beam in enumerate(live):
-            ids, lps = group.beam_pending.pop(beam.request_id)
-            proposals += [Proposal(k, int(t), float(lp), beam.cumulative_logprob + float(lp))
-                          for t, lp in zip(ids, lps)]
-        survivors, finished = select(proposals, bp.beam_width, group.eos_token_ids, bp.ignore_eos)
-        for p in finished:
-            group.beam_done.append((live[p.beam].output_token_ids + [p.token_id], p.score, "stop"))
-        taken: set[int] = set()
-        new_live: list[Request] = []
-        for p in survivors:  # forks first, from each parent's state before any token is appended
-            parent = live[p.beam]
-            if p.beam in taken:
-                child = self._new_seq(group, group.next_seq_id(), parent.sample_index)
-                child.output_token_ids = list(parent.output_token_ids)
-                child.all_token_ids = list(parent.all_token_ids)
-                child.cumulative_logprob = parent.cumulative_logprob
-                child.timings = dataclasses.replace(parent.timings)
-                self.structured.fork(parent, child)
-                if parent.status == RequestStatus.RUNNING:
-                    self.scheduler.fork(parent, child)
-                else:  # the parent was preempted after proposing: the child recomputes too
-                    self.scheduler.add_request(child)
-                new_live.append(child)
-            else:
-                taken.add(p.beam)
-                new_live.append(parent)
-        for k, beam in enumerate(live):
-            if k not in taken:  # a beam that died: its blocks go back (shared ones stay with the others)
-                self.scheduler.finish_request(beam, RequestStatus.FINISHED_ABORTED)
-        for beam, p in zip(new_live, survivors):
-            beam.append_output_token(p.token_id)
-            beam.cumulative_logprob = p.score
-            if self.structured.accept(beam, p.token_id):  # its grammar is complete: a finished hypothesis
-                group.beam_done.append((list(beam.output_token_ids), beam.cumulative_logprob, "stop"))
-                self.scheduler.finish_request(beam, RequestStatus.FINISHED_STOPPED)
-        new_live = [b for b in new_live if not b.is_finished]
-        group.seqs = new_live
-        longest = new_live[0] if new_live else None
-        if longest is not None and (longest.num_output_tokens >= bp.max_tokens
-                                    or longest.num_tokens >= self.max_model_len):
-            for beam in new_live:
-                group.beam_done.append((list(beam.output_token_ids), beam.cumulative_logprob, "length"))
-                self.scheduler.finish_request(beam, RequestStatus.FINISHED_LENGTH)
-        return len(survivors)
-
-    def _stop_status(self, r: Request, token_id: int, stop_hit: str | None,
-                     grammar_done: bool | None = None) -> RequestStatus | None:
-        p = r.sampling_params
-        if grammar_done:  # the grammar takes no more tokens (min_tokens cannot be honoured past it)
-            r.stop_reason = None
-            return RequestStatus.FINISHED_STOPPED
-        if r.num_output_tokens >= p.min_tokens:
-            if not p.ignore_eos and token_id in r.eos_token_ids:
-                r.stop_reason = None
-                return RequestStatus.FINISHED_STOPPED
-            if p.stop_token_ids and token_id in p.stop_token_ids:
-                r.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-            if stop_hit is not None:
-                r.stop_reason = stop_hit
-                return RequestStatus.FINISHED_STOPPED
-        if r.num_output_tokens >= p.max_tokens or r.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     # -- disaggregated prefill -------------------------------------------------------------------
 

@@ -123,6 +123,7 @@ def test_beam_search_equals_brute_force(tiny, width, length_penalty):
     eos = tuple(tiny.config.eos_token_ids) + (int(np.argmax(full_logprobs(model, prompt))),)
     e = engine(tiny)
     e.model_config = type(e.model_config)(**{**e.model_config.__dict__, "eos_token_ids": eos})
+    e.inputs.eos_token_ids = eos  # requests take their eos ids when they are built
     e.add_beam_request("beam", prompt, BeamSearchParams(beam_width=width, max_tokens=6, length_penalty=length_penalty))
     peak: list[int] = []
     got = run(e, peak)["beam"].outputs
