@@ -2,8 +2,9 @@
 
 Entries live in `<cache root>/gguf-<sha256 of the GGUF file>-v<format>/` and hold model.safetensors
 (float32, Hugging Face names, q/k already un-permuted, plus the block arrays of quantized matmul weights),
-config.json and the tokenizer files. Keying by content hash means a replaced or edited file never reuses a stale entry. Entries are written to a
-temporary directory and renamed into place, so a crash mid-write leaves no half entry behind.
+config.json and the tokenizer files. Keying by content hash means a replaced or edited file never reuses a
+stale entry. Entries are written to a temporary directory and renamed into place, so a crash mid-write leaves
+no half entry behind.
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import deque
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -14,15 +13,13 @@ from pagedserve.cupy_kernels.backend import to_host
 from pagedserve.cupy_kernels import OPENBLAS_ENV_APPLIED
 from pagedserve.cupy_kernels.host.blas_threads import STARTED_BLAS_THREADS, blas_info, set_cpu_threads
 from pagedserve.cupy_kernels.kernel_set import numba_code_path
-from pagedserve.models.kv_cache import kv_bytes_per_block
 from pagedserve.models.loading.loader import LoadedModel, load_model
 
 from ..config import EngineConfig
 from .cpu_threads_tuner import CpuThreadsTuner
 from ..executor import WorkerFailedError, make_executor
 from ..core.kv_cache_manager import KVCacheManager
-from ..worker.memory_budget import (PER_REQUEST_BYTES, MemoryBudget, activation_bytes, check_fits_host,
-                                    host_memory_available, resident_bytes, weights_bytes)
+from ..worker.memory_budget import check_engine_memory
 from ..core.beam_search import BeamSearchParams
 from ..kv_transfer.kv_connector import KVBlockIO, KVConnector, KVTransferSpec, KVTransferStats, model_fingerprint
 from .input_processor import InputProcessor
@@ -32,6 +29,7 @@ from ..outputs import CompletionOutput, EngineStats, RequestOutput
 from ..core.request import Request, RequestStatus
 from ..kv_transfer.remote_prefill import RemotePrefill, export_blocks
 from .request_events import RequestEvents
+from .stats import Throughput, engine_stats
 from .request_limits import RequestLimits, ServerShape
 from ..sample.sampler import Sampler
 from ..sampling_params import SamplingParams
@@ -44,6 +42,10 @@ log = structlog.get_logger("pagedserve.engine")
 
 _STAGES = {"schedule": "scheduling it", "prepare": "preparing it", "forward": "running the forward pass of its batch",
            "sample": "sampling its next token", "update": "updating and detokenizing its output"}
+
+
+def _present(outputs: list[RequestOutput | None]) -> list[RequestOutput]:
+    return [o for o in outputs if o is not None]
 
 
 class LLMEngine:
@@ -73,7 +75,8 @@ class LLMEngine:
         self.block_size = config.block_size
         num_blocks = config.num_kv_blocks or self.executor.determine_num_kv_blocks(self.max_model_len)
         self.num_kv_blocks = num_blocks
-        self.memory_budget = self._check_host_memory(num_blocks)
+        self.memory_budget = check_engine_memory(config, self.model_config, self.executor.driver_worker,
+                                                 self.backend, num_blocks, self.max_model_len)
         self.limits = RequestLimits(max_logprobs=config.max_logprobs)
         self.shape = ServerShape(self.model_config.vocab_size, self.max_model_len, config.max_num_seqs, num_blocks,
                                  self.block_size)
@@ -105,7 +108,7 @@ class LLMEngine:
                     was_ms_per_token=round(1e3 * old_cost, 3)))
         self.groups: dict[str, SequenceGroup] = {}
         self.events = RequestEvents(config.log_requests)
-        self._throughput: deque[tuple[float, int, int]] = deque()  # (time, output tokens, all tokens)
+        self.throughput = Throughput()
         self.num_preemptions = 0
         # Disaggregated serving (kv_connector.py): blocks in and out of the pool in the wire layout. Under
         # tensor parallelism each rank holds a slice of the heads, so whole blocks are not in one place: off.
@@ -150,27 +153,6 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the rank processes (tensor parallelism); a no-op for a single rank."""
         self.executor.shutdown()
-
-    def _check_host_memory(self, num_blocks: int) -> MemoryBudget:
-        """Refuse at start settings whose KV pool and activations the host cannot hold (memory_budget.py)."""
-        c = self.config
-        worker = self.executor.driver_worker
-        cpu = not self.backend.is_gpu
-        # CPU tensor parallelism: every rank's share of the pool lives on this host.
-        kv_bytes = num_blocks * worker.kv_bytes_per_block() * c.tensor_parallel_size if cpu else 0
-        threads = c.cpu_threads if isinstance(c.cpu_threads, int) else os.cpu_count() or 1
-        budget = MemoryBudget(
-            held_bytes=resident_bytes(), weights_bytes=weights_bytes(self.model_config, self.backend.dtype.itemsize),
-            kv_cache_bytes=kv_bytes,
-            activation_bytes=activation_bytes(self.model_config, c.max_num_batched_tokens, c.max_num_seqs,
-                                              self.max_model_len, num_blocks * self.block_size, threads) if cpu else 0,
-            request_state_bytes=c.max_num_seqs * PER_REQUEST_BYTES)
-        available, source = host_memory_available()
-        log.info("engine.memory_budget", available_gib=round(available / 2**30, 3) if available else None,
-                 available_from=source, **budget.log_fields())
-        check_fits_host(budget, available, source, "kv_cache_memory_bytes (or num_kv_blocks), "
-                        "max_num_batched_tokens or max_num_seqs")
-        return budget
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -223,25 +205,47 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run, update. A request whose part of this raises fails alone (its output carries
+        """Schedule, execute, update. A request whose part of this raises fails alone (its output carries
         `error`, its blocks are freed); a failed forward fails the requests in its batch, no others."""
+        failed = self._before_schedule()  # grammars that failed to compile, remote KV that landed
+        sched = self.scheduler.schedule()
+        forks = self._after_schedule(sched, failed)  # samples to fork this step; requests failed meanwhile
+        if sched.is_empty:
+            self._wait_for_work(failed)
+            return _present(failed)
+        results = self._execute(sched, forks, failed)
+        if results is None:  # the forward failed: its batch's requests failed, the others wait on
+            return _present(failed)
+        outputs = _present(failed) + self._update(sched, forks, results)
+        if self.spec is not None:  # drafts for the next step, from the tokens just appended
+            self.spec.propose(self.scheduler.running)
+        return outputs
+
+    def _before_schedule(self) -> list[RequestOutput | None]:
         failed: list[RequestOutput | None] = list(self._fail_bad_grammars())
         if self.remote_prefill is not None:
             self._land_remote_kv()
-        sched = self.scheduler.schedule()
+        return failed
+
+    def _after_schedule(self, sched: SchedulerOutput, failed: list) -> dict[int, list[Request]]:
         self.num_preemptions += len(sched.preempted)
         self.events.scheduled(sched)
         failed += [self._fail_group(r.group, e, "schedule") for r, e in sched.failed]
-        forks: dict[int, list[Request]] = {}
-        if not sched.is_empty:
-            forks = self._plan_forks(sched, failed)
-            self._drop_finished(sched, forks)
         if sched.is_empty:
-            if self.scheduler.waiting_for_kv:  # only transfers in flight: wait for one, do not spin
-                self.remote_prefill.connector.wait(0.02)
-            elif not any(o is not None for o in failed):
-                self.structured.wait_for_any(timeout_s=0.05)  # only grammars left to compile: wait, do not spin
-            return [o for o in failed if o is not None]
+            return {}
+        forks = self._plan_forks(sched, failed)
+        self._drop_finished(sched, forks)
+        return forks
+
+    def _wait_for_work(self, failed: list) -> None:
+        if self.scheduler.waiting_for_kv:  # only transfers in flight: wait for one, do not spin
+            self.remote_prefill.connector.wait(0.02)
+        elif not any(o is not None for o in failed):
+            self.structured.wait_for_any(timeout_s=0.05)  # only grammars left to compile: wait, do not spin
+
+    def _execute(self, sched: SchedulerOutput, forks: dict[int, list[Request]],
+                 failed: list) -> list[StepResult | None] | None:
+        """The forward and sampling; None when the batch failed (its requests are failed into `failed`)."""
         try:
             started = self.spec.clock() if self.spec is not None else 0.0
             if self.threads_tuner is not None:
@@ -251,16 +255,13 @@ class LLMEngine:
                 self.threads_tuner.after_step(sched.num_batched_tokens)
             if self.spec is not None:  # what steps cost by their rows: the speculation policy's cost side
                 self.spec.observe_step(sched.scheduled, sched.num_batched_tokens, self.spec.clock() - started)
+            return results
         except WorkerFailedError:  # a rank died: no request can run any more; the async engine stops
             raise
         except Exception as e:  # the batch's forward: every request in it fails, the others wait on
             for s in sched.scheduled:
                 failed.append(self._fail_group(s.request.group, e, "forward", forks))
-            return [o for o in failed if o is not None]
-        outputs = [o for o in failed if o is not None] + self._update(sched, forks, results)
-        if self.spec is not None:  # drafts for the next step, from the tokens just appended
-            self.spec.propose(self.scheduler.running)
-        return outputs
+            return None
 
     def _fail_group(self, group: SequenceGroup | None, error: Exception, stage: str,
                     forks: dict[int, list[Request]] | None = None) -> RequestOutput | None:
@@ -328,7 +329,7 @@ class LLMEngine:
             num_out += appended
             if completions is not None:
                 changed.setdefault(group.request_id, []).extend(completions)
-        self._throughput.append((now, num_out, sched.num_batched_tokens))
+        self.throughput.add(now, num_out, sched.num_batched_tokens)
         return [o for o in failed if o is not None] + self.outputs.collect(self.groups, changed)
 
     def _fail_bad_grammars(self) -> list[RequestOutput]:
@@ -376,34 +377,4 @@ class LLMEngine:
         self.kv_manager.check_integrity()
 
     def get_stats(self, window_s: float = 10.0) -> EngineStats:
-        now = time.monotonic()
-        while self._throughput and now - self._throughput[0][0] > window_s:
-            self._throughput.popleft()
-        span = now - self._throughput[0][0] if len(self._throughput) > 1 else 0.0
-        out_tps = sum(x[1] for x in self._throughput) / span if span > 0 else 0.0
-        all_tps = sum(x[2] for x in self._throughput) / span if span > 0 else 0.0
-        usage = self.kv_manager.usage()
-        sched = self.scheduler
-        held = sum(r.num_computed_tokens for r in sched.running)
-        slots = usage.num_used_blocks * self.block_size
-        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.backend.dtype.itemsize)
-        table_blocks = sum(len(self.kv_manager.block_table(r.request_id)) for r in sched.running)
-        return EngineStats(
-            len(sched.running), len(sched.waiting) + len(sched.waiting_for_kv),  # waiting: queued or receiving KV
-            usage.num_used_blocks, usage.num_blocks,
-            min(held / slots, 1.0) if slots else 0.0, out_tps, all_tps, self.num_preemptions,
-            prefix_cache_hit_rate=(sched.num_cached_prompt_tokens / sched.num_prompt_tokens
-                                   if sched.num_prompt_tokens else 0.0),
-            prefix_cache_request_hit_rate=(sched.num_admitted_with_hit / sched.num_admitted
-                                           if sched.num_admitted else 0.0),
-            num_shared_blocks=usage.num_shared_blocks, num_exclusive_blocks=usage.num_exclusive_blocks,
-            kv_bytes_used=usage.num_used_blocks * per_block, kv_bytes_without_sharing=table_blocks * per_block,
-            kv_transfer=self.kv_stats.snapshot(),
-            **self._spec_stats())
-
-    def _spec_stats(self) -> dict:
-        if self.spec is None:
-            return {}
-        s = self.spec.stats
-        return dict(spec_method=s.method, spec_num_draft_tokens=s.num_draft_tokens,
-                    spec_num_accepted_tokens=s.num_accepted_tokens, spec_mean_accepted_length=s.mean_accepted_length)
+        return engine_stats(self, window_s)

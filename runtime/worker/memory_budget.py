@@ -29,7 +29,7 @@ from pathlib import Path
 from pagedserve.models import registry
 from pagedserve.models.config import ModelConfig
 
-from ..config import DEFAULT_CPU_KV_BYTES
+from ..config import DEFAULT_CPU_KV_BYTES, EngineConfig
 
 GIB = float(1 << 30)
 # Python objects per running request (token lists, detokenizer state, logprob dicts): generous.
@@ -150,3 +150,28 @@ def check_fits_host(budget: MemoryBudget, available: int | None, source: str, se
         f"(KV pool {budget.kv_cache_bytes / GIB:.2f} GiB, activations {budget.activation_bytes / GIB:.2f} GiB, "
         f"request state {budget.request_state_bytes / GIB:.2f} GiB) but only {available / GIB:.2f} GiB is "
         f"available ({source}); lower {settings_hint}")
+
+
+def check_engine_memory(config: EngineConfig, model_config: ModelConfig, worker, backend, num_blocks: int,
+                        max_model_len: int) -> MemoryBudget:
+    """Refuse at start settings whose KV pool and activations the host cannot hold; log the budget."""
+    import structlog
+
+    c = config
+    cpu = not backend.is_gpu
+    # CPU tensor parallelism: every rank's share of the pool lives on this host.
+    kv_bytes = num_blocks * worker.kv_bytes_per_block() * c.tensor_parallel_size if cpu else 0
+    threads = c.cpu_threads if isinstance(c.cpu_threads, int) else os.cpu_count() or 1
+    budget = MemoryBudget(
+        held_bytes=resident_bytes(), weights_bytes=weights_bytes(model_config, backend.dtype.itemsize),
+        kv_cache_bytes=kv_bytes,
+        activation_bytes=activation_bytes(model_config, c.max_num_batched_tokens, c.max_num_seqs, max_model_len,
+                                          num_blocks * c.block_size, threads) if cpu else 0,
+        request_state_bytes=c.max_num_seqs * PER_REQUEST_BYTES)
+    available, source = host_memory_available()
+    structlog.get_logger("pagedserve.engine").info(
+        "engine.memory_budget", available_gib=round(available / 2**30, 3) if available else None,
+        available_from=source, **budget.log_fields())
+    check_fits_host(budget, available, source, "kv_cache_memory_bytes (or num_kv_blocks), "
+                    "max_num_batched_tokens or max_num_seqs")
+    return budget

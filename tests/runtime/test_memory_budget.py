@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.runtime.engine import llm_engine as engine_mod
+from pagedserve.runtime.worker import memory_budget as budget_mod  # the engine's check at start lives there
 from pagedserve.runtime.worker import worker as worker_mod
 from pagedserve.runtime.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from pagedserve.runtime.engine.llm_engine import LLMEngine
@@ -46,7 +46,7 @@ def test_the_numba_prefill_tiles_of_every_thread_are_counted(tiny):
 
 
 def test_settings_beyond_the_host_are_refused_before_the_pool_is_allocated(tiny, monkeypatch):
-    monkeypatch.setattr(engine_mod, "host_memory_available", lambda: (100 << 20, "MemAvailable"))
+    monkeypatch.setattr(budget_mod, "host_memory_available", lambda: (100 << 20, "MemAvailable"))
     allocated = []
     monkeypatch.setattr(Worker, "initialize_cache", lambda self, *a: allocated.append(a))
     with pytest.raises(ValueError) as err:
@@ -68,7 +68,7 @@ def test_engine_default_pool_follows_the_host(tiny, monkeypatch, available_mib, 
     """Unset kv_cache_memory_bytes: the pool is 4 GiB on a roomy host and shrinks on a small one instead of
     being refused at start (the start check sees the same host). Only the pool's size is under test."""
     monkeypatch.setattr(worker_mod, "host_memory_available", lambda: (available_mib << 20, "MemAvailable"))
-    monkeypatch.setattr(engine_mod, "host_memory_available", lambda: (None, "unknown"))
+    monkeypatch.setattr(budget_mod, "host_memory_available", lambda: (None, "unknown"))
     monkeypatch.setattr(Worker, "initialize_cache", lambda self, *a: None)
     e = LLMEngine(EngineConfig(device="cpu"), loaded=tiny)
     per_block = e.executor.driver_worker.kv_bytes_per_block()

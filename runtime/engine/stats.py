@@ -1,0 +1,62 @@
+"""EngineStats of a running engine: its queues, the KV pool's use and sharing, throughput over a recent window,
+prefix-cache hits, speculation and KV-transfer counters. One snapshot feeds the logs, the wire and the metrics."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+from pagedserve.models.kv_cache import kv_bytes_per_block
+
+from ..outputs import EngineStats
+
+if TYPE_CHECKING:
+    from .llm_engine import LLMEngine
+
+
+class Throughput:
+    """Tokens of recent steps, for rates over a window."""
+
+    def __init__(self) -> None:
+        self._steps: deque[tuple[float, int, int]] = deque()  # (time, output tokens, all tokens)
+
+    def add(self, now: float, output_tokens: int, all_tokens: int) -> None:
+        self._steps.append((now, output_tokens, all_tokens))
+
+    def rates(self, now: float, window_s: float) -> tuple[float, float]:
+        """(output tokens/s, all tokens/s) over the steps of the last `window_s` seconds."""
+        steps = self._steps
+        while steps and now - steps[0][0] > window_s:
+            steps.popleft()
+        span = now - steps[0][0] if len(steps) > 1 else 0.0
+        if span <= 0:
+            return 0.0, 0.0
+        return sum(x[1] for x in steps) / span, sum(x[2] for x in steps) / span
+
+
+def engine_stats(engine: LLMEngine, window_s: float = 10.0) -> EngineStats:
+    out_tps, all_tps = engine.throughput.rates(time.monotonic(), window_s)
+    kv = engine.kv_manager
+    usage = kv.usage()
+    sched = engine.scheduler
+    held = sum(r.num_computed_tokens for r in sched.running)
+    slots = usage.num_used_blocks * engine.block_size
+    per_block = kv_bytes_per_block(engine.model_config, engine.block_size, engine.backend.dtype.itemsize)
+    table_blocks = sum(len(kv.block_table(r.request_id)) for r in sched.running)
+    spec = {}
+    if engine.spec is not None:
+        s = engine.spec.stats
+        spec = dict(spec_method=s.method, spec_num_draft_tokens=s.num_draft_tokens,
+                    spec_num_accepted_tokens=s.num_accepted_tokens, spec_mean_accepted_length=s.mean_accepted_length)
+    return EngineStats(
+        len(sched.running), len(sched.waiting) + len(sched.waiting_for_kv),  # waiting: queued or receiving KV
+        usage.num_used_blocks, usage.num_blocks,
+        min(held / slots, 1.0) if slots else 0.0, out_tps, all_tps, engine.num_preemptions,
+        prefix_cache_hit_rate=(sched.num_cached_prompt_tokens / sched.num_prompt_tokens
+                               if sched.num_prompt_tokens else 0.0),
+        prefix_cache_request_hit_rate=(sched.num_admitted_with_hit / sched.num_admitted
+                                       if sched.num_admitted else 0.0),
+        num_shared_blocks=usage.num_shared_blocks, num_exclusive_blocks=usage.num_exclusive_blocks,
+        kv_bytes_used=usage.num_used_blocks * per_block, kv_bytes_without_sharing=table_blocks * per_block,
+        kv_transfer=engine.kv_stats.snapshot(), **spec)
