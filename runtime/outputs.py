@@ -1,9 +1,12 @@
-"""What the engine hands back: per-request outputs fit for streaming, and engine stats."""
+"""What the engine hands back: per-request outputs fit for streaming, engine stats, and the loaded engine's facts."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .kv_transfer.kv_connector import KVTransferStats
 
 
 @dataclass
@@ -55,6 +58,11 @@ class RequestOutput:
 
 @dataclass
 class EngineStats:
+    """The one schema of the engine's figures: runtime/engine/stats.py fills it, the logs, the sidecar's
+    GetServerStats (sidecar/stats_schema.py: the wire names, and the fields kept off the wire) and its
+    Prometheus metrics (sidecar/metrics.py: ENGINE_METRICS) read it. tests/sidecar/test_stats_schema.py fails
+    when a field added here reaches neither the wire nor the metrics without being declared left out."""
+
     num_running: int
     num_waiting: int
     num_kv_blocks_used: int
@@ -69,7 +77,7 @@ class EngineStats:
     num_exclusive_blocks: int = 0  # referenced by exactly one sequence
     kv_bytes_used: int = 0  # bytes of the blocks in use
     kv_bytes_without_sharing: int = 0  # what the live block tables would take if nothing were shared
-    kv_transfer: Any = None  # runtime.kv_connector.KVTransferStats (disaggregated prefill/decode)
+    kv_transfer: KVTransferStats | None = None  # disaggregated prefill/decode counters
     # Speculative decoding since start ("" = off): drafts proposed and accepted, and tokens emitted per
     # verify step (1 + accepted / verify steps).
     spec_method: str = ""
@@ -84,3 +92,21 @@ class EngineStats:
     @property
     def kv_block_usage(self) -> float:
         return self.num_kv_blocks_used / self.num_kv_blocks_total if self.num_kv_blocks_total else 0.0
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a loaded engine is and runs on (the sidecar's GetModelInfo, less the name). All fixed once it is
+    built but blas_threads, which follows the CPU thread tuner."""
+
+    architecture: str  # the Hugging Face architecture, e.g. "LlamaForCausalLM"
+    max_model_len: int
+    vocab_size: int
+    block_size: int  # tokens per KV cache block
+    dtype: str  # compute and KV cache dtype, e.g. "float32"
+    backend: str  # "numpy" or "cupy"
+    num_kv_blocks: int
+    kernels: str  # the backend's kernel set: "numba", "numpy" or "cuda"
+    blas_kernel: str  # numpy's BLAS kernel ("SkylakeX", ...); "" when unknown
+    blas_threads: int  # threads the CPU backend runs at now; 0 when unknown
+    numba_code_path: str  # "avx512", "avx2", "baseline"; "" on the GPU

@@ -9,6 +9,10 @@
 The step loop never runs on the event loop, so RPCs stay responsive while a forward pass runs, and
 one engine serves every caller (continuous batching across clients). Validation happens before a
 request is queued, so bad input fails at once with a ValueError.
+
+The server reads the engine only through AsyncEngine: requests (generate, abort), the published `stats`
+snapshot, and the small read API below ("what the server reads": tokenizer, model facts, live counters,
+shutdown). `self.engine` (the LLMEngine) is for the runtime and its tests, never for sidecar/.
 """
 
 from __future__ import annotations
@@ -18,15 +22,15 @@ import dataclasses
 import threading
 import time
 from collections import deque
-from typing import AsyncIterator, Awaitable, Callable, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 import anyio
 import structlog
 
 from .llm_engine import LLMEngine
 from ..executor import WorkerFailedError
-from ..kv_transfer.kv_connector import KVExport
-from ..outputs import RequestOutput
+from ..kv_transfer.kv_connector import KVExport, KVTransferStats
+from ..outputs import EngineInfo, EngineStats, RequestOutput
 from ..sampling_params import SamplingParams
 from ..core.sequence_group import SequenceGroup
 
@@ -89,7 +93,7 @@ class AsyncEngine:
         self.started_at = time.monotonic()
         self.failure: BaseException | None = None
         # The worker publishes a stats snapshot; readers on the event loop never touch live engine state.
-        self.stats = engine.get_stats()
+        self.stats: EngineStats = engine.get_stats()
         self._stats_at = 0.0
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -148,6 +152,66 @@ class AsyncEngine:
                                                f"{timeout_s:g} s drain timeout"))
             self.abort(rid)
         return len(left)
+
+    # -- what the server reads ----------------------------------------------------------------------
+    # Safe from the event loop or any thread: the tokenizer is stateless, the facts fixed, and the counters
+    # plain ints the worker bumps (reading one is atomic).
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (ValueError for a non-str). Seconds for a very long text: call it off the loop."""
+        return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def tokenize_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template (ValueError when there is none)."""
+        return self.engine.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                                         tokenize=True)
+
+    def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.engine.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def model_info(self) -> EngineInfo:
+        e = self.engine
+        return EngineInfo(architecture=e.model_config.architecture, max_model_len=e.max_model_len,
+                          vocab_size=e.model_config.vocab_size, block_size=e.block_size, dtype=str(e.backend.dtype),
+                          backend=e.backend.name, num_kv_blocks=e.num_kv_blocks, kernels=e.backend.ops.name,
+                          blas_kernel=(e.blas or {}).get("architecture") or "", blas_threads=e.cpu_threads or 0,
+                          numba_code_path=e.numba_code_path or "")
+
+    @property
+    def memory_budget_bytes(self) -> int:
+        """The engine's memory budget, as checked at start (runtime/worker/memory_budget.py)."""
+        return self.engine.memory_budget.total_bytes
+
+    def prefix_cache_counts(self) -> tuple[int, int]:
+        """(prompt tokens looked up in the prefix cache, of those found cached) since start; live counters."""
+        sched = self.engine.scheduler
+        return sched.num_prompt_tokens, sched.num_cached_prompt_tokens
+
+    def kv_transfer_stats(self) -> KVTransferStats:
+        """A copy of the disaggregated-serving counters as they are now, not as of the last `stats` snapshot:
+        a decode instance's are bumped before the stream that used them moves on, so a reader never sees
+        them late."""
+        return self.engine.kv_stats.snapshot()
+
+    @property
+    def can_send_kv_blocks(self) -> bool:
+        """Whether this engine can copy whole KV blocks out for a decode instance: not under tensor
+        parallelism, where each rank holds a slice of every block."""
+        return self.engine.block_io is not None
+
+    def count_kv_sent(self, num_blocks: int, num_bytes: int) -> None:
+        """Count blocks sent to a decode instance (the KVTransfer servicer, once the last chunk is out)."""
+        stats = self.engine.kv_stats
+        stats.kv_blocks_sent += num_blocks
+        stats.kv_bytes_sent += num_bytes
+
+    def shutdown(self) -> None:
+        """Stop the engine's rank processes (tensor parallelism; a no-op for one rank). After stop() or a failure."""
+        self.engine.shutdown()
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -358,7 +422,7 @@ class AsyncEngine:
                  **_kv_fields(s.kv_transfer), **_spec_fields(s))
 
 
-def _kv_fields(k) -> dict:
+def _kv_fields(k: KVTransferStats | None) -> dict:
     """Disaggregated serving counters, only once there is something to say."""
     if k is None or not (k.kv_blocks_sent or k.kv_blocks_received or k.local_prefill_fallbacks):
         return {}
@@ -368,7 +432,7 @@ def _kv_fields(k) -> dict:
             "kv_transfer_s": round(k.kv_transfer_s, 4)}
 
 
-def _spec_fields(s) -> dict:
+def _spec_fields(s: EngineStats) -> dict:
     """Speculative decoding figures for engine.stats, only when it is on."""
     if not s.spec_method:
         return {}

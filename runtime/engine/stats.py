@@ -36,6 +36,7 @@ class Throughput:
 
 
 def engine_stats(engine: LLMEngine, window_s: float = 10.0) -> EngineStats:
+    """A snapshot of `engine` now; throughput over the last `window_s` seconds. Call it on the engine's thread."""
     out_tps, all_tps = engine.throughput.rates(time.monotonic(), window_s)
     kv = engine.kv_manager
     usage = kv.usage()
@@ -44,15 +45,17 @@ def engine_stats(engine: LLMEngine, window_s: float = 10.0) -> EngineStats:
     slots = usage.num_used_blocks * engine.block_size
     per_block = kv_bytes_per_block(engine.model_config, engine.block_size, engine.backend.dtype.itemsize)
     table_blocks = sum(len(kv.block_table(r.request_id)) for r in sched.running)
-    spec = {}
+    spec: dict[str, str | int | float] = {}  # EngineStats' spec_* fields; their defaults when speculation is off
     if engine.spec is not None:
         s = engine.spec.stats
         spec = dict(spec_method=s.method, spec_num_draft_tokens=s.num_draft_tokens,
                     spec_num_accepted_tokens=s.num_accepted_tokens, spec_mean_accepted_length=s.mean_accepted_length)
     return EngineStats(
-        len(sched.running), len(sched.waiting) + len(sched.waiting_for_kv),  # waiting: queued or receiving KV
-        usage.num_used_blocks, usage.num_blocks,
-        min(held / slots, 1.0) if slots else 0.0, out_tps, all_tps, engine.num_preemptions,
+        num_running=len(sched.running),
+        num_waiting=len(sched.waiting) + len(sched.waiting_for_kv),  # queued, or receiving their KV blocks
+        num_kv_blocks_used=usage.num_used_blocks, num_kv_blocks_total=usage.num_blocks,
+        kv_token_slot_utilization=min(held / slots, 1.0) if slots else 0.0,
+        output_tokens_per_s=out_tps, total_tokens_per_s=all_tps, num_preemptions=engine.num_preemptions,
         prefix_cache_hit_rate=(sched.num_cached_prompt_tokens / sched.num_prompt_tokens
                                if sched.num_prompt_tokens else 0.0),
         prefix_cache_request_hit_rate=(sched.num_admitted_with_hit / sched.num_admitted
