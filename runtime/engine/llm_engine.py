@@ -83,10 +83,10 @@ class LLMEngine:
         # GPU: decode CUDA graphs are captured now, against these very KV caches.
         self.executor.initialize_cache(num_blocks, self.max_model_len)
         self.kv_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(self.executor, self.kv_manager, Sampler(config.seed, self.backend.ops.logsumexp_rows))
         # Guided decoding: grammars compile in a worker thread; costs nothing until a request has one.
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
-        self.runner.structured = self.structured
+        self.runner = ModelRunner(self.executor, self.kv_manager, Sampler(config.seed, self.backend.ops.logsumexp_rows),
+                                  self.structured)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_chunked_prefill,
                                    keys_per_token(self.model_config) if config.cost_aware_chunking else None)
@@ -94,10 +94,10 @@ class LLMEngine:
         # A self-draft needs the target's whole weights, which the workers do not keep: loaded again (cached).
         self.spec = build_spec_decoder(
             config.speculative_config, lambda: loaded or load_model(config.model, use_cache=config.use_weight_cache),
-            self.backend, num_blocks, self.block_size, self.max_model_len, config.seed, config.use_weight_cache)
+            self.backend, num_blocks, self.block_size, self.max_model_len, config.seed, config.use_weight_cache,
+            self.structured)  # guided sequences' drafts are checked against their grammar
         if self.spec is not None:
             self.scheduler.release_hooks.append(self.spec.free)
-            self.spec.structured = self.structured  # guided sequences' drafts are checked against their grammar
         # cpu_threads="auto": the thread count follows measured step cost (runtime/engine/cpu_threads_tuner.py).
         self.threads_tuner = None
         if config.cpu_threads == "auto" and not self.backend.is_gpu:

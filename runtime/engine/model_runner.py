@@ -7,7 +7,7 @@ forward pass, because the forward writes new K/V into the fresh copies.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,6 +21,9 @@ from ..sample.rejection_sampler import RejectionSampler
 from ..sample.sampler import Sampler
 from ..core.scheduler import SchedulerOutput
 from ..worker.worker import ExecuteModelRequest
+
+if TYPE_CHECKING:
+    from ..structured_output.manager import StructuredOutputManager
 
 
 @dataclass
@@ -49,13 +52,14 @@ class ModelRunner:
     """The driver's half of a step: scheduled sequences -> one flat batch -> the executor (its workers run
     the forward) -> logits -> samples. The sampler runs once, here, whatever the number of ranks."""
 
-    def __init__(self, executor: Executor, kv_manager: KVCacheManager, sampler: Sampler) -> None:
+    def __init__(self, executor: Executor, kv_manager: KVCacheManager, sampler: Sampler,
+                 structured: StructuredOutputManager | None = None) -> None:
         self.executor = executor
         self.kv = kv_manager
         self.sampler = sampler
         self.rejection_sampler = RejectionSampler(sampler.generator)  # verify steps of speculative decoding
         backend = executor.driver_worker.backend
-        self.structured: Any = None  # the engine's StructuredOutputManager (token bitmasks of guided rows)
+        self.structured = structured  # the engine's: the token bitmasks of guided rows
         # The sampler's array module: numpy as before, or CuPy with greedy rows through argmax_rows.
         self.xp = _DeviceArrayModule(backend.xp) if backend.is_gpu else np
 
@@ -125,13 +129,14 @@ class ModelRunner:
         bitmask = bitmask.result() if bitmask is not None else None
         for k, (row, i) in enumerate(beams):
             width = 2 * sched.scheduled[i].request.group.beam.beam_width
-            allowed = bitmask.allowed(len(seqs) + k, logits.shape[1]) if bitmask is not None else None
+            allowed = (bitmask.allowed(bitmask.layout.rows(len(seqs) + k).start, logits.shape[1])
+                       if bitmask is not None else None)
             results[i] = StepResult(beam_topk=self._beam_topk(logits[row], width, allowed))
         if verify:
-            first = len(seqs) + len(beams)  # the verify rows' place among the masked rows
-            num = sum(1 + len(sched.scheduled[i].spec_token_ids) for i, _ in verify)
+            first = len(seqs) + len(beams)  # the speculating sequences' place among the masked ones
             self._verify(sched, logits, verify, results,
-                         bitmask.select(range(first, first + num)) if bitmask is not None else None)
+                         bitmask.select(bitmask.layout.rows(first, first + len(verify) - 1))
+                         if bitmask is not None else None)
         if not rows:
             return results
         banned = [_banned_ids(r) for r in seqs]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from pagedserve.models import registry
 
@@ -28,6 +28,9 @@ from ..core.request import Request, RequestStatus
 from .config import SpeculativeConfig
 from .grammar import DraftGuide, guided_ngram_drafts
 from .policy import Candidate, SpecPolicy
+
+if TYPE_CHECKING:
+    from ..structured_output.manager import StructuredOutputManager
 
 
 @dataclass
@@ -49,7 +52,7 @@ class SpecDecodeStats:
 
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, draft: DraftProposer | None = None,
-                 gpu: bool = False) -> None:
+                 gpu: bool = False, structured: StructuredOutputManager | None = None) -> None:
         if (config.method == "draft") != (draft is not None):
             raise ValueError("a draft proposer is needed for method 'draft' and only then")
         self.config = config
@@ -61,7 +64,7 @@ class SpecDecoder:
         self.clock = time.perf_counter if gpu else time.process_time
         self.policy = SpecPolicy(config.num_speculative_tokens, config.max_num_speculative_tokens,
                                  config.probe_interval, config.min_acceptance_rate, gpu, shadow=draft is None)
-        self.structured: Any = None  # the engine's StructuredOutputManager: guided sequences' grammars
+        self.structured = structured  # the engine's: guided sequences' drafts are ones their grammar takes
 
     def free(self, seq_id: str) -> None:
         """The sequence left the running set (finished, aborted, preempted): drop its draft cache."""
@@ -151,8 +154,8 @@ class SpecDecoder:
 
 
 def build_spec_decoder(config: SpeculativeConfig | None, target: Callable[[], Any], backend: Any, num_blocks: int,
-                       block_size: int, max_model_len: int, seed: int | None,
-                       use_cache: bool = True) -> SpecDecoder | None:
+                       block_size: int, max_model_len: int, seed: int | None, use_cache: bool = True,
+                       structured: StructuredOutputManager | None = None) -> SpecDecoder | None:
     """The engine's SpecDecoder (None when speculation is off); loads or builds the draft model.
 
     target: gives the target's LoadedModel (whole weights), called only for a draft model. The draft runs
@@ -165,4 +168,5 @@ def build_spec_decoder(config: SpeculativeConfig | None, target: Callable[[], An
         cfg, weights, name = load_draft(config.model, config.draft_num_layers, target(), use_cache)
         model = registry.for_config(cfg).model_class(cfg, weights, backend, source=name)
         draft = DraftProposer(model, num_blocks, block_size, seed)
-    return SpecDecoder(config, max_model_len, draft, gpu=bool(getattr(backend, "is_gpu", False)))
+    return SpecDecoder(config, max_model_len, draft, gpu=bool(getattr(backend, "is_gpu", False)),
+                       structured=structured)

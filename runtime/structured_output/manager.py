@@ -40,12 +40,32 @@ from ..structured_outputs_params import StructuredOutputsParams
 log = structlog.get_logger("pagedserve.engine")
 
 
+@dataclass(frozen=True)
+class MaskRows:
+    """The step's sampler-row layout for grammar masks: masked sequence i takes 1 + len(drafts[i]) rows (its
+    state now, then after each draft), in order. Written once, here; the model runner reads it back."""
+
+    starts: np.ndarray  # int64 [S]: sequence i's first row
+    counts: np.ndarray  # int64 [S]
+
+    @classmethod
+    def of(cls, drafts: Sequence[Sequence[int]]) -> MaskRows:
+        counts = np.asarray([1 + len(d) for d in drafts], dtype=np.int64)
+        return cls(np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64), counts)
+
+    def rows(self, first: int, last: int | None = None) -> range:
+        """The sampler rows of masked sequences first .. last (last defaults to first)."""
+        last = first if last is None else last
+        return range(int(self.starts[first]), int(self.starts[last] + self.counts[last]))
+
+
 @dataclass
 class GrammarBitmask:
     """Allowed tokens of some sampler rows: rows[i] may only sample tokens whose bit is set in bits[i]."""
 
     rows: np.ndarray  # int64 [R], indices into the sampler's batch
     bits: np.ndarray  # int32 [R, ceil(V / 32)]
+    layout: MaskRows | None = None  # the step's row layout (start_bitmask's)
 
     def take(self, num_rows: int) -> GrammarBitmask | None:
         """The part for rows below num_rows (None if none of them is constrained)."""
@@ -176,11 +196,10 @@ class StructuredOutputManager:
         guided = [i for i, s in enumerate(seqs) if s.group is not None and s.group.grammar is not None]
         if not guided:
             return None
-        counts = [1 + len(d) for d in drafts] if drafts is not None else [1] * len(seqs)
-        first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        layout = MaskRows.of(drafts if drafts is not None else [[]] * len(seqs))
         entries = [(self.matcher(seqs[i]), list(drafts[i]) if drafts is not None else []) for i in guided]
-        rows = np.concatenate([first[i] + np.arange(counts[i]) for i in guided]).astype(np.int64)
-        return _PendingBitmask(self, self._worker().submit(self._fill, rows, entries))
+        rows = np.concatenate([np.asarray(layout.rows(i)) for i in guided]).astype(np.int64)
+        return _PendingBitmask(self, self._worker().submit(self._fill, rows, entries), layout)
 
     def fill_now(self, matchers: Sequence[Any]) -> np.ndarray:
         """The bitmask of each matcher's current state, filled on this thread: int32 [len, words]."""
@@ -229,12 +248,14 @@ class StructuredOutputManager:
 class _PendingBitmask:
     """The step's bitmask being filled; result() waits for it (and counts the wait)."""
 
-    def __init__(self, manager: StructuredOutputManager, future: Future) -> None:
+    def __init__(self, manager: StructuredOutputManager, future: Future, layout: MaskRows) -> None:
         self._manager = manager
         self._future = future
+        self._layout = layout
 
     def result(self) -> GrammarBitmask:
         t0 = time.perf_counter()
         out = self._future.result()
         self._manager.mask_wait_s += time.perf_counter() - t0
+        out.layout = self._layout
         return out
