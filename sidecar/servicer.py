@@ -23,7 +23,7 @@ from pagedserve.runtime.outputs import RequestOutput
 from pagedserve.runtime.sampling_params import SamplingParams
 from pagedserve.runtime.structured_outputs_params import StructuredOutputsParams
 
-from .client import PROMPT_TOKENS_HEADER, REQUEST_ID_HEADER
+from .client_types import PROMPT_TOKENS_HEADER, REQUEST_ID_HEADER
 from .pb import generation_pb2 as pb
 from .pb import generation_pb2_grpc as pb_grpc
 
