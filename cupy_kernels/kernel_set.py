@@ -18,36 +18,47 @@ from __future__ import annotations
 import functools
 import importlib.util
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 from .reference import ops, paged_attention
 
-# The op names every kernel set provides, in the order of a forward pass.
-OP_NAMES = ("embedding", "linear", "pack_weight", "rms_norm", "add_rms_norm", "rope_cos_sin", "apply_rotary",
-            "silu_and_mul", "reshape_and_cache", "rotary_and_cache", "copy_blocks", "plan_attention", "paged_attention",
-            "logsumexp_rows")
-
 CPU_KERNEL_SETS = ("auto", "numba", "numpy")
+
+
+def _op(device_arg: int | None = None) -> Any:
+    """A KernelSet field: one op. device_arg: the argument the CUDA set refuses as a host array (the data; host
+    metadata stays allowed there); None for an op with no such argument."""
+    return field(metadata={"device_arg": device_arg})
 
 
 @dataclass(frozen=True)
 class KernelSet:
+    """One callable per op, in the order of a forward pass; each op is declared here once (OP_NAMES and the CUDA
+    set's host-array check are read from these fields)."""
+
     name: str  # "numpy", "numba" or "cuda"
-    embedding: Callable[..., Any]
-    linear: Callable[..., Any]
-    pack_weight: Callable[..., Any]
-    rms_norm: Callable[..., Any]
-    add_rms_norm: Callable[..., Any]
-    rope_cos_sin: Callable[..., Any]
-    apply_rotary: Callable[..., Any]
-    silu_and_mul: Callable[..., Any]
-    reshape_and_cache: Callable[..., Any]
-    rotary_and_cache: Callable[..., Any]  # apply_rotary on q and k + reshape_and_cache: one call a layer
-    copy_blocks: Callable[..., Any]
-    plan_attention: Callable[..., Any]  # a step's metadata checked once for every layer's paged_attention
-    paged_attention: Callable[..., Any]
-    logsumexp_rows: Callable[..., Any]  # the sampler's (runtime/sample/sampler.py)
+    embedding: Callable[..., Any] = _op(0)
+    linear: Callable[..., Any] = _op(0)
+    pack_weight: Callable[..., Any] = _op()
+    rms_norm: Callable[..., Any] = _op(0)
+    add_rms_norm: Callable[..., Any] = _op(0)
+    rope_cos_sin: Callable[..., Any] = _op(1)
+    apply_rotary: Callable[..., Any] = _op(0)
+    silu_and_mul: Callable[..., Any] = _op(0)
+    reshape_and_cache: Callable[..., Any] = _op(0)
+    rotary_and_cache: Callable[..., Any] = _op(0)  # apply_rotary on q and k + reshape_and_cache: one call a layer
+    copy_blocks: Callable[..., Any] = _op(0)
+    plan_attention: Callable[..., Any] = _op()  # a step's metadata checked once for every layer's paged_attention
+    paged_attention: Callable[..., Any] = _op(0)
+    logsumexp_rows: Callable[..., Any] = _op(0)  # the sampler's (runtime/sample/sampler.py)
+
+
+# The op names every kernel set provides, in the order of a forward pass.
+OP_NAMES = tuple(f.name for f in fields(KernelSet) if f.name != "name")
+# Which argument must be a device array for each CUDA op (the data, not the host metadata).
+_DEVICE_ARG = {f.name: f.metadata["device_arg"] for f in fields(KernelSet)
+               if f.metadata.get("device_arg") is not None}
 
 
 def _from_modules(name: str, *modules: Any) -> KernelSet:
@@ -141,12 +152,6 @@ def _device_only(fn: Callable[..., Any], arg: int, op: str) -> Callable[..., Any
     return checked
 
 
-# Which argument must be a device array for each CUDA op (the data, not the host metadata).
-_DEVICE_ARG = {"embedding": 0, "linear": 0, "rms_norm": 0, "add_rms_norm": 0, "rope_cos_sin": 1,
-               "apply_rotary": 0, "silu_and_mul": 0, "reshape_and_cache": 0, "rotary_and_cache": 0, "copy_blocks": 0,
-               "paged_attention": 0, "logsumexp_rows": 0}
-
-
 @functools.lru_cache(maxsize=None)
 def cuda_kernels() -> KernelSet:
     from .cuda import ops as cuda_ops
@@ -159,10 +164,8 @@ def cpu_kernels(choice: str = "auto", finish_warm_up: bool = True) -> KernelSet:
     """The CPU kernel set: "numba" (compiled) or "numpy" (the reference); "auto" is numba when it imports.
     `finish_warm_up=False`: the numba set's attention kernels may still be compiling (finish_numba_warm_up).
 
-    Measured on the quiet 2-core test host with 2 OpenBLAS threads (docs/benchmarks.md, 2026-11-30 evening,
-    after the attention rework): 64 requests 426 vs 377 output tok/s, 256 requests 400 vs 335, one request
-    15.9-16.3 vs 16.8-17.3 ms/token, numba vs numpy. The earlier slowdown of the matmuls between numba
-    kernels belonged to a loaded machine: loaded, both sets suffer it alike.
+    numba is the faster set on the 2-core test host: 400 against 335 output tok/s at 256 requests
+    (docs/benchmarks.md; the history: docs/notes/kernels.md).
     """
     if choice not in CPU_KERNEL_SETS:
         raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_SETS}, got {choice!r}")
