@@ -15,7 +15,6 @@ Skipped when g++ is absent.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -27,21 +26,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import gpu_helpers
+from gpu_helpers import build_cache, cuda
 from pagedserve.cupy_kernels.cuda import ops as cuda_ops
-from pagedserve.cupy_kernels.kernel_set import cuda_kernels
-
-cuda = cuda_kernels()
-
-
-def _load_gpu_tests():
-    """The GPU test module, loaded under its own name (pytest imports it separately, with its own caches)."""
-    spec = importlib.util.spec_from_file_location("pagedserve_gpu_tests", Path(__file__).with_name("test_cuda_ops.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_tests = _load_gpu_tests()
 
 GXX = shutil.which("g++")
 HARNESS = Path(__file__).with_name("_host_emulation.h")
@@ -120,7 +107,8 @@ def fake_cupy(libs) -> types.ModuleType:
     cp.empty = lambda shape, dtype=np.float64: _garbage(shape, dtype)
     cp.zeros = lambda shape, dtype=np.float64: np.zeros(shape, dtype).view(EmulatedArray)
     cp.ones = lambda shape, dtype=np.float64: np.ones(shape, dtype).view(EmulatedArray)
-    cp.asarray = lambda a, dtype=None: a if isinstance(a, EmulatedArray) and dtype in (None, a.dtype) else _dev(a, dtype)  # noqa: E501
+    cp.asarray = lambda a, dtype=None: (a if isinstance(a, EmulatedArray) and dtype in (None, a.dtype)
+                                        else _dev(a, dtype))
     cp.ascontiguousarray = lambda a, dtype=None: np.ascontiguousarray(a, dtype=dtype).view(EmulatedArray)
     cp.take = lambda a, ids, axis=None: np.take(a.view(np.ndarray), np.asarray(ids), axis=axis).view(EmulatedArray)
     cp.cos = lambda x: np.cos(np.asarray(x)).view(EmulatedArray)
@@ -141,8 +129,8 @@ def _build(module: cuda_ops.KernelModule, workdir: Path) -> Path:
     src = workdir / f"{module.name}.cpp"
     src.write_text("\n".join(lines) + "\n")
     lib = workdir / f"lib{module.name}.so"
-    proc = subprocess.run([GXX, "-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-U_FORTIFY_SOURCE", "-o", str(lib), str(src)],  # noqa: E501
-                          capture_output=True, text=True, timeout=600)
+    flags = ["-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-U_FORTIFY_SOURCE"]
+    proc = subprocess.run([GXX, *flags, "-o", str(lib), str(src)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"g++ failed for {module.name}:\n{proc.stderr[-6000:]}"
     return lib
 
@@ -164,9 +152,9 @@ def emulated(libs, monkeypatch):
     monkeypatch.setattr(cuda_ops, "_modules", {})
     monkeypatch.setattr(cuda_ops, "_functions", {})
     monkeypatch.setattr(cuda_ops, "_dummies", {})
-    gpu_tests._model_pair.cache_clear()
+    gpu_helpers.model_pair.cache_clear()  # a model holds arrays of the cupy it was built under
     yield
-    gpu_tests._model_pair.cache_clear()
+    gpu_helpers.model_pair.cache_clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,67 +169,36 @@ DECODES = [(1, 1), (17, 1), (512, 1), (513, 1), (1100, 1)]
 @pytest.mark.parametrize("block_size,head_dim", [(16, 64), (32, 128)])
 def test_paged_attention_on_host(emulated, block_size, head_dim, group):
     rng = np.random.default_rng(group + block_size)
-    for specs in (MIXED, DECODES):
-        k, v, qsl, lens, tables = gpu_tests.build_cache(rng, specs, 2, head_dim, block_size)
-        query = rng.standard_normal((int(qsl[-1]), 2 * group, head_dim)).astype(np.float16)
-        ref = gpu_tests.reference_attention(query, k, v, qsl, lens, tables, head_dim ** -0.5)
-        got = cuda.paged_attention(_dev(query), _dev(k), _dev(v), qsl, lens, tables, head_dim ** -0.5).get()
-        assert got.dtype == np.float16
-        gpu_tests.check_attention(got, ref, "host")
-        got_dev = cuda.paged_attention(_dev(query), _dev(k), _dev(v), _dev(qsl), _dev(lens), _dev(tables),
-                                     head_dim ** -0.5).get()
-        np.testing.assert_array_equal(got_dev, got)
+    gpu_helpers.check_paged_attention(rng, (("mixed", MIXED), ("decode", DECODES)), 2, head_dim, block_size, group,
+                                      "host")
 
 
 def test_batch_invariance_on_host(emulated):
-    rng = np.random.default_rng(4)
     specs = {"A": (1300, 1), "B": (200, 40), "C": (60, 1), "D": (90, 90)}
-    names = list(specs)
-    k, v, _, lens, tables = gpu_tests.build_cache(rng, list(specs.values()), 2, 64, 16)
-    queries = {n: rng.standard_normal((specs[n][1], 8, 64)).astype(np.float16) for n in names}
-
-    def run(members):
-        idx = [names.index(m) for m in members]
-        qsl = np.concatenate([[0], np.cumsum([specs[m][1] for m in members])]).astype(np.int32)
-        out = cuda.paged_attention(_dev(np.concatenate([queries[m] for m in members])), _dev(k), _dev(v), qsl,
-                                 lens[idx], tables[idx], 0.125).get()
-        return {m: out[qsl[i]: qsl[i + 1]] for i, m in enumerate(members)}
-
-    alone = {m: run([m])[m] for m in names}
-    for batch in (["C", "A", "B", "D"], ["A", "C"], ["D", "B"]):
-        together = run(batch)
-        for m in batch:
-            np.testing.assert_array_equal(together[m], alone[m], err_msg=f"{m} in {batch}")
+    gpu_helpers.check_batch_invariance(4, specs, (["C", "A", "B", "D"], ["A", "C"], ["D", "B"]), 64)
 
 
 def test_never_written_slots_are_never_read_on_host(emulated):
-    outs = []
-    for poison in (3e4, np.nan):
-        k, v, qsl, lens, tables = gpu_tests.build_cache(np.random.default_rng(3), [(600, 1), (37, 37)], 1, 64, 16,
-                                                        poison=poison)
-        query = np.random.default_rng(4).standard_normal((38, 3, 64)).astype(np.float16)
-        outs.append(cuda.paged_attention(_dev(query), _dev(k), _dev(v), qsl, lens, tables, 0.125).get())
-    assert np.isfinite(outs[1]).all()
-    np.testing.assert_array_equal(outs[0], outs[1])
+    gpu_helpers.check_never_written_slots_are_never_read([(600, 1), (37, 37)], 1, 3, 64)
 
 
 # ---------------------------------------------------------------------------------------------
-# The GPU suite's own tests for the other kernels, unchanged, on the emulation
+# The GPU suite's checks for the other kernels (tests/gpu_helpers.py), unchanged, on the emulation
 # ---------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_reshape_and_cache_on_host(emulated, dtype):
-    gpu_tests.test_reshape_and_cache(dtype)
+    gpu_helpers.check_reshape_and_cache(dtype)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_rotary_and_cache_on_host(emulated, dtype):
-    gpu_tests.test_rotary_and_cache(dtype)
+    gpu_helpers.check_rotary_and_cache(dtype)
 
 
 def test_copy_blocks_on_host(emulated):
-    gpu_tests.test_copy_blocks_all_layers_one_launch()
+    gpu_helpers.check_copy_blocks_all_layers_one_launch()
 
 
 @pytest.mark.parametrize("reverse", [False, True])
@@ -249,7 +206,7 @@ def test_copy_blocks_source_freed_and_reused_as_destination_on_host(emulated, li
     """CTAs run first to last and last to first: a direct one-launch copy gets one of the two wrong."""
     libs["cache_ops"].ps_set_reverse_grid(int(reverse))
     try:
-        gpu_tests.test_copy_blocks_source_freed_and_reused_as_destination()
+        gpu_helpers.check_copy_blocks_source_freed_and_reused_as_destination()
     finally:
         libs["cache_ops"].ps_set_reverse_grid(0)
 
@@ -257,33 +214,33 @@ def test_copy_blocks_source_freed_and_reused_as_destination_on_host(emulated, li
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 @pytest.mark.parametrize("hidden", [64, 576, 5000])
 def test_add_rms_norm_on_host(emulated, hidden, dtype):
-    gpu_tests.test_add_rms_norm(hidden, dtype)
+    gpu_helpers.check_add_rms_norm(hidden, dtype)
 
 
 def test_apply_rotary_on_host(emulated):
-    gpu_tests.test_apply_rotary()
+    gpu_helpers.check_apply_rotary()
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_silu_and_mul_on_host(emulated, dtype):
-    gpu_tests.test_silu_and_mul(dtype)
+    gpu_helpers.check_silu_and_mul(dtype)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_argmax_rows_on_host(emulated, dtype):
-    gpu_tests.test_argmax_rows(dtype)
+    gpu_helpers.check_argmax_rows(dtype)
 
 
 def test_embedding_and_validation_on_host(emulated):
-    gpu_tests.test_ops_return_device_arrays()
-    gpu_tests.test_paged_attention_rejects_unsupported_shapes()
-    gpu_tests.test_paged_attention_strided_query_view()
+    gpu_helpers.check_ops_return_device_arrays()
+    gpu_helpers.check_paged_attention_rejects_unsupported_shapes()
+    gpu_helpers.check_paged_attention_strided_query_view()
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
 def test_model_forward_on_host(emulated, name):
     """The Llama forward with get_backend("cuda") (float16, every op through cuda_ops) vs numpy float32."""
-    gpu_tests.test_model_logits_match_numpy(name)
+    gpu_helpers.check_model_logits_match_numpy(name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,14 +248,6 @@ def test_model_forward_on_host(emulated, name):
 # Graph capture itself needs a GPU: a fake capturer records the forward and "replays" it by calling
 # it, so a replay reads the static buffers as they are at launch, as a real graph does.
 # ---------------------------------------------------------------------------------------------
-
-
-def _load_runtime_gpu_tests():
-    spec = importlib.util.spec_from_file_location("pagedserve_gpu_runtime_tests",
-                                                  Path(__file__).with_name("test_gpu_runtime.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class RecordingCapturer:
@@ -334,30 +283,22 @@ class RecordingCapturer:
         self.events.append("release")
 
 
-@pytest.fixture
-def runtime_tests(emulated):
-    module = _load_runtime_gpu_tests()
-    module.T._model_pair.cache_clear()
-    yield module
-    module.T._model_pair.cache_clear()
-
-
 @pytest.mark.slow
-def test_decode_graph_replays_on_host(runtime_tests):
+def test_decode_graph_replays_on_host(emulated):
     """Padded replays against eager steps through the real kernels, with context buckets of one and two
     partitions (max_model_len 1024; the 700- and 530-token decodes take the two-partition graphs);
     exact sizes bit for bit, KV included."""
     capturer = RecordingCapturer()
-    runtime_tests._graph_check("tiny-llama", capturer)
+    gpu_helpers.check_decode_graph_replays("tiny-llama", capturer)
     assert capturer.events.count("capture") == 4 * 2 and "release" not in capturer.events
     assert capturer.events.count("reserve") == 1
 
 
-def test_device_metadata_on_host(runtime_tests):
-    runtime_tests.test_device_metadata_and_table_width_change_nothing()
+def test_device_metadata_on_host(emulated):
+    gpu_helpers.check_device_metadata_and_table_width_change_nothing()
 
 
-def test_engine_on_host_with_graphs_and_device_sampling(runtime_tests, monkeypatch):
+def test_engine_on_host_with_graphs_and_device_sampling(emulated, monkeypatch):
     """LLMEngine(device="cuda") on the emulation: graphs (fake capture) and eager give the same tokens;
     the sampler runs on the stand-in CuPy arrays with greedy rows through the argmax_rows kernel."""
     from pagedserve.runtime.worker import cuda_graphs
@@ -379,7 +320,7 @@ def test_engine_on_host_with_graphs_and_device_sampling(runtime_tests, monkeypat
     results = {}
     for graphs_on in (True, False):
         engine = LLMEngine(EngineConfig(device="cuda", num_kv_blocks=64, max_num_seqs=4, enable_cuda_graphs=graphs_on,
-                                        cuda_graph_batch_sizes=(1, 2, 4), seed=0), loaded=runtime_tests._tiny_loaded())
+                                        cuda_graph_batch_sizes=(1, 2, 4), seed=0), loaded=gpu_helpers.tiny_loaded())
         assert engine.backend.is_gpu and isinstance(engine.runner.xp, model_runner._DeviceArrayModule)
         rng = np.random.default_rng(2)
         requests = [
@@ -387,12 +328,11 @@ def test_engine_on_host_with_graphs_and_device_sampling(runtime_tests, monkeypat
             ("seeded", rng.integers(3, 500, 7).tolist(), params(0.9, 5)),
             ("n2", rng.integers(3, 500, 50).tolist(), params(1.0, 6, n=2)),
         ]
-        results[graphs_on] = runtime_tests._generate(engine, requests)
+        results[graphs_on] = gpu_helpers.generate(engine, requests)
         if graphs_on:
             assert engine.runner.graphs.num_replays >= 8
     assert argmax_calls, "greedy rows did not go through cuda_ops.argmax_rows"
     assert results[True] == results[False]
-
 
 
 def test_attention_over_sequence_ranges_is_bitwise_the_same_on_host(emulated, monkeypatch):
@@ -400,7 +340,7 @@ def test_attention_over_sequence_ranges_is_bitwise_the_same_on_host(emulated, mo
     the partials never exceed the cap and every row is bit for bit what one launch gives."""
     rng = np.random.default_rng(11)
     specs = [(1100, 1), (40, 40), (700, 1), (1500, 1), (17, 1), (530, 3), (900, 1)]
-    k, v, qsl, lens, tables = gpu_tests.build_cache(rng, specs, 2, 64, 16)
+    k, v, qsl, lens, tables = build_cache(rng, specs, 2, 64, 16)
     query = rng.standard_normal((int(qsl[-1]), 4, 64)).astype(np.float16)
     whole = cuda.paged_attention(_dev(query), _dev(k), _dev(v), qsl, lens, tables, 0.125).get()
     per_seq = cuda_ops.partition_bytes_per_seq(4, 64, 3)

@@ -2,7 +2,8 @@
 
 `StrictXp` hands out arrays that refuse every implicit host conversion (bool, int, float, item,
 tolist) and count `.get()`, the explicit device->host copy: the device path must read back once per
-step and make no data-dependent decision on the host.
+step and make no data-dependent decision on the host. The sampler cases are tests/gpu_helpers.py's,
+shared with the same check on real CuPy arrays (tests/cupy_kernels/test_gpu_runtime.py).
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import gpu_helpers
+from gpu_helpers import SAME_ORDER_ROWS
+from gpu_helpers import sampler_logits as _logits
 from pagedserve.runtime.sample import sampling_device
-from pagedserve.runtime.sample.sampler import Sampler
 from pagedserve.runtime.sample.sampling_ops import _first_above, _top_candidates
-from pagedserve.runtime.sampling_params import SamplingParams
 
 
 class DeviceArray(np.ndarray):
@@ -56,10 +58,6 @@ class StrictXp:
 
 
 XP = StrictXp()
-
-
-def _logits(rows, vocab, seed=0):
-    return (np.random.default_rng(seed).standard_normal((rows, vocab)) * 3).astype(np.float32)
 
 
 @pytest.mark.parametrize("c", [1, 5, 64, 1024, 2000])
@@ -108,36 +106,17 @@ def test_first_above_needs_no_branch_on_the_host():
     np.testing.assert_array_equal(np.asarray(got), [3, 2])
 
 
-def _params():
-    return [
-        SamplingParams(temperature=0.0, logprobs=3),
-        SamplingParams(temperature=0.8, top_k=40, seed=1),
-        SamplingParams(temperature=1.0, top_k=2000, seed=2, logprobs=0),
-        SamplingParams(temperature=0.7, top_p=0.9, seed=3, logprobs=5),
-        SamplingParams(temperature=1.0, top_p=0.8, top_k=100, seed=4),
-        SamplingParams(temperature=1.0, min_p=0.05, seed=5, repetition_penalty=1.2),
-        SamplingParams(temperature=1.0, seed=6, presence_penalty=0.5),
-        SamplingParams(temperature=0.9, top_p=0.5, min_p=0.1, seed=7),
-    ]
-
-
 def test_one_read_back_per_step_and_the_host_paths_tokens():
-    params = _params()
+    params = gpu_helpers.sampler_params()
     logits = _logits(len(params), 8192, seed=11)
-    prompts = [[1, 2, 3]] * len(params)
-    outputs = [[5, 5, 9]] * len(params)
-    banned = [[], [7], [], [], [], [], [], []]
-
-    def run(xp):
-        gens = [np.random.default_rng(p.seed) if p.seed is not None else None for p in params]
-        return Sampler(0)(xp.asarray(logits), params, gens, prompts, outputs, xp=xp, banned_token_ids=banned)
-
     DeviceArray.gets = 0
-    dev = run(XP)
+    dev = gpu_helpers.run_sampler(XP, XP.asarray(logits), params)
     assert DeviceArray.gets == 1
-    host = run(np)
-    same = [0, 1, 2, 4, 5, 6]  # greedy, top-k and whole-row draws walk the same order on both paths
-    np.testing.assert_array_equal(dev.token_ids[same], host.token_ids[same])
+    host = gpu_helpers.run_sampler(np, logits, params)
+    # greedy, top-k and whole-row draws walk the same order on both paths; top-p rows draw in token order
+    # on the device (in probability order on the host), inside the same nucleus
+    gpu_helpers.check_device_tokens_against_host(dev, host, logits, params)
+    same = SAME_ORDER_ROWS
     np.testing.assert_allclose(dev.logprobs, np.asarray(dev.logprobs), rtol=0)
     np.testing.assert_allclose(dev.logprobs[same], host.logprobs[same], rtol=1e-6, atol=1e-6)
     assert dev.top_logprobs[1] is None and dev.top_logprobs[2] == []
@@ -145,8 +124,3 @@ def test_one_read_back_per_step_and_the_host_paths_tokens():
         assert [t for t, _ in dev.top_logprobs[b]] == [t for t, _ in host.top_logprobs[b]]
         np.testing.assert_allclose([v for _, v in dev.top_logprobs[b]], [v for _, v in host.top_logprobs[b]],
                                    rtol=1e-6, atol=1e-6)
-    # top-p rows draw in token order on the device (in probability order on the host): same nucleus
-    for b in (3, 7):
-        x = logits[b] / params[b].temperature
-        keep, _ = sampling_device.nucleus_mask(x[None], np.array([params[b].top_p], np.float32), np)
-        assert keep[0, dev.token_ids[b]]
