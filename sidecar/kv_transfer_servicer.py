@@ -55,7 +55,7 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         if spec is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
         engine = self._get_engine()
-        if engine is not None and engine.engine.block_io is None:
+        if engine is not None and not engine.can_send_kv_blocks:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, TP_REFUSAL)
         return spec_to_proto(spec)
 
@@ -66,7 +66,7 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         if spec.role == "decode":
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this instance has role decode and computes no prefills for others")
-        if engine.engine.block_io is None:
+        if not engine.can_send_kv_blocks:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, TP_REFUSAL)
         ids, bs = list(request.token_ids), spec.block_size
         if not ids or len(ids) % bs or request.first_block >= len(ids) // bs:
@@ -136,9 +136,7 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
                 else:
                     view[offset] ^= 0xFF
             yield pb.PrefillResponse(chunk=pb.KVChunk(offset=offset, data=payload, length=len(piece), crc32=crc))
-        stats = engine.engine.kv_stats  # counted before the last message, so a reader never sees it late
-        stats.kv_blocks_sent += shape[0]
-        stats.kv_bytes_sent += nbytes
+        engine.count_kv_sent(shape[0], nbytes)  # counted before the last message, so a reader never sees it late
         yield pb.PrefillResponse(done=done)
         log.info("kv.sent", request_id=request.request_id, blocks=shape[0], cached_blocks=request.first_block,
                  bytes=nbytes, prefill_s=round(prefill_s, 4), export_s=round(export.export_s, 6),

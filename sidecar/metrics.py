@@ -18,17 +18,19 @@ Names follow vLLM's where vLLM has one (vllm:time_to_first_token_seconds -> page
     pagedserve_memory_budget_bytes                 gauge: the engine's memory budget (runtime/worker/memory_budget.py);
                                                    compare with process_resident_memory_bytes, exported too
 
-Engine gauges are read at scrape time from the worker's published snapshot (AsyncEngine.stats), never
-from live engine state. Any other numeric field of EngineStats is exported as pagedserve_engine_<field>,
-so the figures of features still being built (speculative decoding: draft and accepted tokens,
-acceptance rate; guided decoding: grammar compile time, requests waiting for a grammar) appear as soon as
-they are added to EngineStats; give them a named metric in `_FEATURE_METRICS` below when they settle.
+Engine figures are read at scrape time through AsyncEngine's read API: the worker's published snapshot
+(AsyncEngine.stats, an EngineStats) and a few live counters, never live engine state. ENGINE_METRICS below
+is the table of named engine metrics and the EngineStats fields each stands for. Any other numeric field of
+EngineStats is exported as pagedserve_engine_<field>, so a figure appears as soon as it is added to
+EngineStats; give it a named row in ENGINE_METRICS when it settles. NOT_METRICS names the fields left out.
+tests/sidecar/test_stats_schema.py fails when a field is none of these.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -36,19 +38,58 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from pagedserve.runtime.engine.async_engine import AsyncEngine
+from pagedserve.runtime.outputs import EngineStats
 
 # vLLM's buckets, cut to what a small CPU/GPU sidecar sees.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0)
 
-# EngineStats fields given their own names above (the rest are exported generically).
-_NAMED_STATS = {"num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_total", "kv_token_slot_utilization",
-                "num_preemptions", "prefix_cache_hit_rate"}
-# Where the speculative- and guided-decoding figures get their names once those features land, e.g.
-#   "spec_decode_num_accepted_tokens":
-#       ("counter", "pagedserve_spec_decode_num_accepted_tokens", "Draft tokens accepted"),
-_FEATURE_METRICS: dict[str, tuple[str, str, str]] = {}
+
+@dataclass(frozen=True)
+class EngineMetric:
+    """A named engine metric: its value from the engine's read API and stats snapshot, read at scrape time."""
+
+    name: str  # a counter's without _total (prometheus_client adds it)
+    kind: Literal["gauge", "counter"]
+    doc: str
+    value: Callable[[AsyncEngine, EngineStats], float]
+    covers: tuple[str, ...] = ()  # the EngineStats fields it stands for (none: a live figure outside EngineStats)
+
+
+ENGINE_METRICS: tuple[EngineMetric, ...] = (
+    EngineMetric("pagedserve_num_requests_running", "gauge", "Requests running in the engine",
+                 lambda e, s: s.num_running, ("num_running",)),
+    # Live, and counting requests still on their way into the engine: the queue a new request joins.
+    EngineMetric("pagedserve_num_requests_waiting", "gauge", "Requests waiting to be scheduled (the queue length)",
+                 lambda e, s: e.num_waiting, ("num_waiting",)),
+    EngineMetric("pagedserve_kv_cache_usage_perc", "gauge", "KV cache blocks in use / blocks in the pool",
+                 lambda e, s: s.kv_block_usage, ("num_kv_blocks_used", "num_kv_blocks_total")),
+    EngineMetric("pagedserve_kv_cache_token_slot_utilization", "gauge",
+                 "Tokens held / token slots of the blocks in use",
+                 lambda e, s: s.kv_token_slot_utilization, ("kv_token_slot_utilization",)),
+    EngineMetric("pagedserve_num_preemptions", "counter", "Running requests preempted to free KV blocks",
+                 lambda e, s: s.num_preemptions, ("num_preemptions",)),
+    EngineMetric("pagedserve_prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache",
+                 lambda e, s: e.prefix_cache_counts()[0]),
+    EngineMetric("pagedserve_prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache",
+                 lambda e, s: e.prefix_cache_counts()[1]),
+    EngineMetric("pagedserve_prefix_cache_hit_rate", "gauge", "Prefix cache hits / queries since start",
+                 lambda e, s: s.prefix_cache_hit_rate, ("prefix_cache_hit_rate",)),
+    EngineMetric("pagedserve_memory_budget_bytes", "gauge", "The engine's memory budget at start",
+                 lambda e, s: e.memory_budget_bytes),
+)
+# EngineStats fields with no metric, and why.
+NOT_METRICS: dict[str, str] = {
+    "kv_transfer": "disaggregated-serving counters: on the wire (GetServerStats) and in the logs",
+    "spec_method": "a name, not a number: on the wire and in the logs",
+}
+_COVERED = frozenset(name for m in ENGINE_METRICS for name in m.covers)
+
+
+def generic_stat_fields(stats: EngineStats) -> tuple[str, ...]:
+    """The fields of `stats` exported as pagedserve_engine_<field>: those neither named nor left out."""
+    return tuple(f.name for f in dataclasses.fields(stats) if f.name not in _COVERED and f.name not in NOT_METRICS)
 
 
 class ServerMetrics:
@@ -104,29 +145,12 @@ class _EngineCollector(Collector):
         if engine is None:  # still loading: no engine figures yet
             return
         s = engine.stats
-        yield _gauge("pagedserve_num_requests_running", "Requests running in the engine", s.num_running)
-        yield _gauge("pagedserve_num_requests_waiting", "Requests waiting to be scheduled (the queue length)",
-                     engine.num_waiting)
-        yield _gauge("pagedserve_kv_cache_usage_perc", "KV cache blocks in use / blocks in the pool", s.kv_block_usage)
-        yield _gauge("pagedserve_kv_cache_token_slot_utilization", "Tokens held / token slots of the blocks in use",
-                     s.kv_token_slot_utilization)
-        yield _counter("pagedserve_num_preemptions", "Running requests preempted to free KV blocks", s.num_preemptions)
-        sched = engine.engine.scheduler  # plain int counters, written by the worker: reading one is atomic
-        yield _counter("pagedserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                       sched.num_prompt_tokens)
-        yield _counter("pagedserve_prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                       sched.num_cached_prompt_tokens)
-        yield _gauge("pagedserve_prefix_cache_hit_rate", "Prefix cache hits / queries since start",
-                     s.prefix_cache_hit_rate)
-        budget = engine.engine.memory_budget
-        yield _gauge("pagedserve_memory_budget_bytes", "The engine's memory budget at start", budget.total_bytes)
-        for f in dataclasses.fields(s):
-            value = getattr(s, f.name)
-            if f.name in _NAMED_STATS or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            default = ("gauge", f"pagedserve_engine_{f.name}", f"EngineStats.{f.name}")
-            kind, name, doc = _FEATURE_METRICS.get(f.name, default)
-            yield (_counter if kind == "counter" else _gauge)(name, doc, value)
+        for m in ENGINE_METRICS:
+            yield (_counter if m.kind == "counter" else _gauge)(m.name, m.doc, m.value(engine, s))
+        for name in generic_stat_fields(s):
+            value = getattr(s, name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                yield _gauge(f"pagedserve_engine_{name}", f"EngineStats.{name}", value)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

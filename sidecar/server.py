@@ -13,6 +13,7 @@ import socket
 import stat
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import grpc
@@ -23,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagedserve.runtime.engine.async_engine import AsyncEngine
 from pagedserve.runtime.engine.llm_engine import LLMEngine
+from pagedserve.runtime.kv_transfer.kv_connector import KVTransferSpec
 from pagedserve.runtime.sampling_params import SamplingParams
 
 from .kv_transfer_servicer import KVTransferServicer
@@ -34,6 +36,9 @@ from .metrics import ServerMetrics
 from .sd_notify import SystemdNotifier, watchdog_loop
 from .servicer import GenerationServicer
 from .settings import Settings
+
+if TYPE_CHECKING:
+    from .kv_transfer_client import GrpcKVConnector  # imported when a decode instance connects
 
 log = structlog.get_logger("pagedserve.server")
 
@@ -85,8 +90,8 @@ class SidecarServer:
         self.health = health_aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.addresses: list[str] = []
-        self.kv_spec = None  # runtime.kv_connector.KVTransferSpec once loaded (the handshake's answer)
-        self.kv_connector = None  # decode role: the GrpcKVConnector to the prefill instance
+        self.kv_spec: KVTransferSpec | None = None  # once loaded: the handshake's answer
+        self.kv_connector: GrpcKVConnector | None = None  # decode role: the connection to the prefill instance
         self.metrics = ServerMetrics(lambda: self.engine) if settings.metrics_port is not None else None
 
     async def _set_health(self, serving: bool) -> None:
@@ -199,7 +204,7 @@ class SidecarServer:
         log.error("server.engine_failed", error=str(self.engine.failure), health="NOT_SERVING")
         self.notifier.stopping("engine failed")
         await self.server.stop(grace=1.0)
-        self.engine.engine.shutdown()
+        self.engine.shutdown()
         if self.settings.socket:
             Path(self.settings.socket).unlink(missing_ok=True)
         scope.cancel()
@@ -213,7 +218,7 @@ class SidecarServer:
         aborted = await self.engine.drain(timeout)
         await self.server.stop(grace=2.0)
         self.engine.stop()
-        self.engine.engine.shutdown()  # tensor-parallel rank processes
+        self.engine.shutdown()  # tensor-parallel rank processes
         if self.kv_connector is not None:
             self.kv_connector.close()
         if self.settings.socket:

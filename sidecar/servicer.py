@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
 import structlog
+from google.protobuf.message import Message
 
 from pagedserve.runtime.engine.async_engine import LONG_PROMPT_CHARS, AsyncEngine, EngineStoppedError, QueueFullError
 from pagedserve.runtime.kv_transfer.kv_connector import KVTransferError
@@ -26,6 +28,10 @@ from pagedserve.runtime.structured_outputs_params import StructuredOutputsParams
 from .client_types import PROMPT_TOKENS_HEADER, REQUEST_ID_HEADER
 from .pb import generation_pb2 as pb
 from .pb import generation_pb2_grpc as pb_grpc
+from .stats_schema import server_stats_message
+
+if TYPE_CHECKING:
+    from .metrics import ServerMetrics
 
 log = structlog.get_logger("pagedserve.server")
 
@@ -58,7 +64,9 @@ def structured_outputs_from_proto(msg: pb.StructuredOutputs) -> StructuredOutput
     if kind == "json_object" and not msg.json_object:
         raise ValueError("structured_outputs.json_object must be true when set")
     return StructuredOutputsParams(**{kind: getattr(msg, kind)})  # ValueError names the field
-async def _off_loop_if_large(request: Any, fn: Callable, *args: Any) -> Any:
+
+
+async def _off_loop_if_large(request: Message, fn: Callable, *args: Any) -> Any:
     """fn(*args), in a worker thread when the request is large: rendering and tokenizing a long prompt
     takes seconds, which must not stall every other stream on the event loop."""
     if request.ByteSize() > LONG_PROMPT_CHARS:
@@ -77,9 +85,9 @@ class SlowReaderError(Exception):
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, get_engine: Callable[[], AsyncEngine | None], model_name: Callable[[], str],
                  max_prompt_chars: int, max_chat_messages: int = 1024, slow_reader_timeout: float = 30.0,
-                 metrics: Any = None) -> None:
+                 metrics: ServerMetrics | None = None) -> None:
         self._get_engine = get_engine
-        self.metrics = metrics  # sidecar.metrics.ServerMetrics, or None when --metrics-port is unset
+        self.metrics = metrics  # None when --metrics-port is unset
         self.slow_reader_timeout = slow_reader_timeout
         self._model_name = model_name
         self.max_prompt_chars = max_prompt_chars
@@ -111,7 +119,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if total > self.max_prompt_chars:  # the rendered conversation is one prompt
             raise ValueError(f"chat.messages hold {total} characters in all; the limit is {self.max_prompt_chars}")
         add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-        return engine.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen, tokenize=True)
+        return engine.tokenize_chat(messages, add_generation_prompt=add_gen)
 
     def _prompt(self, engine: AsyncEngine, request: pb.GenerateRequest):
         kind = request.WhichOneof("prompt")
@@ -255,12 +263,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if kind == "text":
             self._check_text(request.text, "text")
             add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            return engine.engine.tokenizer.encode(request.text, add_special_tokens=add)
+            return engine.tokenize(request.text, add_special_tokens=add)
         raise ValueError("input is missing: set text or chat")
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context):
         engine = await self._engine(context)
-        vocab = engine.engine.model_config.vocab_size
+        vocab = engine.vocab_size
         if len(request.token_ids) > self.max_prompt_chars:  # every token is at least a character of text
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids has {len(request.token_ids)} ids; "
                                 f"the limit is {self.max_prompt_chars} (max_prompt_chars)")
@@ -268,38 +276,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if bad:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids must be in [0, {vocab}); got {bad[:5]}")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        text = engine.engine.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
+        text = engine.detokenize(request.token_ids, skip_special_tokens=skip)
         return pb.DetokenizeResponse(text=text)
 
     async def GetModelInfo(self, request, context):
         engine = await self._engine(context)
-        e = engine.engine
-        return pb.ModelInfo(name=self._model_name(), architecture=e.model_config.architecture,
-                            max_model_len=e.max_model_len, vocab_size=e.model_config.vocab_size,
-                            block_size=e.block_size, dtype=str(e.backend.dtype), backend=e.backend.name,
-                            num_kv_blocks=e.num_kv_blocks, kernels=e.backend.ops.name,
-                            blas_kernel=(e.blas or {}).get("architecture") or "",
-                            blas_threads=e.cpu_threads or 0, numba_code_path=e.numba_code_path or "")
+        return pb.ModelInfo(name=self._model_name(), **dataclasses.asdict(engine.model_info()))
 
     async def GetServerStats(self, request, context):
         engine = await self._engine(context)
-        s = engine.stats
-        return pb.ServerStats(num_running=s.num_running, num_waiting=s.num_waiting, kv_blocks_used=s.num_kv_blocks_used,
-                              kv_blocks_total=s.num_kv_blocks_total, kv_utilization=s.kv_token_slot_utilization,
-                              prefix_cache_hit_rate=s.prefix_cache_hit_rate, output_tokens_per_s=s.output_tokens_per_s,
-                              total_tokens_per_s=s.total_tokens_per_s, num_preemptions=s.num_preemptions,
-                              uptime_s=time.monotonic() - engine.started_at, **kv_stats_fields(engine.engine.kv_stats),
-                              spec_method=s.spec_method, spec_num_draft_tokens=s.spec_num_draft_tokens,
-                              spec_num_accepted_tokens=s.spec_num_accepted_tokens,
-                              spec_mean_accepted_length=s.spec_mean_accepted_length)
+        # The snapshot, with the KV-transfer counters read now: a decode instance's are bumped before the
+        # stream that used them moves on, so a reader never sees them late.
+        return server_stats_message(engine.stats, engine.kv_transfer_stats(), time.monotonic() - engine.started_at)
 
     async def Abort(self, request: pb.AbortRequest, context):
         engine = await self._engine(context)
         return pb.AbortResponse(found=engine.abort(request.request_id))
-
-
-def kv_stats_fields(k) -> dict:
-    """Plain counters, read live: a decode instance's are bumped before the stream that used them moves on."""
-    return dict(kv_blocks_sent=k.kv_blocks_sent, kv_blocks_received=k.kv_blocks_received,
-                remote_prefills=k.remote_prefills, local_prefill_fallbacks=k.local_prefill_fallbacks,
-                kv_bytes_sent=k.kv_bytes_sent, kv_bytes_received=k.kv_bytes_received, kv_transfer_s=k.kv_transfer_s)
