@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from pagedserve.cupy_kernels.backend import Backend
+from pagedserve.cupy_kernels.batch_checks import check_metadata, check_slot_mapping
 from pagedserve.cupy_kernels.cuda.ops import is_cupy_array
 
 from .batch import ForwardBatch
@@ -69,33 +70,15 @@ def blocks_needed(seq_lens: np.ndarray, block_size: int) -> int:
 
 
 def check_batch(batch: ForwardBatch, block_size: int, num_blocks: int, vocab_size: int | None = None) -> None:
-    """Validate host metadata against the KV cache (and vocabulary); raises ValueError / IndexError."""
-    t, b = batch.num_tokens, batch.num_seqs
+    """Validate host metadata against the KV cache (and vocabulary); raises ValueError / IndexError. The
+    attention metadata and the slots by cupy_kernels/batch_checks.py, the checks every kernel set shares."""
+    t = batch.num_tokens
     for name in ("positions", "slot_mapping"):
         if getattr(batch, name).shape != (t,):
             raise ValueError(f"ForwardBatch.{name} has shape {getattr(batch, name).shape}, expected ({t},)")
-    qsl = np.asarray(batch.query_start_loc)
-    if qsl.shape != (b + 1,) or (b and (int(qsl[0]) != 0 or int(qsl[-1]) != t)):
-        raise ValueError(f"ForwardBatch.query_start_loc must be [{b + 1}] from 0 to {t}, got shape {qsl.shape}")
-    num_new = np.diff(qsl.astype(np.int64))
-    if (num_new < 1).any():
-        raise ValueError("ForwardBatch: every sequence needs at least one query token")
-    lens = np.asarray(batch.seq_lens, dtype=np.int64)
-    if (lens < num_new).any():
-        raise ValueError("ForwardBatch: a sequence has more query tokens than its seq_len")
-    tables = np.asarray(batch.block_tables)
-    if tables.ndim != 2 or tables.shape[0] != b:
-        raise ValueError(f"ForwardBatch.block_tables must be [{b}, max_blocks], got shape {tables.shape}")
-    need = blocks_needed(lens, block_size)
-    if need > tables.shape[1]:
-        raise ValueError(f"ForwardBatch: a sequence of {int(lens.max())} tokens needs {need} blocks, "
-                         f"block_tables has {tables.shape[1]} columns")
-    used = tables[:, :need]
-    if used.size and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
-        raise IndexError(f"ForwardBatch.block_tables holds a block id outside [0, {num_blocks})")
-    slots = np.asarray(batch.slot_mapping)
-    if slots.size and (int(slots.min()) < -1 or int(slots.max()) >= num_blocks * block_size):
-        raise IndexError(f"ForwardBatch.slot_mapping holds a slot outside [-1, {num_blocks * block_size})")
+    check_metadata(batch.query_start_loc, batch.seq_lens, batch.block_tables, t, block_size, num_blocks,
+                   "ForwardBatch")
+    check_slot_mapping(np.asarray(batch.slot_mapping), num_blocks * block_size, "ForwardBatch", only_minus_one=True)
     ids = np.asarray(batch.input_ids)
     if vocab_size is not None and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise IndexError(f"ForwardBatch.input_ids holds a token id outside [0, {vocab_size})")
