@@ -2,19 +2,8 @@
 
 Every function here has the signature of its numpy reference in ops.py / paged_attention.py; the CUDA
 backend's op table (kernel_set.cuda_kernels) holds them. CuPy is imported inside the functions only, so importing
-this module (and with it pagedserve.cupy_kernels) never needs CuPy or a GPU.
-
-Kernels live in the .cu files next to this module, one per family. MODULES below is the single table
-of what is compiled: the source string of each module (its #defines + common.cu + the family's file)
-and the template instantiations (NVRTC name expressions) that are asked for. cuda_ops loads them with
-cupy.RawModule and tests/cupy_kernels/test_nvcc_compile.py compiles the very same strings with nvcc
-for sm_80 and sm_90, so a kernel that does not compile fails CI on a machine without a GPU.
-
-Compiler options: ("-std=c++17",) and nothing else. Not --use_fast_math: it would turn every division
-and sqrt into approximations and let the compiler contract float32 expressions differently per
-instantiation; the few places that want speed (exp2f in the softmax) ask for it explicitly. CuPy
-itself appends "-ftz=true" (float32 denormals flush to zero; cupy/cuda/compiler.py), which only
-touches values below 1e-38 and is the same for every launch.
+this module (and with it pagedserve.cupy_kernels) never needs CuPy or a GPU. The kernels they launch, and how
+they are compiled: modules.py; the paged attention op and its launch planning: attention.py.
 
 Embedding and linear use CuPy directly: `cupy.take` and `x @ weight_t`. For float16 operands CuPy's
 matmul calls cublasGemmEx with compute type CUBLAS_COMPUTE_32F and tensor-op algorithms
@@ -22,210 +11,27 @@ matmul calls cublasGemmEx with compute type CUBLAS_COMPUTE_32F and tensor-op alg
 rounding of the result to float16. cupy's COMPUTE_TYPE_FP16 setting is not honoured by that path,
 so no global state can make it accumulate in float16 behind our back.
 
-Host metadata. When slot_mapping / query_start_loc / seq_lens / block_tables arrive as numpy arrays
-they are checked on the host (sizes, ranges, block ids) and uploaded. As CuPy arrays they are used as
-they are, without a device sync: slots outside the cache are then skipped silently, and the attention
-sizes its partition workspace from block_tables.shape[1] instead of max(seq_lens).
+Host metadata. A numpy slot_mapping is checked on the host (batch_checks.check_slot_mapping) and uploaded; as a
+CuPy array it is used as it is, without a device sync, and slots outside the cache are skipped silently.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
-
 import numpy as np
 
-from . import kernel_cache
+from ..batch_checks import check_slot_mapping
+from .attention import paged_attention, plan_attention  # noqa: F401 - the op table's (kernel_set.cuda_kernels)
+from .launch import _check_cache_pair, _dummy, _elements, _i32, _i64, _inner_contiguous, _next_pow2, _storage_type
+from .modules import _kernel
 
-KERNEL_DIR = Path(__file__).parent
-
-NVRTC_OPTIONS: tuple[str, ...] = ("-std=c++17",)
-# Appended by CuPy to every compile (cupy.cuda.compiler._compile_with_cache_cuda); the nvcc check
-# passes them too so that it compiles what CuPy compiles.
-CUPY_IMPLICIT_OPTIONS: tuple[str, ...] = ("-ftz=true",)
-
-# Paged attention constants (mirrored into the .cu source as #defines).
-ATTN_THREADS = 128  # 4 warps per CTA
-ATTN_TILE_N = 32  # keys per shared-memory tile: one lane per key in the softmax
-PARTITION_SIZE = 512  # keys per partition of a split decode
-# Most bytes of float32 partials (acc + max/sum) one attention launch may use. A batch whose split
-# decodes would need more runs in several launches over ranges of sequences (each with this much at
-# most), so 256 sequences at 131,072 tokens (1 GiB of partials in one launch) cost 64 MiB, not 1 GiB.
-PARTITION_SCRATCH_BYTES = 64 << 20
-ATTN_HEAD_DIMS = (64, 128)
-ATTN_BLOCK_SIZES = (16, 32)
-ATTN_BLOCK_MS = (4, 8, 16, 32)  # rows (query tokens x heads of one group) per CTA
-MAX_QUERIES_PER_KV = max(ATTN_BLOCK_MS)
-LOG2E = 1.4426950408889634
-
-# Storage dtypes of the elementwise kernels -> the C++ type name used in their instantiations.
-STORAGE_TYPES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "float"}
-
-
-def attention_kernel_name(head_dim: int, block_size: int, block_m: int) -> str:
-    return f"paged_attention_kernel<{head_dim}, {block_size}, {block_m}>"
-
-
-def attention_reduce_name(head_dim: int) -> str:
-    return f"paged_attention_reduce_kernel<{head_dim}>"
-
-
-def _typed(name: str) -> tuple[str, ...]:
-    return tuple(f"{name}<{t}>" for t in STORAGE_TYPES.values())
-
-
-@dataclass(frozen=True)
-class KernelModule:
-    """One RawModule: a kernel family's .cu file, the #defines it needs, the instantiations asked for."""
-
-    name: str
-    source_file: str
-    defines: tuple[tuple[str, int], ...]
-    name_expressions: tuple[str, ...]
-
-    def source(self) -> str:
-        """The exact string compiled, by CuPy on a GPU machine and by nvcc in the compile test."""
-        defines = "".join(f"#define {key} {value}\n" for key, value in self.defines)
-        common = (KERNEL_DIR / "common.cu").read_text()
-        return defines + common + "\n" + (KERNEL_DIR / self.source_file).read_text()
-
-
-MODULES: dict[str, KernelModule] = {
-    m.name: m
-    for m in (
-        KernelModule(
-            "paged_attention",
-            "paged_attention.cu",
-            (("PS_ATTN_THREADS", ATTN_THREADS), ("PS_TILE_N", ATTN_TILE_N), ("PS_PARTITION_SIZE", PARTITION_SIZE)),
-            tuple(attention_kernel_name(d, bs, m) for d in ATTN_HEAD_DIMS for bs in ATTN_BLOCK_SIZES
-                  for m in ATTN_BLOCK_MS) + tuple(attention_reduce_name(d) for d in ATTN_HEAD_DIMS),
-        ),
-        KernelModule("cache_ops", "cache_ops.cu", (), _typed("reshape_and_cache_kernel") + ("copy_blocks_kernel",)),
-        KernelModule("norm", "norm.cu", (), _typed("add_rms_norm_kernel")),
-        KernelModule("rotary", "rotary.cu", (), _typed("rotary_kernel")),
-        KernelModule("activation", "activation.cu", (), _typed("silu_and_mul_kernel")),
-        KernelModule("sampling", "sampling.cu", (), _typed("argmax_rows_kernel")),
-    )
-}
-# Files that are not modules of their own: prepended to every module's source.
-SHARED_SOURCES = ("common.cu",)
-
-
-def is_cupy_array(x: Any) -> bool:
-    """True for a CuPy ndarray, decided without importing CuPy."""
-    return type(x).__module__.startswith("cupy")
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading and launching
-# ---------------------------------------------------------------------------------------------
-
-_modules: dict[tuple[str, int], Any] = {}
-_functions: dict[tuple[str, str, int], Any] = {}
-_log = logging.getLogger("pagedserve.kernels")
-
-
-class _CachedModule:
-    """A module loaded from kernel_cache's binary: functions by name expression, like RawModule's."""
-
-    def __init__(self, module: Any, lowered_names: dict[str, str]) -> None:
-        self.module = module
-        self.lowered_names = lowered_names
-
-    def get_function(self, name: str):
-        return self.module.get_function(self.lowered_names[name])
-
-
-def _make_kernel_cache() -> kernel_cache.KernelCache:
-    return kernel_cache.KernelCache(kernel_cache.default_cache_dir(), kernel_cache.nvrtc_compile,
-                                    kernel_cache.nvrtc_version())
-
-
-def _load_module(spec: KernelModule):
-    """The module from pagedserve's on-disk kernel cache (compiled by NVRTC on a miss), else - cache
-    off, or any failure of that path (no NVRTC bindings, an architecture NVRTC does not know) -
-    CuPy's RawModule, which compiles in memory in every process."""
-    import cupy
-
-    code = spec.source()
-    if kernel_cache.cache_enabled():
-        try:
-            compiled = _make_kernel_cache().get(code, NVRTC_OPTIONS + CUPY_IMPLICIT_OPTIONS, kernel_cache.device_arch(),
-                                                spec.name_expressions)
-            module = cupy.cuda.function.Module()
-            module.load(compiled.image)
-            return _CachedModule(module, compiled.lowered_names)
-        except Exception as e:  # noqa: BLE001 - the uncached path below still works
-            _log.warning("kernel cache unusable for module %s (%s: %s); compiling in memory", spec.name,
-                         type(e).__name__, e)
-    return cupy.RawModule(code=code, options=NVRTC_OPTIONS, name_expressions=spec.name_expressions)
-
-
-def _kernel(module: str, name: str):
-    import cupy
-
-    device = cupy.cuda.runtime.getDevice()
-    key = (module, name, device)
-    fn = _functions.get(key)
-    if fn is None:
-        mod = _modules.get((module, device))
-        if mod is None:
-            mod = _modules[(module, device)] = _load_module(MODULES[module])
-        fn = _functions[key] = mod.get_function(name)
-    return fn
-
-
-def _storage_type(dtype, what: str) -> str:
-    t = STORAGE_TYPES.get(np.dtype(dtype))
-    if t is None:
-        raise ValueError(f"{what}: dtype {np.dtype(dtype)} is not supported on the GPU (float16 or float32)")
-    return t
-
-
-def _elements(stride_bytes: int, itemsize: int, what: str) -> int:
-    if stride_bytes % itemsize:
-        raise ValueError(f"{what}: stride {stride_bytes} bytes is not a multiple of the item size")
-    return stride_bytes // itemsize
-
-
-def _inner_contiguous(x, what: str):
-    """x with its last axis contiguous (a copy only when it is not)."""
-    import cupy
-
-    if x.ndim == 0:
-        raise ValueError(f"{what}: expected an array with at least one axis")
-    if x.strides[-1] != x.itemsize or any(s < 0 for s in x.strides):
-        x = cupy.ascontiguousarray(x)
-    return x
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _i32(x: int) -> np.int32:
-    return np.int32(x)
-
-
-def _i64(x: int) -> np.int64:
-    return np.int64(x)
-
-
-_dummies: dict[tuple[int, str], Any] = {}
-
-
-def _dummy(dtype=np.float32):
-    """A valid device pointer for kernel arguments that a launch does not use (one per device and dtype)."""
-    import cupy
-
-    key = (cupy.cuda.runtime.getDevice(), np.dtype(dtype).str)
-    d = _dummies.get(key)
-    if d is None:
-        d = _dummies[key] = cupy.zeros(1, dtype=dtype)
-    return d
+# Read from here by the runtime, tests and benchmarks: the module table, the attention's launch planning.
+from .attention import (PARTITION_SCRATCH_BYTES, AttentionLaunch, _check_host_metadata,  # noqa: F401
+                        attention_launch, partition_bytes_per_seq, partition_chunk)
+from .launch import is_cupy_array  # noqa: F401
+from .modules import (ATTN_BLOCK_MS, ATTN_BLOCK_SIZES, ATTN_HEAD_DIMS, ATTN_THREADS, ATTN_TILE_N,  # noqa: F401
+                      CUPY_IMPLICIT_OPTIONS, KERNEL_DIR, LOG2E, MAX_QUERIES_PER_KV, MODULES, NVRTC_OPTIONS,
+                      PARTITION_SIZE, SHARED_SOURCES, STORAGE_TYPES, KernelModule, attention_kernel_name,
+                      attention_reduce_name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,15 +201,6 @@ def logsumexp_rows(x, row_max=None):
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_cache_pair(k_cache, v_cache, what: str) -> None:
-    if not (is_cupy_array(k_cache) and is_cupy_array(v_cache)):
-        raise ValueError(f"{what}: k_cache and v_cache must be CuPy arrays")
-    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"{what}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
-                         "[num_blocks, block_size, num_kv_heads, head_dim] with one dtype")
-    if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
-        raise ValueError(f"{what}: KV caches must be C-contiguous")
-
 
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     """Write key/value [T, KV, D] into the caches at `slot_mapping` [T]; slot -1 means skip."""
@@ -425,9 +222,7 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
         slots = cupy.ascontiguousarray(slot_mapping, dtype=cupy.int64)
     else:
         host = np.ascontiguousarray(slot_mapping, dtype=np.int64)
-        kept = host[host >= 0]
-        if kept.size and int(kept.max()) >= num_slots:
-            raise IndexError(f"slot {int(kept.max())} is outside a cache of {num_slots} slots")
+        check_slot_mapping(host, num_slots, "reshape_and_cache")
         slots = cupy.asarray(host)
     if not tokens:
         return
@@ -492,145 +287,6 @@ def copy_blocks(kv_caches, block_mapping) -> None:
     scratch = cupy.empty(len(mapping) * len(caches) * block_bytes, dtype=cupy.uint8)
     for phase in (1, 2):  # same stream: the scatter starts after every source has been read
         kernel(grid, (256,), (ptrs, device_mapping, _i64(block_bytes), scratch, _i32(phase)))
-
-
-@dataclass(frozen=True)
-class AttentionLaunch:
-    """How one paged attention call is cut into CTAs (see paged_attention.cu)."""
-
-    block_m: int  # rows per CTA: query tokens x query heads of one kv head
-    block_q: int  # query tokens per CTA
-    num_tiles: int  # grid.x: an upper bound on the query tiles, from T and B only
-
-
-def attention_launch(num_heads: int, num_kv_heads: int, num_tokens: int, num_seqs: int) -> AttentionLaunch:
-    """Tile shape for a batch. Decode-only batches (T == B) use the smallest row tile that holds a
-    query-head group; anything with a prefill chunk uses 16+ rows. Which one is picked never changes
-    a row's result (the kernel's per-row arithmetic does not depend on it)."""
-    if num_kv_heads <= 0 or num_heads % num_kv_heads:
-        raise ValueError(f"paged_attention: {num_heads} query heads is not a multiple of {num_kv_heads} kv heads")
-    group = num_heads // num_kv_heads
-    if group > MAX_QUERIES_PER_KV:
-        raise ValueError(f"paged_attention: {group} query heads per kv head; the GPU kernel supports at most "
-                         f"{MAX_QUERIES_PER_KV}")
-    block_m = max(4, _next_pow2(group))
-    if num_tokens != num_seqs:
-        block_m = max(16, block_m)
-    block_q = block_m // group
-    return AttentionLaunch(block_m, block_q, (num_tokens - num_seqs) // block_q + num_seqs)
-
-
-def _check_host_metadata(query_start_loc, seq_lens, block_tables, num_tokens: int, block_size: int,
-                         num_blocks: int) -> int:
-    """Validate host-side batch metadata; returns max(seq_lens)."""
-    qsl = np.asarray(query_start_loc, dtype=np.int64)
-    lens = np.asarray(seq_lens, dtype=np.int64)
-    tables = np.asarray(block_tables)
-    b = lens.shape[0]
-    if qsl.shape != (b + 1,) or qsl[0] != 0 or qsl[-1] != num_tokens:
-        raise ValueError(f"paged_attention: query_start_loc must be [{b + 1}] from 0 to {num_tokens},"
-                         f" got {qsl.tolist()}")
-    num_new = np.diff(qsl)
-    if (num_new < 1).any():
-        raise ValueError("paged_attention: every sequence needs at least one query token")
-    if (lens < num_new).any():
-        raise ValueError("paged_attention: a sequence has more query tokens than its seq_len")
-    if tables.ndim != 2 or tables.shape[0] != b:
-        raise ValueError(f"paged_attention: block_tables must be [{b}, max_blocks], got {tuple(tables.shape)}")
-    needed = -(-lens // block_size)
-    if int(needed.max()) > tables.shape[1]:
-        raise ValueError(f"paged_attention: a sequence needs {int(needed.max())} blocks, block_tables has "
-                         f"{tables.shape[1]} columns")
-    used = tables[np.arange(tables.shape[1])[None, :] < needed[:, None]]
-    if used.size and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
-        raise IndexError(f"paged_attention: block id outside [0, {num_blocks}) in block_tables")
-    return int(lens.max())
-
-
-def _device_int32(a):
-    import cupy
-
-    if is_cupy_array(a):
-        return cupy.ascontiguousarray(a, dtype=cupy.int32)
-    return cupy.asarray(np.ascontiguousarray(a, dtype=np.int32))
-
-
-def plan_attention(query_shape, cache_shape, query_start_loc, seq_lens, block_tables) -> None:
-    """None: the GPU step's metadata is checked and uploaded once already (models/device_batch.to_device)."""
-    return None
-
-
-def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float, plan=None):
-    """Unified paged attention over a flat varlen batch: query [T, H, D] float16 -> out [T, H, D]. `plan` is
-    plan_attention's None (accepted for the op table's one signature).
-
-    One launch of paged_attention_kernel covers prefill chunks and decodes; decodes longer than
-    PARTITION_SIZE are split into partitions and combined by a second, small reduce launch.
-    """
-    import cupy
-
-    _check_cache_pair(k_cache, v_cache, "paged_attention")
-    num_blocks, block_size, num_kv, dim = k_cache.shape
-    if query.ndim != 3 or query.shape[2] != dim:
-        raise ValueError(f"paged_attention: query must be [T, H, {dim}], got {tuple(query.shape)}")
-    if query.dtype != np.float16 or k_cache.dtype != np.float16:
-        raise ValueError("paged_attention: the GPU kernel takes float16 query and caches")
-    if dim not in ATTN_HEAD_DIMS:
-        raise ValueError(f"paged_attention: head_dim {dim} is not supported on the GPU ({ATTN_HEAD_DIMS})")
-    if block_size not in ATTN_BLOCK_SIZES:
-        raise ValueError(f"paged_attention: block_size {block_size} is not supported on the GPU ({ATTN_BLOCK_SIZES})")
-    if k_cache.data.ptr % 16 or v_cache.data.ptr % 16:
-        raise ValueError("paged_attention: KV caches must be 16-byte aligned")
-    num_tokens, num_heads, _ = query.shape
-    num_seqs = int(seq_lens.shape[0])
-    launch = attention_launch(num_heads, num_kv, num_tokens, num_seqs)
-    out = cupy.empty((num_tokens, num_heads, dim), dtype=cupy.float16)
-    if num_tokens == 0:
-        return out
-    if is_cupy_array(seq_lens) or is_cupy_array(query_start_loc) or is_cupy_array(block_tables):
-        max_seq_len = int(block_tables.shape[1]) * block_size  # a bound; reading the real one would sync
-    else:
-        max_seq_len = _check_host_metadata(query_start_loc, seq_lens, block_tables, num_tokens, block_size,
-                                           num_blocks)
-    qsl = _device_int32(query_start_loc)
-    lens = _device_int32(seq_lens)
-    tables = _device_int32(block_tables)
-    max_parts = max(1, math.ceil(max_seq_len / PARTITION_SIZE))
-    chunk = partition_chunk(num_seqs, num_heads, dim, max_parts)
-    if max_parts > 1:
-        part_acc = cupy.empty((chunk, num_heads, max_parts, dim), dtype=cupy.float32)
-        part_ml = cupy.empty((chunk, num_heads, max_parts, 2), dtype=cupy.float32)
-    else:
-        part_acc = part_ml = _dummy()
-    query = _inner_contiguous(query, "query")
-    attend = _kernel("paged_attention", attention_kernel_name(dim, block_size, launch.block_m))
-    reduce = _kernel("paged_attention", attention_reduce_name(dim)) if max_parts > 1 else None
-    for begin in range(0, num_seqs, chunk):  # one range, unless the partials would exceed the cap
-        end = min(num_seqs, begin + chunk)
-        attend(
-            (launch.num_tiles, num_kv, max_parts), (ATTN_THREADS,),
-            (out, part_acc, part_ml, query, _i64(_elements(query.strides[0], 2, "query")),
-             _i64(_elements(query.strides[1], 2, "query")), k_cache, v_cache, qsl, lens, tables,
-             _i64(tables.shape[1]), _i32(num_seqs), _i32(num_heads), _i32(num_kv), _i32(launch.block_q),
-             _i32(max_parts), np.float32(scale * LOG2E), _i32(begin), _i32(end)),
-        )
-        if reduce is not None:
-            reduce((end - begin, num_heads), (dim,),
-                   (out, part_acc, part_ml, qsl, lens, _i32(num_heads), _i32(max_parts), _i32(begin)))
-    return out
-
-
-def partition_bytes_per_seq(num_heads: int, head_dim: int, max_parts: int) -> int:
-    """float32 partials (acc [D] + max and sum) of one sequence split into max_parts partitions."""
-    return num_heads * max_parts * (head_dim + 2) * 4 if max_parts > 1 else 0
-
-
-def partition_chunk(num_seqs: int, num_heads: int, head_dim: int, max_parts: int) -> int:
-    """Sequences per attention launch: all of them unless their partials exceed PARTITION_SCRATCH_BYTES."""
-    per_seq = partition_bytes_per_seq(num_heads, head_dim, max_parts)
-    if per_seq == 0 or num_seqs == 0:
-        return max(1, num_seqs)
-    return max(1, min(num_seqs, PARTITION_SCRATCH_BYTES // per_seq))
 
 
 # ---------------------------------------------------------------------------------------------

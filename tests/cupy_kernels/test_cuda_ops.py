@@ -30,7 +30,7 @@ import pytest
 import gpu_helpers
 from gpu_helpers import DATA, cuda, f16, import_cupy as _cp, model_pair, record, to_host, ulp16
 from numerics import f32_tol
-from pagedserve.cupy_kernels.cuda import ops as cuda_ops
+from pagedserve.cupy_kernels.cuda import modules as cuda_modules, ops as cuda_ops
 from pagedserve.cupy_kernels.reference import ops
 
 # test_seeded_models.py loads this file and calls T._compare_logits.
@@ -121,31 +121,31 @@ def test_kernel_cache_on_disk_serves_a_fresh_process():
 
     cp = _cp()
     logits = cp.asarray(np.random.default_rng(0).standard_normal((3, 1000)).astype(np.float32))
-    saved = dict(os.environ), dict(cuda_ops._modules), dict(cuda_ops._functions)
+    saved = dict(os.environ), dict(cuda_modules._modules), dict(cuda_modules._functions)
     with tempfile.TemporaryDirectory() as tmp:
         try:
             os.environ["PAGEDSERVE_CACHE_DIR"] = tmp
             os.environ["PAGEDSERVE_KERNEL_CACHE"] = "1"
             caches = []
-            real = cuda_ops._make_kernel_cache
-            cuda_ops._make_kernel_cache = lambda: caches.append(real()) or caches[-1]
+            real = cuda_modules._make_kernel_cache
+            cuda_modules._make_kernel_cache = lambda: caches.append(real()) or caches[-1]
             results = []
             for _ in range(2):
-                cuda_ops._modules.clear()
-                cuda_ops._functions.clear()
+                cuda_modules._modules.clear()
+                cuda_modules._functions.clear()
                 results.append(to_host(cuda_ops.argmax_rows(logits)))
             assert [(c.hits, c.misses) for c in caches] == [(0, 1), (1, 0)]
             assert len(list(Path(tmp, "kernels").glob("*.cubin"))) == 1
             np.testing.assert_array_equal(results[0], results[1])
             np.testing.assert_array_equal(results[0], to_host(logits).argmax(axis=1))
         finally:
-            cuda_ops._make_kernel_cache = real
+            cuda_modules._make_kernel_cache = real
             os.environ.clear()
             os.environ.update(saved[0])
-            cuda_ops._modules.clear()
-            cuda_ops._modules.update(saved[1])
-            cuda_ops._functions.clear()
-            cuda_ops._functions.update(saved[2])
+            cuda_modules._modules.clear()
+            cuda_modules._modules.update(saved[1])
+            cuda_modules._functions.clear()
+            cuda_modules._functions.update(saved[2])
 
 
 # ---------------------------------------------------------------------------------------------

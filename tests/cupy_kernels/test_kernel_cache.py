@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from pagedserve.cupy_kernels.cuda import ops as cuda_ops, kernel_cache
+from pagedserve.cupy_kernels.cuda import modules as cuda_modules, ops as cuda_ops, kernel_cache
 from pagedserve.cupy_kernels.cuda.kernel_cache import CompiledModule, KernelCache
 
 
@@ -106,12 +106,12 @@ def test_cuda_ops_loads_its_modules_through_the_cache(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(raw))
     monkeypatch.setattr(kernel_cache, "device_arch", lambda: "sm_90")
     compiler = FakeCompiler()
-    monkeypatch.setattr(cuda_ops, "_make_kernel_cache", lambda: KernelCache(tmp_path, compiler, "nvrtc-13.0"))
+    monkeypatch.setattr(cuda_modules, "_make_kernel_cache", lambda: KernelCache(tmp_path, compiler, "nvrtc-13.0"))
     monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", "1")
     name = cuda_ops.attention_kernel_name(128, 16, 8)
     for _ in range(2):
-        monkeypatch.setattr(cuda_ops, "_modules", {})
-        monkeypatch.setattr(cuda_ops, "_functions", {})
+        monkeypatch.setattr(cuda_modules, "_modules", {})
+        monkeypatch.setattr(cuda_modules, "_functions", {})
         fn = cuda_ops._kernel("paged_attention", name)
         assert fn == ("function", f"_Z{len(name)}" + name.replace("<", "_").replace(">", "_"))
     assert len(compiler.calls) == 1 and not raw
@@ -128,10 +128,10 @@ def test_cuda_ops_falls_back_to_rawmodule_when_the_cache_fails_or_is_off(monkeyp
     def broken():
         raise ImportError("no NVRTC bindings")
 
-    monkeypatch.setattr(cuda_ops, "_make_kernel_cache", broken)
+    monkeypatch.setattr(cuda_modules, "_make_kernel_cache", broken)
     for setting in ("1", "0"):
         monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", setting)
-        monkeypatch.setattr(cuda_ops, "_modules", {})
-        monkeypatch.setattr(cuda_ops, "_functions", {})
+        monkeypatch.setattr(cuda_modules, "_modules", {})
+        monkeypatch.setattr(cuda_modules, "_functions", {})
         assert cuda_ops._kernel("sampling", "argmax_rows_kernel<float>") == ("raw", "argmax_rows_kernel<float>")
     assert raw == [cuda_ops.MODULES["sampling"].source()] * 2

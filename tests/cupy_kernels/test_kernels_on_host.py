@@ -28,6 +28,7 @@ import pytest
 
 import gpu_helpers
 from gpu_helpers import build_cache, cuda
+from pagedserve.cupy_kernels.cuda import attention as cuda_attention, launch as cuda_launch, modules as cuda_modules
 from pagedserve.cupy_kernels.cuda import ops as cuda_ops
 
 GXX = shutil.which("g++")
@@ -149,9 +150,9 @@ def emulated(libs, monkeypatch):
     """Install the stand-in cupy (and fresh kernel caches) for one test."""
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy(libs))
     monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", "0")  # EmulatedModule stands in for RawModule
-    monkeypatch.setattr(cuda_ops, "_modules", {})
-    monkeypatch.setattr(cuda_ops, "_functions", {})
-    monkeypatch.setattr(cuda_ops, "_dummies", {})
+    monkeypatch.setattr(cuda_modules, "_modules", {})
+    monkeypatch.setattr(cuda_modules, "_functions", {})
+    monkeypatch.setattr(cuda_launch, "_dummies", {})
     gpu_helpers.model_pair.cache_clear()  # a model holds arrays of the cupy it was built under
     yield
     gpu_helpers.model_pair.cache_clear()
@@ -345,7 +346,7 @@ def test_attention_over_sequence_ranges_is_bitwise_the_same_on_host(emulated, mo
     whole = cuda.paged_attention(_dev(query), _dev(k), _dev(v), qsl, lens, tables, 0.125).get()
     per_seq = cuda_ops.partition_bytes_per_seq(4, 64, 3)
     cap = 2 * per_seq + 100  # two sequences per launch: four launches for seven sequences
-    monkeypatch.setattr(cuda_ops, "PARTITION_SCRATCH_BYTES", cap)
+    monkeypatch.setattr(cuda_attention, "PARTITION_SCRATCH_BYTES", cap)
     cp = sys.modules["cupy"]
     sizes = []
     real_empty = cp.empty

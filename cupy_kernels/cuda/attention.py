@@ -1,0 +1,145 @@
+"""The CUDA paged attention op: how a batch is cut into CTAs and launches (attention_launch, partition_chunk),
+and the launches themselves (paged_attention).
+
+Host metadata. When query_start_loc / seq_lens / block_tables arrive as numpy arrays they are checked on the
+host (batch_checks.check_metadata: sizes, ranges, block ids) and uploaded. As CuPy arrays they are used as
+they are, without a device sync: the attention then sizes its partition workspace from block_tables.shape[1]
+instead of max(seq_lens).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..batch_checks import check_metadata
+from .launch import _check_cache_pair, _dummy, _elements, _i32, _i64, _inner_contiguous, _next_pow2, is_cupy_array
+from .modules import (ATTN_BLOCK_SIZES, ATTN_HEAD_DIMS, ATTN_THREADS, LOG2E, MAX_QUERIES_PER_KV, PARTITION_SIZE,
+                      _kernel, attention_kernel_name, attention_reduce_name)
+
+# Most bytes of float32 partials (acc + max/sum) one attention launch may use. A batch whose split
+# decodes would need more runs in several launches over ranges of sequences (each with this much at
+# most), so 256 sequences at 131,072 tokens (1 GiB of partials in one launch) cost 64 MiB, not 1 GiB.
+PARTITION_SCRATCH_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """How one paged attention call is cut into CTAs (see paged_attention.cu)."""
+
+    block_m: int  # rows per CTA: query tokens x query heads of one kv head
+    block_q: int  # query tokens per CTA
+    num_tiles: int  # grid.x: an upper bound on the query tiles, from T and B only
+
+
+def attention_launch(num_heads: int, num_kv_heads: int, num_tokens: int, num_seqs: int) -> AttentionLaunch:
+    """Tile shape for a batch. Decode-only batches (T == B) use the smallest row tile that holds a
+    query-head group; anything with a prefill chunk uses 16+ rows. Which one is picked never changes
+    a row's result (the kernel's per-row arithmetic does not depend on it)."""
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"paged_attention: {num_heads} query heads is not a multiple of {num_kv_heads} kv heads")
+    group = num_heads // num_kv_heads
+    if group > MAX_QUERIES_PER_KV:
+        raise ValueError(f"paged_attention: {group} query heads per kv head; the GPU kernel supports at most "
+                         f"{MAX_QUERIES_PER_KV}")
+    block_m = max(4, _next_pow2(group))
+    if num_tokens != num_seqs:
+        block_m = max(16, block_m)
+    block_q = block_m // group
+    return AttentionLaunch(block_m, block_q, (num_tokens - num_seqs) // block_q + num_seqs)
+
+
+def _check_host_metadata(query_start_loc, seq_lens, block_tables, num_tokens: int, block_size: int,
+                         num_blocks: int) -> int:
+    """Validate host-side batch metadata (batch_checks.check_metadata); returns max(seq_lens)."""
+    return check_metadata(query_start_loc, seq_lens, block_tables, num_tokens, block_size, num_blocks,
+                          "paged_attention")
+
+
+def _device_int32(a):
+    import cupy
+
+    if is_cupy_array(a):
+        return cupy.ascontiguousarray(a, dtype=cupy.int32)
+    return cupy.asarray(np.ascontiguousarray(a, dtype=np.int32))
+
+
+def plan_attention(query_shape, cache_shape, query_start_loc, seq_lens, block_tables) -> None:
+    """None: the GPU step's metadata is checked and uploaded once already (models/device_batch.to_device)."""
+    return None
+
+
+def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float, plan=None):
+    """Unified paged attention over a flat varlen batch: query [T, H, D] float16 -> out [T, H, D]. `plan` is
+    plan_attention's None (accepted for the op table's one signature).
+
+    One launch of paged_attention_kernel covers prefill chunks and decodes; decodes longer than
+    PARTITION_SIZE are split into partitions and combined by a second, small reduce launch.
+    """
+    import cupy
+
+    _check_cache_pair(k_cache, v_cache, "paged_attention")
+    num_blocks, block_size, num_kv, dim = k_cache.shape
+    if query.ndim != 3 or query.shape[2] != dim:
+        raise ValueError(f"paged_attention: query must be [T, H, {dim}], got {tuple(query.shape)}")
+    if query.dtype != np.float16 or k_cache.dtype != np.float16:
+        raise ValueError("paged_attention: the GPU kernel takes float16 query and caches")
+    if dim not in ATTN_HEAD_DIMS:
+        raise ValueError(f"paged_attention: head_dim {dim} is not supported on the GPU ({ATTN_HEAD_DIMS})")
+    if block_size not in ATTN_BLOCK_SIZES:
+        raise ValueError(f"paged_attention: block_size {block_size} is not supported on the GPU ({ATTN_BLOCK_SIZES})")
+    if k_cache.data.ptr % 16 or v_cache.data.ptr % 16:
+        raise ValueError("paged_attention: KV caches must be 16-byte aligned")
+    num_tokens, num_heads, _ = query.shape
+    num_seqs = int(seq_lens.shape[0])
+    launch = attention_launch(num_heads, num_kv, num_tokens, num_seqs)
+    out = cupy.empty((num_tokens, num_heads, dim), dtype=cupy.float16)
+    if num_tokens == 0:
+        return out
+    if is_cupy_array(seq_lens) or is_cupy_array(query_start_loc) or is_cupy_array(block_tables):
+        max_seq_len = int(block_tables.shape[1]) * block_size  # a bound; reading the real one would sync
+    else:
+        max_seq_len = check_metadata(query_start_loc, seq_lens, block_tables, num_tokens, block_size, num_blocks,
+                                     "paged_attention")
+    qsl = _device_int32(query_start_loc)
+    lens = _device_int32(seq_lens)
+    tables = _device_int32(block_tables)
+    max_parts = max(1, math.ceil(max_seq_len / PARTITION_SIZE))
+    chunk = partition_chunk(num_seqs, num_heads, dim, max_parts)
+    if max_parts > 1:
+        part_acc = cupy.empty((chunk, num_heads, max_parts, dim), dtype=cupy.float32)
+        part_ml = cupy.empty((chunk, num_heads, max_parts, 2), dtype=cupy.float32)
+    else:
+        part_acc = part_ml = _dummy()
+    query = _inner_contiguous(query, "query")
+    attend = _kernel("paged_attention", attention_kernel_name(dim, block_size, launch.block_m))
+    reduce = _kernel("paged_attention", attention_reduce_name(dim)) if max_parts > 1 else None
+    for begin in range(0, num_seqs, chunk):  # one range, unless the partials would exceed the cap
+        end = min(num_seqs, begin + chunk)
+        attend(
+            (launch.num_tiles, num_kv, max_parts), (ATTN_THREADS,),
+            (out, part_acc, part_ml, query, _i64(_elements(query.strides[0], 2, "query")),
+             _i64(_elements(query.strides[1], 2, "query")), k_cache, v_cache, qsl, lens, tables,
+             _i64(tables.shape[1]), _i32(num_seqs), _i32(num_heads), _i32(num_kv), _i32(launch.block_q),
+             _i32(max_parts), np.float32(scale * LOG2E), _i32(begin), _i32(end)),
+        )
+        if reduce is not None:
+            reduce((end - begin, num_heads), (dim,),
+                   (out, part_acc, part_ml, qsl, lens, _i32(num_heads), _i32(max_parts), _i32(begin)))
+    return out
+
+
+def partition_bytes_per_seq(num_heads: int, head_dim: int, max_parts: int) -> int:
+    """float32 partials (acc [D] + max and sum) of one sequence split into max_parts partitions."""
+    return num_heads * max_parts * (head_dim + 2) * 4 if max_parts > 1 else 0
+
+
+def partition_chunk(num_seqs: int, num_heads: int, head_dim: int, max_parts: int) -> int:
+    """Sequences per attention launch: all of them unless their partials exceed PARTITION_SCRATCH_BYTES."""
+    per_seq = partition_bytes_per_seq(num_heads, head_dim, max_parts)
+    if per_seq == 0 or num_seqs == 0:
+        return max(1, num_seqs)
+    return max(1, min(num_seqs, PARTITION_SCRATCH_BYTES // per_seq))
+
