@@ -3,10 +3,9 @@ place from the block pool (no gather copy), grouped-query heads packed so a K/V 
 query heads. Same signature and result (within float32 rounding) as paged_attention.paged_attention, the
 numpy reference it is tested against (tests/cupy_kernels/test_numba_attention.py).
 
-Work is cut into items (sequence, tile of up to Q_TILE query tokens: a decode is one item of one token),
-and consecutive items into CHUNKS_PER_THREAD chunks per thread of about equal cost, run in a `prange`
-taken dynamically (a thread slowed by another process on a shared host takes fewer). A chunk allocates its
-scratch once. An item holds its tile x H query rows and walks its sequence's blocks in order:
+A step's metadata is checked and its work cut into items and chunks once, by plan_attention
+(attention_plan.py). Each chunk runs on one thread and allocates its scratch once. An item holds its tile x H
+query rows and walks its sequence's blocks in order:
 
     for each segment of up to K_SEGMENT keys the tile can see (whole blocks):
         S = Q . K^T                     K rows (all kv heads of a token: contiguous) read in order, a run of
@@ -23,10 +22,10 @@ run go one at a time. A decode step reads every sequence's whole context from a 
 cache, and blocks lie anywhere in it: the rows of the block one ahead in the chunk's reads (the next K block,
 the segment's first V block after the last K block, the next item's first K block after the last V block) are
 prefetched while a run is computed, a few hints per query head's share of the run. Inner loops index the
-arrays directly: a row view (`k_cache[b, j, h]`) costs a reference-count call each time it is made. Against
-the loop nest before (horizontal dot products key by key, acc updated key by key, hints row by row) this took
-a 64-sequence, 192-token decode step over 30 layers from 38 to 29 ms on one thread (1-thread rates matter: in
-the engine, OpenBLAS's threads spin after each matmul and hold the second core).
+arrays directly: a row view (`k_cache[b, j, h]`) costs a reference-count call each time it is made. A
+64-sequence, 192-token decode step over 30 layers takes 29 ms on one thread (1-thread rates matter: in the
+engine, OpenBLAS's threads spin after each matmul and hold the second core; the loop nest's history:
+docs/notes/kernels.md).
 
 Prefill chunks of 16 or more tokens where numba_prefill's tiles (Q.K^T, softmax and P.V on one core per tile
 of query tokens) cost less than this loop nest (numba_prefill.takes_matmul_path: whole prompts from ~128
@@ -42,8 +41,6 @@ was chunked (a chunk of one token included), or the thread that ran it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 from llvmlite import ir
 from numba.core import cgutils, types
@@ -51,54 +48,17 @@ from numba.extending import intrinsic
 
 from . import attention_ir as ir_loops
 from . import prefill
-from . import setup as numba_setup
 from ..reference import paged_attention as reference
-from .ops import fast_exp, row_max
-from .setup import JIT, JIT_EXACT, apply_threads, call_compiled, native_address, numba
+# The plan, and names tests and benchmarks read from here.
+from .attention_plan import (Q_TILE, AttentionPlan, _check_shapes, _cut_work, _scan, _work_items,  # noqa: F401
+                             plan_attention)
+from .numerics import fast_exp, row_max
+from .setup import JIT, apply_threads, call_compiled, native_address, numba
 
-Q_TILE = 16  # query tokens per prefill item: its Q_TILE * H score rows share each K/V row read
 K_SEGMENT = 512  # keys whose scores are held at once; softmax is exact within a segment, rescaled across
-RUN = ir_loops.RUN  # keys per run in _scores and _accumulate (written out for 8; runs of 4 or 16 were slower)
-PREFETCH_BLOCKS = 1  # blocks ahead of the one being read whose rows are prefetched (1, 2, 3: the same speed)
-CHUNKS_PER_THREAD = 4  # work is cut into this many equal-cost chunks per thread, taken dynamically
-# Below this many multiply-adds (Q.K and P.V together) a call runs on one thread: waking the pool costs more.
-PARALLEL_MIN_MACS = 1 << 21
+RUN = ir_loops.RUN  # keys per run in _scores and _accumulate (written out for 8, the fastest of 4, 8 and 16)
+PREFETCH_BLOCKS = 1  # blocks ahead of the one being read whose rows are prefetched (more were no faster)
 _F32 = np.dtype(np.float32)
-
-
-@numba.njit(**JIT)
-def _work_items(query_start_loc, seq_lens, q_tile, num_chunks):
-    """Work items (sequence, first token, end token; tokens relative to the sequence's first query row)
-    and the bounds of `num_chunks` runs of consecutive items of about equal cost (keys x query rows)."""
-    num_seqs = query_start_loc.shape[0] - 1
-    count = 0
-    for i in range(num_seqs):
-        n = query_start_loc[i + 1] - query_start_loc[i]
-        count += (n + q_tile - 1) // q_tile
-    items = np.empty((count, 3), dtype=np.int64)
-    cost = np.empty(count, dtype=np.float64)
-    w, total = 0, 0.0
-    for i in range(num_seqs):
-        n = query_start_loc[i + 1] - query_start_loc[i]
-        first_pos = seq_lens[i] - n
-        for t0 in range(0, n, q_tile):
-            t1 = min(t0 + q_tile, n)
-            items[w, 0], items[w, 1], items[w, 2] = i, t0, t1
-            cost[w] = (t1 - t0) * (first_pos + (t0 + t1 + 1) / 2.0) + 16.0  # + a fixed cost per item
-            total += cost[w]
-            w += 1
-    num_chunks = max(1, min(num_chunks, count))
-    bounds = np.empty(num_chunks + 1, dtype=np.int64)
-    bounds[0], c, run = 0, 1, 0.0
-    for w in range(count):
-        run += cost[w]
-        while c < num_chunks and run >= total * c / num_chunks:
-            bounds[c] = w + 1
-            c += 1
-    while c <= num_chunks:
-        bounds[c] = count
-        c += 1
-    return items, bounds
 
 
 @intrinsic
@@ -127,8 +87,8 @@ def _prefetch_part(cache_address, block, row, row_floats, block_size, part, part
     """Prefetch part `part` (part_floats floats, a multiple of 16) of token rows row .. row + RUN - 1 of
     `block` (each row: all kv heads, row_floats contiguous floats), one hint per 64-byte line. The hints
     are spread over the run's work, one part per query head's share of it: issued as one burst per run,
-    the same hints left a 64-sequence decode step (1 thread) at 64 ms instead of 29 ms, probably because a
-    burst fills the core's queue of outstanding misses and the hints behind it are dropped."""
+    the same hints were twice as slow, probably because a burst fills the core's queue of outstanding
+    misses and the hints behind it are dropped."""
     base = (block * block_size + row) * row_floats
     end = min(RUN, block_size - row) * row_floats
     for off in range(part * part_floats, min((part + 1) * part_floats, end), 16):
@@ -140,8 +100,8 @@ def _scores(q, s, k_cache, r, block, h, off, j, nv, head_dim):
     """Row r's scores for the keys of `block` (kv head h) from j: s[r, off + jj] = q[r] . K[block, jj, h].
     RUN keys at once (their dot products share each load of q and keep their sums in registers, in vector IR:
     numba_attention_ir.dot_run) when the row sees them all (nv: the keys of the block it sees) and head_dim is
-    a multiple of the IR's LANES; else one key at a time up to nv. (An 8-key numba loop for other head dims
-    cost ~1 s of the loop nest's compile; SmolLM2's 64, and 80, 96, 128, 256 are multiples of 16.)"""
+    a multiple of the IR's LANES; else one key at a time up to nv. (No 8-key numba loop for other head dims:
+    it lengthened the loop nest's compile; SmolLM2's 64, and 80, 96, 128, 256 are multiples of 16.)"""
     if j + RUN <= nv and head_dim % ir_loops.LANES == 0:
         row_floats = k_cache.shape[2] * head_dim
         key = (block * k_cache.shape[1] + j) * row_floats + h * head_dim
@@ -280,10 +240,10 @@ def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, bloc
 
 
 # The chunk is its own (serial) function and the parallel one only a prange over chunks: compiled inside
-# the prange, the loop nest went through numba's parfor passes, which took 3x as long to compile (11.7
-# s against 4.0 on the Emerald Rapids VM) for the same machine code loop. The prange calls it by address
-# (numba_setup.call_compiled): called by name, its module was linked into the prange's body and into the
-# parallel kernel, and optimised and emitted again in each (13.0 s for the two against 0.8 now).
+# the prange, the loop nest went through numba's parfor passes, which took 3x as long to compile for the same
+# machine code loop. The prange calls it by address (numba_setup.call_compiled): called by name, its module
+# was linked into the prange's body and into the parallel kernel, and optimised and emitted again in each
+# (the compile times: docs/notes/kernels.md).
 _ATTENTION_CHUNK = numba.njit(**JIT)(_attention_chunk)
 
 
@@ -297,100 +257,6 @@ def _attention_chunks(chunk_address, query, k_cache, v_cache, query_start_loc, s
 
 _ATTENTION = numba.njit(parallel=True, **JIT)(_attention_chunks)
 
-
-@numba.njit(**JIT_EXACT)
-def _scan(query_start_loc, seq_lens, block_tables, num_tokens, num_blocks, block_size):
-    """One pass over a batch's metadata: (error code, sum over sequences of context x new tokens, the most
-    new tokens of a sequence). Codes:
-    1 query_start_loc does not rise from 0 to num_tokens, 2 a context shorter than its new tokens or longer
-    than its block table, 3 a block id outside the pool. One compiled call instead of a dozen numpy ones:
-    in a decode step of one sequence those took ~30 us of each layer's attention."""
-    num_seqs = seq_lens.shape[0]
-    if query_start_loc[0] != 0 or query_start_loc[num_seqs] != num_tokens:
-        return 1, 0, 0
-    capacity = block_tables.shape[1] * block_size
-    macs, most = 0, 0
-    for i in range(num_seqs):
-        n = query_start_loc[i + 1] - query_start_loc[i]
-        if n < 0:
-            return 1, 0, 0
-        if seq_lens[i] < n or seq_lens[i] > capacity:
-            return 2, 0, 0
-        macs += seq_lens[i] * n
-        most = max(most, n)
-    for i in range(num_seqs):
-        for j in range(block_tables.shape[1]):
-            if block_tables[i, j] < 0 or block_tables[i, j] >= num_blocks:
-                return 3, 0, 0
-    return 0, macs, most
-
-
-def _check_shapes(query_shape, cache_shape) -> None:
-    if len(query_shape) != 3 or len(cache_shape) != 4:
-        raise ValueError(f"paged_attention: query {tuple(query_shape)} must be [tokens, heads, head_dim] and the "
-                         f"caches {tuple(cache_shape)} [blocks, block_size, kv_heads, head_dim]")
-    if query_shape[1] % cache_shape[2] or query_shape[2] != cache_shape[3]:
-        raise ValueError(f"paged_attention: query {tuple(query_shape)} does not fit a cache of {tuple(cache_shape)}")
-
-
-@dataclass(frozen=True, eq=False)
-class AttentionPlan:
-    """One step's attention metadata, checked once for all of the model's layers, and the loop nest's work
-    cut from it (plan_attention). Without one, paged_attention makes one at each call: in a one-request
-    decode step that was ~25 us of each layer's ~50 (the checks, the work items, the conversions, in caches
-    the layer's weights have just streamed through). It keeps its own copies of the metadata, so arrays
-    changed after planning cannot make the loop nest read what was not checked, and it serves only calls
-    that pass the same metadata objects and shapes it was made for."""
-    sources: tuple  # the caller's query_start_loc, seq_lens and block_tables (identity)
-    query_start_loc: np.ndarray  # int64 copies, C-contiguous
-    seq_lens: np.ndarray
-    block_tables: np.ndarray  # a C-contiguous copy, its integer dtype kept
-    query_shape: tuple  # (tokens, heads, head_dim)
-    pool: tuple  # (num_blocks, block_size) of the caches it was checked against
-    long_chunks: np.ndarray | None  # sequences numba_prefill's matmul path computes; None when none
-    parallel: bool  # the loop nest on all threads (numba_setup.apply_threads)
-    items: np.ndarray | None  # the loop nest's work over the whole batch (None with long chunks)
-    bounds: np.ndarray | None
-
-
-def plan_attention(query_shape, cache_shape, query_start_loc, seq_lens, block_tables, *, copy: bool = True
-                   ) -> AttentionPlan:
-    """Check a step's metadata against the query and cache shapes (ValueError, or IndexError for a block id
-    outside the pool: what the compiled loop, which reads the pool without bounds checks, trusts) and plan
-    the work. `copy=False`: paged_attention's own throwaway plan, used at once."""
-    _check_shapes(query_shape, cache_shape)
-    sources = (query_start_loc, seq_lens, block_tables)
-    convert = np.array if copy else np.asarray  # (numpy 1.26 refuses np.array's copy=None)
-    qsl = convert(query_start_loc, dtype=np.int64, order="C")
-    lens = convert(seq_lens, dtype=np.int64, order="C")
-    tables = convert(block_tables, order="C")
-    num_seqs = lens.shape[0] if lens.ndim == 1 else -1
-    if qsl.shape != (num_seqs + 1,) or tables.ndim != 2 or tables.shape[0] != num_seqs:
-        raise ValueError(f"paged_attention: query_start_loc {qsl.shape}, seq_lens {lens.shape} and "
-                         f"block_tables {tables.shape} disagree on the number of sequences")
-    if tables.dtype.kind not in "iu":
-        raise ValueError(f"paged_attention: block_tables must hold integers, not {tables.dtype}")
-    num_tokens, num_heads, head_dim = query_shape
-    code, macs, most_new = _scan(qsl, lens, tables, num_tokens, cache_shape[0], cache_shape[1])
-    if code == 1:
-        raise ValueError("paged_attention: query_start_loc must rise from 0 to the number of query tokens")
-    if code == 2:
-        raise ValueError("paged_attention: a sequence's context is shorter than its new tokens or longer than "
-                         "its block table")
-    if code == 3:
-        raise IndexError(f"paged_attention: a block id is outside the pool of {cache_shape[0]} blocks")
-    # numba_setup.BATCH_INVARIANT: every chunk through the loop nest (a row's arithmetic the same whether its
-    # prompt came in one chunk or many); by default long chunks take numba_prefill's matmul path (never one
-    # of fewer than its MIN_TOKENS new tokens: a step of decodes skips the test).
-    long_chunks = None
-    if most_new >= prefill.MIN_TOKENS and not numba_setup.BATCH_INVARIANT:
-        chosen = prefill.takes_matmul_path(np.diff(qsl), lens)
-        long_chunks = chosen if chosen.any() else None
-    parallel, items, bounds = False, None, None
-    if long_chunks is None and num_tokens:
-        parallel, items, bounds = _cut_work(qsl, lens, int(macs), num_heads, head_dim)
-    return AttentionPlan(sources, qsl, lens, tables, tuple(query_shape), tuple(cache_shape[:2]), long_chunks,
-                         parallel, items, bounds)
 
 
 def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float,
@@ -434,16 +300,6 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     apply_threads(plan.parallel)
     _run(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, plan.items, plan.bounds, out)
     return out
-
-
-def _cut_work(query_start_loc, seq_lens, context_macs: int, num_heads: int, head_dim: int):
-    """(parallel, items, bounds): whether the loop nest shares the batch over the threads (numba's count is set
-    here), and its work items cut into chunks for them. context_macs: the sum of context x new tokens."""
-    parallel = context_macs * num_heads * head_dim * 2 >= PARALLEL_MIN_MACS
-    threads = apply_threads(parallel)
-    # One thread: one chunk (each chunk allocates its scratch), and no schedule to set (the context ~7 us).
-    items, bounds = _work_items(query_start_loc, seq_lens, Q_TILE, threads * CHUNKS_PER_THREAD if threads > 1 else 1)
-    return parallel, items, bounds
 
 
 def _run(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, items, bounds, out) -> None:

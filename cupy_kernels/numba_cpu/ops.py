@@ -1,8 +1,8 @@
 """numba versions of the elementwise ops in ops.py (fused add+RMSNorm, rotary, SiLU-and-mul) and the KV
 cache write of paged_attention.py, and the CPU set's linear (weights packed at load: numba_gemm.py; a few
 rows by GGUF blocks: numba_quant.py). Same signatures and results as those numpy
-references, within float32 rounding; tests/cupy_kernels/test_numba_ops.py compares them. Also the numerics
-the attention kernels share: fast_exp, fast_exp2, row_max.
+references, within float32 rounding; tests/cupy_kernels/test_numba_ops.py compares them. The numerics the
+kernels share (fast_exp, fast_exp2, row_max) are in numerics.py, and importable from here.
 
 Why compile these at all: the numpy versions make several passes over [T, hidden] activations with a
 temporary each (add, square, sum, divide, multiply; negate, exp, add, divide, multiply) while one loop here
@@ -19,19 +19,17 @@ count never changes a result.
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba.core import cgutils, types
-from numba.extending import intrinsic
 
 from . import gemm as numba_gemm, quant as numba_quant, setup as numba_setup
+from ..batch_checks import check_slot_mapping
 from ..reference import ops
+from .numerics import fast_exp, fast_exp2, row_max  # noqa: F401 - fast_exp2, row_max: read from here too
 from .setup import JIT, JIT_EXACT, apply_threads, numba
 
 # Rows from which the elementwise kernels use numba's thread pool (prange). SiLU-and-mul does ~3 ns of work
-# per row element (an exp and a division) and shares from 16 rows: 64 rows 116 -> 69 us on 2 cores.
-# add+RMSNorm too: in the engine (its rows cold after the matmuls) 64 requests spent 0.53-0.61 s in it
-# against 0.67-0.77 s on one thread (alternating runs). Batch invariance holds: a row is computed by the
-# same compiled code on whichever thread.
+# per row element (an exp and a division) and shares from 16 rows; add+RMSNorm too, its rows cold in cache
+# after the matmuls (docs/notes/kernels.md). Batch invariance holds: a row is computed by the same compiled
+# code on whichever thread.
 PARALLEL_MIN_ROWS = 256
 SILU_PARALLEL_MIN_ROWS = 16
 NORM_PARALLEL_MIN_ROWS = 16
@@ -47,105 +45,6 @@ def _threads_for(kernel, rows: int, min_rows: int = PARALLEL_MIN_ROWS):
     apply_threads(parallel=rows >= min_rows)
     return kernel
 
-
-@intrinsic
-def _f32_from_bits(typingctx, bits):
-    """Reinterpret an int32's bits as a float32 (2^n from its exponent field, for fast_exp)."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.int32), codegen
-
-
-@numba.njit(inline="always", **JIT_EXACT)
-def fast_exp(x):
-    """exp(x) in float32 within 2 ulp (Cephes expf: exp(x) = 2^n * exp(r), |r| <= ln2/2, degree-7
-    polynomial), in plain arithmetic so LLVM vectorises it. Inputs are clamped to [-87, 88]: below, the
-    true value is < 2e-38 and this returns about that instead of 0 or a denormal; above, float32 overflows
-    anyway and callers here never go there with a meaningful value (SiLU: g / (1 + huge) = -0 either way)."""
-    x = x if x > np.float32(-87.0) else np.float32(-87.0)
-    x = x if x < np.float32(88.0) else np.float32(88.0)
-    n = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
-    r = x - n * np.float32(0.693359375) - n * np.float32(-2.12194440e-4)  # ln2 split in two: r exact
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
-    p = p * r * r + r + np.float32(1.0)
-    return p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
-
-
-
-@numba.njit(inline="always", **JIT_EXACT)
-def fast_exp2(x):
-    """2^x in float32 within about 1 ulp (Cephes exp2f: 2^x = 2^n * 2^f, |f| <= 1/2, degree-6 polynomial),
-    for x <= 0 (softmax over scores in log2 units: numba_prefill). Five fewer operations than fast_exp,
-    whose reduction by ln2 this does not need: 0.13 against 0.19 ns per value on the test machine. Inputs
-    are clamped below at -126 (the true value is then < 1.2e-38, and this returns about that)."""
-    x = x if x > np.float32(-126.0) else np.float32(-126.0)
-    n = np.floor(x + np.float32(0.5))
-    f = x - n
-    p = np.float32(1.535336188319500e-4)
-    p = p * f + np.float32(1.339887440266574e-3)
-    p = p * f + np.float32(9.618437357674640e-3)
-    p = p * f + np.float32(5.550332471162809e-2)
-    p = p * f + np.float32(2.402264791363012e-1)
-    p = p * f + np.float32(6.931472028550421e-1)
-    p = p * f + np.float32(1.0)
-    return p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
-
-_MAX_LANES = 16  # floats per vector in row_max (one AVX-512 register; two AVX2 ones)
-_MAX_CHAINS = 4  # independent vector maxima, so the loop is not bound by one compare's latency
-
-
-@intrinsic
-def row_max(typingctx, row, n):
-    """max(row[:n]) of a C-contiguous float32 row, n >= 1, in vector lanes. numba's loops do not vectorise
-    a float max (LLVM only does for functions marked free of NaNs), and eight scalar running maxima took
-    0.15 ns per element on the test machine; _MAX_CHAINS vector ones take 0.04 ns. The result is exact
-    (a max does not round), the same whatever the lane split: compare-and-select, as x86's max does."""
-    if not (isinstance(row, types.Array) and row.ndim == 1 and row.layout == "C" and row.dtype == types.float32
-            and isinstance(n, types.Integer)):
-        return None
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        count = context.cast(builder, args[1], signature.args[1], types.intp)
-        intp = count.type
-        vec_t = ir.VectorType(ir.FloatType(), _MAX_LANES)
-
-        def const(value):
-            return ir.Constant(intp, value)
-
-        def larger(a, b):
-            return builder.select(builder.fcmp_ordered(">", b, a), b, a)
-
-        def load_vec(i):
-            return builder.load(builder.bitcast(builder.gep(data, [i]), vec_t.as_pointer()), align=4)
-
-        chains = [cgutils.alloca_once_value(builder, ir.Constant(vec_t, [float("-inf")] * _MAX_LANES))
-                  for _ in range(_MAX_CHAINS)]
-        big = _MAX_LANES * _MAX_CHAINS
-        n_big = builder.mul(builder.sdiv(count, const(big)), const(big))
-        n_vec = builder.mul(builder.sdiv(count, const(_MAX_LANES)), const(_MAX_LANES))
-        with cgutils.for_range_slice(builder, const(0), n_big, const(big), intp=intp) as (i, _):
-            for c, chain in enumerate(chains):
-                builder.store(larger(builder.load(chain), load_vec(builder.add(i, const(c * _MAX_LANES)))), chain)
-        with cgutils.for_range_slice(builder, n_big, n_vec, const(_MAX_LANES), intp=intp) as (i, _):
-            builder.store(larger(builder.load(chains[0]), load_vec(i)), chains[0])
-        vec = builder.load(chains[0])
-        for chain in chains[1:]:
-            vec = larger(vec, builder.load(chain))
-        best = builder.extract_element(vec, ir.Constant(ir.IntType(32), 0))
-        for lane in range(1, _MAX_LANES):
-            best = larger(best, builder.extract_element(vec, ir.Constant(ir.IntType(32), lane)))
-        result = cgutils.alloca_once_value(builder, best)
-        with cgutils.for_range_slice(builder, n_vec, count, const(1), intp=intp) as (i, _):
-            builder.store(larger(builder.load(result), builder.load(builder.gep(data, [i]))), result)
-        return builder.load(result)
-
-    return types.float32(row, n), codegen
 
 # -- linear ---------------------------------------------------------------------------------------------
 
@@ -300,18 +199,16 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
 
         return paged_attention.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
     slot_mapping = np.asarray(slot_mapping, dtype=np.int64)
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    if slot_mapping.size and int(slot_mapping.max()) >= num_slots:
-        raise IndexError(f"slot {int(slot_mapping.max())} is outside a cache of {num_slots} slots")
+    check_slot_mapping(slot_mapping, k_cache.shape[0] * k_cache.shape[1], "reshape_and_cache")
     _reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
 @numba.njit(**JIT_EXACT)
 def _rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping, out):
     """Serial: a step's rotations are ~12 x head_dim products a token (microseconds even for a 256-token
-    chunk, against its matmuls' hundreds of ms), and a parallel kernel of this compiled in 1.4-2.4 s against
-    0.5 (and costs ~1 us more a call on one thread). qkv is read as the C-contiguous 2-D array it is: views of
-    its heads (strided for more than one row) kept LLVM from vectorising and took twice as long at 64 rows."""
+    chunk, against its matmuls' hundreds of ms), and a parallel kernel of this compiles several times as long
+    and costs more a call on one thread. qkv is read as the C-contiguous 2-D array it is: views of its heads
+    (strided for more than one row) kept LLVM from vectorising (docs/notes/kernels.md)."""
     head_dim = k_cache.shape[3]
     k_start = num_heads * head_dim
     v_start = k_start + num_kv_heads * head_dim
@@ -353,8 +250,7 @@ def rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, s
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     if slot_mapping.shape != (t,):
         raise ValueError(f"rotary_and_cache: slot_mapping {slot_mapping.shape} for {t} tokens")
-    if t and int(slot_mapping.max()) >= num_slots:
-        raise IndexError(f"slot {int(slot_mapping.max())} is outside a cache of {num_slots} slots")
+    check_slot_mapping(slot_mapping, num_slots, "rotary_and_cache")
     out = np.empty((t, num_heads, k_cache.shape[3]), dtype=_F32)
     _rotary_and_cache(np.ascontiguousarray(qkv), num_heads, num_kv_heads, np.ascontiguousarray(cos),
                       np.ascontiguousarray(sin), k_cache, v_cache, slot_mapping, out)

@@ -15,7 +15,7 @@ from code_paths import run_as_avx2
 from paged_batches import assert_each_alone_equals_together, make_batch
 
 from pagedserve.cupy_kernels.numba_cpu import attention as na
-from pagedserve.cupy_kernels.numba_cpu import prefill
+from pagedserve.cupy_kernels.numba_cpu import attention_plan, prefill
 from pagedserve.cupy_kernels.numba_cpu import setup as numba_setup
 from pagedserve.cupy_kernels.reference import paged_attention as pa
 from pagedserve.cupy_kernels.numba_cpu.attention_ir import LANES
@@ -267,9 +267,9 @@ def test_thread_count_changes_nothing(monkeypatch):
     """Small calls run the same compiled kernel on one thread: results are the same bits either way."""
     rng = np.random.default_rng(11)
     batch = make_batch(rng, [(90, 90), (33, 1), (60, 7)], num_kv=3, group=3, head_dim=64, block_size=16)
-    monkeypatch.setattr(na, "PARALLEL_MIN_MACS", 0)
+    monkeypatch.setattr(attention_plan, "PARALLEL_MIN_MACS", 0)
     parallel = na.paged_attention(*batch, 0.125)
-    monkeypatch.setattr(na, "PARALLEL_MIN_MACS", 1 << 62)
+    monkeypatch.setattr(attention_plan, "PARALLEL_MIN_MACS", 1 << 62)
     np.testing.assert_array_equal(na.paged_attention(*batch, 0.125), parallel)
 
 
