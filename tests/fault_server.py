@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import sys
 
-from pagedserve.runtime.engine import async_engine, llm_engine as engine
+from pagedserve.runtime.engine import async_engine, output_processor
 
 
 def _inject() -> None:
-    append_tokens = engine.LLMEngine._append_tokens
+    append_tokens = output_processor.OutputProcessor.append_tokens
 
     def failing_append(self, r, toks):
         if r.request_id.startswith("fail-") and r.num_output_tokens >= 2:
@@ -28,7 +28,7 @@ def _inject() -> None:
             raise SystemError("injected: the engine worker dies")
         drain_commands(self)
 
-    engine.LLMEngine._append_tokens = failing_append
+    output_processor.OutputProcessor.append_tokens = failing_append
     async_engine.AsyncEngine._drain_commands = dying_drain
 
 
