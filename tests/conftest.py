@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+# gpu_helpers holds the GPU tests' checks (plain functions): their asserts get pytest's messages too.
+pytest.register_assert_rewrite("gpu_helpers")
+
 
 DATA = Path(__file__).parent / "data"
 

@@ -33,8 +33,6 @@ from numerics import f32_tol
 from pagedserve.cupy_kernels.cuda import modules as cuda_modules, ops as cuda_ops
 from pagedserve.cupy_kernels.reference import ops
 
-# test_seeded_models.py loads this file and calls T._compare_logits.
-_compare_logits = gpu_helpers.compare_logits
 
 
 # ---------------------------------------------------------------------------------------------

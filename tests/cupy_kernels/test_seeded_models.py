@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gpu_helpers import compare_logits
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -24,7 +25,6 @@ def _load(name: str, file: str):
 
 
 S = _load("pagedserve_seeded_models", "seeded_models.py")
-T = _load("pagedserve_gpu_tests_seeded", "test_cuda_ops.py")
 
 # sha256 of tiny-seeded's weights. PCG64's raw stream and SeedSequence are fixed algorithms, so this
 # holds on every numpy; if it ever changes, the two machines of the GPU check could disagree.
@@ -85,4 +85,4 @@ def test_seeded_model_on_gpu_matches_the_cpu_reference(name):
     assert S.weights_digest(weights) == digest, "the weights generated here differ from the CPU machine's"
     got = S.run_model(spec, LlamaForCausalLM(spec.config, weights, get_backend("cuda")))
     del weights
-    T._compare_logits(got, ref, f"seeded/{name}")
+    compare_logits(got, ref, f"seeded/{name}")
