@@ -11,7 +11,7 @@ one engine serves every caller (continuous batching across clients). Validation 
 request is queued, so bad input fails at once with a ValueError.
 
 The server reads the engine only through AsyncEngine: requests (generate, abort), the published `stats`
-snapshot, and the small read API below ("what the server reads": tokenizer, model facts, live counters,
+snapshot, and the small read API of EngineView (engine_view.py: tokenizer, model facts, live counters,
 shutdown). `self.engine` (the LLMEngine) is for the runtime and its tests, never for sidecar/.
 """
 
@@ -22,15 +22,17 @@ import dataclasses
 import threading
 import time
 from collections import deque
-from typing import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 import anyio
 import structlog
 
+from .engine_view import EngineView
 from .llm_engine import LLMEngine
+from .stats import stats_log_fields
 from ..executor import WorkerFailedError
-from ..kv_transfer.kv_connector import KVExport, KVTransferStats
-from ..outputs import EngineInfo, EngineStats, RequestOutput
+from ..kv_transfer.kv_connector import KVExport
+from ..outputs import EngineStats, RequestOutput
 from ..sampling_params import SamplingParams
 from ..core.sequence_group import SequenceGroup
 
@@ -67,7 +69,7 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     return dataclasses.replace(newer, outputs=sorted([*older_by_index.values(), *merged], key=lambda c: c.index))
 
 
-class AsyncEngine:
+class AsyncEngine(EngineView):
     def __init__(self, engine: LLMEngine, max_waiting_requests: int = 256, stats_interval_s: float = 10.0,
                  stream_buffer_size: int = 64) -> None:
         if max_waiting_requests < 1:
@@ -152,66 +154,6 @@ class AsyncEngine:
                                                f"{timeout_s:g} s drain timeout"))
             self.abort(rid)
         return len(left)
-
-    # -- what the server reads ----------------------------------------------------------------------
-    # Safe from the event loop or any thread: the tokenizer is stateless, the facts fixed, and the counters
-    # plain ints the worker bumps (reading one is atomic).
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.model_config.vocab_size
-
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text` (ValueError for a non-str). Seconds for a very long text: call it off the loop."""
-        return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def tokenize_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation rendered by the model's chat template (ValueError when there is none)."""
-        return self.engine.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                                         tokenize=True)
-
-    def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.engine.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
-
-    def model_info(self) -> EngineInfo:
-        e = self.engine
-        return EngineInfo(architecture=e.model_config.architecture, max_model_len=e.max_model_len,
-                          vocab_size=e.model_config.vocab_size, block_size=e.block_size, dtype=str(e.backend.dtype),
-                          backend=e.backend.name, num_kv_blocks=e.num_kv_blocks, kernels=e.backend.ops.name,
-                          blas_kernel=(e.blas or {}).get("architecture") or "", blas_threads=e.cpu_threads or 0,
-                          numba_code_path=e.numba_code_path or "")
-
-    @property
-    def memory_budget_bytes(self) -> int:
-        """The engine's memory budget, as checked at start (runtime/worker/memory_budget.py)."""
-        return self.engine.memory_budget.total_bytes
-
-    def prefix_cache_counts(self) -> tuple[int, int]:
-        """(prompt tokens looked up in the prefix cache, of those found cached) since start; live counters."""
-        sched = self.engine.scheduler
-        return sched.num_prompt_tokens, sched.num_cached_prompt_tokens
-
-    def kv_transfer_stats(self) -> KVTransferStats:
-        """A copy of the disaggregated-serving counters as they are now, not as of the last `stats` snapshot:
-        a decode instance's are bumped before the stream that used them moves on, so a reader never sees
-        them late."""
-        return self.engine.kv_stats.snapshot()
-
-    @property
-    def can_send_kv_blocks(self) -> bool:
-        """Whether this engine can copy whole KV blocks out for a decode instance: not under tensor
-        parallelism, where each rank holds a slice of every block."""
-        return self.engine.block_io is not None
-
-    def count_kv_sent(self, num_blocks: int, num_bytes: int) -> None:
-        """Count blocks sent to a decode instance (the KVTransfer servicer, once the last chunk is out)."""
-        stats = self.engine.kv_stats
-        stats.kv_blocks_sent += num_blocks
-        stats.kv_bytes_sent += num_bytes
-
-    def shutdown(self) -> None:
-        """Stop the engine's rank processes (tensor parallelism; a no-op for one rank). After stop() or a failure."""
-        self.engine.shutdown()
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -413,30 +355,4 @@ class AsyncEngine:
                 self._loop.call_soon_threadsafe(self._fail, rid, fail)
 
     def _log_stats(self) -> None:
-        s = self.stats
-        log.info("engine.stats", running=s.num_running, waiting=s.num_waiting, kv_blocks_used=s.num_kv_blocks_used,
-                 kv_blocks_total=s.num_kv_blocks_total, kv_block_usage=round(s.kv_block_usage, 4),
-                 kv_token_slot_utilization=round(s.kv_token_slot_utilization, 4),
-                 output_tokens_per_s=round(s.output_tokens_per_s, 1),
-                 total_tokens_per_s=round(s.total_tokens_per_s, 1), preemptions=s.num_preemptions,
-                 **_kv_fields(s.kv_transfer), **_spec_fields(s))
-
-
-def _kv_fields(k: KVTransferStats | None) -> dict:
-    """Disaggregated serving counters, only once there is something to say."""
-    if k is None or not (k.kv_blocks_sent or k.kv_blocks_received or k.local_prefill_fallbacks):
-        return {}
-    return {"kv_blocks_sent": k.kv_blocks_sent, "kv_blocks_received": k.kv_blocks_received,
-            "remote_prefills": k.remote_prefills, "local_prefill_fallbacks": k.local_prefill_fallbacks,
-            "kv_bytes_sent": k.kv_bytes_sent, "kv_bytes_received": k.kv_bytes_received,
-            "kv_transfer_s": round(k.kv_transfer_s, 4)}
-
-
-def _spec_fields(s: EngineStats) -> dict:
-    """Speculative decoding figures for engine.stats, only when it is on."""
-    if not s.spec_method:
-        return {}
-    return dict(spec_method=s.spec_method, spec_draft_tokens=s.spec_num_draft_tokens,
-                spec_accepted_tokens=s.spec_num_accepted_tokens,
-                spec_acceptance_rate=round(s.spec_acceptance_rate, 4),
-                spec_mean_accepted_length=round(s.spec_mean_accepted_length, 3))
+        log.info("engine.stats", **stats_log_fields(self.stats))

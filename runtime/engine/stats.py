@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from pagedserve.models.kv_cache import kv_bytes_per_block
 
+from ..kv_transfer.kv_connector import KVTransferStats
 from ..outputs import EngineStats
 
 if TYPE_CHECKING:
@@ -63,3 +64,34 @@ def engine_stats(engine: LLMEngine, window_s: float = 10.0) -> EngineStats:
         num_shared_blocks=usage.num_shared_blocks, num_exclusive_blocks=usage.num_exclusive_blocks,
         kv_bytes_used=usage.num_used_blocks * per_block, kv_bytes_without_sharing=table_blocks * per_block,
         kv_transfer=engine.kv_stats.snapshot(), **spec)
+
+
+def stats_log_fields(s: EngineStats) -> dict:
+    """The periodic engine.stats log line's fields (KV transfer and speculation only when there is something
+    to say)."""
+    return dict(running=s.num_running, waiting=s.num_waiting, kv_blocks_used=s.num_kv_blocks_used,
+                kv_blocks_total=s.num_kv_blocks_total, kv_block_usage=round(s.kv_block_usage, 4),
+                kv_token_slot_utilization=round(s.kv_token_slot_utilization, 4),
+                output_tokens_per_s=round(s.output_tokens_per_s, 1),
+                total_tokens_per_s=round(s.total_tokens_per_s, 1), preemptions=s.num_preemptions,
+                **kv_fields(s.kv_transfer), **spec_fields(s))
+
+
+def kv_fields(k: KVTransferStats | None) -> dict:
+    """Disaggregated serving counters, only once there is something to say."""
+    if k is None or not (k.kv_blocks_sent or k.kv_blocks_received or k.local_prefill_fallbacks):
+        return {}
+    return {"kv_blocks_sent": k.kv_blocks_sent, "kv_blocks_received": k.kv_blocks_received,
+            "remote_prefills": k.remote_prefills, "local_prefill_fallbacks": k.local_prefill_fallbacks,
+            "kv_bytes_sent": k.kv_bytes_sent, "kv_bytes_received": k.kv_bytes_received,
+            "kv_transfer_s": round(k.kv_transfer_s, 4)}
+
+
+def spec_fields(s: EngineStats) -> dict:
+    """Speculative decoding figures for engine.stats, only when it is on."""
+    if not s.spec_method:
+        return {}
+    return dict(spec_method=s.spec_method, spec_draft_tokens=s.spec_num_draft_tokens,
+                spec_accepted_tokens=s.spec_num_accepted_tokens,
+                spec_acceptance_rate=round(s.spec_acceptance_rate, 4),
+                spec_mean_accepted_length=round(s.spec_mean_accepted_length, 3))

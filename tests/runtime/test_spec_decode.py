@@ -9,7 +9,7 @@ import engine_helpers
 from chi_square import two_sample
 from engine_helpers import drain
 
-from pagedserve.runtime.engine.async_engine import _spec_fields
+from pagedserve.runtime.engine.stats import spec_fields as _spec_fields
 from pagedserve.runtime.config import EngineConfig
 from pagedserve.runtime.engine.llm_engine import LLMEngine
 from pagedserve.runtime.sampling_params import SamplingParams
