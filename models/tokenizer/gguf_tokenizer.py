@@ -21,23 +21,21 @@ Token types mark what must never be cut into pieces: CONTROL (3) tokens become s
 USER_DEFINED (4) tokens plain added tokens.
 
 Reading metadata: pass the `gguf.GGUFReader` the weight loader already opened, or nothing, in which
-case a small reader here parses only the metadata block (GGUFReader builds numpy views for every one
+case loading/gguf_metadata.py parses only the metadata block (GGUFReader builds numpy views for every one
 of the ~100k vocabulary strings, which takes seconds; this takes tens of milliseconds).
 """
 
 from __future__ import annotations
 
-import mmap
-import struct
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from ..loading.gguf_metadata import read_gguf_metadata
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -103,97 +101,6 @@ def _byte_to_unicode() -> dict[int, str]:
             table[b] = chr(256 + shifted)
             shifted += 1
     return table
-
-
-# -- reading the metadata ---------------------------------------------------------------------------------
-
-# GGUF value types: fixed-size scalars (struct format), 8 = string, 9 = array.
-_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY_TYPES = {
-    0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"
-}  # fmt: skip
-_STRING, _ARRAY = 8, 9
-_U64 = struct.Struct("<Q")
-
-
-def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """Every metadata key of a GGUF file, as plain Python values, without touching the tensors.
-
-    Strings are str, arrays are lists. Raises ValueError naming the file when it is not a readable
-    little-endian GGUF v2/v3.
-    """
-    path = Path(path)
-    try:
-        handle = path.open("rb")
-    except OSError as exc:  # missing, a directory, unreadable
-        raise ValueError(f"{path}: cannot be read as a GGUF file: {exc}") from exc
-    with handle:
-        try:
-            blob = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError) as exc:  # mmap refuses an empty file with ValueError
-            raise ValueError(f"{path}: cannot be read as a GGUF file: {exc}") from exc
-        with blob:
-            return _parse_metadata(blob, path)
-
-
-def _parse_metadata(blob: mmap.mmap, path: Path) -> dict[str, Any]:
-    if blob[:4] != b"GGUF":
-        raise ValueError(f"{path}: not a GGUF file (it does not start with the bytes 'GGUF')")
-    try:
-        version, _tensor_count, kv_count = struct.unpack_from("<IQQ", blob, 4)
-        if version not in (2, 3):
-            raise ValueError(
-                f"{path}: GGUF version {version} is not supported (only little-endian v2 and v3; "
-                "for other files pass a gguf.GGUFReader)"
-            )
-        pos = 24
-        metadata: dict[str, Any] = {}
-        for _ in range(kv_count):
-            key, pos = _read_string(blob, pos)
-            (value_type,) = struct.unpack_from("<I", blob, pos)
-            metadata[key], pos = _read_value(blob, pos + 4, value_type, path, key)
-        return metadata
-    except (struct.error, UnicodeDecodeError, IndexError) as exc:
-        raise ValueError(f"{path}: GGUF metadata is truncated or corrupt: {exc}") from exc
-
-
-def _read_string(blob: mmap.mmap, pos: int) -> tuple[str, int]:
-    (length,) = _U64.unpack_from(blob, pos)
-    end = pos + 8 + length
-    if end > len(blob):
-        raise IndexError(f"a string of {length} bytes at offset {pos} runs past the end of the file")
-    return blob[pos + 8 : end].decode("utf-8"), end
-
-
-def _read_value(blob: mmap.mmap, pos: int, value_type: int, path: Path, key: str) -> tuple[Any, int]:
-    if value_type in _SCALAR_FORMATS:
-        fmt = _SCALAR_FORMATS[value_type]
-        return struct.unpack_from(fmt, blob, pos)[0], pos + struct.calcsize(fmt)
-    if value_type == _STRING:
-        return _read_string(blob, pos)
-    if value_type != _ARRAY:
-        raise ValueError(f"{path}: metadata key {key!r} has unknown GGUF value type {value_type}")
-    item_type, count = struct.unpack_from("<IQ", blob, pos)
-    pos += 12
-    if item_type in _NUMPY_TYPES:
-        dtype = np.dtype(_NUMPY_TYPES[item_type])
-        end = pos + count * dtype.itemsize
-        if end > len(blob):
-            raise IndexError(f"the array under {key!r} runs past the end of the file")
-        return np.frombuffer(blob, dtype=dtype, count=count, offset=pos).tolist(), end
-    if item_type == _STRING:
-        values = []
-        for _ in range(count):  # variable-length entries: nothing to do but walk them
-            value, pos = _read_string(blob, pos)
-            values.append(value)
-        return values, pos
-    if item_type == _ARRAY:  # nested arrays: never used by tokenizer keys, but must be skipped correctly
-        values = []
-        for _ in range(count):  # each element is an array value: its item type, count, then items
-            value, pos = _read_value(blob, pos, _ARRAY, path, key)
-            values.append(value)
-        return values, pos
-    raise ValueError(f"{path}: metadata key {key!r} is an array of unknown GGUF value type {item_type}")
 
 
 def _metadata_from_reader(reader: gguf.GGUFReader) -> dict[str, Any]:
