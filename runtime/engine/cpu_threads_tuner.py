@@ -3,7 +3,7 @@ step cost, and chosen again as the load of the host changes.
 
 Why: OpenBLAS's threads wait for each other by spinning. On a quiet 2-core VM two threads run the M = 64
 matmuls of a decode step about 1.8x faster than one; beside one busy process the same matmuls ran at 47
-GFLOP/s with two threads and 164 with one (docs/benchmarks.md), because each call waits for a partner the
+GFLOP/s with two threads and 164 with one, because each call waits for a partner the
 kernel has descheduled. A sidecar's neighbours come and go, so no fixed count is right for it.
 
 How: steps run at the current count. Every `interval` steps the next `probe_steps` steps run at another
