@@ -22,6 +22,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
+    # A finished sample ("stop") of a JSON Schema that was not enforced exactly, checked against the whole
+    # schema: how it breaks it ("$['key']: message"); empty when it conforms or nothing needed checking.
+    schema_violations: list[str] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -54,6 +57,9 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = None  # set on the final output of a request that failed inside the engine
+    # What of the request's JSON Schema is approximated or not enforced ("keyword: what happens"), on every
+    # output of the request; empty when everything is enforced exactly.
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -8,6 +8,23 @@ Exactly one of these is set:
     grammar      a Lark grammar (llguidance's dialect) or GBNF  'start: "a"+'
     json_object  True: any JSON object
 
+and, for json / json_object, ``strict`` (OpenAI's ``json_schema.strict``; default False).
+
+JSON Schemas are compiled leniently by default: what llguidance cannot enforce exactly is approximated
+or left unenforced, never refused, and each such case is kept in ``warnings`` ("keyword: what happens"),
+which the engine logs and the outputs carry (RequestOutput.warnings, the sidecar's first chunk):
+
+    format "url" (unknown)            ignored: any string (JSON Schema 2020-12: format is an annotation)
+    oneOf                             approximated as anyOf (a value matching two branches gets through)
+    not, dependencies, if/then/else,  not enforced
+    uniqueItems, contains, ...
+    min/maxProperties on optional keys  not enforced
+
+An output of such a schema is checked against the whole schema once it finishes (schema_check.py) and a
+violation is reported on it (CompletionOutput.schema_violations), never passed as valid. ``strict=True``
+refuses such a schema instead, naming the keyword. A schema that is wrong (an unknown type, a missing
+$ref) is refused either way.
+
 Validation happens here, at construction, without the model's tokenizer (a fraction of a millisecond
 for the grammars people write): a bad schema, regex or grammar raises ValueError naming the field and
 quoting llguidance's own message, so the sidecar answers INVALID_ARGUMENT before the request takes any
@@ -22,6 +39,7 @@ max_tokens with newlines; a schema may still ask for that through its ``"x-guida
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +49,12 @@ MAX_CONSTRAINT_CHARS = 256 * 1024
 MAX_ERROR_CHARS = 200
 # Defaults of the JSON Schema compiler (a schema's own "x-guidance" key overrides them).
 JSON_COMPILE_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Lenient by default (unknown formats, unimplemented keywords and oneOf become warnings); strict overrides
+# the schema's own "x-guidance" so that nothing is approximated.
+JSON_LENIENT = {**JSON_COMPILE_DEFAULTS, "lenient": True, "coerce_one_of": True}
+JSON_STRICT_OVERRIDES = {"lenient": False, "coerce_one_of": False}
+# At most this many warnings are kept (and sent) per constraint.
+MAX_WARNINGS = 16
 
 _FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -40,6 +64,27 @@ def _quote(message: str) -> str:
     return message if len(message) <= MAX_ERROR_CHARS else message[: MAX_ERROR_CHARS - 3] + "..."
 
 
+def unenforced_keywords(message: str, schema_text: str) -> list[tuple[str, str]]:
+    """(keyword, what happens to it) for one of llguidance's leniency messages (the warnings of a lenient
+    compile, the error of a strict one); [] when the message is about something else (a broken schema)."""
+    m = re.match(r"Unknown format: (.*)", message)
+    if m:
+        return [("format", f"{m.group(1)[:40]!r} is not a known format; not checked")]
+    m = re.match(r"Unimplemented keys: (\[.*\])", message)
+    if m:
+        try:
+            keys = [str(k) for k in json.loads(m.group(1))]
+        except ValueError:
+            keys = [m.group(1)]
+        return [(k[:40], "not enforced") for k in keys]
+    if message.startswith("oneOf"):
+        return [("oneOf", "approximated as anyOf (a value matching several branches is not refused)")]
+    if message.startswith("min/maxProperties"):
+        found = [k for k in ("minProperties", "maxProperties") if f'"{k}"' in schema_text]
+        return [(k, "not enforced where some properties are optional") for k in found or ["minProperties"]]
+    return []
+
+
 @dataclass
 class StructuredOutputsParams:
     json: str | dict | None = None
@@ -47,14 +92,26 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # True: refuse a JSON Schema with anything that is not enforced exactly (OpenAI's json_schema.strict).
+    strict: bool = False
+    # What of a JSON Schema is approximated or not enforced, "keyword: what happens" (lenient compile only).
+    warnings: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
+    # The parsed JSON Schema when something of it was not enforced exactly: finished outputs are checked
+    # against it (runtime/structured_output/schema_check.py). None otherwise.
+    check_schema: dict | bool | None = field(default=None, init=False, repr=False, compare=False)
     # The llguidance grammar the constraint compiles to; set by validation, the compile cache's key.
     grammar_text: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         given = [name for name in _FIELDS if getattr(self, name) not in (None, False)]
+        if not isinstance(self.strict, bool):
+            raise ValueError(f"structured_outputs.strict must be a bool, got {self.strict!r}")
         if len(given) != 1:
             raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar or "
                              f"json_object, got {', '.join(given) if given else 'none'}")
+        if self.strict and given[0] not in ("json", "json_object"):
+            raise ValueError(f"structured_outputs.strict applies to json and json_object only, not {given[0]} "
+                             f"(always enforced exactly)")
         self.grammar_text = self._build(given[0])
 
     @property
@@ -85,9 +142,29 @@ class StructuredOutputsParams:
             text = json.dumps(schema)
             self._check_size(fname, text)
             try:
-                grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_COMPILE_DEFAULTS)
+                if self.strict:
+                    grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_COMPILE_DEFAULTS,
+                                                                     overrides=JSON_STRICT_OVERRIDES)
+                else:
+                    grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_LENIENT)
             except ValueError as e:
                 raise ValueError(f"{fname} is not a valid JSON Schema: {_quote(str(e))}") from None
+            is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, None)
+            if is_error:
+                named = unenforced_keywords(messages[0], text)
+                if named:  # strict: what a lenient compile would have approximated
+                    keys = ", ".join(k for k, _ in named)
+                    raise ValueError(f"{fname} uses {keys}, which cannot be enforced exactly (strict): "
+                                     f"{_quote(messages[0])}")
+                raise ValueError(f"{fname} is not a valid JSON Schema: {_quote(messages[0])}")
+            for message in messages:
+                for keyword, what in unenforced_keywords(message, text) or [("schema", _quote(message))]:
+                    warning = f"{keyword}: {what}"
+                    if warning not in self.warnings and len(self.warnings) < MAX_WARNINGS:
+                        self.warnings.append(warning)
+            if self.warnings:
+                self.check_schema = schema
+            return grammar
         elif kind == "choice":
             if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not value:
                 raise ValueError(f"{fname} must be a non-empty list of strings, got {value!r}")

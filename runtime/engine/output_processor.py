@@ -14,10 +14,12 @@ from ..core.request import Request, RequestStatus
 from ..core.scheduler import ScheduledRequest, Scheduler
 from ..core.sequence_group import SequenceGroup, completion, group_output
 from ..outputs import CompletionOutput, RequestOutput
+from ..structured_output.schema_check import violations
 from .model_runner import SampledToken, StepResult
 from .request_events import RequestEvents
 
 if TYPE_CHECKING:
+    from ..sampling_params import SamplingParams
     from ..spec_decode.decoder import SpecDecoder
     from ..structured_output.manager import StructuredOutputManager
 
@@ -85,7 +87,17 @@ class OutputProcessor:
                     new_text += r.detokenizer.finish()
                 self.scheduler.finish_request(r, status)
                 break
-        return completion(r, r.sample_index, new_text, new_ids)
+        out = completion(r, r.sample_index, new_text, new_ids)
+        if out.finish_reason is not None:  # streamed: its last chunk carries the check
+            self.check_schema(r.sampling_params, out)
+        return out
+
+    @staticmethod
+    def check_schema(params: SamplingParams, out: CompletionOutput) -> None:
+        """A sample that ended "stop" under a JSON Schema enforced only in part: checked against the whole
+        schema, and how it breaks it reported on the output (schema_check.py)."""
+        if out.finish_reason == "stop":
+            out.schema_violations = violations(params.structured_outputs, out.text)
 
     def stop_status(self, r: Request, token_id: int, stop_hit: str | None,
                     grammar_done: bool | None = None) -> RequestStatus | None:
@@ -124,8 +136,15 @@ class OutputProcessor:
                     for c in final:
                         if c.index in deltas:
                             c.new_text, c.new_token_ids = deltas[c.index].new_text, deltas[c.index].new_token_ids
+                for c in final:
+                    self.check_schema(group.params, c)
                 outputs.append(group_output(group, final, finished=True))
                 self.events.ended("request.finished", group.first, rid, group)
             elif group.beam is None and (group.params.best_of or group.params.n) == group.params.n:
                 outputs.append(group_output(group, completions, finished=False))
+            else:
+                continue
+            so = group.params.structured_outputs
+            if so is not None and so.warnings:
+                outputs[-1].warnings = list(so.warnings)
         return outputs

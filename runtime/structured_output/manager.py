@@ -107,6 +107,9 @@ class StructuredOutputManager:
 
     def compile(self, params: StructuredOutputsParams) -> Future:
         self.check_producible(params)
+        if params.warnings:  # lenient: accepted, but not all of it is enforced (the outputs say so too)
+            log.warning("structured_outputs.not_enforced_exactly", kind=params.kind,
+                        keywords=sorted({w.split(":", 1)[0] for w in params.warnings}), warnings=params.warnings)
         return self.compiler.submit(params.grammar_text)
 
     def check_producible(self, params: StructuredOutputsParams) -> None:

@@ -1,0 +1,64 @@
+"""The finished output of a JSON Schema that was not enforced exactly, checked against the whole schema.
+
+A lenient compile (structured_outputs_params.py) approximates or leaves out what llguidance cannot enforce
+(oneOf as anyOf; not, dependencies, uniqueItems, ...), so a finished output may still break the schema.
+`violations` says how, one "path: message" per error (at most MAX_VIOLATIONS, each at most MAX_ERROR_CHARS),
+and the output processor puts them on the output (CompletionOutput.schema_violations): such an output is
+never passed as valid. Unknown formats are annotations here too (no format checker), as JSON Schema 2020-12
+has it. Outputs of exactly enforced schemas are not checked (check_schema is None).
+
+The validator is `jsonschema` (the schema's "$schema" draft, else 2020-12 that also reads draft-07's
+"dependencies"), built once per constraint. Without jsonschema installed the output is flagged as unchecked
+rather than passed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..structured_outputs_params import MAX_ERROR_CHARS, StructuredOutputsParams
+
+MAX_VIOLATIONS = 8
+UNCHECKED = "not checked against the schema: the jsonschema package is not installed"
+
+
+def _cut(message: str) -> str:
+    message = " ".join(message.split())
+    return message if len(message) <= MAX_ERROR_CHARS else message[: MAX_ERROR_CHARS - 3] + "..."
+
+
+def _validator(params: StructuredOutputsParams) -> Any:
+    cached = params.__dict__.get("_schema_validator")  # built once per constraint (n samples share it)
+    if cached is not None:
+        return cached
+    from jsonschema import Draft7Validator, Draft202012Validator, validators
+
+    default = validators.extend(Draft202012Validator, {"dependencies": Draft7Validator.VALIDATORS["dependencies"]})
+    schema = params.check_schema
+    cls = validators.validator_for(schema, default=default) if isinstance(schema, dict) else default
+    validator = cls(schema)
+    params.__dict__["_schema_validator"] = validator
+    return validator
+
+
+def violations(params: StructuredOutputsParams | None, text: str) -> list[str]:
+    """How `text` (a finished output) breaks the schema of `params`; [] when it does not, or when the schema
+    was enforced exactly (nothing to check)."""
+    if params is None or params.check_schema is None:
+        return []
+    try:
+        validator = _validator(params)
+    except ImportError:
+        return [UNCHECKED]
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        return [_cut(f"not valid JSON: {e}")]
+    found = []
+    for error in validator.iter_errors(value):
+        path = "$" + "".join(f"[{p!r}]" if isinstance(p, str) else f"[{p}]" for p in error.absolute_path)
+        found.append(_cut(f"{path}: {error.message}"))
+        if len(found) >= MAX_VIOLATIONS:
+            break
+    return found

@@ -1,0 +1,141 @@
+"""JSON Schemas with what llguidance cannot enforce exactly (issue #40): accepted by default with a warning
+naming the keyword, refused under strict naming it, and a finished output checked against the whole schema
+(a violation flagged on the output, never passed as valid)."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+
+import engine_helpers
+from structured_schemas import SCHEMAS
+
+from pagedserve.runtime.sampling_params import SamplingParams
+from pagedserve.runtime.structured_output.schema_check import MAX_VIOLATIONS, violations
+from pagedserve.runtime.structured_outputs_params import MAX_WARNINGS, StructuredOutputsParams as SO
+
+make_engine = functools.partial(engine_helpers.make_engine, max_num_batched_tokens=256, num_kv_blocks=256)
+
+OPT = {"a": {"type": "string", "maxLength": 4}, "b": {"type": "integer"}}  # both optional
+
+# The reasons real-world schemas were refused before #40, each with the keyword a warning must name.
+REFUSED_BEFORE = {
+    "format url": ({"type": "object", "properties": {"home": {"type": "string", "format": "url"}}}, "format", "url"),
+    "format topic": ({"type": "string", "format": "topic"}, "format", "topic"),
+    "format date-type": ({"type": "string", "format": "date-type"}, "format", "date-type"),
+    "oneOf": ({"oneOf": [{"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+                         {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+              "oneOf", "anyOf"),
+    "not": ({"type": "object", "properties": OPT, "not": {"required": ["a", "b"]}}, "not", "not enforced"),
+    "dependencies": ({"type": "object", "properties": OPT, "dependencies": {"a": ["b"]}}, "dependencies", ""),
+    "minProperties": ({"type": "object", "properties": OPT, "minProperties": 1}, "minProperties", "optional"),
+    "maxProperties": ({"type": "object", "properties": OPT, "maxProperties": 1}, "maxProperties", "optional"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED_BEFORE))
+def test_lenient_accepts_and_warns_naming_the_keyword(name):
+    schema, keyword, detail = REFUSED_BEFORE[name]
+    params = SO(json=schema)
+    assert any(w.startswith(f"{keyword}: ") and detail in w for w in params.warnings), params.warnings
+    assert params.check_schema == schema  # its outputs will be checked against the whole schema
+
+
+@pytest.mark.parametrize("name", list(REFUSED_BEFORE))
+def test_strict_refuses_naming_the_keyword(name):
+    schema, keyword, _ = REFUSED_BEFORE[name]
+    with pytest.raises(ValueError, match=rf"structured_outputs\.json uses {keyword}\b.*cannot be enforced "
+                                         rf"exactly \(strict\)") as e:
+        SO(json=schema, strict=True)
+    assert len(str(e.value)) < 320
+
+
+def test_strict_keeps_a_schemas_own_x_guidance_from_loosening_it():
+    schema = {"type": "string", "format": "url", "x-guidance": {"lenient": True}}
+    with pytest.raises(ValueError, match="uses format"):
+        SO(json=schema, strict=True)
+
+
+def test_exactly_enforced_schemas_carry_no_warning():
+    for name, schema in SCHEMAS.items():  # known formats, anyOf, $ref, patterns: all enforced
+        params = SO(json=schema)
+        assert params.warnings == [] and params.check_schema is None, name
+        assert SO(json=schema, strict=True).warnings == [], name  # strict takes them as they are
+    assert SO(json_object=True, strict=True).warnings == []
+    disjoint = {"oneOf": [{"type": "string"}, {"type": "integer"}]}  # llguidance enforces this oneOf exactly
+    assert SO(json=disjoint).warnings == [] and SO(json=disjoint, strict=True).warnings == []
+
+
+def test_a_broken_schema_is_refused_either_way():
+    for strict in (False, True):
+        with pytest.raises(ValueError, match="is not a valid JSON Schema: Invalid type: strin"):
+            SO(json={"type": "strin"}, strict=strict)
+
+
+def test_strict_is_a_bool_and_for_json_only():
+    with pytest.raises(ValueError, match=r"structured_outputs\.strict must be a bool"):
+        SO(json={"type": "object"}, strict="yes")
+    with pytest.raises(ValueError, match=r"structured_outputs\.strict applies to json and json_object only"):
+        SO(regex="a+", strict=True)
+    assert SO(regex="a+", strict=False).kind == "regex"
+
+
+def test_warnings_are_deduplicated_and_bounded():
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "format": f"fmt{i}"} for i in range(40)}}
+    params = SO(json=schema)
+    assert len(params.warnings) == MAX_WARNINGS and len(set(params.warnings)) == MAX_WARNINGS
+    twice = {"type": "array", "items": {"type": "string", "format": "url"}, "contains": {"format": "url"}}
+    assert SO(json=twice).warnings.count("format: 'url' is not a known format; not checked") == 1
+
+
+# -- the finished output against the whole schema ---------------------------------------------------
+
+
+def test_violations_name_the_path_and_the_rule():
+    dep = SO(json=REFUSED_BEFORE["dependencies"][0])
+    assert violations(dep, '{"a": "x"}') == ["$: 'b' is a dependency of 'a'"]  # draft-07's keyword, read
+    assert violations(dep, '{"a": "x", "b": 1}') == []
+    one_of = SO(json=REFUSED_BEFORE["oneOf"][0])
+    assert violations(one_of, '{"a": "x", "b": 1}')[0].startswith("$: ")  # matches both branches
+    assert violations(one_of, '{"a": "x"}') == []
+    fmt = SO(json={"type": "string", "format": "url"})
+    assert violations(fmt, '"not a url at all"') == []  # an unknown format is an annotation
+    nested = SO(json={"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}})
+    assert violations(nested, '{"xs": [1, 1]}') == ["$['xs']: [1, 1] has non-unique elements"]
+    assert violations(nested, '{"xs": [1,').pop().startswith("not valid JSON: ")
+    many = SO(json={"type": "array", "items": {"type": "integer", "not": {"type": "integer"}}})
+    assert len(violations(many, json.dumps(list(range(20))))) == MAX_VIOLATIONS
+    assert violations(SO(json=SCHEMAS["person"]), "{}") == []  # enforced exactly: nothing to check
+    assert violations(None, "x") == []
+
+
+def test_a_broken_not_is_flagged_on_the_output(tiny):
+    engine = make_engine(tiny)
+    broken = {"type": "string", "enum": ["yes"], "not": {"const": "yes"}}  # "yes" is all the grammar allows
+    kept = {"type": "string", "enum": ["yes"], "not": {"const": "no"}}
+    for rid, schema in (("broken", broken), ("kept", kept)):
+        engine.add_request(rid, [5, 6, 7], SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=16,
+                                                          structured_outputs=SO(json=schema)))
+    engine.add_request("exact", [5, 6], SamplingParams(max_tokens=16, structured_outputs=SO(json={"enum": ["ok"]})))
+    seen = []  # every output, streamed deltas too: a sample's last one carries its check
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        seen.extend(engine.step())
+    out = {o.request_id: o for o in seen if o.finished}
+    for o in seen:
+        assert o.warnings == ([] if o.request_id == "exact" else ["not: not enforced"])
+        for c in o.outputs:
+            if c.finish_reason == "stop":
+                assert bool(c.schema_violations) == (o.request_id == "broken"), (o.request_id, c)
+    for rid in ("broken", "kept"):
+        assert out[rid].warnings == ["not: not enforced"]
+        for c in out[rid].outputs:
+            assert c.text == '"yes"' and c.finish_reason == "stop", c
+    assert all(c.schema_violations == ["$: 'yes' should not be valid under {'const': 'yes'}"]
+               for c in out["broken"].outputs)
+    assert all(c.schema_violations == [] for c in out["kept"].outputs)
+    assert out["exact"].warnings == [] and out["exact"].outputs[0].schema_violations == []
+    assert engine.kv_manager.usage().num_used_blocks == 0
