@@ -64,6 +64,8 @@ class GenerationChunk:
     `logprobs` has one entry per token id when the request asked for logprobs, else it is None.
     `finish_reason` is None until the sample's last chunk, then "stop", "length" or "abort";
     `stop_reason` then says which stop token id (int) or stop string (str) ended it (None for EOS).
+    `warnings` (the stream's first chunk only): what of the JSON Schema is approximated or not enforced;
+    `schema_violations` (a sample's last chunk): how its output breaks that schema (empty: it conforms).
     """
 
     index: int
@@ -72,6 +74,8 @@ class GenerationChunk:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    warnings: tuple[str, ...] = ()
+    schema_violations: tuple[str, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -140,7 +144,8 @@ def _chunk(c: pb.Chunk, want_logprobs: bool) -> GenerationChunk:
     return GenerationChunk(
         index=c.index, text=c.text, token_ids=list(c.token_ids), logprobs=logprobs,
         finish_reason=c.finish_reason or None,
-        stop_reason=getattr(c, which) if which else None)
+        stop_reason=getattr(c, which) if which else None,
+        warnings=tuple(c.warnings), schema_violations=tuple(c.schema_violations))
 
 
 def _texts(chunks: Iterable[GenerationChunk], n: int | None) -> str | list[str]:

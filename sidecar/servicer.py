@@ -23,7 +23,8 @@ from pagedserve.runtime.engine.async_engine import LONG_PROMPT_CHARS, AsyncEngin
 from pagedserve.runtime.kv_transfer.kv_connector import KVTransferError
 from pagedserve.runtime.outputs import RequestOutput
 from pagedserve.runtime.sampling_params import SamplingParams
-from pagedserve.runtime.structured_outputs_params import StructuredOutputsParams
+from pagedserve.runtime.structured_output.schema_check import MAX_VIOLATIONS
+from pagedserve.runtime.structured_outputs_params import MAX_ERROR_CHARS, MAX_WARNINGS, StructuredOutputsParams
 
 from .client_types import PROMPT_TOKENS_HEADER, REQUEST_ID_HEADER
 from .pb import generation_pb2 as pb
@@ -57,13 +58,14 @@ def structured_outputs_from_proto(msg: pb.StructuredOutputs) -> StructuredOutput
     if kind is None:
         raise ValueError("structured_outputs is set but has no constraint: set one of json_schema, regex, "
                          "choice, grammar or json_object")
+    strict = msg.strict if msg.HasField("strict") else False
     if kind == "json_schema":
-        return StructuredOutputsParams(json=msg.json_schema)
+        return StructuredOutputsParams(json=msg.json_schema, strict=strict)
     if kind == "choice":
-        return StructuredOutputsParams(choice=list(msg.choice.options))
+        return StructuredOutputsParams(choice=list(msg.choice.options), strict=strict)
     if kind == "json_object" and not msg.json_object:
         raise ValueError("structured_outputs.json_object must be true when set")
-    return StructuredOutputsParams(**{kind: getattr(msg, kind)})  # ValueError names the field
+    return StructuredOutputsParams(**{kind: getattr(msg, kind)}, strict=strict)  # ValueError names the field
 
 
 async def _off_loop_if_large(request: Message, fn: Callable, *args: Any) -> Any:
@@ -149,12 +151,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             whole = (params.best_of or params.n) > params.n  # best_of: only the chosen n, at the end
             outputs = engine.generate(request_id, prompt, params, cache_salt=request.cache_salt or None,
                                       on_admitted=lambda group: self._send_headers(context, request_id, group))
+            warnings = params.structured_outputs.warnings if params.structured_outputs is not None else []
             async with contextlib.aclosing(outputs):  # leaving early aborts the request at once
                 async for out in outputs:
                     last = out
                     for c in out.outputs:
                         if whole or c.new_token_ids:
-                            await self._write(context, pb.GenerateResponse(chunk=self._chunk(c, params, whole)))
+                            chunk = self._chunk(c, params, whole)
+                            if warnings:  # the stream's first chunk
+                                chunk.warnings.extend(w[:MAX_ERROR_CHARS] for w in warnings[:MAX_WARNINGS])
+                                warnings = []
+                            await self._write(context, pb.GenerateResponse(chunk=chunk))
             if last is None or not last.finished:  # aborted through the Abort RPC
                 await self._write(context, pb.GenerateResponse(chunk=pb.Chunk(index=0, finish_reason="abort")))
             await self._write(context, pb.GenerateResponse(usage=self._usage(request_id, last, start)))
@@ -224,7 +231,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def _chunk(c, params: SamplingParams, whole: bool = False) -> pb.Chunk:
         ids = c.token_ids if whole else c.new_token_ids
         chunk = pb.Chunk(index=c.index, text=c.text if whole else c.new_text, token_ids=ids,
-                         finish_reason=c.finish_reason or "")
+                         finish_reason=c.finish_reason or "",
+                         schema_violations=[v[:MAX_ERROR_CHARS] for v in c.schema_violations[:MAX_VIOLATIONS]])
         if params.logprobs is not None and c.logprobs and ids:
             for token_id, entry in zip(ids, c.logprobs[-len(ids):]):
                 top = sorted(((t, lp) for t, lp in entry.items() if t != token_id), key=lambda x: -x[1])

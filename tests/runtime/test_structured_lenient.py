@@ -15,6 +15,8 @@ from structured_schemas import SCHEMAS
 from pagedserve.runtime.sampling_params import SamplingParams
 from pagedserve.runtime.structured_output.schema_check import MAX_VIOLATIONS, violations
 from pagedserve.runtime.structured_outputs_params import MAX_WARNINGS, StructuredOutputsParams as SO
+from pagedserve.sidecar.pb import generation_pb2 as pb
+from pagedserve.sidecar.servicer import structured_outputs_from_proto
 
 make_engine = functools.partial(engine_helpers.make_engine, max_num_batched_tokens=256, num_kv_blocks=256)
 
@@ -41,6 +43,8 @@ def test_lenient_accepts_and_warns_naming_the_keyword(name):
     params = SO(json=schema)
     assert any(w.startswith(f"{keyword}: ") and detail in w for w in params.warnings), params.warnings
     assert params.check_schema == schema  # its outputs will be checked against the whole schema
+    assert structured_outputs_from_proto(pb.StructuredOutputs(json_schema=json.dumps(schema))).warnings == \
+        params.warnings
 
 
 @pytest.mark.parametrize("name", list(REFUSED_BEFORE))
@@ -50,6 +54,8 @@ def test_strict_refuses_naming_the_keyword(name):
                                          rf"exactly \(strict\)") as e:
         SO(json=schema, strict=True)
     assert len(str(e.value)) < 320
+    with pytest.raises(ValueError, match=rf"uses {keyword}\b"):  # the wire's strict flag
+        structured_outputs_from_proto(pb.StructuredOutputs(json_schema=json.dumps(schema), strict=True))
 
 
 def test_strict_keeps_a_schemas_own_x_guidance_from_loosening_it():
@@ -79,6 +85,8 @@ def test_strict_is_a_bool_and_for_json_only():
         SO(json={"type": "object"}, strict="yes")
     with pytest.raises(ValueError, match=r"structured_outputs\.strict applies to json and json_object only"):
         SO(regex="a+", strict=True)
+    with pytest.raises(ValueError, match=r"structured_outputs\.strict applies"):
+        structured_outputs_from_proto(pb.StructuredOutputs(choice=pb.Choice(options=["a"]), strict=True))
     assert SO(regex="a+", strict=False).kind == "regex"
 
 

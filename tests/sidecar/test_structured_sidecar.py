@@ -93,3 +93,27 @@ def test_cli_flags(server, tmp_path, capsys):
     assert "INVALID_ARGUMENT: structured_outputs.regex" in capsys.readouterr().err
     assert cli.main(base + ["--grammar", str(tmp_path / "missing.lark")]) == 2
     assert "--grammar: cannot read" in capsys.readouterr().err
+
+
+def test_unenforced_keyword_warns_on_the_first_chunk_and_a_violation_is_flagged(server):
+    broken = {"type": "string", "enum": ["yes"], "not": {"const": "yes"}}  # the grammar allows only "yes"
+    with client_for(server) as c:
+        chunks = list(c.generate([5, 6, 7], json_schema=broken, temperature=1.0, seed=3, n=2, max_tokens=16))
+        assert chunks[0].warnings == ("not: not enforced",) and all(ch.warnings == () for ch in chunks[1:])
+        for i in range(2):
+            mine = [ch for ch in chunks if ch.index == i]
+            assert "".join(ch.text for ch in mine) == '"yes"' and mine[-1].finish_reason == "stop"
+            assert mine[-1].schema_violations == ("$: 'yes' should not be valid under {'const': 'yes'}",)
+            assert all(ch.schema_violations == () for ch in mine[:-1])
+        exact = list(c.generate([5, 6], json_schema=SCHEMA, temperature=1.0, seed=3, max_tokens=64))
+        assert all(ch.warnings == () and ch.schema_violations == () for ch in exact)
+
+        strict = pb.StructuredOutputs(json_schema=json.dumps(broken), strict=True)
+        with pytest.raises(PagedServeError) as e:
+            list(c.generate([5, 6], max_tokens=4, structured_outputs=strict))
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        assert "structured_outputs.json uses not, which cannot be enforced exactly (strict)" in e.value.message
+        with pytest.raises(PagedServeError) as e:
+            list(c.generate([5, 6], max_tokens=4, structured_outputs=pb.StructuredOutputs(regex="a", strict=True)))
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "structured_outputs.strict" in e.value.message
+        assert wait_idle(c).kv_blocks_used == 0
