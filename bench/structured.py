@@ -17,17 +17,28 @@ pays at construction; bitmask fill time per token (in a thread beside the forwar
 still waited for it, and the time to apply a step's masks to its logits; whether every guided output
 validates against its schema.
 
+Corpus mode (--corpus DIR): real-world schemas, one dataset per subfolder of DIR holding *.json files (or
+DIR itself), at most --corpus-limit per dataset (sorted by name). Per dataset: the share accepted by the
+default (lenient) compile and by strict, the refusal reasons and the keywords only approximated, compile
+time p50/p99 (cold cache, against the tokenizer), mask time per token, and one guided request per accepted
+schema (temperature 1.0, seeded): the share of finished ("stop") outputs valid against the whole schema
+(jsonschema, formats as annotations) and the share flagged (schema_violations). Saved as
+structured_corpus.json.
+
 Usage:
 
     .venv/bin/python bench/structured.py [--quick] [--model PATH] [--requests 64] [--max-tokens 160]
+    .venv/bin/python bench/structured.py --corpus DIR [--corpus-limit 200] [--model PATH] [--max-tokens 160]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pagedserve.cupy_kernels  # noqa: F401  (sets OpenBLAS's environment before numpy loads it)
@@ -173,6 +184,141 @@ def run(args: argparse.Namespace) -> dict:
             "environment": env, "results": results, "summary": summary}
 
 
+def load_corpus(root: Path, limit: int) -> dict[str, list[tuple[str, str]]]:
+    """dataset -> [(file name, schema text)]: each subfolder of `root` holding *.json (searched below it) is a
+    dataset, and *.json directly in `root` one more, named after `root`; at most `limit` files each."""
+    if not root.is_dir():
+        raise ValueError(f"--corpus {root}: not a directory")
+    found = {}
+    direct = sorted(root.glob("*.json"))
+    if direct:
+        found[root.name] = direct
+    for sub in sorted(p for p in root.iterdir() if p.is_dir()):
+        files = sorted(sub.rglob("*.json"))
+        if files:
+            found[sub.name] = files
+    if not found:
+        raise ValueError(f"--corpus {root}: no *.json schema files in it or its subfolders")
+    return {name: [(f.name, f.read_text(encoding="utf-8", errors="replace")) for f in files[:limit]]
+            for name, files in found.items()}
+
+
+def _reason(error: str) -> str:
+    """A refusal message without what varies from schema to schema (quoted values, positions)."""
+    error = re.sub(r"^structured_outputs\.json ", "", error)
+    return re.sub(r"(\"[^\"]*\"|'[^']*'|\d+)", "_", error)[:120]
+
+
+def _conforms(schema, value) -> bool:
+    import jsonschema
+
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator) \
+        if isinstance(schema, dict) else jsonschema.Draft202012Validator
+    return cls(schema).is_valid(value)
+
+
+def run_corpus(args: argparse.Namespace) -> dict:
+    from pagedserve.models.loading.loader import load_model
+    from pagedserve.runtime.config import EngineConfig
+    from pagedserve.runtime.engine.llm_engine import LLMEngine
+    from pagedserve.runtime.sampling_params import SamplingParams
+    from pagedserve.runtime.structured_outputs_params import StructuredOutputsParams
+
+    env = plots.environment(args.quick)
+    corpus = load_corpus(Path(args.corpus), args.corpus_limit)
+    loaded = load_model(args.model)
+    tok = loaded.tokenizer
+    StructuredOutputsParams(regex="warm-up")  # llguidance's import and first call, off the clock
+    engine = LLMEngine(EngineConfig(device=args.device, seed=0, max_num_seqs=args.requests), loaded=loaded)
+    so = engine.structured
+    so.compiler.ll_tokenizer  # noqa: B018  (built once per engine, off the clock)
+    max_prompt = max(1, min(512, engine.max_model_len - args.max_tokens - 1))
+
+    def prompt(name: str, text: str) -> list[int]:
+        ask = f"Write a JSON value for the schema {name}:\n{text[:1500]}"
+        if tok.chat_template is None:
+            ids = tok.encode(ask)
+        else:
+            ids = tok.apply_chat_template([{"role": "user", "content": ask}], tokenize=True)
+        return list(ids)[-max_prompt:]
+
+    datasets, total = {}, Counter()
+    for ds, files in corpus.items():
+        plots.progress(f"{ds}: {len(files)} schemas")
+        refused, approximated, compile_ms, validate_ms, accepted = Counter(), Counter(), [], [], []
+        strict_ok = 0
+        for name, text in files:
+            try:
+                StructuredOutputsParams(json=text, strict=True)
+                strict_ok += 1
+            except ValueError:
+                pass
+            t = time.perf_counter()
+            try:
+                params = StructuredOutputsParams(json=text)
+            except ValueError as e:
+                refused[_reason(str(e))] += 1
+                continue
+            validate_ms.append(1e3 * (time.perf_counter() - t))
+            approximated.update({w.split(":", 1)[0] for w in params.warnings})
+            before = len(so.compiler.compile_times_s)
+            try:
+                so.compile(params).result()
+            except ValueError as e:  # against this tokenizer (a character no token produces, ...)
+                refused[_reason(str(e))] += 1
+                continue
+            compile_ms.extend(1e3 * x for x in so.compiler.compile_times_s[before:])
+            accepted.append((name, text, params))
+        mask_s, masked = so.mask_time_s, so.num_masked_tokens
+        for i, (name, text, params) in enumerate(accepted):
+            engine.add_request(f"{ds}/{i}", prompt(name, text), SamplingParams(
+                temperature=1.0, seed=i, max_tokens=args.max_tokens, structured_outputs=params))
+        _, finished = _run(engine, [])
+        stopped = valid = flagged = flagged_invalid = 0
+        for i, (name, text, params) in enumerate(accepted):
+            c = finished[f"{ds}/{i}"].outputs[0]
+            if c.finish_reason != "stop":
+                continue
+            stopped += 1
+            flagged += bool(c.schema_violations)
+            try:
+                ok = _conforms(json.loads(text), json.loads(c.text))
+            except ValueError:
+                ok = False
+            valid += ok
+            flagged_invalid += (not ok) and bool(c.schema_violations)
+        n = len(files)
+        tokens = so.num_masked_tokens - masked
+        row = {
+            "schemas": n, "compiled": len(accepted), "compiled_share": round(len(accepted) / n, 3),
+            "strict_accepted_share": round(strict_ok / n, 3),
+            "with_warnings": sum(1 for *_, p in accepted if p.warnings),
+            "finished": stopped, "finished_valid_share": round(valid / stopped, 3) if stopped else None,
+            "finished_flagged": flagged,
+            "invalid_unflagged": stopped - valid - flagged_invalid,  # must be 0: nothing invalid passes as valid
+            "compile_ms_p50": plots.percentiles(compile_ms)["p50"],
+            "compile_ms_p99": plots.percentiles(compile_ms)["p99"],
+            "validate_ms_p50": plots.percentiles(validate_ms)["p50"],
+            "mask_us_per_token": round(1e6 * (so.mask_time_s - mask_s) / tokens, 1) if tokens else None,
+            "refusals": dict(refused.most_common(10)), "approximated_keywords": dict(approximated.most_common()),
+        }
+        for k in ("compile_ms_p50", "compile_ms_p99", "validate_ms_p50"):
+            row[k] = None if row[k] is None else round(row[k], 3)
+        datasets[ds] = row
+        total.update(schemas=n, compiled=len(accepted), strict=strict_ok, finished=stopped, valid=valid,
+                     invalid_unflagged=row["invalid_unflagged"])
+    summary = {"datasets": len(datasets), "schemas": total["schemas"],
+               "compiled_share": round(total["compiled"] / total["schemas"], 3),
+               "strict_accepted_share": round(total["strict"] / total["schemas"], 3),
+               "finished_valid_share": round(total["valid"] / total["finished"], 3) if total["finished"] else None,
+               "invalid_unflagged": total["invalid_unflagged"]}
+    return {"benchmark": f"{NAME}_corpus", "quick": args.quick,
+            "config": {"model": loaded.name, "model_path": str(loaded.path), "corpus": str(args.corpus),
+                       "corpus_limit": args.corpus_limit, "max_tokens": args.max_tokens, "device": args.device,
+                       "temperature": 1.0},
+            "environment": env, "results": datasets, "summary": summary}
+
+
 def draw(record: dict, path: Path) -> None:
     s, cfg, res = record["summary"], record["config"], record["results"]
     title = (f"{cfg['requests']} concurrent JSON-schema requests vs unguided, equal lengths ({cfg['model']})")
@@ -196,14 +342,20 @@ def build_parser() -> argparse.ArgumentParser:
     plots.add_common_args(ap)
     ap.add_argument("--requests", type=int, default=None, help="default 64 (8 with --quick)")
     ap.add_argument("--max-tokens", type=int, default=None, help="default 160 (48 with --quick)")
+    ap.add_argument("--corpus", default=None, help="a folder of real-world schemas (see Corpus mode above)")
+    ap.add_argument("--corpus-limit", type=int, default=None, help="schemas per dataset; default 200 (10 with --quick)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     args = build_parser().parse_args(argv)
-    plots.fill_defaults(args, quick={"requests": 8, "max_tokens": 48}, full={"requests": 64, "max_tokens": 160},
-                        positive=("requests", "max_tokens"))
+    plots.fill_defaults(args, quick={"requests": 8, "max_tokens": 48, "corpus_limit": 10},
+                        full={"requests": 64, "max_tokens": 160, "corpus_limit": 200},
+                        positive=("requests", "max_tokens", "corpus_limit"))
+    if args.corpus is not None:
+        plots.emit(f"{NAME}_corpus", run_corpus(args), args.out_dir, None, False, t0)
+        return 0
     plots.emit(NAME, run(args), args.out_dir, draw, not args.no_plot, t0)
     return 0
 

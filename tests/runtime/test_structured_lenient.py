@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import functools
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -147,3 +150,32 @@ def test_a_broken_not_is_flagged_on_the_output(tiny):
     assert all(c.schema_violations == [] for c in out["kept"].outputs)
     assert out["exact"].warnings == [] and out["exact"].outputs[0].schema_violations == []
     assert engine.kv_manager.usage().num_used_blocks == 0
+
+
+def test_bench_corpus_mode(tmp_path):
+    """bench/structured.py --corpus: per dataset the shares compiled (lenient, strict) and valid, and timings."""
+    corpus = tmp_path / "corpus"
+    (corpus / "issue40").mkdir(parents=True)
+    (corpus / "house").mkdir()
+    for name, (schema, *_) in REFUSED_BEFORE.items():
+        (corpus / "issue40" / f"{name.replace(' ', '_')}.json").write_text(json.dumps(schema))
+    (corpus / "issue40" / "broken.json").write_text('{"type": "strin"}')
+    for name in list(SCHEMAS)[:3]:
+        (corpus / "house" / f"{name}.json").write_text(json.dumps(SCHEMAS[name]))
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "bench" / "structured.py"), "--quick", "--corpus", str(corpus),
+                           "--model", str(root / "tests" / "data" / "tiny-llama"), "--out-dir", str(tmp_path / "out"),
+                           "--max-tokens", "24"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert record == json.loads((tmp_path / "out" / "structured_corpus.json").read_text())
+    issue, house = record["results"]["issue40"], record["results"]["house"]
+    assert (issue["schemas"], issue["compiled"], issue["strict_accepted_share"]) == (9, 8, 0.0)
+    assert issue["refusals"] == {"is not a valid JSON Schema: Invalid type: strin": 1}
+    assert set(issue["approximated_keywords"]) == {"format", "oneOf", "not", "dependencies", "minProperties",
+                                                   "maxProperties"}
+    assert house["compiled_share"] == house["strict_accepted_share"] == 1.0 and house["with_warnings"] == 0
+    for row in (issue, house):
+        assert row["invalid_unflagged"] == 0 and 0 < row["compile_ms_p50"] <= row["compile_ms_p99"]
+        assert row["mask_us_per_token"] > 0
+    assert record["summary"]["schemas"] == 12 and record["summary"]["invalid_unflagged"] == 0
