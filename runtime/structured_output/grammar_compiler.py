@@ -85,6 +85,14 @@ class GrammarCompiler:
         self._pool.submit(self._compile, grammar_text, fut)
         return fut
 
+    def run_beside(self, fn: Any, *args: Any) -> None:
+        """fn(*args) on the worker thread, after the compiles submitted before it (errors are dropped: it
+        only prepares what the caller would otherwise build itself)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compiler")
+        self._pool.submit(fn, *args)
+
     def _compile(self, grammar_text: str, fut: Future) -> None:
         if not fut.set_running_or_notify_cancel():
             return

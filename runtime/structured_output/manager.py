@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import numpy as np
 import structlog
 
+from . import schema_check
 from .grammar_compiler import GrammarCompiler
 from ..structured_outputs_params import StructuredOutputsParams
 
@@ -107,10 +108,12 @@ class StructuredOutputManager:
 
     def compile(self, params: StructuredOutputsParams) -> Future:
         self.check_producible(params)
+        future = self.compiler.submit(params.grammar_text)
         if params.warnings:  # lenient: accepted, but not all of it is enforced (the outputs say so too)
             log.warning("structured_outputs.not_enforced_exactly", kind=params.kind,
                         keywords=sorted({w.split(":", 1)[0] for w in params.warnings}), warnings=params.warnings)
-        return self.compiler.submit(params.grammar_text)
+            self.compiler.run_beside(schema_check.prepare, params)  # finished outputs are checked against it
+        return future
 
     def check_producible(self, params: StructuredOutputsParams) -> None:
         """ValueError if a regex, grammar or choice holds a character this vocabulary cannot produce: the

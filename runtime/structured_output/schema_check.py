@@ -28,18 +28,34 @@ def _cut(message: str) -> str:
     return message if len(message) <= MAX_ERROR_CHARS else message[: MAX_ERROR_CHARS - 3] + "..."
 
 
+_default_cls: Any = None
+
+
 def _validator(params: StructuredOutputsParams) -> Any:
+    global _default_cls
     cached = params.__dict__.get("_schema_validator")  # built once per constraint (n samples share it)
     if cached is not None:
         return cached
     from jsonschema import Draft7Validator, Draft202012Validator, validators
 
-    default = validators.extend(Draft202012Validator, {"dependencies": Draft7Validator.VALIDATORS["dependencies"]})
+    if _default_cls is None:
+        _default_cls = validators.extend(Draft202012Validator,
+                                         {"dependencies": Draft7Validator.VALIDATORS["dependencies"]})
     schema = params.check_schema
-    cls = validators.validator_for(schema, default=default) if isinstance(schema, dict) else default
+    cls = validators.validator_for(schema, default=_default_cls) if isinstance(schema, dict) else _default_cls
     validator = cls(schema)
     params.__dict__["_schema_validator"] = validator
     return validator
+
+
+def prepare(params: StructuredOutputsParams) -> None:
+    """Build the validator ahead (jsonschema's first import takes ~70 ms): the compiler's worker thread calls
+    this beside the grammar compile, so the step that finishes the output does not pay it."""
+    if params.check_schema is not None:
+        try:
+            _validator(params)
+        except ImportError:
+            pass
 
 
 def violations(params: StructuredOutputsParams | None, text: str) -> list[str]:

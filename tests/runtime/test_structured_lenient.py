@@ -179,3 +179,17 @@ def test_bench_corpus_mode(tmp_path):
         assert row["invalid_unflagged"] == 0 and 0 < row["compile_ms_p50"] <= row["compile_ms_p99"]
         assert row["mask_us_per_token"] > 0
     assert record["summary"]["schemas"] == 12 and record["summary"]["invalid_unflagged"] == 0
+
+
+def test_compile_logs_the_keywords_and_prepares_the_check_off_the_step(tiny):
+    from structlog.testing import capture_logs
+
+    engine = make_engine(tiny)
+    params = SO(json=REFUSED_BEFORE["dependencies"][0])
+    with capture_logs() as logs:
+        engine.structured.compile(params).result(timeout=30)
+        engine.structured.compile(SO(json=SCHEMAS["person"])).result(timeout=30)  # exact: no line
+    lines = [e for e in logs if e["event"] == "structured_outputs.not_enforced_exactly"]
+    assert len(lines) == 1 and lines[0]["keywords"] == ["dependencies"] and lines[0]["log_level"] == "warning"
+    engine.structured.compiler._pool.submit(lambda: None).result(timeout=30)  # one worker, in order: prepared
+    assert "_schema_validator" in params.__dict__
