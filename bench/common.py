@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import sys
 import time
 
 import pagedserve.cupy_kernels  # noqa: F401  (sets OpenBLAS's environment before numpy loads it)
@@ -84,3 +86,22 @@ def model_flops_per_token(cfg, context_len: float, with_logits: bool) -> float:
     """Matmul FLOPs of one token through the model (2 per multiply-add), attention over `context_len`."""
     return (cfg.matmul_flops_per_token + context_len * cfg.attention_flops_per_key
             + (2 * cfg.hidden_size * cfg.vocab_size if with_logits else 0))
+
+
+def emit_json(run) -> None:
+    """Call run() with file descriptor 1 pointed at stderr, then print its result, alone, on stdout.
+
+    stdout carries the JSON object and nothing else (scripts/gpu_check.sh parses it): whatever run()
+    prints on the way - structlog's warnings (they go to stdout unless configured), a library's print,
+    a C library writing to fd 1 - lands on stderr instead. On an exception stdout stays empty.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        result = run()
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+    print(json.dumps(result, indent=2), flush=True)

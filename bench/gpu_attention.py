@@ -13,13 +13,15 @@ pagedserve's CUDA op layer.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 
 import pagedserve.cupy_kernels  # noqa: F401  (sets OpenBLAS's environment before numpy loads it)
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import emit_json  # noqa: E402
 
 try:  # run from a checkout without installing: the repository's folders are pagedserve's subpackages
     import pagedserve.cupy_kernels  # noqa: F401
@@ -78,25 +80,6 @@ def _case(cp, name: str, specs: list[tuple[int, int]], block_size: int, iters: i
         "tflops": round(flops / seconds / 1e12, 2),
         "partitions_per_long_decode": math.ceil(int(lens.max()) / cuda_ops.PARTITION_SIZE),
     }
-
-
-def emit_json(run) -> None:
-    """Call run() with file descriptor 1 pointed at stderr, then print its result, alone, on stdout.
-
-    stdout carries the JSON object and nothing else (scripts/gpu_check.sh parses it): whatever run()
-    prints on the way - structlog's warnings (they go to stdout unless configured), a library's print,
-    a C library writing to fd 1 - lands on stderr instead. On an exception stdout stays empty.
-    """
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        result = run()
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-    print(json.dumps(result, indent=2), flush=True)
 
 
 def main() -> None:

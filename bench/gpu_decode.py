@@ -21,13 +21,15 @@ this couples to models/llama.py internals. Imports only numpy, CuPy and pagedser
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import pagedserve.cupy_kernels  # noqa: F401  (sets OpenBLAS's environment before numpy loads it)
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import emit_json  # noqa: E402
 
 try:
     import pagedserve.models.llama  # noqa: F401
@@ -107,25 +109,6 @@ def capture_graphs(model, kv, batches, max_blocks: int) -> DecodeGraphs:
     graphs = DecodeGraphs(model, kv, tuple(batches), max_blocks, CupyGraphCapturer())
     graphs.capture_all()  # on failure: disabled_reason set, graphs.run returns None
     return graphs
-
-
-def emit_json(run) -> None:
-    """Call run() with file descriptor 1 pointed at stderr, then print its result, alone, on stdout.
-
-    stdout carries the JSON object and nothing else (scripts/gpu_check.sh parses it): whatever run()
-    prints on the way - structlog's warnings (they go to stdout unless configured), a library's print,
-    a C library writing to fd 1 - lands on stderr instead. On an exception stdout stays empty.
-    """
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        result = run()
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-    print(json.dumps(result, indent=2), flush=True)
 
 
 def main() -> None:

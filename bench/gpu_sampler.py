@@ -13,13 +13,15 @@ included), and for top-k / top-p the ms of the sort the device path replaces (cu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import pagedserve.cupy_kernels  # noqa: F401  (sets OpenBLAS's environment before numpy loads it)
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import emit_json  # noqa: E402
 
 try:  # run from a checkout without installing: the repository's folders are pagedserve's subpackages
     import pagedserve.runtime  # noqa: F401
@@ -38,25 +40,6 @@ def _time(cp, fn, iters: int) -> float:
         fn()
     cp.cuda.Device().synchronize()
     return (time.perf_counter() - t0) / iters * 1e3
-
-
-def emit_json(run) -> None:
-    """Call run() with file descriptor 1 pointed at stderr, then print its result, alone, on stdout.
-
-    stdout carries the JSON object and nothing else (scripts/gpu_check.sh parses it): whatever run()
-    prints on the way - structlog's warnings (they go to stdout unless configured), a library's print,
-    a C library writing to fd 1 - lands on stderr instead. On an exception stdout stays empty.
-    """
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        result = run()
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-    print(json.dumps(result, indent=2), flush=True)
 
 
 def main() -> None:

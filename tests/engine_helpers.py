@@ -102,17 +102,3 @@ def wait_until(predicate: Callable[[], object], timeout_s: float, what: str, int
         if time.monotonic() >= deadline:
             pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(interval_s)
-
-
-async def async_wait_until(predicate: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.005):
-    """wait_until for a coroutine under anyio (asyncio or trio): yields to the event loop between polls."""
-    import anyio
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        await anyio.sleep(interval_s)
