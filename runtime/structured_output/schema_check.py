@@ -9,7 +9,8 @@ has it. Outputs of exactly enforced schemas are not checked (check_schema is Non
 
 The validator is `jsonschema` (the schema's "$schema" draft, else 2020-12 that also reads draft-07's
 "dependencies"), built once per constraint. Without jsonschema installed the output is flagged as unchecked
-rather than passed.
+rather than passed, and so is one whose schema jsonschema cannot apply (a pattern in Rust-only regex syntax):
+the check never fails the step.
 """
 
 from __future__ import annotations
@@ -67,14 +68,19 @@ def violations(params: StructuredOutputsParams | None, text: str) -> list[str]:
         validator = _validator(params)
     except ImportError:
         return [UNCHECKED]
+    except Exception as e:  # a schema jsonschema cannot build a validator for
+        return [_cut(f"not checked against the schema: {type(e).__name__}: {e}")]
     try:
         value = json.loads(text)
     except ValueError as e:
         return [_cut(f"not valid JSON: {e}")]
     found = []
-    for error in validator.iter_errors(value):
-        path = "$" + "".join(f"[{p!r}]" if isinstance(p, str) else f"[{p}]" for p in error.absolute_path)
-        found.append(_cut(f"{path}: {error.message}"))
-        if len(found) >= MAX_VIOLATIONS:
-            break
+    try:
+        for error in validator.iter_errors(value):
+            path = "$" + "".join(f"[{p!r}]" if isinstance(p, str) else f"[{p}]" for p in error.absolute_path)
+            found.append(_cut(f"{path}: {error.message}"))
+            if len(found) >= MAX_VIOLATIONS:
+                break
+    except Exception as e:  # what Python's jsonschema cannot read (a Rust-only regex like \p{L}, a remote $ref)
+        found.append(_cut(f"not checked against the schema: {type(e).__name__}: {e}"))
     return found

@@ -193,3 +193,10 @@ def test_compile_logs_the_keywords_and_prepares_the_check_off_the_step(tiny):
     assert len(lines) == 1 and lines[0]["keywords"] == ["dependencies"] and lines[0]["log_level"] == "warning"
     engine.structured.compiler._pool.submit(lambda: None).result(timeout=30)  # one worker, in order: prepared
     assert "_schema_validator" in params.__dict__
+
+
+def test_a_schema_jsonschema_cannot_apply_flags_the_output_unchecked():
+    params = SO(json={"type": "string", "pattern": r"^\p{L}+$", "not": {"const": "x"}})  # llguidance's regex
+    assert params.warnings == ["not: not enforced"]
+    (flag,) = violations(params, '"abc"')
+    assert flag.startswith("not checked against the schema: error: bad escape")
