@@ -154,7 +154,8 @@ class StructuredOutputsParams:
                 named = unenforced_keywords(messages[0], text)
                 if named:  # strict: what a lenient compile would have approximated
                     keys = ", ".join(k for k, _ in named)
-                    raise ValueError(f"{fname} uses {keys}, which cannot be enforced exactly (strict): "
+                    why = "strict" if self.strict else "its x-guidance turns leniency off"
+                    raise ValueError(f"{fname} uses {keys}, which cannot be enforced exactly ({why}): "
                                      f"{_quote(messages[0])}")
                 raise ValueError(f"{fname} is not a valid JSON Schema: {_quote(messages[0])}")
             for message in messages:

@@ -200,3 +200,8 @@ def test_a_schema_jsonschema_cannot_apply_flags_the_output_unchecked():
     assert params.warnings == ["not: not enforced"]
     (flag,) = violations(params, '"abc"')
     assert flag.startswith("not checked against the schema: error: bad escape")
+
+
+def test_a_schema_may_turn_leniency_off_itself():
+    with pytest.raises(ValueError, match=r"uses not, which cannot be enforced exactly \(its x-guidance turns"):
+        SO(json={"type": "string", "not": {"const": "x"}, "x-guidance": {"lenient": False}})
