@@ -20,8 +20,10 @@ DEFAULT_TIMEOUT_S = 10.0
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
 # Read from the proto, so fields added to it later are accepted without touching this file.
 SAMPLING_FIELDS = frozenset(f.name for f in pb.SamplingParams.DESCRIPTOR.fields)
-# Guided decoding, as plain keywords: generate(prompt, json_schema={...}) (or regex=, choice=, ...).
+# Guided decoding, as plain keywords: generate(prompt, json_schema={...}) (or regex=, choice=, ...), and
+# strict=True (refuse a JSON Schema that cannot be enforced exactly instead of approximating it).
 CONSTRAINT_KWARGS = frozenset(f.name for f in pb.StructuredOutputs.DESCRIPTOR.fields)
+OPTION_KWARGS = frozenset({"strict"})  # StructuredOutputs fields that are options, not constraints
 
 Prompt = Union[str, Sequence[int]]
 ChatMessage = Mapping[str, str]  # {"role": ..., "content": ...}, as in the OpenAI API
@@ -62,7 +64,10 @@ def _structured_outputs(values: dict[str, Any]) -> pb.StructuredOutputs | None:
         given = {**so, **given}
     elif so is not None:
         raise TypeError(f"structured_outputs must be a StructuredOutputs message or a dict, got {type(so).__name__}")
+    options = {k: given.pop(k) for k in OPTION_KWARGS if k in given}
     if not given:
+        if options:
+            raise ValueError(f"{', '.join(sorted(options))} needs a constraint (json_schema=, regex=, ...)")
         return None
     if len(given) > 1:  # a oneof keeps only the last; say so here rather than send something else
         raise ValueError(f"structured outputs take exactly one constraint, got {', '.join(sorted(given))}")
@@ -74,7 +79,7 @@ def _structured_outputs(values: dict[str, Any]) -> pb.StructuredOutputs | None:
             raise TypeError("choice must be a list of strings, not one string")
         value = pb.Choice(options=list(value))
     try:
-        return pb.StructuredOutputs(**{kind: value})
+        return pb.StructuredOutputs(**{kind: value}, **options)
     except (TypeError, ValueError) as e:
         raise TypeError(f"{kind}: {e}") from None
 

@@ -113,7 +113,12 @@ def test_unenforced_keyword_warns_on_the_first_chunk_and_a_violation_is_flagged(
             list(c.generate([5, 6], max_tokens=4, structured_outputs=strict))
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT, e.value
         assert "structured_outputs.json uses not, which cannot be enforced exactly (strict)" in e.value.message
+        with pytest.raises(PagedServeError) as e:  # the same, as plain keywords
+            list(c.generate([5, 6], max_tokens=4, json_schema=broken, strict=True))
+        assert "cannot be enforced exactly (strict)" in e.value.message
         with pytest.raises(PagedServeError) as e:
             list(c.generate([5, 6], max_tokens=4, structured_outputs=pb.StructuredOutputs(regex="a", strict=True)))
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "structured_outputs.strict" in e.value.message
+        with pytest.raises(ValueError, match="strict needs a constraint"):
+            list(c.generate([5, 6], max_tokens=4, strict=True))
         assert wait_idle(c).kv_blocks_used == 0
