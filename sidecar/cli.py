@@ -133,7 +133,7 @@ def _add_text_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="run the gRPC sidecar (unix socket by default)")
+    s = sub.add_parser("serve", help="run the gRPC sidecar (unix socket by default; --http-port adds the OpenAI API)")
     add_settings_arguments(s)
     s.set_defaults(func=_cmd_serve)
     g = sub.add_parser("generate", help="generate a continuation (through a running server, else locally)")

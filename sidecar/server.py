@@ -38,6 +38,7 @@ from .servicer import GenerationServicer
 from .settings import Settings
 
 if TYPE_CHECKING:
+    from .http_api import HttpServer
     from .kv_transfer_client import GrpcKVConnector  # imported when a decode instance connects
 
 log = structlog.get_logger("pagedserve.server")
@@ -93,8 +94,11 @@ class SidecarServer:
         self.kv_spec: KVTransferSpec | None = None  # once loaded: the handshake's answer
         self.kv_connector: GrpcKVConnector | None = None  # decode role: the connection to the prefill instance
         self.metrics = ServerMetrics(lambda: self.engine) if settings.metrics_port is not None else None
+        self.serving = False  # what health says; the HTTP API answers 503 while False
+        self.http: HttpServer | None = None  # the OpenAI-compatible HTTP API, when --http-port is set
 
     async def _set_health(self, serving: bool) -> None:
+        self.serving = serving
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
@@ -131,8 +135,24 @@ class SidecarServer:
         if self.metrics is not None:  # loopback only: the figures are for the host's own scraper
             port = self.metrics.serve(s.metrics_port)
             self.addresses.append(f"http://127.0.0.1:{port}/metrics")
+        if s.http_port is not None:
+            self._start_http()
         log.info("server.listening", addresses=self.addresses)
         self.notifier.status("loading model")
+
+    def _start_http(self) -> None:
+        from .http_api import HttpApi, HttpServer  # fastapi and uvicorn load only when the HTTP API is on
+
+        s = self.settings
+        api = HttpApi(lambda: self.engine, lambda: self.model_name, lambda: self.serving, s.max_prompt_chars,
+                      s.max_chat_messages)
+        self.http = HttpServer(api.app(s.api_key), s.http_host, s.http_port)
+        self.http.start()
+        self.addresses.append(self.http.address)
+
+    async def _stop_http(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
 
     async def load(self) -> None:
         t0 = time.monotonic()
@@ -175,6 +195,7 @@ class SidecarServer:
                 await self.load()
             except BaseException:
                 await self.server.stop(None)
+                await self._stop_http()
                 raise
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._run_engine, tg.cancel_scope)
@@ -204,6 +225,7 @@ class SidecarServer:
         log.error("server.engine_failed", error=str(self.engine.failure), health="NOT_SERVING")
         self.notifier.stopping("engine failed")
         await self.server.stop(grace=1.0)
+        await self._stop_http()
         self.engine.shutdown()
         if self.settings.socket:
             Path(self.settings.socket).unlink(missing_ok=True)
@@ -217,6 +239,7 @@ class SidecarServer:
         log.info("server.draining", in_flight=in_flight, drain_timeout_s=timeout)
         aborted = await self.engine.drain(timeout)
         await self.server.stop(grace=2.0)
+        await self._stop_http()
         self.engine.stop()
         self.engine.shutdown()  # tensor-parallel rank processes
         if self.kv_connector is not None:

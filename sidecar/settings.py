@@ -53,6 +53,9 @@ class Settings:
     socket: str = DEFAULT_SOCKET  # unix domain socket path; "" turns the socket off
     tcp: str | None = None  # "host:port" or ":port" (host defaults to 127.0.0.1)
     metrics_port: int | None = None  # Prometheus metrics on http://127.0.0.1:PORT/metrics; None = off, 0 = any port
+    http_port: int | None = None  # the OpenAI-compatible HTTP API (sidecar/http_api.py); None = off, 0 = any port
+    http_host: str = "127.0.0.1"  # where the HTTP API listens; any other host exposes it to the network
+    api_key: str | None = None  # HTTP API only: requests must carry "Authorization: Bearer KEY"; None = no check
     max_waiting_requests: int = 256
     drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     slow_reader_timeout: float = 30.0  # seconds a stream may go unread before it ends RESOURCE_EXHAUSTED
@@ -109,6 +112,10 @@ class Settings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key is empty: unset it for no check, or give the key clients must send")
         if not self.slow_reader_timeout > 0:
             raise ValueError(f"slow_reader_timeout must be > 0, got {self.slow_reader_timeout}")
         if self.drain_timeout < 0:
