@@ -232,9 +232,11 @@ class HttpApi:
                         max_tokens: int | None, render: Render):
         fields = set(type(body).model_fields)
         try:
-            if max_tokens is None:  # the rest of the context, as vLLM does
-                n_prompt = len(prompt) if isinstance(prompt, list) else len(engine.tokenize(prompt))
-                max_tokens = max(1, engine.model_info().max_model_len - n_prompt)
+            if max_tokens is None:  # the rest of the context, as vLLM does; a text prompt is tokenized once, here
+                if isinstance(prompt, str):
+                    prompt = (await asyncio.to_thread(engine.tokenize, prompt) if len(prompt) > LONG_PROMPT_CHARS
+                              else engine.tokenize(prompt))
+                max_tokens = max(1, engine.model_info().max_model_len - len(prompt))
             for i, stop in enumerate([body.stop] if isinstance(body.stop, str) else body.stop or []):
                 _check_unicode(stop, f"stop[{i}]")
             params = SamplingParams(max_tokens=max_tokens, **body.sampling_kwargs())

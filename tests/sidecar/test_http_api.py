@@ -267,3 +267,10 @@ def test_http_settings():
                         ({"PAGEDSERVE_API_KEY": " "}, "api_key is empty")]:
         with pytest.raises(ValueError, match=re.escape(needle)):
             load_settings(None, env)
+
+
+def test_no_max_tokens_means_the_rest_of_the_context(server, model):
+    status, body = raw(server, "POST", "/v1/completions", {"model": model, "prompt": "hello there", "max_tokens": None,
+                                                           "ignore_eos": True, "temperature": 0})
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
+    assert body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] == 512
