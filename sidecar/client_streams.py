@@ -13,11 +13,8 @@ import grpc.aio
 from .client_types import Admission, GenerationChunk, PagedServeError, Usage, _admission, _chunk, _error, _from_message
 
 
-
-class GenerateStream:
-    """The chunks of one Generate RPC, as they arrive. After the last chunk, `usage` holds the request's
-    token counts and timings and `request_id` its id. `close()` (or leaving a `with` block, or dropping
-    the stream before its end) cancels the RPC."""
+class _Stream:
+    """What the two streams share: their state, a response's handling and cancelling the RPC."""
 
     def __init__(self, call: Any, want_logprobs: bool, request_id: str) -> None:
         self._call = call
@@ -26,6 +23,28 @@ class GenerateStream:
         self.request_id: str | None = request_id or None
         self.usage: Usage | None = None
         self._admission: Admission | None = None
+
+    def _take(self, resp: Any) -> GenerationChunk | None:
+        """A chunk to hand out, or None (the usage, kept; a kind added to the proto after this client, skipped)."""
+        kind = resp.WhichOneof("kind")
+        if kind == "chunk":
+            return _chunk(resp.chunk, self._want_logprobs)
+        if kind == "usage":
+            self.usage = _from_message(Usage, resp.usage)
+            self.request_id = self.usage.request_id
+        return None
+
+    def cancel(self) -> None:
+        """Cancel the RPC if it is still running (the server aborts the request). Idempotent."""
+        if not self._done:
+            self._done = True
+            self._call.cancel()
+
+
+class GenerateStream(_Stream):
+    """The chunks of one Generate RPC, as they arrive. After the last chunk, `usage` holds the request's
+    token counts and timings and `request_id` its id. `close()` (or leaving a `with` block, or dropping
+    the stream before its end) cancels the RPC."""
 
     def __iter__(self) -> GenerateStream:
         return self
@@ -56,22 +75,14 @@ class GenerateStream:
                 if cancelled_by_us:
                     break
                 raise _error(e) from None
-            kind = resp.WhichOneof("kind")
-            if kind == "chunk":
-                return _chunk(resp.chunk, self._want_logprobs)
-            if kind == "usage":
-                self.usage = _from_message(Usage, resp.usage)
-                self.request_id = self.usage.request_id
-            # Anything else is a kind added to the proto after this client: skip it.
+            chunk = self._take(resp)
+            if chunk is not None:
+                return chunk
         raise StopIteration
 
     def close(self) -> None:
         """Cancel the RPC if it is still running (the server aborts the request). Idempotent."""
-        if not self._done:
-            self._done = True
-            self._call.cancel()
-
-    cancel = close
+        self.cancel()
 
     def __enter__(self) -> GenerateStream:
         return self
@@ -86,17 +97,9 @@ class GenerateStream:
             pass
 
 
-class AsyncGenerateStream:
+class AsyncGenerateStream(_Stream):
     """The asyncio twin of GenerateStream: `async for chunk in stream`, then `stream.usage`.
     `await stream.aclose()` (or leaving an `async with` block, or dropping it) cancels the RPC."""
-
-    def __init__(self, call: Any, want_logprobs: bool, request_id: str) -> None:
-        self._call = call
-        self._want_logprobs = want_logprobs
-        self._done = False
-        self.request_id: str | None = request_id or None
-        self.usage: Usage | None = None
-        self._admission: Admission | None = None
 
     def __aiter__(self) -> AsyncGenerateStream:
         return self
@@ -129,19 +132,10 @@ class AsyncGenerateStream:
             if resp is grpc.aio.EOF:
                 self._done = True
                 break
-            kind = resp.WhichOneof("kind")
-            if kind == "chunk":
-                return _chunk(resp.chunk, self._want_logprobs)
-            if kind == "usage":
-                self.usage = _from_message(Usage, resp.usage)
-                self.request_id = self.usage.request_id
+            chunk = self._take(resp)
+            if chunk is not None:
+                return chunk
         raise StopAsyncIteration
-
-    def cancel(self) -> None:
-        """Cancel the RPC if it is still running (the server aborts the request). Idempotent."""
-        if not self._done:
-            self._done = True
-            self._call.cancel()
 
     async def aclose(self) -> None:
         self.cancel()
