@@ -1,4 +1,4 @@
-"""The `pagedserve` command line: serve, generate, chat, stats."""
+"""The `pagedserve` command line: serve, generate, chat, stats, health."""
 
 from __future__ import annotations
 
@@ -112,6 +112,33 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+# `pagedserve health` exit codes, for exec probes (Kubernetes, Docker HEALTHCHECK, scripts).
+HEALTH_SERVING, HEALTH_NOT_SERVING, HEALTH_UNREACHABLE = 0, 1, 2
+
+
+def _cmd_health(args: argparse.Namespace) -> int:
+    """Ask the gRPC health service once: 0 when SERVING (with --live: whenever the server answers), 1 when it
+    answers anything else (loading, draining, failed), 2 when nothing answers within --timeout."""
+    import grpc
+
+    from .client import PagedServeClient, PagedServeError, resolve_target
+
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
+    target = resolve_target(args.socket)
+    try:
+        with PagedServeClient(target, timeout=args.timeout) as client:
+            status = client.health(args.service)
+    except PagedServeError as e:
+        if e.code != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND is an answer: no such service
+            print(f"pagedserve health: {target} did not answer (timeout {args.timeout:g} s): "
+                  f"{e.code.name}: {e.message}", file=sys.stderr)
+            return HEALTH_UNREACHABLE
+        status = "SERVICE_UNKNOWN"
+    print(status)
+    return HEALTH_SERVING if status == "SERVING" or args.live else HEALTH_NOT_SERVING
+
+
 def _add_text_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -147,6 +174,15 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("stats", help="model info and live stats of a running server")
     st.add_argument("--socket", default=None)
     st.set_defaults(func=_cmd_stats)
+    h = sub.add_parser("health", help="exit 0 if a running server is SERVING (for exec probes), else 1 or 2",
+                       description=_cmd_health.__doc__)
+    h.add_argument("--socket", default=None,
+                   help=f"server socket path or host:port (default $PAGEDSERVE_SOCKET or {DEFAULT_SOCKET})")
+    h.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
+    h.add_argument("--service", default="", help="a service name (default '': the whole server)")
+    h.add_argument("--live", action="store_true",
+                   help="liveness: exit 0 on any answer, NOT_SERVING (loading, draining) included")
+    h.set_defaults(func=_cmd_health)
     from .bench_cli import add_bench_parser
 
     add_bench_parser(sub)
