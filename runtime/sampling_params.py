@@ -79,6 +79,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token id -> bias added to its raw logit before penalties and sampling (OpenAI's logit_bias, -100..100).
+    logit_bias: dict[int, float] | None = None
     # Guided decoding: the output follows a JSON Schema, regex, choice or grammar (see that class).
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -145,6 +147,8 @@ class SamplingParams:
             if self.logprobs < 0:
                 raise ValueError(f"logprobs must be non-negative (>= 0), got {self.logprobs}.")
 
+        self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -192,6 +196,22 @@ class SamplingParams:
                     f"stop_token_ids[{i}] must be a non-negative int, got {t!r}."
                 )
         return ids
+
+    @staticmethod
+    def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
+        if bias is None or (isinstance(bias, dict) and not bias):
+            return None
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}.")
+        out = {}
+        for t, v in bias.items():
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {t!r}.")
+            v = _as_float(f"logit_bias[{t}]", v)
+            if not -100.0 <= v <= 100.0:
+                raise ValueError(f"logit_bias[{t}] must be in [-100, 100], got {v}.")
+            out[t] = v
+        return out
 
     @classmethod
     def greedy(cls, **kwargs: Any) -> SamplingParams:

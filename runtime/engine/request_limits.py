@@ -93,6 +93,9 @@ def check_params(limits: RequestLimits, shape: ServerShape, params: SamplingPara
     bad = [t for t in params.stop_token_ids if t >= shape.vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids must be in [0, {shape.vocab_size}); got {bad[:5]}")
+    bad = [t for t in params.logit_bias or () if t >= shape.vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias token ids must be in [0, {shape.vocab_size}); got {bad[:5]}")
 
 
 def check_prompt_ids(shape: ServerShape, prompt: Sequence[object]) -> list[int]:

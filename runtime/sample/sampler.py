@@ -4,7 +4,8 @@ Pipeline for every step (row ``b`` belongs to request ``b``)::
 
     raw logits [B, V] --+--> log_softmax ------------------------------> logprobs, top_logprobs
                         |
-                        +--> repetition penalty (prompt + output tokens)
+                        +--> logit_bias (added to chosen ids' logits)
+                             repetition penalty (prompt + output tokens)
                              presence / frequency penalty (output tokens only)
                              banned ids -> -inf   (the engine's min_tokens eos ban, ...)
                              grammar bitmask: disallowed ids -> -inf   (structured outputs)

@@ -154,6 +154,7 @@ def apply_penalties_and_bans(
     Returns a new array when anything changes, else ``logits`` itself (never modified).
     """
     vocab_size = logits.shape[1]
+    bias_rows = [b for b, p in enumerate(params) if p.logit_bias]
     rep_rows = [b for b, p in enumerate(params) if p.repetition_penalty != 1.0]
     pf_rows = [
         b
@@ -165,9 +166,17 @@ def apply_penalties_and_bans(
         if banned_token_ids is not None
         else []
     )
-    if not (rep_rows or pf_rows or ban_rows):
+    if not (bias_rows or rep_rows or pf_rows or ban_rows):
         return logits
     out = logits.copy()
+
+    if bias_rows:
+        # OpenAI's logit_bias, first (as vLLM v1 does): added to the raw logit, so a repetition penalty then
+        # scales the biased value. Keys are unique per row, so the fancy in-place addition is exact.
+        keys = _flat_keys(bias_rows, [list(params[b].logit_bias) for b in bias_rows], vocab_size, "logit_bias")
+        bias = np.fromiter((v for b in bias_rows for v in params[b].logit_bias.values()), np.float32, len(keys))
+        r, t = xp.asarray(keys // vocab_size), xp.asarray(keys % vocab_size)
+        out[r, t] += xp.asarray(bias)
 
     if rep_rows:
         # HF / vLLM: every token seen in the prompt or the output, once, whatever its count.
