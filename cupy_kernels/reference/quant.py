@@ -128,3 +128,134 @@ def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
 def linear(x: np.ndarray, w: QuantWeight) -> np.ndarray:
     """The reference: x [T, in] @ dequantize(w).T -> [T, out], float32."""
     return np.asarray(x, dtype=np.float32) @ dequantize(w).T
+
+
+# -- k-quants: super-blocks of 256 weights ------------------------------------------------------------------
+#
+# llama.cpp's k-quants pack 256 weights (a super-block) with one or two float16 factors and small per-
+# sub-block scales. Byte layouts (ggml-common.h's block_q*_K), in file order:
+#
+#   Q2_K  84 B  scales[16] (low nibble scale, high nibble min, per 16 weights), qs[64] (2 bits), d, dmin
+#               w = d * (scale) * q - dmin * (min)
+#   Q3_K 110 B  hmask[32] (the 3rd bit), qs[64] (low 2 bits), scales[12] (16 6-bit scales, packed), d
+#               w = d * (scale - 32) * (q - (4 if the hmask bit is clear else 0))
+#   Q4_K 144 B  d, dmin, scales[12] (8 6-bit scales + 8 6-bit mins, per 32 weights), qs[128] (4 bits)
+#               w = d * scale * q - dmin * min
+#   Q5_K 176 B  d, dmin, scales[12] (as Q4_K), qh[32] (the 5th bit), qs[128] (low 4 bits)
+#               w = d * scale * q - dmin * min,  q = low | high << 4
+#   Q6_K 210 B  ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] (int8, per 16 weights), d
+#               w = d * scale * (q - 32)
+#
+# Within a super-block the quants run in chunks: Q4_K/Q5_K's qs[32 j : 32 j + 32] holds weights 64 j ..
+# 64 j + 31 in its low nibbles and 64 j + 32 .. 64 j + 63 in its high ones, the same byte feeding two sub-blocks
+# (Q5_K's qh[l] bit 2 j and 2 j + 1 are those two weights' 5th bits). Q6_K and Q2_K/Q3_K work per half of 128:
+# byte l of a 32-byte group serves the weights l, l + 32, l + 64, l + 96 of the half, at shifts 0, 2, 4, 6 (or
+# nibbles). The products keep llama.cpp's order (d * scale first, then times q, minus dmin * min), so the result
+# is bit-identical to its dequantize_row_q*_K and to the gguf package's.
+#
+# pagedserve dequantizes k-quants to float32 at load; it keeps no k-quant blocks for the decode kernels (the
+# Q8_0/Q4 paths above are the only weights read as blocks).
+
+QK_K = 256
+KQUANT_BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+KQUANT_TYPES = tuple(KQUANT_BLOCK_BYTES)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """[n, 2] bytes -> [n, 1] float32 from a little-endian float16."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _scale_min_k4(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes -> 8 scales and 8 mins (6 bits each), as float32 [n, 8].
+
+    Bytes 0-3 hold scales 0-3 in their low 6 bits, bytes 4-7 mins 0-3; scales/mins 4-7 take their low 4 bits from
+    the nibbles of bytes 8-11 and their top 2 bits from the top 2 bits of bytes 0-3 / 4-7.
+    """
+    lo, hi, mix = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    scales = np.concatenate([lo & 63, (mix & 15) | ((lo >> 6) << 4)], axis=1)
+    mins = np.concatenate([hi & 63, (mix >> 4) | ((hi >> 6) << 4)], axis=1)
+    return scales.astype(np.float32), mins.astype(np.float32)
+
+
+def _nibbles_by_chunk(qs: np.ndarray) -> np.ndarray:
+    """[n, 128] packed bytes -> [n, 8, 32] 4-bit values: chunk j's low nibbles, then its high nibbles."""
+    q = qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (q & 15).reshape(-1, 8, 32)
+
+
+def _dequant_q4_k(b: np.ndarray) -> np.ndarray:
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    scales, mins = _scale_min_k4(b[:, 4:16])
+    q = _nibbles_by_chunk(b[:, 16:144]).astype(np.float32)
+    return ((d * scales)[:, :, None] * q - (dmin * mins)[:, :, None]).reshape(-1, QK_K)
+
+
+def _dequant_q5_k(b: np.ndarray) -> np.ndarray:
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    scales, mins = _scale_min_k4(b[:, 4:16])
+    high = (b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1  # bit s: sub-block s
+    q = (_nibbles_by_chunk(b[:, 48:176]) | (high << 4)).astype(np.float32)
+    return ((d * scales)[:, :, None] * q - (dmin * mins)[:, :, None]).reshape(-1, QK_K)
+
+
+def _dequant_q6_k(b: np.ndarray) -> np.ndarray:
+    ql = b[:, 0:128].reshape(-1, 2, 2, 32)  # [n, half, byte group, 32]
+    qh = b[:, 128:192].reshape(-1, 2, 1, 32)
+    scales = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)  # per 16 weights
+    d = _f16(b[:, 208:210])
+    low = (ql.reshape(-1, 2, 1, 2, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1, 1)) & 15
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3  # [n, half, 4, 32]
+    q = low.reshape(-1, 2, 4, 32).astype(np.int16) | (high.astype(np.int16) << 4)  # weight 32 k + l of a half
+    q = (q - 32).astype(np.float32).reshape(-1, 16, 16)
+    return ((d * scales)[:, :, None] * q).reshape(-1, QK_K)
+
+
+def _dequant_q2_k(b: np.ndarray) -> np.ndarray:
+    packed = b[:, 0:16]
+    scales, mins = (packed & 15).astype(np.float32), (packed >> 4).astype(np.float32)
+    qs = b[:, 16:80].reshape(-1, 2, 1, 2, 16)  # [n, half, shift, 16-byte group, 16]
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    q = ((qs >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1, 1)) & 3).astype(np.float32)
+    q = q.reshape(-1, 16, 16)  # sub-block s = 16 weights with one scale, in weight order
+    return ((d * scales)[:, :, None] * q - (dmin * mins)[:, :, None]).reshape(-1, QK_K)
+
+
+def _dequant_q3_k(b: np.ndarray) -> np.ndarray:
+    hmask = b[:, 0:32].reshape(-1, 1, 1, 32)
+    qs = b[:, 32:96].reshape(-1, 2, 1, 32)  # [n, half, shift, 32]
+    packed = b[:, 96:108]
+    d = _f16(b[:, 108:110])
+    # 16 6-bit scales: low 4 bits from the nibbles of bytes 0-7 (scales 0-7 low nibbles, 8-15 high nibbles),
+    # top 2 bits from bytes 8-11 (byte 8 + k holds scales k, k + 4, k + 8, k + 12 at shifts 0, 2, 4, 6).
+    low = np.concatenate([packed[:, 0:8] & 15, packed[:, 0:8] >> 4], axis=1)
+    top = (packed[:, 8:12].reshape(-1, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)) & 3
+    scales = (low | (top.reshape(-1, 16) << 4)).astype(np.float32) - 32
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    q = ((qs >> shifts) & 3).astype(np.int8)  # [n, half, shift, 32]: weight 32 * shift + l of the half
+    bit = (hmask >> np.arange(8, dtype=np.uint8).reshape(1, 2, 4, 1)) & 1  # hmask bit 4 * half + shift
+    q = (q - np.where(bit == 1, 0, 4).astype(np.int8)).astype(np.float32).reshape(-1, 16, 16)
+    return ((d * scales)[:, :, None] * q).reshape(-1, QK_K)
+
+
+_KQUANT_DEQUANT = {"Q2_K": _dequant_q2_k, "Q3_K": _dequant_q3_k, "Q4_K": _dequant_q4_k, "Q5_K": _dequant_q5_k,
+                   "Q6_K": _dequant_q6_k}
+
+
+def dequantize_kquant(qtype: str, raw: np.ndarray) -> np.ndarray:
+    """The float32 weights of k-quant super-blocks: `raw` holds whole blocks (uint8, any shape whose size is a
+    multiple of the block bytes, as the file stores a tensor); returns a flat array of 256 weights per block."""
+    if qtype not in KQUANT_BLOCK_BYTES:
+        raise ValueError(f"quant type {qtype!r} is not one of {KQUANT_TYPES}")
+    size = KQUANT_BLOCK_BYTES[qtype]
+    raw = np.asarray(raw)
+    if raw.dtype != np.uint8:
+        raise ValueError(f"{qtype} blocks must be uint8 bytes, got {raw.dtype}")
+    if raw.size % size:
+        raise ValueError(f"{qtype} data of {raw.size} bytes is not a whole number of {size}-byte blocks")
+    blocks = raw.reshape(-1, size)
+    out = np.empty((blocks.shape[0], QK_K), dtype=np.float32)
+    step = 1 << 14  # blocks per slice: bounds the temporaries (about 16 MB of float32 per array)
+    for start in range(0, blocks.shape[0], step):
+        out[start:start + step] = _KQUANT_DEQUANT[qtype](blocks[start:start + step])
+    return out.reshape(-1)

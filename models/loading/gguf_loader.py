@@ -1,10 +1,12 @@
 """Loading GGUF files of the registry's architectures: config from metadata, tensors dequantized to float32.
 
+Every tensor is dequantized to float32 at load: k-quants (Q2_K to Q6_K, super-blocks of 256) by our numpy
+reference (cupy_kernels/reference/quant.py's `dequantize_kquant`), the other types by the gguf package.
 Matmul weights stored as Q8_0, Q4_0 or Q4_1 blocks are also kept as blocks (cupy_kernels/reference/quant.py), under
 the float32 weight's name plus ".q4.qs", ".q4.scales", ".q4.mins" or ".q8.qs", ".q8.scales"
 (`quant_names`); the model reads them back with `quant_weight`. The CPU's numba kernels multiply a few
-rows by the blocks directly (numba_quant.py); everything else uses the float32 weights, which are the
-blocks' exact values.
+rows by the blocks directly (numba_cpu/quant.py); everything else uses the float32 weights, which are the
+blocks' exact values. k-quant weights are not kept as blocks: a Q4_K_M file's decode runs on float32.
 
 llama.cpp's converter reorders the rows of q and k so that rotary pairs are interleaved
 (GPT-J style) for the families whose registry entry says so (Llama); our rotary op uses the Hugging Face
@@ -20,7 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from pagedserve.cupy_kernels.reference.quant import QUANT_TYPES, QuantWeight, kind_of, make_quant_weight, split_blocks
+from pagedserve.cupy_kernels.reference.quant import (
+    KQUANT_TYPES, QUANT_TYPES, QuantWeight, dequantize_kquant, kind_of, make_quant_weight, split_blocks,
+)
 
 from .. import registry
 from ..config import ModelConfig
@@ -106,6 +110,8 @@ def _dequantize(tensor, path) -> np.ndarray:
             return np.array(tensor.data, dtype=np.float32)
         if qtype in (GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
             return quants.dequantize(tensor.data, qtype).astype(np.float32)
+        if qtype.name in KQUANT_TYPES:
+            return dequantize_kquant(qtype.name, np.asarray(tensor.data))
         return quants.dequantize(tensor.data, qtype).astype(np.float32, copy=False)
     except NotImplementedError:
         raise ValueError(f"{path}: tensor {tensor.name!r} uses quant type {qtype.name}, "
