@@ -1,4 +1,5 @@
-"""A thin ctypes binding of libcublas: our own handle, stream and workspace, one call (cublasGemmEx).
+"""cuBLAS GEMMs with our own handle, stream and workspace: a thin ctypes binding of libcublas (CtypesApi), or
+nvmath-python's bindings (NvmathApi), the same calls either way; which one serves: cublas_route.py.
 
 Why: CuPy refuses every cuBLAS call while a stream is capturing (cupy_backends/cuda/libs/cublas.pyx's
 setStream raises NotImplementedError, `a @ b` and the low-level gemmEx alike; gpu-runs/2026-12-04/
@@ -199,38 +200,111 @@ def load_library(path: str | None = None) -> ctypes.CDLL:
     raise OSError("libcublas not found: " + "; ".join(errors[-3:]) if errors else "libcublas not found")
 
 
-class CublasGemm:
-    """One cuBLAS handle with its own workspace, following the caller's stream. `gemm_ptrs` is the whole
-    call on raw pointers (what the fake-library test drives); `matmul` is the CuPy front."""
+class CtypesApi:
+    """The calls CublasGemm makes, on a ctypes libcublas; a status other than success raises CublasError."""
 
-    def __init__(self, lib: ctypes.CDLL, workspace_ptr: int, workspace_bytes: int) -> None:
+    route = "ctypes"
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        self.handle = _P()
-        self._check("cublasCreate_v2", lib.cublasCreate_v2(ctypes.byref(self.handle)))
-        self._check("cublasSetMathMode", lib.cublasSetMathMode(self.handle, CUBLAS_DEFAULT_MATH))
-        self.workspace_ptr, self.workspace_bytes = workspace_ptr, workspace_bytes
-        self.stream_ptr: int | None = None
-        # alpha = 1, beta = 0 in both scale dtypes; host memory that lives as long as the handle.
-        self._scales = {np.dtype(d): (np.ones(1, d), np.zeros(1, d)) for d in (np.float32, np.float64)}
-        self.calls = 0
 
     @staticmethod
     def _check(call: str, status: int) -> None:
         if status != 0:
             raise CublasError(call, status)
 
-    def version(self) -> int:
+    def create(self) -> int:
+        handle = _P()
+        self._check("cublasCreate_v2", self.lib.cublasCreate_v2(ctypes.byref(handle)))
+        return handle.value or 0
+
+    def destroy(self, handle: int) -> None:
+        self._check("cublasDestroy_v2", self.lib.cublasDestroy_v2(_P(handle)))
+
+    def get_version(self, handle: int) -> int:
         v = _I()
-        self._check("cublasGetVersion_v2", self.lib.cublasGetVersion_v2(self.handle, ctypes.byref(v)))
+        self._check("cublasGetVersion_v2", self.lib.cublasGetVersion_v2(_P(handle), ctypes.byref(v)))
         return v.value
+
+    def set_math_mode(self, handle: int, mode: int) -> None:
+        self._check("cublasSetMathMode", self.lib.cublasSetMathMode(_P(handle), mode))
+
+    def set_stream(self, handle: int, stream: int) -> None:
+        self._check("cublasSetStream_v2", self.lib.cublasSetStream_v2(_P(handle), _P(stream)))
+
+    def set_workspace(self, handle: int, ptr: int, size: int) -> None:
+        self._check("cublasSetWorkspace_v2", self.lib.cublasSetWorkspace_v2(_P(handle), _P(ptr), ctypes.c_size_t(size)))
+
+    def gemm_ex(self, handle, transa, transb, m, n, k, alpha, a, atype, lda, b, btype, ldb, beta, c, ctype, ldc,
+                compute_type, algo) -> None:
+        self._check("cublasGemmEx", self.lib.cublasGemmEx(
+            _P(handle), transa, transb, m, n, k, _P(alpha), _P(a), atype, lda, _P(b), btype, ldb, _P(beta), _P(c),
+            ctype, ldc, compute_type, algo))
+
+
+class NvmathApi:
+    """The same calls through nvmath-python's bindings (nvmath.bindings.cublas: one function per cuBLAS call,
+    handles and pointers as ints, errors raised as nvmath's cuBLASError)."""
+
+    route = "nvmath"
+
+    def __init__(self) -> None:
+        from nvmath.bindings import cublas as nv  # optional: the probe says whether the image has it
+
+        self.nv = nv
+
+    def create(self) -> int:
+        return int(self.nv.create())
+
+    def destroy(self, handle: int) -> None:
+        self.nv.destroy(handle)
+
+    def get_version(self, handle: int) -> int:
+        return int(self.nv.get_version(handle))
+
+    def set_math_mode(self, handle: int, mode: int) -> None:
+        self.nv.set_math_mode(handle, mode)
+
+    def set_stream(self, handle: int, stream: int) -> None:
+        self.nv.set_stream(handle, stream)
+
+    def set_workspace(self, handle: int, ptr: int, size: int) -> None:
+        self.nv.set_workspace(handle, ptr, size)
+
+    def gemm_ex(self, *args) -> None:
+        self.nv.gemm_ex(*args)
+
+
+class CublasGemm:
+    """One cuBLAS handle with its own workspace, following the caller's stream. `gemm_ptrs` is the whole
+    call on raw pointers (what the fake-library test drives); `matmul` is the CuPy front."""
+
+    def __init__(self, api: Any, workspace_ptr: int, workspace_bytes: int) -> None:
+        if isinstance(api, ctypes.CDLL):
+            api = CtypesApi(api)
+        self.api = api
+        self.handle = api.create()
+        api.set_math_mode(self.handle, CUBLAS_DEFAULT_MATH)
+        self.workspace_ptr, self.workspace_bytes = workspace_ptr, workspace_bytes
+        self.stream_ptr: int | None = None
+        # alpha = 1, beta = 0 in both scale dtypes; host memory that lives as long as the handle.
+        self._scales = {np.dtype(d): (np.ones(1, d), np.zeros(1, d)) for d in (np.float32, np.float64)}
+        self.calls = 0
+        self.on_close: Any = None  # what else close() releases (make_cupy_gemm: the workspace)
+
+    @property
+    def route(self) -> str:
+        return self.api.route
+
+    def version(self) -> int:
+        return self.api.get_version(self.handle)
 
     def set_stream(self, stream_ptr: int) -> None:
         """Follow `stream_ptr`; the workspace is set again after every stream change (cuBLAS resets it)."""
         if stream_ptr == self.stream_ptr:
             return
-        self._check("cublasSetStream_v2", self.lib.cublasSetStream_v2(self.handle, _P(stream_ptr)))
-        self._check("cublasSetWorkspace_v2", self.lib.cublasSetWorkspace_v2(
-            self.handle, _P(self.workspace_ptr), ctypes.c_size_t(self.workspace_bytes)))
+        self.api.set_stream(self.handle, stream_ptr)
+        self.api.set_workspace(self.handle, self.workspace_ptr, self.workspace_bytes)
         self.stream_ptr = stream_ptr
 
     def gemm_ptrs(self, dtype: Any, plan: GemmPlan, x_ptr: int, w_ptr: int, out_ptr: int, stream_ptr: int) -> None:
@@ -238,11 +312,9 @@ class CublasGemm:
         self.set_stream(stream_ptr)
         alpha, beta = self._scales[types.scale_dtype]
         t = types.data_type
-        status = self.lib.cublasGemmEx(
-            self.handle, plan.transa, plan.transb, plan.m, plan.n, plan.k, _P(alpha.ctypes.data),
-            _P(w_ptr), t, plan.lda, _P(x_ptr), t, plan.ldb, _P(beta.ctypes.data), _P(out_ptr), t, plan.ldc,
-            types.compute_type, CUBLAS_GEMM_DEFAULT)
-        self._check("cublasGemmEx", status)
+        self.api.gemm_ex(self.handle, plan.transa, plan.transb, plan.m, plan.n, plan.k, alpha.ctypes.data, w_ptr, t,
+                         plan.lda, x_ptr, t, plan.ldb, beta.ctypes.data, out_ptr, t, plan.ldc, types.compute_type,
+                         CUBLAS_GEMM_DEFAULT)
         self.calls += 1
 
     def matmul(self, x, w, out=None):
@@ -266,16 +338,27 @@ class CublasGemm:
 
     def close(self) -> None:
         if self.handle:
-            self.lib.cublasDestroy_v2(self.handle)
-            self.handle = _P()
+            self.api.destroy(self.handle)
+            self.handle = 0
+            if self.on_close is not None:
+                self.on_close()
 
 
-def make_cupy_gemm(workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, lib: ctypes.CDLL | None = None) -> CublasGemm:
-    """A CublasGemm on the current device, its workspace a CuPy allocation that it keeps alive."""
+def make_cupy_gemm(route: str = "ctypes", workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> CublasGemm:
+    """A CublasGemm on the current device through `route` ("ctypes" or "nvmath"). Its workspace is a plain
+    cudaMalloc, outside CuPy's memory pools (a graph's private pool or a warm-up's throw-away pool must never
+    own it), freed by close()."""
     import cupy
 
     cupy.cuda.device.get_cublas_handle()  # CuPy loads its libcublas: ours is then the same file (/proc/self/maps)
-    workspace = cupy.empty(workspace_bytes, dtype=cupy.uint8)
-    g = CublasGemm(lib or load_library(), workspace.data.ptr, workspace_bytes)
-    g.workspace = workspace  # type: ignore[attr-defined]
+    api = CtypesApi(load_library()) if route == "ctypes" else NvmathApi() if route == "nvmath" else None
+    if api is None:
+        raise ValueError(f"cublas route {route!r}: expected 'ctypes' or 'nvmath'")
+    ptr = cupy.cuda.runtime.malloc(workspace_bytes)
+    try:
+        g = CublasGemm(api, ptr, workspace_bytes)
+    except BaseException:
+        cupy.cuda.runtime.free(ptr)
+        raise
+    g.on_close = lambda: cupy.cuda.runtime.free(ptr)
     return g

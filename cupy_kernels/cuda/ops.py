@@ -22,6 +22,7 @@ import numpy as np
 from ..batch_checks import check_slot_mapping
 from .attention import paged_attention, plan_attention  # noqa: F401 - the op table's (kernel_set.cuda_kernels)
 from .launch import _check_cache_pair, _dummy, _elements, _i32, _i64, _inner_contiguous, _next_pow2, _storage_type
+from . import cublas_route
 from .modules import _kernel
 
 # Read from here by the runtime, tests and benchmarks: the module table, the attention's launch planning.
@@ -57,9 +58,11 @@ def linear(x, weight_t, bias=None, quant=None):
     `quant` (host blocks of the same weight, ops.linear) is not used on the device.
 
     weight_t may be C- or F-contiguous (a tied lm_head is the embedding's transposed view); cuBLAS
-    reads either layout in place.
+    reads either layout in place. The GEMM is our own cuBLAS handle's when cublas_route.py's probe found
+    one that a stream capture records (CuPy's refuses), else CuPy's matmul.
     """
-    out = x @ weight_t
+    gemm = cublas_route.current_gemm() if x.ndim == 2 and weight_t.ndim == 2 else None
+    out = x @ weight_t if gemm is None else gemm.matmul(x, weight_t)
     if bias is not None:
         out += bias
     return out

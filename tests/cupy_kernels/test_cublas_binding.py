@@ -13,6 +13,8 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -157,3 +159,30 @@ def test_library_candidates_put_the_override_first(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_LIBCUBLAS", "/x/libcublas.so.99")
     found = cublas.find_libcublas()
     assert found[0] == "/x/libcublas.so.99" and not any("Lt" in c.rsplit("/", 1)[-1] for c in found)
+
+
+def test_the_nvmath_route_makes_the_same_calls(fake_lib, monkeypatch):
+    """NvmathApi against a stand-in for nvmath.bindings.cublas (ints for handles and pointers, as nvmath's
+    cpdef functions take them) that forwards to the fake library: the same log, the same products."""
+    ct = cublas.CtypesApi(fake_lib)
+    nv = types.ModuleType("nvmath.bindings.cublas")
+    for name in ("create", "destroy", "get_version", "set_math_mode", "set_stream", "set_workspace", "gemm_ex"):
+        setattr(nv, name, getattr(ct, name))
+    bindings = types.ModuleType("nvmath.bindings")
+    bindings.cublas = nv
+    monkeypatch.setitem(sys.modules, "nvmath", types.ModuleType("nvmath"))
+    monkeypatch.setitem(sys.modules, "nvmath.bindings", bindings)
+    monkeypatch.setitem(sys.modules, "nvmath.bindings.cublas", nv)
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((6, 10)).astype(np.float32), rng.standard_normal((10, 7)).astype(np.float32)
+    logs, outs = [], []
+    for api in (cublas.CtypesApi(fake_lib), cublas.NvmathApi()):
+        fake_lib.fake_cublas_reset()
+        g = cublas.CublasGemm(api, WORKSPACE, 1 << 20)
+        outs.append(_matmul(g, x, w))
+        g.close()
+        logs.append(_log(fake_lib))
+        assert g.route == api.route
+    assert logs[0] == logs[1] and len(logs[0]) == 6
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_allclose(outs[0], x @ w, rtol=1e-5, atol=1e-5)
