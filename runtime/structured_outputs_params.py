@@ -19,6 +19,9 @@ which the engine logs and the outputs carry (RequestOutput.warnings, the sidecar
     not, dependencies, if/then/else,  not enforced
     uniqueItems, contains, ...
     min/maxProperties on optional keys  not enforced
+    patternProperties that also match   not enforced, where the schemas recurse (llguidance cannot
+      a declared property                 intersect circular references: runtime/structured_output/
+                                          schema_rewrite.py, which first tries an exact rewrite)
 
 An output of such a schema is checked against the whole schema once it finishes (schema_check.py) and a
 violation is reported on it (CompletionOutput.schema_violations), never passed as valid. ``strict=True``
@@ -53,6 +56,9 @@ JSON_COMPILE_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "
 # the schema's own "x-guidance" so that nothing is approximated.
 JSON_LENIENT = {**JSON_COMPILE_DEFAULTS, "lenient": True, "coerce_one_of": True}
 JSON_STRICT_OVERRIDES = {"lenient": False, "coerce_one_of": False}
+# llguidance's refusals of recursive intersections, which runtime/structured_output/schema_rewrite.py works around.
+RECURSIVE_INTERSECTION = ("circular references with sibling keys are not supported",
+                          "Schema intersection stack level exceeded")
 # At most this many warnings are kept (and sent) per constraint.
 MAX_WARNINGS = 16
 
@@ -79,6 +85,8 @@ def unenforced_keywords(message: str, schema_text: str) -> list[tuple[str, str]]
         return [(k[:40], "not enforced") for k in keys]
     if message.startswith("oneOf"):
         return [("oneOf", "approximated as anyOf (a value matching several branches is not refused)")]
+    if message.startswith("patternProperties beside"):
+        return [("patternProperties", "not enforced where a pattern also matches a declared property that recurses")]
     if message.startswith("min/maxProperties"):
         found = [k for k in ("minProperties", "maxProperties") if f'"{k}"' in schema_text]
         return [(k, "not enforced where some properties are optional") for k in found or ["minProperties"]]
@@ -150,6 +158,8 @@ class StructuredOutputsParams:
             except ValueError as e:
                 raise ValueError(f"{fname} is not a valid JSON Schema: {_quote(str(e))}") from None
             is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, None)
+            if is_error and any(m in messages[0] for m in RECURSIVE_INTERSECTION):
+                grammar, is_error, messages = self._recompile_circular(schema, grammar, messages)
             if is_error:
                 named = unenforced_keywords(messages[0], text)
                 if named:  # strict: what a lenient compile would have approximated
@@ -188,6 +198,39 @@ class StructuredOutputsParams:
             what = {"json": "JSON Schema", "regex": "regular expression"}.get(kind, "grammar")
             raise ValueError(f"{fname} is not a valid {what}: {_quote(messages[0])}")
         return grammar
+
+    def _recompile_circular(self, schema: Any, grammar: str, messages: list[str]) -> tuple[str, bool, list[str]]:
+        """llguidance refused to intersect recursive schemas: try again on schema_rewrite's forms of the schema,
+        the exact one first, then the one without overlapping patternProperties (lenient only: strict refuses,
+        naming patternProperties, when that is what it would have taken)."""
+        import llguidance as llg
+
+        from .structured_output.schema_rewrite import drop_overlapping_pattern_properties, flatten_all_of
+
+        options = (dict(defaults=JSON_COMPILE_DEFAULTS, overrides=JSON_STRICT_OVERRIDES) if self.strict
+                   else dict(defaults=JSON_LENIENT))
+
+        def compile_(candidate: Any) -> tuple[str, bool, list[str]] | None:
+            try:
+                g = llg.LLMatcher.grammar_from_json_schema(json.dumps(candidate), **options)
+            except ValueError:
+                return None
+            is_error, found = llg.LLMatcher.validate_grammar_with_warnings(g, None)
+            return None if is_error else (g, False, found)
+
+        exact = flatten_all_of(schema)
+        done = compile_(exact)
+        if done is not None:
+            return done
+        loose, dropped = drop_overlapping_pattern_properties(exact)
+        done = compile_(loose) if dropped else None
+        if done is None:
+            return grammar, True, messages
+        if self.strict:
+            return grammar, True, [f"patternProperties beside a declared property that recurses: {messages[0]}"]
+        self.warnings.append(f"patternProperties: not enforced on {dropped} object(s) where a pattern also matches "
+                             f"a declared property (llguidance cannot intersect recursive schemas)")
+        return done
 
     @staticmethod
     def _check_size(fname: str, text: str) -> None:
