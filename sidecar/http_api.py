@@ -2,134 +2,96 @@
 
     POST /v1/completions, POST /v1/chat/completions   (streaming as server-sent events, or whole)
     GET  /v1/models, GET /v1/models/{name}, GET /health (200 only while SERVING)
+    GET  /metrics                                      (the Prometheus registry of --metrics-port)
+    POST /tokenize, POST /detokenize                   (vLLM's shapes)
 
 A request becomes SamplingParams exactly as a gRPC one does, under the same limits (max_prompt_chars,
-max_chat_messages, the queue's max_waiting_requests). Errors come in OpenAI's shape (http_models.ApiError):
-a ValueError is 400 naming the field, a bad or missing API key 401, an unknown model or route 404, a full
-queue 429, a server loading or draining 503. A client that disconnects, whether streaming or waiting for
-a whole answer, leaves the engine's generator, which aborts the request and frees its blocks.
-
-uvicorn serves it as a task on the server's own loop (HttpServer); the sidecar keeps SIGTERM (drain).
+max_chat_messages, the queue's max_waiting_requests, the body size gRPC accepts). Errors come in OpenAI's
+shape (http_errors.py: 400 naming the field, 401, 404, 413, 429, 503). A client that disconnects, whether
+streaming or waiting for a whole answer, leaves the engine's generators, which abort their requests and
+free their blocks. Server-sent events are framed by sse-starlette. uvicorn serves it (http_server.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import re
-import secrets
-import socket
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
 import anyio
-import structlog
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedserve.runtime.engine.async_engine import LONG_PROMPT_CHARS, AsyncEngine, EngineStoppedError, QueueFullError
-from pagedserve.runtime.kv_transfer.kv_connector import KVTransferError
-from pagedserve.runtime.outputs import RequestOutput
+from pagedserve.runtime.engine.async_engine import LONG_PROMPT_CHARS, AsyncEngine
 from pagedserve.runtime.sampling_params import SamplingParams
+from pagedserve.runtime.structured_outputs_params import StructuredOutputsParams
 
-from .http_models import ApiError, ChatCompletionRequest, CompletionRequest
-from .http_render import ChatRender, CompletionRender, Render
+from .http_errors import ApiKeyMiddleware, BodyLimitMiddleware, error_for, http_error, invalid_body
+from .http_models import ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest
+from .http_outputs import Outputs
+from .http_render import ChatRender, CompletionRender, Render, RenderOptions
+from .http_server import HttpServer
 from .servicer import CHAT_ROLES
 
-log = structlog.get_logger("pagedserve.http")
-
-
-# pydantic names the member of a union a value failed in ("str", "list[int]"): not a field, left out of `param`.
-_TYPE_TAG = re.compile(r"str|int|float|bool|none|(list|dict|function-\w+)\[.*\]|list|dict")
+__all__ = ["HttpApi", "HttpServer"]
 
 
 class ClientGone(Exception):
     """The HTTP client disconnected before its answer was ready."""
 
 
-def error_for(e: BaseException, fields: set[str] | None = None) -> ApiError:
-    """The OpenAI-shaped answer to an exception raised while preparing or running a request."""
-    if isinstance(e, ApiError):
-        return e
-    if isinstance(e, ValueError):  # SamplingParams, the engine's limits, the chat template: the message names it
-        first = re.match(r"[A-Za-z_][\w.\[\]]*", str(e))
-        name = first.group(0) if first else None
-        param = name if name and (name.split("[")[0].split(".")[0] in (fields or set())) else None
-        return ApiError(400, str(e), param, "invalid_value")
-    if isinstance(e, QueueFullError):
-        return ApiError(429, str(e), None, "queue_full")
-    if isinstance(e, (EngineStoppedError, KVTransferError)):
-        return ApiError(503, str(e), None, "unavailable")
-    log.error("http.request_failed", error=repr(e))
-    return ApiError(500, f"request failed: {e!r}", None, "internal_error")
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: {model, prompt} or {model, messages}."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
 
 
-class ApiKeyMiddleware:
-    """Pure ASGI (streaming untouched): /v1/* needs "Authorization: Bearer KEY"; /health stays open."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app, self.key = app, api_key.encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
-                err = ApiError(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
-                               None, "invalid_api_key")
-                await JSONResponse(err.body(), 401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
 
 
 class HttpApi:
     def __init__(self, get_engine: Callable[[], AsyncEngine | None], model_name: Callable[[], str],
-                 serving: Callable[[], bool], max_prompt_chars: int, max_chat_messages: int) -> None:
+                 serving: Callable[[], bool], max_prompt_chars: int, max_chat_messages: int,
+                 metrics_registry: Any = None) -> None:
         self._get_engine, self._model_name, self._serving = get_engine, model_name, serving
         self.max_prompt_chars, self.max_chat_messages = max_prompt_chars, max_chat_messages
+        self.metrics_registry = metrics_registry  # prometheus_client registry, or None: /metrics is 404
         self.created = int(time.time())
+        self._token_texts: dict[int, str] = {}
 
     def app(self, api_key: str | None = None):
+        from .server import max_receive_bytes  # the gRPC path's cap on a request's bytes
+
         app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(ApiError, lambda _r, e: JSONResponse(e.body(), e.status))
         app.add_exception_handler(ClientGone, lambda _r, _e: Response(status_code=499))  # nobody reads it
-        app.add_exception_handler(RequestValidationError, self._invalid)
-        app.add_exception_handler(StarletteHTTPException, self._http_error)
+        app.add_exception_handler(RequestValidationError, invalid_body)
+        app.add_exception_handler(StarletteHTTPException, http_error)
         app.add_exception_handler(Exception, lambda _r, e: JSONResponse(error_for(e).body(), 500))
         app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/models/{name:path}", self.model, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
-        return ApiKeyMiddleware(app, api_key) if api_key else app
-
-    # -- errors -----------------------------------------------------------------------------------
-
-    @staticmethod
-    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        loc = [p for p in first.get("loc", ()) if p != "body" and not _TYPE_TAG.fullmatch(str(p))]
-        if first.get("type") == "json_invalid" or (loc and isinstance(loc[0], int)):
-            return JSONResponse(ApiError(400, f"the body is not valid JSON: {first['msg']}", None,
-                                         "invalid_json").body(), 400)
-        if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
-            return JSONResponse(ApiError(400, "the body must be a JSON object, sent with Content-Type: "
-                                         "application/json", None, "invalid_json").body(), 400)
-        param = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(loc))
-        message = f"{param}: {first['msg']}" if param else str(first["msg"])
-        return JSONResponse(ApiError(400, message, param or None, "invalid_value").body(), 400)
-
-    @staticmethod
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
-                   else str(exc.detail))
-        status = 404 if exc.status_code == 405 else exc.status_code
-        return JSONResponse(ApiError(status, message, None, "not_found" if status == 404 else None).body(), status)
+        wrapped = ApiKeyMiddleware(app, api_key) if api_key else app
+        return BodyLimitMiddleware(wrapped, max_receive_bytes(self.max_prompt_chars))
 
     # -- plain routes -----------------------------------------------------------------------------
 
@@ -145,6 +107,13 @@ class HttpApi:
         if self._get_engine() is None or not self._serving():
             raise ApiError(503, "not serving (loading or shutting down)", None, "not_serving")
         return JSONResponse({"status": "ok"})
+
+    async def metrics(self) -> Response:
+        if self.metrics_registry is None:
+            raise ApiError(404, "metrics are off", None, "not_found")
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return PlainTextResponse(generate_latest(self.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
     def _card(self, engine: AsyncEngine) -> dict:
         return {"id": self._model_name(), "object": "model", "created": self.created, "owned_by": "pagedserve",
@@ -163,34 +132,84 @@ class HttpApi:
             raise ApiError(404, f"model {name[:200]!r} does not exist; this server serves "
                            f"{self._model_name()!r}", "model", "model_not_found")
 
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        engine = self._engine()
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "set one of prompt or messages", "prompt", "invalid_value")
+        if body.messages is not None:
+            messages = self._chat_messages(body.messages)
+            ids = await _maybe_off_loop(sum(len(m["content"]) for m in messages), engine.tokenize_chat, messages,
+                                        body.add_generation_prompt)
+        else:
+            self._check_text(body.prompt, "prompt")
+            add = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await _maybe_off_loop(len(body.prompt), engine.tokenize, body.prompt, add)
+        return {"count": len(ids), "max_model_len": engine.model_info().max_model_len, "tokens": ids}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        engine = self._engine()
+        self._check_model(body.model)
+        if len(body.tokens) > self.max_prompt_chars:  # every token is at least a character of text
+            raise ApiError(400, f"tokens has {len(body.tokens)} ids; the limit is {self.max_prompt_chars} "
+                           f"(max_prompt_chars)", "tokens", "invalid_value")
+        bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise ApiError(400, f"tokens must be in [0, {engine.vocab_size}); got {bad[:5]}", "tokens",
+                           "invalid_value")
+        return {"prompt": engine.detokenize(body.tokens)}
+
     # -- generation -------------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, request: Request):
         engine = self._prepare(body)
-        prompt = self._completion_prompt(body.prompt)
-        render = CompletionRender(f"cmpl-{uuid.uuid4().hex}", self._model_name(), body.return_token_ids)
-        return await self._generate(request, engine, body, prompt, body.max_tokens, render)
+        prompts = self._completion_prompts(body.prompt, engine)
+        if body.echo and body.logprobs is not None:
+            raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which this server does not "
+                           "compute", "echo", "unsupported")
+        echo = None
+        if body.echo:
+            echo = [p if isinstance(p, str) else engine.detokenize(p, skip_special_tokens=False) for p in prompts]
+        opts = RenderOptions(n=body.n, num_prompts=len(prompts), return_token_ids=body.return_token_ids,
+                             logprobs=body.logprobs, token_text=self._token_text(engine), echo=echo)
+        render = CompletionRender(f"cmpl-{uuid.uuid4().hex}", self._model_name(), opts)
+        return await self._generate(request, engine, body, prompts, body.max_tokens, render)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         engine = self._prepare(body)
-        messages = self._chat_messages(body)
+        if body.uses_tools():  # the seam for sidecar/tool_calls.py: prompt with tools, grammar, parsed calls
+            raise ApiError(400, "tools (with tool_choice other than 'none') are not supported by this server's "
+                           "HTTP API yet", "tools", "unsupported")
+        messages = self._chat_messages(body.messages)
         try:
-            if sum(len(m["content"]) for m in messages) > LONG_PROMPT_CHARS:
-                ids = await asyncio.to_thread(engine.tokenize_chat, messages, body.add_generation_prompt)
-            else:
-                ids = engine.tokenize_chat(messages, add_generation_prompt=body.add_generation_prompt)
+            ids = await _maybe_off_loop(sum(len(m["content"]) for m in messages), engine.tokenize_chat, messages,
+                                        body.add_generation_prompt)
         except ValueError as e:
             raise ApiError(400, str(e), "messages", "invalid_value") from None
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        render = ChatRender(f"chatcmpl-{uuid.uuid4().hex}", self._model_name(), body.return_token_ids)
-        return await self._generate(request, engine, body, ids, limit, render)
+        opts = RenderOptions(n=body.n, return_token_ids=body.return_token_ids,
+                             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                             token_text=self._token_text(engine))
+        render = ChatRender(f"chatcmpl-{uuid.uuid4().hex}", self._model_name(), opts)
+        return await self._generate(request, engine, body, [ids], limit, render)
 
     def _prepare(self, body) -> AsyncEngine:
         engine = self._engine()
         self._check_model(body.model)
         if (name := body.unsupported()) is not None:
-            raise ApiError(400, f"{name} is not supported by this server's HTTP API yet", name, "unsupported")
+            raise ApiError(400, f"{name} is not supported by this server's HTTP API", name, "unsupported")
+        body.check()
         return engine
+
+    def _token_text(self, engine: AsyncEngine) -> Callable[[int], str]:
+        texts = self._token_texts  # the vocabulary, decoded once per token id as logprobs need it
+
+        def text(token_id: int) -> str:
+            s = texts.get(token_id)
+            if s is None:
+                s = texts[token_id] = engine.detokenize([token_id], skip_special_tokens=False)
+            return s
+        return text
 
     def _check_text(self, text: str, field: str) -> None:
         _check_unicode(text, field)
@@ -198,27 +217,31 @@ class HttpApi:
             raise ApiError(400, f"{field} is {len(text)} characters; the limit is {self.max_prompt_chars}",
                            field, "invalid_value")
 
-    def _completion_prompt(self, prompt) -> str | list[int]:
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise ApiError(400, f"prompt holds {len(prompt)} prompts; this server takes one per request "
-                               f"(send one request each)", "prompt", "unsupported")
-            prompt = prompt[0]
-        if not prompt:
-            raise ApiError(400, "prompt is empty", "prompt", "invalid_value")
-        if isinstance(prompt, str):
-            self._check_text(prompt, "prompt")
-        return prompt  # token ids: the engine checks their range and length before copying them
+    def _completion_prompts(self, prompt, engine: AsyncEngine) -> list[str | list[int]]:
+        prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+        if len(prompts) > engine.max_waiting_requests:
+            raise ApiError(400, f"prompt holds {len(prompts)} prompts; the limit is {engine.max_waiting_requests} "
+                           f"(max_waiting_requests)", "prompt", "invalid_value")
+        for i, p in enumerate(prompts):
+            field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if not p:
+                raise ApiError(400, f"{field} is empty", field, "invalid_value")
+            if isinstance(p, str):
+                self._check_text(p, field)
+        return prompts  # token ids: the engine checks their range and length before copying them
 
-    def _chat_messages(self, body: ChatCompletionRequest) -> list[dict[str, str]]:
-        if len(body.messages) > self.max_chat_messages:
-            raise ApiError(400, f"messages has {len(body.messages)} messages; the limit is {self.max_chat_messages}",
+    def _chat_messages(self, messages: list[ChatMessage]) -> list[dict[str, str]]:
+        if len(messages) > self.max_chat_messages:
+            raise ApiError(400, f"messages has {len(messages)} messages; the limit is {self.max_chat_messages}",
                            "messages", "invalid_value")
         out, total = [], 0
-        for i, m in enumerate(body.messages):
+        for i, m in enumerate(messages):
             if m.role not in CHAT_ROLES:
                 raise ApiError(400, f"messages[{i}].role {m.role[:40]!r} is not one of {list(CHAT_ROLES)}",
                                f"messages[{i}].role", "invalid_value")
+            if m.tool_calls:  # the seam for sidecar/tool_calls.py (rendered by the chat template's tool support)
+                raise ApiError(400, f"messages[{i}].tool_calls are not supported by this server's HTTP API yet",
+                               f"messages[{i}].tool_calls", "unsupported")
             text = m.text()
             self._check_text(text, f"messages[{i}].content")
             total += len(text)
@@ -228,36 +251,57 @@ class HttpApi:
                            "messages", "invalid_value")
         return out
 
-    async def _generate(self, request: Request, engine: AsyncEngine, body, prompt: str | list[int],
-                        max_tokens: int | None, render: Render):
+    def _params(self, engine: AsyncEngine, body, prompts: list, max_tokens: int | None) -> list[SamplingParams]:
+        """One SamplingParams per prompt (they differ only in max_tokens when it is unset); ValueError or
+        ApiError naming the field."""
+        for i, stop in enumerate([body.stop] if isinstance(body.stop, str) else body.stop or []):
+            _check_unicode(stop, f"stop[{i}]")
+        kwargs = body.sampling_kwargs()
+        if body.stream and (kwargs.get("best_of") or body.n) > body.n:
+            raise ApiError(400, "best_of > n cannot stream (only the best n are known, at the end)", "best_of",
+                           "invalid_value")
+        so = structured_outputs(body)
+        if so is not None:
+            kwargs["structured_outputs"] = so
+        context = engine.model_info().max_model_len
+        params = []
+        for i, p in enumerate(prompts):
+            if max_tokens is None:  # the rest of the context, as vLLM does; a text prompt is tokenized once, here
+                if isinstance(p, str):
+                    p = prompts[i] = engine.tokenize(p)  # a long one was, off the loop, by _generate
+                params.append(SamplingParams(max_tokens=max(1, context - len(p)), **kwargs))
+            else:
+                params.append(SamplingParams(max_tokens=max_tokens, **kwargs))
+        return params
+
+    async def _generate(self, request: Request, engine: AsyncEngine, body, prompts: list, max_tokens: int | None,
+                        render: Render):
         fields = set(type(body).model_fields)
         try:
-            if max_tokens is None:  # the rest of the context, as vLLM does; a text prompt is tokenized once, here
-                if isinstance(prompt, str):
-                    prompt = (await asyncio.to_thread(engine.tokenize, prompt) if len(prompt) > LONG_PROMPT_CHARS
-                              else engine.tokenize(prompt))
-                max_tokens = max(1, engine.model_info().max_model_len - len(prompt))
-            for i, stop in enumerate([body.stop] if isinstance(body.stop, str) else body.stop or []):
-                _check_unicode(stop, f"stop[{i}]")
-            params = SamplingParams(max_tokens=max_tokens, **body.sampling_kwargs())
+            if max_tokens is None:  # long text prompts are tokenized off the loop before _params counts them
+                for i, p in enumerate(prompts):
+                    if isinstance(p, str) and len(p) > LONG_PROMPT_CHARS:
+                        prompts[i] = await asyncio.to_thread(engine.tokenize, p)
+            params = self._params(engine, body, prompts, max_tokens)
         except ValueError as e:
             err = error_for(e, fields)
             if err.param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
                 err.param = "max_completion_tokens"
             raise err from None
-        outputs = engine.generate(render.request_id, prompt, params)
+        ids = [render.request_id if len(prompts) == 1 else f"{render.request_id}-{i}" for i in range(len(prompts))]
+        outputs = Outputs([engine.generate(rid, p, sp) for rid, p, sp in zip(ids, prompts, params)])
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        if not body.stream:
-            async with contextlib.aclosing(outputs):
-                last = await self._until_disconnect(request, lambda: _last(outputs), fields)
-            return JSONResponse(render.whole(last, params.n))
-        try:  # the first output before any header: refusals (bad input, full queue) get their status
-            first = await self._until_disconnect(request, lambda: anext(outputs, None), fields)
+        try:  # every prompt's first output before any header: refusals (bad input, full queue) get their status
+            await self._until_disconnect(request, outputs.prime, fields)
+            last = await self._until_disconnect(request, outputs.collect, fields) if not body.stream else None
         except BaseException:
             await outputs.aclose()
             raise
-        return StreamingResponse(self._events(outputs, first, render, params.n, include_usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        if not body.stream:
+            await outputs.aclose()
+            return JSONResponse(render.whole(last))
+        return EventSourceResponse(self._events(outputs, render, include_usage), sep="\n",
+                                   headers={"Cache-Control": "no-cache"}, ping=15)
 
     @staticmethod
     async def _until_disconnect(request: Request, fn: Callable[[], Any], fields: set[str]) -> Any:
@@ -284,27 +328,54 @@ class HttpApi:
         return result[0]
 
     @staticmethod
-    async def _events(outputs: AsyncIterator[RequestOutput], first: RequestOutput | None, render: Render,
-                      n: int, include_usage: bool) -> AsyncIterator[str]:
-        """Server-sent events; a disconnect cancels this generator, and leaving it aborts the request."""
-        async with contextlib.aclosing(outputs):
-            for event in render.start(n):
-                yield _sse(event)
-            last, out = None, first
+    async def _events(outputs: Outputs, render: Render, include_usage: bool) -> AsyncIterator[str]:
+        """The stream's events (sse-starlette frames each as "data: ..."); a disconnect cancels this generator,
+        and closing `outputs` aborts the requests."""
+        def dump(obj: dict) -> str:
+            return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+        try:
+            for event in render.start():
+                yield dump(event)
             try:
-                while out is not None:
-                    last = out
-                    for event in render.deltas(out):
-                        yield _sse(event)
-                    out = None if out.finished else await anext(outputs, None)
+                async for p, out in outputs:
+                    for event in render.deltas(p, out):
+                        yield dump(event)
             except Exception as e:  # after the headers went out: the error is the stream's last event
-                yield _sse(error_for(e).body())
+                yield dump(error_for(e).body())
                 return
-            for event in render.unfinished(n):  # aborted (the gRPC Abort RPC) without a final output
-                yield _sse(event)
+            for event in render.unfinished():  # aborted (the gRPC Abort RPC) without a final output
+                yield dump(event)
             if include_usage:
-                yield _sse(render.usage_chunk(last))
-            yield "data: [DONE]\n\n"
+                yield dump(render.usage_chunk(outputs.last))
+            yield "[DONE]"
+        finally:
+            await outputs.aclose()
+
+
+def structured_outputs(body) -> StructuredOutputsParams | None:
+    """response_format (OpenAI) or structured_outputs (vLLM's extra) as runtime's StructuredOutputsParams;
+    ValueError or ApiError naming the field."""
+    rf = body.response_format if body.response_format is not None and body.response_format.type != "text" else None
+    if rf is not None and body.structured_outputs is not None:
+        raise ApiError(400, "set response_format or structured_outputs, not both", "structured_outputs",
+                       "invalid_value")
+    if body.structured_outputs is not None:
+        return StructuredOutputsParams(**body.structured_outputs.params_kwargs())
+    if rf is None:
+        return None
+    if rf.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    try:
+        return StructuredOutputsParams(json=rf.json_schema.schema_, strict=bool(rf.json_schema.strict))
+    except ValueError as e:
+        message = str(e).replace("structured_outputs.json", "response_format.json_schema.schema", 1)
+        raise ApiError(400, message, "response_format.json_schema.schema", "invalid_value") from None
+
+
+async def _maybe_off_loop(size: int, fn: Callable, *args: Any) -> Any:
+    """fn(*args), in a worker thread when the input is long (tokenizing it takes long enough to stall streams)."""
+    return await asyncio.to_thread(fn, *args) if size > LONG_PROMPT_CHARS else fn(*args)
 
 
 def _check_unicode(text: str, field: str) -> None:
@@ -314,47 +385,3 @@ def _check_unicode(text: str, field: str) -> None:
     except UnicodeEncodeError as e:
         raise ApiError(400, f"{field} is not valid Unicode: {e.reason} at character {e.start}", field,
                        "invalid_value") from None
-
-
-async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
-    last = None
-    async for out in outputs:
-        last = out
-    return last
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-class _Uvicorn(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self):  # the sidecar owns SIGTERM and SIGINT (they drain the whole server)
-        yield
-
-
-class HttpServer:
-    """uvicorn on the running event loop, on a socket bound at construction (a taken port fails at start,
-    and port 0 is known at once)."""
-
-    def __init__(self, app, host: str, port: int) -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.create_server((host, port), family=family, backlog=2048)
-        self.sock.setblocking(False)
-        self.address = f"http://{host if family == socket.AF_INET else f'[{host}]'}:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", timeout_keep_alive=5,
-                                timeout_graceful_shutdown=2)
-        self.server = _Uvicorn(config)
-        self.task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.sock]))
-
-    async def stop(self, timeout: float = 5.0) -> None:
-        self.server.should_exit = True
-        if self.task is None:
-            self.sock.close()
-            return
-        done, _ = await asyncio.wait([self.task], timeout=timeout)
-        if not done:
-            self.task.cancel()

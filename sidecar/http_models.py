@@ -2,23 +2,26 @@
 
 Field names and defaults follow OpenAI's Completions and Chat Completions APIs, plus vLLM's extras
 (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
-return_token_ids). Types are checked here; ranges are SamplingParams' own checks (one ValueError naming
-the field, answered 400). Unknown fields are ignored, as OpenAI's SDKs send new ones before servers know
-them; known fields this server does not implement yet are refused by name (`unsupported`), never ignored.
+return_token_ids, structured_outputs). Types are checked here; ranges are SamplingParams' own checks and
+the engine's limits (one ValueError naming the field, answered 400). Unknown top-level fields are ignored,
+as OpenAI's SDKs send new ones before servers know them; known fields this server does not implement are
+refused by name (`unsupported`), never ignored. Nested objects this server reads (response_format,
+structured_outputs, tools) refuse unknown keys, so a typo is not silently a request without its constraint.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class ApiError(Exception):
     """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
+             413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -29,12 +32,82 @@ class ApiError(Exception):
                           "param": self.param, "code": self.code}}
 
 
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema {name, schema, strict}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("type json_schema needs json_schema.schema")
+        return self
+
+
+class StructuredOutputsBody(_Strict):
+    """vLLM's extra body field: exactly one of json, regex, choice, grammar, json_object (checked by
+    runtime's StructuredOutputsParams, which names the field), and strict for json."""
+
+    json_: dict | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    strict: bool = False
+
+    def params_kwargs(self) -> dict[str, Any]:
+        return {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                "json_object": self.json_object, "strict": self.strict}
+
+
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _name(self) -> FunctionDef:
+        if not _FUNCTION_NAME.fullmatch(self.name):
+            raise ValueError(f"function name {self.name[:80]!r} must be 1-64 of a-z, A-Z, 0-9, '_' and '-'")
+        return self
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     model: str | None = None
     n: int = 1
@@ -51,53 +124,85 @@ class _Common(BaseModel):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as vLLM does
     return_token_ids: bool = False  # vLLM's extra: the prompt's and each choice's token ids in the answer
-
-    # Known OpenAI fields not served yet: refused by name when set to anything but their "off" value.
-    logprobs: Any = None
-    logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
-    response_format: dict | None = None
-    tools: list | None = None
-    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
 
     SAMPLING: ClassVar[tuple[str, ...]] = (
         "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-        "seed", "min_tokens", "ignore_eos", "skip_special_tokens", "stop_token_ids")
+        "seed", "min_tokens", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "stop_token_ids")
+    # Known OpenAI fields this server does not implement: refused by name when set to anything but "off".
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = ()
 
     def unsupported(self) -> str | None:
-        """The first field set that this server does not implement over HTTP yet, or None."""
-        for name in ("logprobs", "logit_bias", "best_of", "response_format", "tools", "tool_choice", "echo",
-                     "suffix", "top_logprobs"):
-            value = getattr(self, name, None)
-            off = value is None or value is False or value == {} or value == [] or (name == "best_of" and value == 1)
-            if not off:
+        """The first field set that this server does not implement over HTTP, or None."""
+        for name in self.UNSUPPORTED:
+            value = (self.model_extra or {}).get(name, getattr(self, name, None))
+            if value not in (None, False, {}, []):
                 return name
         return None
 
+    def check(self) -> None:
+        """Checks across fields (ApiError naming the field); none here."""
+
     def sampling_kwargs(self) -> dict[str, Any]:
-        """SamplingParams keywords of the fields the client set (the rest keep SamplingParams' defaults)."""
+        """SamplingParams keywords of the fields the client set (the rest keep SamplingParams' defaults).
+        logit_bias keys are token ids as strings (JSON's object keys): a key that is not one is refused."""
         kwargs = {name: getattr(self, name) for name in self.SAMPLING if getattr(self, name) is not None}
         if self.stop is not None:
             kwargs["stop"] = self.stop
+        if self.logit_bias:
+            bias = {}
+            for key, value in self.logit_bias.items():
+                if not re.fullmatch(r"\d{1,9}", key.strip()):
+                    raise ValueError(f"logit_bias keys must be token ids (\"123\"), got {key[:40]!r}")
+                bias[int(key)] = value
+            kwargs["logit_bias"] = bias
         return kwargs
 
 
 class CompletionRequest(_Common):
-    """POST /v1/completions. prompt: a string, a list of token ids, or a one-element list of either."""
+    """POST /v1/completions. prompt: a string, a list of token ids, or a list of either (several prompts:
+    the choices of prompt i are indexed i * n .. i * n + n - 1, as OpenAI does)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)  # extras kept to name unsupported ones
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
-    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None  # how many top logprobs per token (0: the chosen token's only)
+
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("suffix",)
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        kwargs = super().sampling_kwargs()
+        if self.best_of is not None:
+            kwargs["best_of"] = self.best_of
+        if self.logprobs is not None:
+            kwargs["logprobs"] = self.logprobs
+        return kwargs
 
 
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str
+
+
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class ChatMessage(BaseModel):
@@ -106,6 +211,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -119,8 +226,40 @@ class ChatCompletionRequest(_Common):
     """POST /v1/chat/completions. max_completion_tokens is OpenAI's newer name for max_tokens; unset, a
     reply may fill the rest of the context (max_model_len less the prompt), as in vLLM."""
 
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("audio", "modalities", "prediction", "web_search_options")
+
+    def check(self) -> None:
+        """Checks across fields, as ApiError naming the field (a pydantic validator could not name it)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ApiError(400, "tools holds two functions of the same name", "tools", "invalid_value")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            if self.tool_choice.function.name not in names:
+                raise ApiError(400, f"tool_choice names function {self.tool_choice.function.name[:64]!r}, which "
+                               f"is not in tools ({names[:16]})", "tool_choice", "invalid_value")
+        elif self.tool_choice == "required" and not self.tools:
+            raise ApiError(400, "tool_choice 'required' needs tools", "tool_choice", "invalid_value")
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        kwargs = super().sampling_kwargs()
+        if self.logprobs:
+            kwargs["logprobs"] = self.top_logprobs or 0
+        return kwargs
+
+    def uses_tools(self) -> bool:
+        """Whether the request asks for tool calls (tools given and tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"

@@ -1,83 +1,160 @@
-"""Engine outputs as OpenAI's response objects: whole answers, stream chunks, usage.
+"""Engine outputs as OpenAI's response objects: whole answers, stream chunks, logprobs, usage.
 
-One Render per request. Completions and chat differ only in how a choice holds its text (`text`, or a
-`message` / `delta` with a role) and in the object names; the bookkeeping (which choices have finished,
-usage) is shared. finish_reason is the engine's: "stop" (EOS, a stop string or token), "length"
+One Render per HTTP request, which may hold several engine requests (a completions call with a list of
+prompts): the choices of prompt p are numbered p * n + i, as OpenAI does. Completions and chat differ only
+in how a choice holds its text (`text`, or a `message` / `delta` with a role), its logprobs (the legacy
+{tokens, token_logprobs, top_logprobs, text_offset}, or `content: [{token, logprob, bytes, top_logprobs}]`)
+and the object names; the bookkeeping (which choices have finished, usage) is shared.
+
+finish_reason is the engine's: "stop" (EOS, a stop string or token, the end of a grammar), "length"
 (max_tokens or the context), "abort" (ended by the gRPC Abort RPC).
+
+Extra fields beyond OpenAI's, each present only when it has something to say:
+    warnings            (top level; streaming: the first chunk) what of a JSON Schema is approximated or not
+                        enforced ("keyword: what happens"), RequestOutput.warnings
+    choices[].schema_violations   how a finished output breaks the parts of its schema that were not
+                        enforced (CompletionOutput.schema_violations); streaming: on the chunk that finishes it
+    choices[].token_ids, prompt_token_ids   with return_token_ids (vLLM's extra)
+
+Logprobs are the model's raw ones (runtime/sample/sampler.py); a token's text is the token decoded alone,
+its bytes that text's UTF-8 (a token that is part of a character decodes to U+FFFD, as in vLLM).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 from pagedserve.runtime.outputs import CompletionOutput, RequestOutput
 
+# JSON has no -Infinity: a token the model gives no chance is reported at this floor (vLLM's choice too).
+LOGPROB_FLOOR = -9999.0
 
-def usage(out: RequestOutput | None) -> dict:
-    prompt = len(out.prompt_token_ids) if out is not None else 0
-    completion = sum(len(c.token_ids) for c in out.outputs) if out is not None else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+def usage(outs: list[RequestOutput | None]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outs if o is not None)
+    completion = sum(len(c.token_ids) for o in outs if o is not None for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outs if o is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+@dataclass
+class RenderOptions:
+    n: int = 1
+    num_prompts: int = 1
+    return_token_ids: bool = False
+    logprobs: int | None = None  # top logprobs per token (0: the chosen token's only); None: no logprobs
+    token_text: Callable[[int], str] = str  # a token id decoded alone
+    echo: list[str] | None = None  # completions: each prompt's text, put before its choices' text
+
+
+def _lp(value: float) -> float:
+    return max(float(value), LOGPROB_FLOOR)
 
 
 class Render:
     OBJECT = ""
     CHUNK_OBJECT = ""
 
-    def __init__(self, request_id: str, model: str, return_token_ids: bool = False) -> None:
-        self.request_id, self.model, self.return_token_ids = request_id, model, return_token_ids
+    def __init__(self, request_id: str, model: str, opts: RenderOptions) -> None:
+        self.request_id, self.model, self.opts = request_id, model, opts
         self.created = int(time.time())
         self._finished: set[int] = set()
+        self._warned = False
+        self._offset: dict[int, int] = {}  # completions' text_offset, per choice
+
+    @property
+    def num_choices(self) -> int:
+        return self.opts.n * self.opts.num_prompts
 
     def _head(self, obj: str) -> dict:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
 
     # what differs between completions and chat
-    def _choice(self, c: CompletionOutput) -> dict:
+    def _choice(self, index: int, c: CompletionOutput, text: str) -> dict:
         raise NotImplementedError
 
-    def _delta(self, index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+    def _delta(self, index: int, text: str, finish_reason: str | None) -> dict:
         raise NotImplementedError
 
-    def start(self, n: int) -> list[dict]:
-        """Chunks before any token (chat: each choice's role)."""
+    def _logprobs(self, index: int, token_ids: list[int], entries: list[dict[int, float]]) -> dict:
+        raise NotImplementedError
+
+    def start(self) -> list[dict]:
+        """Chunks before any token (chat: each choice's role; completions with echo: each prompt's text)."""
         return []
 
     # shared
-    def whole(self, out: RequestOutput | None, n: int) -> dict:
-        """The non-streaming answer from the request's last output."""
-        by_index = {c.index: c for c in out.outputs} if out is not None else {}
+    def _top(self, token_id: int, entry: dict[int, float]) -> tuple[float, list[tuple[int, float]]]:
+        """The chosen token's logprob and the top-k (most likely first; it is among them when it ranks)."""
+        k = self.opts.logprobs or 0
+        top = sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+        return _lp(entry[token_id]), [(t, _lp(v)) for t, v in top]
+
+    def _extras(self, choice: dict, c: CompletionOutput, token_ids: list[int], whole: bool) -> dict:
+        if self.opts.logprobs is not None:
+            entries = (c.logprobs or [])[-len(token_ids):] if token_ids else []
+            choice["logprobs"] = self._logprobs(choice["index"], token_ids, entries)
+        if self.opts.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+        if c.schema_violations and (whole or c.finish_reason):
+            choice["schema_violations"] = list(c.schema_violations)
+        return choice
+
+    def whole(self, outs: list[RequestOutput | None]) -> dict:
+        """The non-streaming answer from each prompt's last output."""
         choices = []
-        for i in range(n):
-            c = by_index.get(i) or CompletionOutput(index=i, text="", token_ids=[], cumulative_logprob=0.0,
-                                                    logprobs=None)
-            choice = self._choice(c)
-            choice["finish_reason"] = c.finish_reason or "abort"
-            choices.append(choice)
-        body = {**self._head(self.OBJECT), "choices": choices, "usage": usage(out)}
-        if self.return_token_ids and out is not None:
-            body["prompt_token_ids"] = list(out.prompt_token_ids)
+        warnings: list[str] = []
+        for p, out in enumerate(outs):
+            by_index = {c.index: c for c in out.outputs} if out is not None else {}
+            warnings += [w for w in (out.warnings if out is not None else []) if w not in warnings]
+            for i in range(self.opts.n):
+                c = by_index.get(i) or CompletionOutput(index=i, text="", token_ids=[], cumulative_logprob=0.0,
+                                                        logprobs=None)
+                index = p * self.opts.n + i
+                echo = self.opts.echo[p] if self.opts.echo else ""
+                self._offset[index] = len(echo)
+                choice = self._choice(index, c, echo + c.text)
+                choice["finish_reason"] = c.finish_reason or "abort"
+                choices.append(self._extras(choice, c, list(c.token_ids), whole=True))
+        body = {**self._head(self.OBJECT), "choices": choices, "usage": usage(outs)}
+        if warnings:
+            body["warnings"] = warnings
+        if self.opts.return_token_ids:
+            body["prompt_token_ids"] = [list(o.prompt_token_ids) if o is not None else [] for o in outs]
+            if len(outs) == 1:
+                body["prompt_token_ids"] = body["prompt_token_ids"][0]
         return body
 
-    def deltas(self, out: RequestOutput) -> list[dict]:
+    def deltas(self, prompt: int, out: RequestOutput) -> list[dict]:
         """This output's new text per choice, each choice's finish_reason once."""
         chunks = []
         for c in out.outputs:
-            if c.index in self._finished:
+            index = prompt * self.opts.n + c.index
+            if index in self._finished:
                 continue
-            if c.new_text or c.finish_reason or (self.return_token_ids and c.new_token_ids):
-                chunks.append(self._chunk(self._delta(c.index, c.new_text, c.new_token_ids, c.finish_reason)))
+            asked = self.opts.return_token_ids or self.opts.logprobs is not None
+            if c.new_text or c.finish_reason or (asked and c.new_token_ids):
+                choice = self._delta(index, c.new_text, c.finish_reason)
+                chunk = self._chunk(self._extras(choice, c, list(c.new_token_ids), whole=False))
+                if out.warnings and not self._warned:
+                    chunk["warnings"] = list(out.warnings)
+                    self._warned = True
+                chunks.append(chunk)
             if c.finish_reason:
-                self._finished.add(c.index)
+                self._finished.add(index)
         return chunks
 
-    def unfinished(self, n: int) -> list[dict]:
+    def unfinished(self) -> list[dict]:
         """Final chunks of the choices an abort left without a finish_reason."""
-        left = [i for i in range(n) if i not in self._finished]
+        left = [i for i in range(self.num_choices) if i not in self._finished]
         self._finished.update(left)
-        return [self._chunk(self._delta(i, "", [], "abort")) for i in left]
+        return [self._chunk(self._delta(i, "", "abort")) for i in left]
 
-    def usage_chunk(self, out: RequestOutput | None) -> dict:
-        return {**self._head(self.CHUNK_OBJECT), "choices": [], "usage": usage(out)}
+    def usage_chunk(self, outs: list[RequestOutput | None]) -> dict:
+        return {**self._head(self.CHUNK_OBJECT), "choices": [], "usage": usage(outs)}
 
     def _chunk(self, choice: dict) -> dict:
         return {**self._head(self.CHUNK_OBJECT), "choices": [choice]}
@@ -86,37 +163,61 @@ class Render:
 class CompletionRender(Render):
     OBJECT = CHUNK_OBJECT = "text_completion"
 
-    def _choice(self, c: CompletionOutput) -> dict:
-        choice = {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-        if self.return_token_ids:
-            choice["token_ids"] = list(c.token_ids)
-        return choice
+    def _choice(self, index: int, c: CompletionOutput, text: str) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": c.finish_reason}
 
-    def _delta(self, index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        if self.return_token_ids:
-            choice["token_ids"] = list(token_ids)
-        return choice
+    def _delta(self, index: int, text: str, finish_reason: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def _logprobs(self, index: int, token_ids: list[int], entries: list[dict[int, float]]) -> dict:
+        """OpenAI's legacy shape; text_offset counts characters from the start of the choice's text."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = self._offset.get(index, 0)
+        for t, entry in zip(token_ids, entries):
+            lp, top = self._top(t, entry)
+            text = self.opts.token_text(t)
+            tokens.append(text)
+            token_lps.append(lp)
+            tops.append({self.opts.token_text(tt): v for tt, v in top})
+            offsets.append(offset)
+            offset += len(text)
+        self._offset[index] = offset
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def start(self) -> list[dict]:
+        if not self.opts.echo:
+            return []
+        chunks = []
+        for index in range(self.num_choices):
+            text = self.opts.echo[index // self.opts.n]
+            self._offset[index] = len(text)
+            chunks.append(self._chunk(self._delta(index, text, None)))
+        return chunks
 
 
 class ChatRender(Render):
     OBJECT = "chat.completion"
     CHUNK_OBJECT = "chat.completion.chunk"
 
-    def _choice(self, c: CompletionOutput) -> dict:
-        choice = {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                  "finish_reason": c.finish_reason}
-        if self.return_token_ids:
-            choice["token_ids"] = list(c.token_ids)
-        return choice
+    def _choice(self, index: int, c: CompletionOutput, text: str) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": c.finish_reason}
 
-    def _delta(self, index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
-        choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
-                  "finish_reason": finish_reason}
-        if self.return_token_ids:
-            choice["token_ids"] = list(token_ids)
-        return choice
+    def _delta(self, index: int, text: str, finish_reason: str | None) -> dict:
+        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
+                "finish_reason": finish_reason}
 
-    def start(self, n: int) -> list[dict]:
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.opts.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+    def _logprobs(self, index: int, token_ids: list[int], entries: list[dict[int, float]]) -> dict:
+        content = []
+        for t, entry in zip(token_ids, entries):
+            lp, top = self._top(t, entry)
+            content.append({**self._entry(t, lp), "top_logprobs": [self._entry(tt, v) for tt, v in top]})
+        return {"content": content, "refusal": None}
+
+    def start(self) -> list[dict]:
         return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}) for i in range(n)]
+                             "finish_reason": None}) for i in range(self.num_choices)]

@@ -93,7 +93,9 @@ class SidecarServer:
         self.addresses: list[str] = []
         self.kv_spec: KVTransferSpec | None = None  # once loaded: the handshake's answer
         self.kv_connector: GrpcKVConnector | None = None  # decode role: the connection to the prefill instance
-        self.metrics = ServerMetrics(lambda: self.engine) if settings.metrics_port is not None else None
+        # The HTTP API's GET /metrics serves the same registry as --metrics-port.
+        wants_metrics = settings.metrics_port is not None or settings.http_port is not None
+        self.metrics = ServerMetrics(lambda: self.engine) if wants_metrics else None
         self.serving = False  # what health says; the HTTP API answers 503 while False
         self.http: HttpServer | None = None  # the OpenAI-compatible HTTP API, when --http-port is set
 
@@ -132,7 +134,7 @@ class SidecarServer:
         if s.socket:
             os.chmod(s.socket, SOCKET_MODE)  # owner and group (the app pods' group) may connect
         self.server = server
-        if self.metrics is not None:  # loopback only: the figures are for the host's own scraper
+        if s.metrics_port is not None:  # loopback only: the figures are for the host's own scraper
             port = self.metrics.serve(s.metrics_port)
             self.addresses.append(f"http://127.0.0.1:{port}/metrics")
         if s.http_port is not None:
@@ -145,7 +147,7 @@ class SidecarServer:
 
         s = self.settings
         api = HttpApi(lambda: self.engine, lambda: self.model_name, lambda: self.serving, s.max_prompt_chars,
-                      s.max_chat_messages)
+                      s.max_chat_messages, self.metrics.registry if self.metrics is not None else None)
         self.http = HttpServer(api.app(s.api_key), s.http_host, s.http_port)
         self.http.start()
         self.addresses.append(self.http.address)

@@ -144,8 +144,8 @@ def test_errors_in_openai_shape(server, oai, model):
         oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=0)
     assert err.value.param == "max_completion_tokens"
     with pytest.raises(openai.BadRequestError) as err:
-        oai.completions.create(model=model, prompt="hi", logprobs=2)
-    assert err.value.param == "logprobs" and "not supported" in err.value.message
+        oai.completions.create(model=model, prompt="hi", suffix="!")
+    assert err.value.param == "suffix" and "not supported" in err.value.message
     with pytest.raises(openai.NotFoundError) as err:
         oai.completions.create(model="gpt-4o", prompt="hi")
     assert err.value.code == "model_not_found" and err.value.param == "model"

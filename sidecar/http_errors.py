@@ -1,0 +1,134 @@
+"""The HTTP API's error answers, in OpenAI's shape (http_models.ApiError), and the two ASGI middlewares that
+answer before the app runs.
+
+    400  a bad field, named in `param` (pydantic's type checks, SamplingParams' ranges, the engine's limits)
+    401  no or a wrong API key (ApiKeyMiddleware)
+    404  an unknown model or route (405 is answered 404 too: no route takes that method)
+    413  a body larger than the limit (BodyLimitMiddleware), counted before anything parses it
+    429  the engine's queue is full (QueueFullError: the gRPC path's RESOURCE_EXHAUSTED)
+    503  loading or draining (EngineStoppedError: the gRPC path's UNAVAILABLE)
+
+Anything else is a bug in this server: logged, answered 500 with its repr, and the server carries on.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+
+import structlog
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedserve.runtime.engine.async_engine import EngineStoppedError, QueueFullError
+from pagedserve.runtime.kv_transfer.kv_connector import KVTransferError
+
+from .http_models import ApiError
+
+log = structlog.get_logger("pagedserve.http")
+
+# pydantic names the member of a union a value failed in ("str", "list[int]"): not a field, left out of `param`.
+_TYPE_TAG = re.compile(r"str|int|float|bool|none|(list|dict|function-\w+)\[.*\]|list|dict|literal\[.*\]|"
+                       r"[A-Z]\w*")
+
+
+def error_for(e: BaseException, fields: set[str] | None = None) -> ApiError:
+    """The OpenAI-shaped answer to an exception raised while preparing or running a request."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, ValueError):  # SamplingParams, the engine's limits, the chat template: the message names it
+        first = re.match(r"[A-Za-z_][\w.\[\]]*", str(e))
+        name = first.group(0) if first else None
+        param = name if name and (name.split("[")[0].split(".")[0] in (fields or set())) else None
+        return ApiError(400, str(e), param, "invalid_value")
+    if isinstance(e, QueueFullError):
+        return ApiError(429, str(e), None, "queue_full")
+    if isinstance(e, (EngineStoppedError, KVTransferError)):
+        return ApiError(503, str(e), None, "unavailable")
+    log.error("http.request_failed", error=repr(e))
+    return ApiError(500, f"request failed: {e!r}", None, "internal_error")
+
+
+async def invalid_body(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    """pydantic's first complaint, with its field path as `param` (messages[0].role, tools[1].function)."""
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    loc = [p for p in first.get("loc", ()) if p != "body" and not _TYPE_TAG.fullmatch(str(p))]
+    if first.get("type") == "json_invalid" or (loc and isinstance(loc[0], int)):
+        return JSONResponse(ApiError(400, f"the body is not valid JSON: {first['msg']}", None,
+                                     "invalid_json").body(), 400)
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
+        return JSONResponse(ApiError(400, "the body must be a JSON object, sent with Content-Type: "
+                                     "application/json", None, "invalid_json").body(), 400)
+    param = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(loc))
+    message = f"{param}: {first['msg']}" if param else str(first["msg"])
+    return JSONResponse(ApiError(400, message, param or None, "invalid_value").body(), 400)
+
+
+async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    message = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
+               else str(exc.detail))
+    status = 404 if exc.status_code == 405 else exc.status_code
+    return JSONResponse(ApiError(status, message, None, "not_found" if status == 404 else None).body(), status)
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI (streaming untouched): /v1/* needs "Authorization: Bearer KEY"; /health stays open."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
+                err = ApiError(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
+                               None, "invalid_api_key")
+                await JSONResponse(err.body(), 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for a body over `limit` bytes, before any of it is parsed: at once from Content-Length, else
+    (chunked) as the bytes arrive, when the app is told the client left so it stops reading and the
+    answer it would give is dropped."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    def _error(self, size: str) -> JSONResponse:
+        return JSONResponse(ApiError(413, f"the request body is {size} bytes; the limit is {self.limit} bytes "
+                                     f"(4 bytes per character of max_prompt_chars, plus 1 MiB)", None,
+                                     "body_too_large").body(), 413)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await self._error(length.decode())(scope, receive, send)
+            return
+        seen, refused = 0, False
+
+        async def counting_receive():
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    refused = True
+                    await self._error(f"over {seen}")(scope, receive, send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message) -> None:
+            if not refused:
+                await send(message)
+
+        await self.app(scope, counting_receive, guarded_send)
