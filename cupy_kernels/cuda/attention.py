@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..batch_checks import check_metadata
+from ..reference.paged_attention import check_sliding_window
 from .launch import _check_cache_pair, _dummy, _elements, _i32, _i64, _inner_contiguous, _next_pow2, is_cupy_array
 from .modules import (ATTN_BLOCK_SIZES, ATTN_HEAD_DIMS, ATTN_THREADS, LOG2E, MAX_QUERIES_PER_KV, PARTITION_SIZE,
                       _kernel, attention_kernel_name, attention_reduce_name)
@@ -71,15 +72,18 @@ def plan_attention(query_shape, cache_shape, query_start_loc, seq_lens, block_ta
     return None
 
 
-def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float, plan=None):
+def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float, plan=None,
+                    sliding_window: int | None = None):
     """Unified paged attention over a flat varlen batch: query [T, H, D] float16 -> out [T, H, D]. `plan` is
-    plan_attention's None (accepted for the op table's one signature).
+    plan_attention's None (accepted for the op table's one signature). `sliding_window`: None, or W (a query
+    at p sees keys p - W < k <= p; the blocks before the window's are never read).
 
     One launch of paged_attention_kernel covers prefill chunks and decodes; decodes longer than
     PARTITION_SIZE are split into partitions and combined by a second, small reduce launch.
     """
     import cupy
 
+    window = check_sliding_window(sliding_window)
     _check_cache_pair(k_cache, v_cache, "paged_attention")
     num_blocks, block_size, num_kv, dim = k_cache.shape
     if query.ndim != 3 or query.shape[2] != dim:
@@ -107,6 +111,8 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     lens = _device_int32(seq_lens)
     tables = _device_int32(block_tables)
     max_parts = max(1, math.ceil(max_seq_len / PARTITION_SIZE))
+    if window and max_seq_len > PARTITION_SIZE:  # a split decode's window spans at most this many partitions
+        max_parts = min(max_parts, (window - 1) // PARTITION_SIZE + 2)
     chunk = partition_chunk(num_seqs, num_heads, dim, max_parts)
     if max_parts > 1:
         part_acc = cupy.empty((chunk, num_heads, max_parts, dim), dtype=cupy.float32)
@@ -123,11 +129,11 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
             (out, part_acc, part_ml, query, _i64(_elements(query.strides[0], 2, "query")),
              _i64(_elements(query.strides[1], 2, "query")), k_cache, v_cache, qsl, lens, tables,
              _i64(tables.shape[1]), _i32(num_seqs), _i32(num_heads), _i32(num_kv), _i32(launch.block_q),
-             _i32(max_parts), np.float32(scale * LOG2E), _i32(begin), _i32(end)),
+             _i32(max_parts), np.float32(scale * LOG2E), _i32(begin), _i32(end), _i32(window)),
         )
         if reduce is not None:
             reduce((end - begin, num_heads), (dim,),
-                   (out, part_acc, part_ml, qsl, lens, _i32(num_heads), _i32(max_parts), _i32(begin)))
+                   (out, part_acc, part_ml, qsl, lens, _i32(num_heads), _i32(max_parts), _i32(begin), _i32(window)))
     return out
 
 

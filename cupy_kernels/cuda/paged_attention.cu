@@ -5,7 +5,8 @@
 //   caches  [num_blocks, BLOCK_SIZE, KV, D] float16, C-contiguous
 //   query_start_loc [B + 1], seq_lens [B], block_tables [B, stride] int32
 //   out     [T, H, D] float16
-// Query row j of a sequence with n new tokens sits at position seq_len - n + j and sees keys 0..pos.
+// Query row j of a sequence with n new tokens sits at position seq_len - n + j and sees keys 0..pos;
+// with sliding_window = W > 0 only keys pos - W < key <= pos (0: no window).
 //
 // Work split (one CTA = 4 warps):
 //   grid.x  query tiles. A tile holds BLOCK_Q = BLOCK_M / G consecutive query tokens of ONE sequence
@@ -28,6 +29,14 @@
 // online-softmax update per row in base 2 (the scale is folded into Q as scale * log2(e)), and
 // acc = acc * alpha + P.V. K of the next tile is prefetched while the softmax and P.V of this one run;
 // V of the next tile while its scores are computed.
+//
+// Sliding window: a CTA's key walk starts at the 32-key tile (a multiple of PS_TILE_N: fixed positions) that
+// holds the oldest key its first row sees; a split decode's partitions start at the one holding the oldest
+// key of its window. Keys older than the first row's window are never read (their blocks may belong to
+// another sequence by now): zero-filled like keys past the end, and masked for every row, as are the keys a
+// later row's window has left. A leading tile a row sees
+// nothing of is an exact no-op for it (m stays -inf, alpha = p = 0 on a zero acc), so where the walk starts
+// never changes a row's bits.
 //
 // Batch invariance: every row's arithmetic (dot products over D in a fixed order, the warp reductions,
 // the sequential P.V accumulation over keys, the partition split) depends only on that row's query,
@@ -58,11 +67,11 @@ __device__ __forceinline__ int find_sequence(const int* __restrict__ query_start
 }
 
 // Issue the cp.async copies of keys [t0, t0 + PS_TILE_N) of one kv head into a shared tile;
-// keys >= k_end are zero-filled.
+// keys >= k_end or < k_lo (older than every row's window) are zero-filled, never read.
 template <int HEAD_DIM, int BLOCK_SIZE>
 __device__ __forceinline__ void load_kv_tile(f16 (*dst)[HEAD_DIM + 8], const f16* __restrict__ cache,
                                              const int* __restrict__ block_table, long long slot_stride,
-                                             int kv_head, int t0, int k_end) {
+                                             int kv_head, int k_lo, int t0, int k_end) {
     constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per key row
     for (int c = threadIdx.x; c < PS_TILE_N * CHUNKS; c += PS_ATTN_THREADS) {
         const int row = c / CHUNKS;
@@ -70,7 +79,7 @@ __device__ __forceinline__ void load_kv_tile(f16 (*dst)[HEAD_DIM + 8], const f16
         const int key = t0 + row;
         const f16* src = cache;  // not read when the key is masked
         int bytes = 0;
-        if (key < k_end) {
+        if (key >= k_lo && key < k_end) {
             const long long block = block_table[key / BLOCK_SIZE];
             src = cache + (block * BLOCK_SIZE + key % BLOCK_SIZE) * slot_stride + (long long)kv_head * HEAD_DIM + col;
             bytes = 16;
@@ -89,7 +98,7 @@ paged_attention_kernel(f16* __restrict__ out,               // [T, H, D]
                        const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
                        const int* __restrict__ block_tables, long long block_table_stride, int num_seqs,
                        int num_heads, int num_kv_heads, int block_q, int max_parts, float scale_log2,
-                       int seq_begin, int seq_end) {
+                       int seq_begin, int seq_end, int sliding_window) {
     static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM <= 2 * PS_ATTN_THREADS, "unsupported head dim");
     static_assert(BLOCK_M % PS_ATTN_WARPS == 0, "rows must split evenly over warps");
     constexpr int ROWS_PER_WARP = BLOCK_M / PS_ATTN_WARPS;           // softmax / score rows per warp
@@ -106,6 +115,7 @@ paged_attention_kernel(f16* __restrict__ out,               // [T, H, D]
     __shared__ float m_s[BLOCK_M];
     __shared__ float l_s[BLOCK_M];
     __shared__ int pos_s[BLOCK_M];  // the row's key limit (its position), -1 for padding rows
+    __shared__ int lo_s[BLOCK_M];   // the row's oldest key (0 without a window)
 
     const int tid = threadIdx.x;
     const int warp = tid >> 5;
@@ -126,10 +136,12 @@ paged_attention_kernel(f16* __restrict__ out,               // [T, H, D]
     const int first_pos = seq_len - num_q + q0;
     const int kv_end = first_pos + tile_q;  // keys [0, kv_end) are needed by some row of this tile
 
+    const int key_lo = sliding_window > 0 ? max(0, first_pos - sliding_window + 1) : 0;  // the first row's oldest key
     const bool split = num_q == 1 && seq_len > PS_PARTITION_SIZE;
-    const int num_parts = split ? (seq_len + PS_PARTITION_SIZE - 1) / PS_PARTITION_SIZE : 1;
+    const int first_part = split ? key_lo / PS_PARTITION_SIZE : 0;
+    const int num_parts = split ? (seq_len + PS_PARTITION_SIZE - 1) / PS_PARTITION_SIZE - first_part : 1;
     if (part >= num_parts) return;
-    const int k_begin = split ? part * PS_PARTITION_SIZE : 0;
+    const int k_begin = split ? (first_part + part) * PS_PARTITION_SIZE : key_lo / PS_TILE_N * PS_TILE_N;
     const int k_end = split ? min(k_begin + PS_PARTITION_SIZE, kv_end) : kv_end;
     const int num_kv_tiles = (k_end - k_begin + PS_TILE_N - 1) / PS_TILE_N;
 
@@ -137,15 +149,16 @@ paged_attention_kernel(f16* __restrict__ out,               // [T, H, D]
     const long long slot_stride = (long long)num_kv_heads * HEAD_DIM;
 
     // Start fetching the first K and V tiles before anything else.
-    load_kv_tile<HEAD_DIM, BLOCK_SIZE>(k_s, k_cache, block_table, slot_stride, kv_head, k_begin, k_end);
+    load_kv_tile<HEAD_DIM, BLOCK_SIZE>(k_s, k_cache, block_table, slot_stride, kv_head, key_lo, k_begin, k_end);
     cp_async_commit();
-    load_kv_tile<HEAD_DIM, BLOCK_SIZE>(v_s, v_cache, block_table, slot_stride, kv_head, k_begin, k_end);
+    load_kv_tile<HEAD_DIM, BLOCK_SIZE>(v_s, v_cache, block_table, slot_stride, kv_head, key_lo, k_begin, k_end);
     cp_async_commit();
 
     // Rows: r = query_in_tile * group + head_in_group.
     for (int r = tid; r < BLOCK_M; r += PS_ATTN_THREADS) {
         const int qi = r / group;
         pos_s[r] = (qi < tile_q) ? first_pos + qi : -1;
+        lo_s[r] = sliding_window > 0 ? max(0, first_pos + qi - sliding_window + 1) : 0;
     }
     for (int i = tid; i < BLOCK_M * HEAD_DIM; i += PS_ATTN_THREADS) {
         const int r = i / HEAD_DIM;
@@ -214,14 +227,15 @@ paged_attention_kernel(f16* __restrict__ out,               // [T, H, D]
 #pragma unroll
             for (int i = 0; i < ROWS_PER_WARP; ++i) {
                 const int r = warp + i * PS_ATTN_WARPS;
-                const bool visible = key < k_end && key <= pos_s[r];  // pos_s = -1 hides padding rows
+                const bool visible = key < k_end && key <= pos_s[r] && key >= lo_s[r];  // pos_s = -1: padding
                 p_s[r][lane] = visible ? s[i] : neg_inf();
             }
         }
         __syncthreads();  // every warp is done reading k_s
 
         if (it + 1 < num_kv_tiles)
-            load_kv_tile<HEAD_DIM, BLOCK_SIZE>(k_s, k_cache, block_table, slot_stride, kv_head, t0 + PS_TILE_N, k_end);
+            load_kv_tile<HEAD_DIM, BLOCK_SIZE>(k_s, k_cache, block_table, slot_stride, kv_head, key_lo, t0 + PS_TILE_N,
+                                               k_end);
         cp_async_commit();  // possibly empty: keeps the group count uniform
 
         // Online softmax, base 2. Warp w owns rows w, w + 4, ... (the rows it just scored).
@@ -262,7 +276,8 @@ paged_attention_kernel(f16* __restrict__ out,               // [T, H, D]
         __syncthreads();  // every warp is done reading v_s and p_s
 
         if (it + 1 < num_kv_tiles)
-            load_kv_tile<HEAD_DIM, BLOCK_SIZE>(v_s, v_cache, block_table, slot_stride, kv_head, t0 + PS_TILE_N, k_end);
+            load_kv_tile<HEAD_DIM, BLOCK_SIZE>(v_s, v_cache, block_table, slot_stride, kv_head, key_lo, t0 + PS_TILE_N,
+                                               k_end);
         cp_async_commit();
     }
     cp_async_wait<0>();
@@ -306,14 +321,17 @@ template <int HEAD_DIM>
 __global__ void __launch_bounds__(HEAD_DIM)
 paged_attention_reduce_kernel(f16* __restrict__ out, const float* __restrict__ part_acc,
                               const float* __restrict__ part_ml, const int* __restrict__ query_start_loc,
-                              const int* __restrict__ seq_lens, int num_heads, int max_parts, int seq_begin) {
+                              const int* __restrict__ seq_lens, int num_heads, int max_parts, int seq_begin,
+                              int sliding_window) {
     const int seq = seq_begin + blockIdx.x;
     const int head = blockIdx.y;
     const int d = threadIdx.x;
     const int q_begin = query_start_loc[seq];
     const int seq_len = seq_lens[seq];
     if (query_start_loc[seq + 1] - q_begin != 1 || seq_len <= PS_PARTITION_SIZE) return;
-    const int num_parts = (seq_len + PS_PARTITION_SIZE - 1) / PS_PARTITION_SIZE;
+    // The partitions the attention kernel wrote: from the one holding the window's oldest key.
+    const int first_part = sliding_window > 0 ? max(0, seq_len - sliding_window) / PS_PARTITION_SIZE : 0;
+    const int num_parts = (seq_len + PS_PARTITION_SIZE - 1) / PS_PARTITION_SIZE - first_part;
     const long long base = ((long long)blockIdx.x * num_heads + head) * max_parts;
 
     float m = neg_inf();

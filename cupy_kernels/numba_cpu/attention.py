@@ -27,6 +27,11 @@ arrays directly: a row view (`k_cache[b, j, h]`) costs a reference-count call ea
 engine, OpenBLAS's threads spin after each matmul and hold the second core; the loop nest's history:
 docs/notes/kernels.md).
 
+Sliding window (sliding_window=W: a row at p sees keys p - W < k <= p): an item's walk starts at the block of
+the oldest key its first row sees, within the segment that holds it (segments keep their fixed positions);
+blocks before it are never read. Keys of the blocks read that are older than a row's window weigh exactly 0
+(p = 0 on a finite V row), so where an item starts never changes a row's bits.
+
 Prefill chunks of 16 or more tokens where numba_prefill's tiles (Q.K^T, softmax and P.V on one core per tile
 of query tokens) cost less than this loop nest (numba_prefill.takes_matmul_path: whole prompts from ~128
 tokens, chunks deep in a longer context) are computed there, unless PAGEDSERVE_BATCH_INVARIANT=1; everything
@@ -132,9 +137,9 @@ def _accumulate(s, acc, v_cache, r, block, h, off, j, nv, head_dim):
                 acc[r, d] += p * v_cache[block, jj, h, d]
 
 
-def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, items, bounds,
-                     out):
-    """Chunk c of the work: its items one after the other."""
+def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window, items,
+                     bounds, out):
+    """Chunk c of the work: its items one after the other. window: the sliding window (0: none)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -164,25 +169,31 @@ def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, bloc
             m[r], den[r] = -np.inf, 0.0
         num_keys = first_pos + t1  # the item's last row sees keys 0 .. first_pos + t1 - 1
         num_blocks = (num_keys + block_size - 1) // block_size
-        next_seq, next_blocks = 0, 0  # the chunk's next item: its sequence and how many blocks it reads
+        # With a window, the walk starts at the block of the oldest key the item's first row sees (blocks
+        # before it are never read); segments stay at their fixed positions (multiples of K_SEGMENT keys).
+        first_block = max(0, first_pos + t0 - window + 1) // block_size if window > 0 else 0
+        next_seq, next_first, next_blocks = 0, 0, 0  # the chunk's next item: its sequence and blocks it reads
         if w + 1 < bounds[c + 1]:
             next_seq = items[w + 1, 0]
             next_new = query_start_loc[next_seq + 1] - query_start_loc[next_seq]
             next_keys = seq_lens[next_seq] - next_new + items[w + 1, 2]
-            next_blocks = min((next_keys + block_size - 1) // block_size, segment_blocks)
-        for b0 in range(0, num_blocks, segment_blocks):
+            if window > 0:
+                next_first = max(0, next_keys - (items[w + 1, 2] - items[w + 1, 1]) - window + 1) // block_size
+            next_blocks = min((next_keys + block_size - 1) // block_size - next_first, segment_blocks)
+        for b0 in range(first_block // segment_blocks * segment_blocks, num_blocks, segment_blocks):
             b1 = min(b0 + segment_blocks, num_blocks)
+            bs0 = max(b0, first_block)  # the segment's first block read
             k0, k1 = b0 * block_size, min(b1 * block_size, num_keys)
             # S = Q . K^T over the segment, a run of RUN keys at a time; key j is seen by tokens
             # t >= j - first_pos (causal). Each K row (all kv heads of a token: contiguous) is read
             # in order; the next block's rows are prefetched as this block's are read.
-            for b in range(b0, b1):
+            for b in range(bs0, b1):
                 block, off = block_tables[seq, b], (b - b0) * block_size
                 ahead, ahead_address = -1, k_address  # the block PREFETCH_BLOCKS ahead in this chunk's reads
                 if b + PREFETCH_BLOCKS < b1:
                     ahead = block_tables[seq, b + PREFETCH_BLOCKS]
-                elif b + PREFETCH_BLOCKS - b1 < b1 - b0:
-                    ahead, ahead_address = block_tables[seq, b0 + b + PREFETCH_BLOCKS - b1], v_address
+                elif b + PREFETCH_BLOCKS - b1 < b1 - bs0:
+                    ahead, ahead_address = block_tables[seq, bs0 + b + PREFETCH_BLOCKS - b1], v_address
                 n = min(block_size, k1 - k0 - off)
                 for j in range(0, n, RUN):
                     for h in range(num_kv_heads):
@@ -199,9 +210,16 @@ def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, bloc
                 seen = min(k1, first_pos + t0 + r // num_heads + 1) - k0
                 if seen <= 0:
                     continue
-                m_new = max(m[r], row_max(s[r], seen))  # exact: the same bits as a scalar max
+                lo = 0  # the row's first key in the segment: keys older than its window weigh exactly 0
+                if window > 0:
+                    lo = min(seen, max(0, first_pos + t0 + r // num_heads - window + 1 - k0))
+                    for j in range((bs0 - b0) * block_size, lo):
+                        s[r, j] = 0.0
+                    if lo == seen:  # none of the segment is in the row's window
+                        continue
+                m_new = max(m[r], row_max(s[r, lo:], seen - lo))  # exact: the same bits as a scalar max
                 total = np.float32(0.0)
-                for j in range(seen):
+                for j in range(lo, seen):
                     p = fast_exp(s[r, j] - m_new)
                     s[r, j] = p
                     total += p
@@ -213,7 +231,7 @@ def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, bloc
                 den[r] += total
                 m[r] = m_new
             # acc += P . V over the segment, in the same order.
-            for b in range(b0, b1):
+            for b in range(bs0, b1):
                 block, off = block_tables[seq, b], (b - b0) * block_size
                 ahead, ahead_address, x = -1, v_address, b + PREFETCH_BLOCKS - b1
                 if x < 0:
@@ -221,7 +239,7 @@ def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, bloc
                 elif b1 < num_blocks:  # the next segment's K
                     ahead, ahead_address = block_tables[seq, min(b1 + x, num_blocks - 1)], k_address
                 elif x < next_blocks:  # the K of the chunk's next item
-                    ahead, ahead_address = block_tables[next_seq, x], k_address
+                    ahead, ahead_address = block_tables[next_seq, next_first + x], k_address
                 n = min(block_size, k1 - k0 - off)
                 for j in range(0, n, RUN):
                     for h in range(num_kv_heads):
@@ -247,12 +265,12 @@ def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, bloc
 _ATTENTION_CHUNK = numba.njit(**JIT)(_attention_chunk)
 
 
-def _attention_chunks(chunk_address, query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, items,
-                      bounds, out):
+def _attention_chunks(chunk_address, query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window,
+                      items, bounds, out):
     for c in numba.prange(bounds.shape[0] - 1):
         # int64 c: the parfor types its index uint64 where the loop body was typed with int64 (two compiles)
         call_compiled(chunk_address, (np.int64(c), query, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                                      scale, items, bounds, out))
+                                      scale, window, items, bounds, out))
 
 
 _ATTENTION = numba.njit(parallel=True, **JIT)(_attention_chunks)
@@ -260,14 +278,17 @@ _ATTENTION = numba.njit(parallel=True, **JIT)(_attention_chunks)
 
 
 def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float,
-                    plan: AttentionPlan | None = None) -> np.ndarray:
+                    plan: AttentionPlan | None = None, sliding_window: int | None = None) -> np.ndarray:
     """Unified paged attention over a flat varlen batch: query [T, H, D] -> out [T, H, D] (float32). A cache of
     another dtype, or one that is not C-contiguous (the vector-IR runs address it as one), takes the numpy
-    reference. `plan`: plan_attention's for this step's metadata (the model makes one a step); else one is
-    made here."""
+    reference. `plan`: plan_attention's for this step's metadata (the model makes one a step, shared by its
+    global and local layers); else one is made here. `sliding_window`: None, or W (a query at p sees the keys
+    p - W < k <= p; blocks wholly older than its window are never read)."""
+    window = reference.check_sliding_window(sliding_window)
     if (query.dtype != _F32 or k_cache.dtype != _F32 or v_cache.dtype != _F32
             or not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous)):
-        return reference.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+        return reference.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                                         sliding_window=sliding_window)
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"paged_attention: the key and value caches {k_cache.shape}, {v_cache.shape} must have one "
                          "shape")
@@ -287,7 +308,7 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     if long_chunks is not None:
         for i in np.flatnonzero(long_chunks):
             prefill.prefill_sequence(query, k_cache, v_cache, int(query_start_loc[i]), int(query_start_loc[i + 1]),
-                                     int(seq_lens[i]), block_tables[i], scale, out)
+                                     int(seq_lens[i]), block_tables[i], scale, out, window)
         rest = np.flatnonzero(~long_chunks)
         if rest.size == 0:
             return out
@@ -295,16 +316,18 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
         rows = np.concatenate([np.arange(query_start_loc[i], query_start_loc[i + 1]) for i in rest])
         sub_qsl = np.zeros(rest.size + 1, dtype=np.int64)
         np.cumsum(num_new[rest], out=sub_qsl[1:])
-        out[rows] = _loop_nest(query[rows], k_cache, v_cache, sub_qsl, seq_lens[rest], block_tables[rest], scale)
+        out[rows] = _loop_nest(query[rows], k_cache, v_cache, sub_qsl, seq_lens[rest], block_tables[rest], scale,
+                               window)
         return out
     apply_threads(plan.parallel)
-    _run(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, plan.items, plan.bounds, out)
+    _run(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window, plan.items, plan.bounds, out)
     return out
 
 
-def _run(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, items, bounds, out) -> None:
+def _run(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window, items, bounds, out) -> None:
     """The compiled kernel over checked metadata and its work cut into chunks (numba's threads already set)."""
-    args = (query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, np.float32(scale), items, bounds, out)
+    args = (query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, np.float32(scale), np.int64(window),
+            items, bounds, out)
     address = _chunk_address(args)
     if bounds.shape[0] == 2:  # one chunk: no schedule to set
         _ATTENTION(address, *args)
@@ -313,7 +336,7 @@ def _run(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale
             _ATTENTION(address, *args)
 
 
-def _loop_nest(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale):
+def _loop_nest(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window):
     """The compiled kernel over a (checked) sub-batch: the sequences a step with long chunks leaves to it."""
     num_tokens, num_heads, head_dim = query.shape
     out = np.empty((num_tokens, num_heads, head_dim), dtype=_F32)
@@ -321,7 +344,7 @@ def _loop_nest(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
         return out
     _, items, bounds = _cut_work(query_start_loc, seq_lens, int(np.dot(seq_lens, np.diff(query_start_loc))),
                                  num_heads, head_dim)
-    _run(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, items, bounds, out)
+    _run(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window, items, bounds, out)
     return out
 
 
@@ -351,5 +374,5 @@ def warm_up() -> None:
     items, bounds = _work_items(qsl, lens, Q_TILE, 2)
     _scan(qsl, lens, np.zeros((2, 2), dtype=np.int32), 3, 2, 4)
     args = (np.ones((3, 2, 4), _F32), cache, cache, qsl, lens, np.zeros((2, 2), dtype=np.int32), np.float32(1.0),
-            items, bounds, np.empty((3, 2, 4), _F32))
+            np.int64(0), items, bounds, np.empty((3, 2, 4), _F32))
     _ATTENTION(_chunk_address(args), *args)

@@ -73,18 +73,20 @@ def takes_matmul_path(num_new: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
     return (num_new >= MIN_TOKENS) & (LOOP_NEST_PAIR_COST * seen > computed + MATMUL_FIXED_PAIRS)
 
 
-def _gather_panel(c, k_cache, v_cache, block_table, context_len, kp, vp):
-    """Panel c of the sequence's keys and values, out of its blocks, in numba_gemm's panel layout (P = PANEL):
-    kp[h, c, d, j] = K[h, c P + j, d] (the keys as a [L, D] weight: S = Q . K^T), and the same keys' rows of
-    vp[h, cv, p, j] = V[h, p, cv P + j] (the values as a [D, L] weight: O = P . V); positions past
-    context_len and head dims past D are zero (a score there is masked to 0, and 0 * garbage could be NaN)."""
+def _gather_panel(c, k_cache, v_cache, block_table, key_start, context_len, kp, vp):
+    """Panel c of the sequence's keys and values from position key_start (0, or the oldest key a sliding
+    window lets the chunk's first token see), out of its blocks, in numba_gemm's panel layout (P = PANEL):
+    kp[h, c, d, j] = K[h, key_start + c P + j, d] (the keys as a [L, D] weight: S = Q . K^T), and the same
+    keys' rows of vp[h, cv, p, j] = V[h, key_start + p, cv P + j] (the values as a [D, L] weight: O = P . V);
+    positions past context_len and head dims past D are zero (a score there is masked to 0, and 0 * garbage
+    could be NaN)."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     panel = kp.shape[3]
     for j in range(panel):
         p = c * panel + j
-        inside = p < context_len
-        block = block_table[p // block_size] if inside else 0
-        i = p % block_size
+        inside = key_start + p < context_len
+        block = block_table[(key_start + p) // block_size] if inside else 0
+        i = (key_start + p) % block_size
         for h in range(num_kv_heads):
             for d in range(head_dim):
                 kp[h, c, d, j] = k_cache[block, i, h, d] if inside else np.float32(0.0)
@@ -100,10 +102,10 @@ def _gather_panel(c, k_cache, v_cache, block_table, context_len, kp, vp):
 _GATHER_PANEL = numba.njit(**JIT_EXACT)(_gather_panel)
 
 
-def _gather_panels(panel, k_cache, v_cache, block_table, context_len, kp, vp):
+def _gather_panels(panel, k_cache, v_cache, block_table, key_start, context_len, kp, vp):
     """All panels (_gather_panel), parallel over them."""
     for c in numba.prange(kp.shape[1]):
-        call_compiled(panel, (np.int64(c), k_cache, v_cache, block_table, context_len, kp, vp))
+        call_compiled(panel, (np.int64(c), k_cache, v_cache, block_table, key_start, context_len, kp, vp))
 
 
 _GATHER = numba.njit(parallel=True, **JIT_EXACT)(_gather_panels)
@@ -142,9 +144,13 @@ def _workspace(num_kv_heads: int, key_panels: int, value_panels: int, head_dim: 
             _buffer("factors", threads * rows)[:threads * rows].reshape(threads, rows))
 
 
-def _prefill_item(w, panel_rows, query, start, n, first_pos, kp, vp, q_scale, tile_tokens, q, s, pv, den, out):
+def _prefill_item(w, panel_rows, query, start, n, first_pos, window, kp, vp, q_scale, tile_tokens, q, s, pv, den,
+                  out):
     """Work item w: kv head w // tiles, its tile of query tokens w % tiles from the chunk's end (the costliest
-    first), with this thread's rows q, s, pv, den. panel_rows: the address of numba_gemm.PANEL_ROWS. Items of
+    first), with this thread's rows q, s, pv, den. first_pos: the position of the chunk's first token less the
+    panels' first key position (key_start); window: the sliding window, 0 for none (with one, the tile starts
+    at the panel of the oldest key its first token sees, and a row weighs keys older than its window 0).
+    panel_rows: the address of numba_gemm.PANEL_ROWS. Items of
     one head in a row share its key and value panels in the caches: with the heads taken in turn instead, a
     layer of a 4,000-token prompt took 207-213 ms against 163-166 (2,048 tokens: 55-56 against 44)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -158,19 +164,23 @@ def _prefill_item(w, panel_rows, query, start, n, first_pos, kp, vp, q_scale, ti
     t1 = min(t0 + tile_tokens, n)
     rows = (t1 - t0) * group
     keys = first_pos + t1  # the keys the tile's last token sees
+    p0 = max(0, first_pos + t0 - window + 1) // PANEL if window > 0 else 0  # the tile's first panel
     zero = np.int64(0)
     for r in range(rows):  # rows (token, group head), scaled
         for d in range(head_dim):
             q[r * head_dim + d] = query[start + t0 + r // group, h * group + r % group, d] * q_scale
-    for p in range((keys + PANEL - 1) // PANEL):  # S = Q . K^T, a panel of PANEL keys at a time
+    for p in range(p0, (keys + PANEL - 1) // PANEL):  # S = Q . K^T, a panel of PANEL keys at a time
         call_compiled(panel_rows, (q, zero, head_dim, rows, k_flat, (h * key_panels + p) * head_dim * PANEL, head_dim,
                                    s_flat, p * PANEL, padded))
     for r in range(rows):
         row = s[r]
         seen = first_pos + t0 + r // group + 1
-        m = row_max(row, seen)
+        lo = max(p0 * PANEL, seen - window) if window > 0 else 0  # keys before lo weigh exactly 0
+        for j in range(p0 * PANEL, lo):
+            row[j] = 0.0
+        m = row_max(row[lo:], seen - lo)
         total = np.float32(0.0)
-        for j in range(seen):
+        for j in range(lo, seen):
             x = fast_exp2(row[j] - m)
             row[j] = x
             total += x
@@ -178,8 +188,9 @@ def _prefill_item(w, panel_rows, query, start, n, first_pos, kp, vp, q_scale, ti
             row[j] = 0.0
         den[r] = np.float32(1.0) / total
     for c in range(value_panels):  # P . V over the keys the tile sees, PANEL head dims at a time
-        call_compiled(panel_rows, (s_flat, zero, padded, rows, v_flat, (h * value_panels + c) * padded * PANEL, keys,
-                                   pv, c * PANEL, width))
+        call_compiled(panel_rows, (s_flat, p0 * PANEL, padded, rows, v_flat,
+                                   ((h * value_panels + c) * padded + p0 * PANEL) * PANEL, keys - p0 * PANEL, pv,
+                                   c * PANEL, width))
     for r in range(rows):
         inv = den[r]
         for d in range(head_dim):
@@ -191,12 +202,12 @@ def _prefill_item(w, panel_rows, query, start, n, first_pos, kp, vp, q_scale, ti
 _ITEM = numba.njit(**JIT)(_prefill_item)
 
 
-def _prefill_items(item, panel_rows, query, start, n, first_pos, kp, vp, q_scale, tile_tokens, qs, ss, pvs, dens,
-                   out):
+def _prefill_items(item, panel_rows, query, start, n, first_pos, window, kp, vp, q_scale, tile_tokens, qs, ss, pvs,
+                   dens, out):
     for w in numba.prange(kp.shape[0] * ((n + tile_tokens - 1) // tile_tokens)):
         t = numba.get_thread_id()
-        call_compiled(item, (np.int64(w), panel_rows, query, start, n, first_pos, kp, vp, q_scale, tile_tokens,
-                             qs[t], ss[t], pvs[t], dens[t], out))
+        call_compiled(item, (np.int64(w), panel_rows, query, start, n, first_pos, window, kp, vp, q_scale,
+                             tile_tokens, qs[t], ss[t], pvs[t], dens[t], out))
 
 
 _ITEMS = numba.njit(parallel=True, **JIT)(_prefill_items)
@@ -220,26 +231,29 @@ def _addresses(k_cache, v_cache, block_table, args) -> tuple[int, int, int]:
     if found is None:
         query, kp, vp, q_scale, tile_tokens, qs, ss, pvs, dens, out = args
         row = qs[0]
-        panel = native_address(_GATHER_PANEL, (np.int64(0), k_cache, v_cache, block_table, np.int64(0), kp, vp))
+        panel = native_address(_GATHER_PANEL, (np.int64(0), k_cache, v_cache, block_table, np.int64(0), np.int64(0),
+                                               kp, vp))
         panel_rows = native_address(PANEL_ROWS, (row, np.int64(0), np.int64(0), np.int64(0), row, np.int64(0),
                                                  np.int64(0), row, np.int64(0), np.int64(0)))
-        item = native_address(_ITEM, (np.int64(0), panel_rows, query, np.int64(0), np.int64(0), np.int64(0), kp, vp,
-                                      q_scale, tile_tokens, qs[0], ss[0], pvs[0], dens[0], out))
+        item = native_address(_ITEM, (np.int64(0), panel_rows, query, np.int64(0), np.int64(0), np.int64(0),
+                                      np.int64(0), kp, vp, q_scale, tile_tokens, qs[0], ss[0], pvs[0], dens[0], out))
         found = _ADDRESSES[key] = (panel, item, panel_rows)
     return found
 
 
 def prefill_sequence(query, k_cache, v_cache, start: int, end: int, context_len: int, block_table, scale: float,
-                     out) -> None:
+                     out, window: int = 0) -> None:
     """out[start:end] = attention of query rows start:end (the sequence's new tokens, the last of its
-    context_len positions) over its context, causal within the chunk."""
+    context_len positions) over its context, causal within the chunk; with a sliding window (window > 0),
+    over the keys from the oldest the chunk's first token sees (none before it is read)."""
     n = end - start
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     apply_threads(parallel=True)
     threads = numba.get_num_threads()  # what get_thread_id ranges over, whoever set it
-    key_panels = -(-context_len // PANEL)
+    key_start = max(0, context_len - n - window + 1) if window > 0 else 0
+    key_panels = -(-(context_len - key_start) // PANEL)
     value_panels = -(-head_dim // PANEL)
     tile_tokens = max(1, min(TILE_TOKENS, n))
     kp, vp, qs, ss, pvs, dens = _workspace(num_kv_heads, key_panels, value_panels, head_dim, tile_tokens * group,
@@ -248,10 +262,10 @@ def prefill_sequence(query, k_cache, v_cache, start: int, end: int, context_len:
     q_scale, tiles = np.float32(scale * LOG2_E), np.int64(tile_tokens)
     args = (query, kp, vp, q_scale, tiles, qs, ss, pvs, dens, out)
     panel, item, panel_rows = _addresses(k_cache, v_cache, block_table, args)
-    _GATHER(panel, k_cache, v_cache, block_table, np.int64(context_len), kp, vp)
+    _GATHER(panel, k_cache, v_cache, block_table, np.int64(key_start), np.int64(context_len), kp, vp)
     with numba.parallel_chunksize(1):
-        _ITEMS(item, panel_rows, query, np.int64(start), np.int64(n), np.int64(context_len - n), kp, vp, q_scale,
-               tiles, qs, ss, pvs, dens, out)
+        _ITEMS(item, panel_rows, query, np.int64(start), np.int64(n), np.int64(context_len - n - key_start),
+               np.int64(window), kp, vp, q_scale, tiles, qs, ss, pvs, dens, out)
 
 
 def warm_up() -> None:

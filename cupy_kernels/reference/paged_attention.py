@@ -14,6 +14,16 @@ The flat batch mixes prefill chunks and decodes. Sequence i owns query rows
 query_start_loc[i]:query_start_loc[i+1]; its context (seq_lens[i] tokens, the new ones included) is read
 through block_tables[i]. Query row j of a sequence with n new tokens sits at position
 seq_len - n + j and sees keys at positions <= its own (causal within the chunk, full over the past).
+
+Sliding window (`sliding_window=W`, a local layer of Gemma 3 or Mistral): a query at position p sees only
+the keys k with p - W < k <= p, the W newest (Hugging Face's sliding_window_overlay). Every kernel set starts
+its walk over a sequence's blocks at the block holding the oldest key its first query row may see, so the
+cost per token is bounded by the window, and blocks wholly older than that are never read (the KV manager
+may have given them to another sequence)::
+
+    block_size 4, W = 6, seq_len 15, one decode token at p = 14: sees keys 9..14
+    block_table = [7, 2, 9, 5]       block 7 (0..3) never read; 2 (4..7) never read;
+                                     9 (8..11) read, key 8 masked; 5 (12..14) read
 """
 
 from __future__ import annotations
@@ -84,12 +94,27 @@ def copy_blocks(kv_caches: list[tuple[np.ndarray, np.ndarray]], block_mapping: l
         v_cache[dst] = v_cache[src]
 
 
-def _gather_context(cache: np.ndarray, block_table: np.ndarray, context_len: int) -> np.ndarray:
-    """The first `context_len` token rows of one sequence, [context_len, KV, D]."""
+def check_sliding_window(sliding_window: Any) -> int:
+    """The window as an int, 0 for none (None); ValueError naming the field for anything but a positive int."""
+    if sliding_window is None:
+        return 0
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, (int, np.integer)) or sliding_window <= 0:
+        raise ValueError(f"paged_attention: sliding_window must be None or a positive int, got {sliding_window!r}")
+    return int(sliding_window)
+
+
+def window_start(first_pos: Any, window: int) -> Any:
+    """The oldest key position a query at `first_pos` sees: 0 without a window (window 0)."""
+    return np.maximum(first_pos - window + 1, 0) if window else first_pos * 0
+
+
+def _gather_context(cache: np.ndarray, block_table: np.ndarray, first_block: int, context_len: int) -> np.ndarray:
+    """Token rows first_block * block_size .. context_len - 1 of one sequence, [keys, KV, D]."""
     block_size = cache.shape[1]
     num_blocks = -(-context_len // block_size)
-    rows = cache[block_table[:num_blocks]]  # [nb, bs, KV, D]
-    return rows.reshape(num_blocks * block_size, *cache.shape[2:])[:context_len]
+    rows = cache[block_table[first_block:num_blocks]]  # [nb, bs, KV, D]
+    keys = rows.reshape((num_blocks - first_block) * block_size, *cache.shape[2:])
+    return keys[:context_len - first_block * block_size]
 
 
 def _softmax_rows(scores: np.ndarray) -> np.ndarray:
@@ -100,47 +125,56 @@ def _softmax_rows(scores: np.ndarray) -> np.ndarray:
     return scores
 
 
-def _prefill_one(query, k_cache, v_cache, start, end, context_len, block_table, scale, out) -> None:
-    """Attention for one sequence's chunk of n > 1 query tokens, causal within the chunk."""
+def _prefill_one(query, k_cache, v_cache, start, end, context_len, block_table, scale, window, out) -> None:
+    """Attention for one sequence's chunk of n > 1 query tokens, causal within the chunk; from the block
+    holding the oldest key its first token sees (window 0: from block 0)."""
     n = end - start
     num_heads, head_dim = query.shape[1:]
-    num_kv_heads = k_cache.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    k = _gather_context(k_cache, block_table, context_len).astype(np.float32, copy=False)
-    v = _gather_context(v_cache, block_table, context_len).astype(np.float32, copy=False)
+    first_block = int(window_start(context_len - n, window)) // block_size
+    k = _gather_context(k_cache, block_table, first_block, context_len).astype(np.float32, copy=False)
+    v = _gather_context(v_cache, block_table, first_block, context_len).astype(np.float32, copy=False)
+    num_keys = k.shape[0]
     # [n, KV*G, D] -> [KV, G*n, D]: every query head of a group against its one kv head.
     q = query[start:end].astype(np.float32, copy=False).reshape(n, num_kv_heads, group, head_dim)
     q = q.transpose(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
     scores = np.matmul(q, k.transpose(1, 2, 0))  # [KV, G*n, L]
     scores *= np.float32(scale)
     q_pos = context_len - n + np.arange(n)
-    future = np.arange(context_len)[None, :] > q_pos[:, None]  # [n, L]
-    bias = np.where(future, np.float32(-np.inf), np.float32(0.0))
-    scores.reshape(num_kv_heads, group, n, context_len)[...] += bias  # broadcast over heads, in place
+    k_pos = first_block * block_size + np.arange(num_keys)
+    hidden = (k_pos[None, :] > q_pos[:, None]) | (k_pos[None, :] < window_start(q_pos, window)[:, None])  # [n, L]
+    bias = np.where(hidden, np.float32(-np.inf), np.float32(0.0))
+    scores.reshape(num_kv_heads, group, n, num_keys)[...] += bias  # broadcast over heads, in place
     o = np.matmul(_softmax_rows(scores), v.transpose(1, 0, 2))  # [KV, G*n, D]
     out[start:end] = o.reshape(num_kv_heads, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, num_heads, head_dim)
 
 
-def _decode_group(query, k_cache, v_cache, rows, seq_lens, block_tables, scale, out) -> None:
-    """Single-token queries whose contexts span the same number of blocks, in one batched matmul.
+def _decode_group(query, k_cache, v_cache, rows, seq_lens, block_tables, scale, window, out) -> None:
+    """Single-token queries that read the same number of blocks, in one batched matmul.
 
     Grouping by block count keeps every sequence's arithmetic a function of its own length only
     (padding to the group's block count = padding to its own), so results never depend on the batch.
+    Each reads from the block of the oldest key its window holds (block 0 without a window).
     """
     b = len(rows)
     num_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    nb = -(-int(seq_lens.max()) // block_size)
+    first = window_start(seq_lens - 1, window) // block_size  # [b]
+    nb = int((-(-seq_lens // block_size) - first).max())
     padded = nb * block_size
-    k = k_cache[block_tables[:, :nb]].reshape(b, padded, num_kv_heads, head_dim).astype(np.float32, copy=False)
+    tables = np.take_along_axis(block_tables, first[:, None] + np.arange(nb)[None, :], axis=1)  # [b, nb]
+    k = k_cache[tables].reshape(b, padded, num_kv_heads, head_dim).astype(np.float32, copy=False)
     q = query[rows].astype(np.float32, copy=False).reshape(b, num_kv_heads, group, head_dim)
     scores = np.matmul(q, k.transpose(0, 2, 3, 1))  # [b, KV, G, padded]
     scores *= np.float32(scale)
-    never_written = np.arange(padded)[None, :] >= seq_lens[:, None]  # slots past the context
-    scores += np.where(never_written, np.float32(-np.inf), np.float32(0.0))[:, None, None, :]
+    k_pos = first[:, None] * block_size + np.arange(padded)[None, :]
+    # slots past the context (never written), and keys older than the window
+    hidden = (k_pos >= seq_lens[:, None]) | (k_pos < window_start(seq_lens - 1, window)[:, None])
+    scores += np.where(hidden, np.float32(-np.inf), np.float32(0.0))[:, None, None, :]
     del k
-    v = v_cache[block_tables[:, :nb]].reshape(b, padded, num_kv_heads, head_dim).astype(np.float32, copy=False)
+    v = v_cache[tables].reshape(b, padded, num_kv_heads, head_dim).astype(np.float32, copy=False)
     out[rows] = np.matmul(_softmax_rows(scores), v.transpose(0, 2, 1, 3)).reshape(b, num_heads, head_dim)
 
 
@@ -161,14 +195,17 @@ def paged_attention(
     block_tables: np.ndarray,
     scale: float,
     plan: Any = None,
+    sliding_window: int | None = None,
 ) -> np.ndarray:
     """Unified paged attention over a flat varlen batch: query [T, H, D] -> out [T, H, D]. `plan`: what this
-    kernel set's plan_attention returned (None here, and unused).
+    kernel set's plan_attention returned (None here, and unused). `sliding_window`: None (every key up to the
+    query's position) or W (the W newest keys: p - W < k <= p).
 
     Grouped-query attention: query head h reads kv head h // (H // KV). Prefill chunks are computed one
     sequence at a time; decodes (one query token) are batched by block count. Either way a sequence's
     result depends only on itself, never on what else is in the batch.
     """
+    window = check_sliding_window(sliding_window)
     num_tokens, num_heads, head_dim = query.shape
     block_size = k_cache.shape[1]
     out = np.empty((num_tokens, num_heads, head_dim), dtype=np.float32)
@@ -177,12 +214,13 @@ def paged_attention(
     num_new = np.diff(query_start_loc)
     decodes = np.flatnonzero(num_new == 1)
     if decodes.size:
-        nblocks = -(-seq_lens[decodes] // block_size)
+        lens = seq_lens[decodes]
+        nblocks = -(-lens // block_size) - window_start(lens - 1, window) // block_size  # blocks read
         for nb in np.unique(nblocks):
             seqs = decodes[nblocks == nb]
-            _decode_group(query, k_cache, v_cache, query_start_loc[seqs], seq_lens[seqs], block_tables[seqs],
-                          scale, out)
+            _decode_group(query, k_cache, v_cache, query_start_loc[seqs], seq_lens[seqs],
+                          np.asarray(block_tables)[seqs], scale, window, out)
     for i in np.flatnonzero(num_new > 1):
         start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
-        _prefill_one(query, k_cache, v_cache, start, end, int(seq_lens[i]), block_tables[i], scale, out)
+        _prefill_one(query, k_cache, v_cache, start, end, int(seq_lens[i]), block_tables[i], scale, window, out)
     return out.astype(query.dtype, copy=False)

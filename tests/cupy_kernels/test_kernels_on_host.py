@@ -30,6 +30,7 @@ import gpu_helpers
 from gpu_helpers import build_cache, cuda
 from pagedserve.cupy_kernels.cuda import attention as cuda_attention, launch as cuda_launch, modules as cuda_modules
 from pagedserve.cupy_kernels.cuda import ops as cuda_ops
+from pagedserve.cupy_kernels.reference import paged_attention as pa
 
 GXX = shutil.which("g++")
 HARNESS = Path(__file__).with_name("_host_emulation.h")
@@ -181,6 +182,65 @@ def test_batch_invariance_on_host(emulated):
 
 def test_never_written_slots_are_never_read_on_host(emulated):
     gpu_helpers.check_never_written_slots_are_never_read([(600, 1), (37, 37)], 1, 3, 64)
+
+
+# Sliding window: decodes long enough to be split into partitions (the walk then starts at the partition of
+# the window's oldest key), chunks deep in a context, short prompts; windows under a tile, not a multiple of
+# 16, over a partition (512), and past every context.
+WINDOW_SPECS = [(1100, 1), (1500, 1), (513, 1), (700, 45), (100, 33), (40, 40), (17, 1), (530, 3)]
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 600, 2000])
+def test_sliding_window_attention_on_host(emulated, window):
+    """Against the numpy reference with the same window; host and device metadata the same bits; NaN in
+    every block wholly older than a sequence's window (blocks the KV manager may have given away): the same
+    bits again."""
+    rng = np.random.default_rng(window)
+    k, v, qsl, lens, tables = build_cache(rng, WINDOW_SPECS, 2, 64, 16)
+    query = rng.standard_normal((int(qsl[-1]), 6, 64)).astype(np.float16)
+    ref = pa.paged_attention(query.astype(np.float32), k.astype(np.float32), v.astype(np.float32), qsl, lens,
+                             np.where(tables == gpu_helpers.PAD_BLOCK, 0, tables), 0.125, sliding_window=window)
+    got = cuda.paged_attention(_dev(query), _dev(k), _dev(v), qsl, lens, tables, 0.125, sliding_window=window).get()
+    gpu_helpers.check_attention(got, ref, f"host/sliding_window/{window}")
+    device = cuda.paged_attention(_dev(query), _dev(k), _dev(v), _dev(qsl), _dev(lens), _dev(tables), 0.125,
+                                  sliding_window=window).get()
+    np.testing.assert_array_equal(device, got)
+    old = 0
+    for i, length in enumerate(lens):
+        oldest = max(0, int(length) - int(qsl[i + 1] - qsl[i]) - window + 1)
+        for b in range(oldest // 16):
+            k[tables[i, b]] = v[tables[i, b]] = np.nan
+            old += 1
+    assert old or window == 2000
+    poisoned = cuda.paged_attention(_dev(query), _dev(k), _dev(v), qsl, lens, tables, 0.125,
+                                    sliding_window=window).get()
+    np.testing.assert_array_equal(poisoned, got)
+
+
+def test_sliding_window_batch_invariance_on_host(emulated):
+    """Each sequence alone and in batches (decode-only and mixed launches, other tile shapes): the same bits."""
+    rng = np.random.default_rng(8)
+    k, v, qsl, lens, tables = build_cache(rng, WINDOW_SPECS, 2, 64, 16)
+    query = rng.standard_normal((int(qsl[-1]), 8, 64)).astype(np.float16)
+    whole = cuda.paged_attention(_dev(query), _dev(k), _dev(v), qsl, lens, tables, 0.125, sliding_window=37).get()
+    for i in range(len(lens)):
+        a, b = int(qsl[i]), int(qsl[i + 1])
+        alone = cuda.paged_attention(_dev(query[a:b]), _dev(k), _dev(v), np.array([0, b - a], np.int32),
+                                     lens[i:i + 1], tables[i:i + 1], 0.125, sliding_window=37).get()
+        np.testing.assert_array_equal(alone, whole[a:b])
+
+
+def test_a_prompt_chunked_or_not_is_the_same_bits_on_host(emulated):
+    """A 200-token prompt in one launch and in chunks of 1, 30 and 169 tokens, window 45: each CTA's walk starts
+    at the tile of its own first row, which must never change a row's bits."""
+    rng = np.random.default_rng(9)
+    k, v, qsl, lens, tables = build_cache(rng, [(200, 200)], 1, 64, 16)
+    query = rng.standard_normal((200, 4, 64)).astype(np.float16)
+    whole = cuda.paged_attention(_dev(query), _dev(k), _dev(v), qsl, lens, tables, 0.125, sliding_window=45).get()
+    for a, b in ((0, 1), (1, 31), (31, 200)):
+        part = cuda.paged_attention(_dev(query[a:b]), _dev(k), _dev(v), np.array([0, b - a], np.int32),
+                                    np.array([b], np.int32), tables, 0.125, sliding_window=45).get()
+        np.testing.assert_array_equal(part, whole[a:b])
 
 
 # ---------------------------------------------------------------------------------------------
