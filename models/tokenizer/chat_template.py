@@ -6,7 +6,19 @@ loop controls, `raise_exception`, `strftime_now`, a `tojson` that does not HTML-
 template renders here byte for byte as it does in `tokenizer.apply_chat_template`.
 
     text = render_chat_template(template, messages, add_generation_prompt=True,
-                                bos_token="<s>", eos_token="</s>")
+                                bos_token="<s>", eos_token="</s>", tools=None)
+
+Tools (OpenAI's `tools` list) and tool turns (an assistant message with `tool_calls`, a `tool` message with
+the result) render in the template's own way when it has a tools branch (it reads `tools`, as Qwen2.5's
+and Llama 3.1's do). A template without one (SmolLM2's, most small models') gets what vLLM and
+transformers users give such models, the Hermes/Qwen format, written into plain messages:
+
+    system     <its own text, if any>\n\n# Tools ... <tools>{one tool as JSON per line}</tools> ...
+               answer with <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>
+    assistant  <content>\n<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>   (tool_calls)
+    user       <tool_response>\n<result>\n</tool_response>                              (tool turns)
+
+so every family gets tools (sidecar/tool_calls.py parses that format out of the reply).
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -95,11 +108,7 @@ class _GenerationBlock(jinja2.ext.Extension):
         return caller()
 
 
-@lru_cache(maxsize=64)
-def compile_chat_template(template: str) -> jinja2.Template:
-    """Compile once per distinct template string (compiling costs milliseconds; rendering microseconds)."""
-    if not isinstance(template, str):
-        raise ValueError(f"chat_template must be a str, got {type(template).__name__}")
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
@@ -110,10 +119,29 @@ def compile_chat_template(template: str) -> jinja2.Template:
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _DictFactory()
     env.globals["namespace"] = _SafeNamespace
+    return env
+
+
+@lru_cache(maxsize=64)
+def compile_chat_template(template: str) -> jinja2.Template:
+    """Compile once per distinct template string (compiling costs milliseconds; rendering microseconds)."""
+    if not isinstance(template, str):
+        raise ValueError(f"chat_template must be a str, got {type(template).__name__}")
     try:
-        return env.from_string(template)
+        return _environment().from_string(template)
     except jinja2.exceptions.TemplateSyntaxError as exc:
         raise ValueError(f"chat template does not compile: line {exc.lineno}: {exc.message}") from exc
+
+
+@lru_cache(maxsize=64)
+def template_supports_tools(template: str) -> bool:
+    """True when the template has its own tools branch: it reads the `tools` variable.
+
+    transformers and vLLM hand `tools` to every template; one that never reads it would silently drop
+    them, so such templates get the Hermes-format fallback instead (`tool_conversation`).
+    """
+    compile_chat_template(template)  # a template that does not compile fails here, with its message
+    return "tools" in jinja2.meta.find_undeclared_variables(_environment().parse(template))
 
 
 def _prepare_message(message: Mapping[str, Any]) -> dict[str, Any]:
@@ -124,6 +152,133 @@ def _prepare_message(message: Mapping[str, Any]) -> dict[str, Any]:
     if reasoning is not None:
         prepared = {"thinking": reasoning, **prepared, "reasoning_content": reasoning}
     return prepared
+
+
+# The fallback's instructions: the Hermes/Qwen2.5 tool format, which sidecar/tool_calls.py parses.
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to help with the user's request.\n\n"
+    "The functions you can call are listed as JSON signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_INSTRUCTIONS = (
+    "\n</tools>\n\nTo call a function, answer with a JSON object holding its name and arguments within "
+    "<tool_call></tool_call> XML tags, one per call:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+
+def tools_system_text(tools: list[Mapping[str, Any]]) -> str:
+    """The system-prompt block that lists `tools` (OpenAI's tool objects) for a template without tools."""
+    lines = "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return TOOLS_PREAMBLE + lines + TOOLS_INSTRUCTIONS
+
+
+def format_tool_call(name: str, arguments: Any) -> str:
+    """One call as the fallback format writes it (and as the tool-call grammar forces it)."""
+    call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"<tool_call>\n{call}\n</tool_call>"
+
+
+def _text(content: Any, where: str) -> str:
+    # OpenAI's content: a string, null (an assistant turn that only calls tools), or a list of text parts.
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"{where}.content[{j}] must be a {{'type': 'text', 'text': str}} part")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ValueError(f"{where}.content must be a str, got {type(content).__name__}")
+
+
+def _arguments(value: Any, where: str) -> Any:
+    # OpenAI sends arguments as a JSON string; templates (and transformers' convention) want the object.
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value  # what the model wrote, kept as written
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise ValueError(f"{where}.arguments must be a JSON string, got {type(value).__name__}")
+
+
+def _calls(message: Mapping[str, Any], index: int) -> list[tuple[str, Any]]:
+    calls = message.get("tool_calls")
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise ValueError(f"messages[{index}].tool_calls must be a list, got {type(calls).__name__}")
+    if message.get("role") != "assistant" and calls:
+        raise ValueError(f"messages[{index}].tool_calls is only allowed on assistant messages")
+    out = []
+    for j, call in enumerate(calls):
+        where = f"messages[{index}].tool_calls[{j}].function"
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping):
+            raise ValueError(f"{where} must be an object with name and arguments")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where}.name must be a non-empty str")
+        out.append((name, _arguments(function.get("arguments", "{}"), where)))
+    return out
+
+
+def tool_conversation(
+    template: str, messages: list[Mapping[str, Any]], tools: list[Mapping[str, Any]] | None
+) -> tuple[list[dict[str, Any]], list[dict] | None]:
+    """(messages, tools) as `template` should see them.
+
+    With a tools branch (`template_supports_tools`): the messages as given, each call's arguments
+    decoded to an object, and the tools. Without one: plain {role, content: str} messages in the
+    Hermes format (the module docstring's picture) and no tools. Malformed tool turns raise ValueError
+    naming the field (`messages[2].tool_calls[0].function.name`).
+    """
+    native = template_supports_tools(template)
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError(f"tools must be a list, got {type(tools).__name__}")
+    out: list[dict[str, Any]] = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"messages[{index}] must be a dict, got {type(message).__name__}")
+        calls = _calls(message, index)
+        if native:
+            prepared = dict(message)
+            if calls:
+                prepared["tool_calls"] = [
+                    {**call, "function": {**call["function"], "arguments": arguments}}
+                    for call, (_, arguments) in zip(message["tool_calls"], calls)
+                ]
+            out.append(prepared)
+            continue
+        content = _text(message.get("content"), f"messages[{index}]")
+        if message.get("role") == "tool":
+            response = f"<tool_response>\n{content}\n</tool_response>"
+            if index > 0 and messages[index - 1].get("role") == "tool":  # one user turn for a batch of results
+                out[-1]["content"] += "\n" + response
+            else:
+                out.append({"role": "user", "content": response})
+            continue
+        for name, arguments in calls:
+            content += ("\n" if content else "") + format_tool_call(name, arguments)
+        out.append({"role": message.get("role"), "content": content})
+    if native:
+        return out, tools or None
+    if not tools:
+        return out, None
+    block = tools_system_text(tools)
+    if out and out[0]["role"] == "system":
+        out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{block}" if out[0]["content"] else block}
+    else:
+        out.insert(0, {"role": "system", "content": block})
+    return out, None
+
+
+def _has_tool_turns(messages: list[Mapping[str, Any]]) -> bool:
+    return any(isinstance(m, Mapping) and (m.get("role") == "tool" or m.get("tool_calls")) for m in messages)
 
 
 def render_chat_template(
@@ -139,10 +294,15 @@ def render_chat_template(
 ) -> str:
     """Render `messages` with `template`; `extra` reaches the template as further variables.
 
+    `tools` (OpenAI's tool objects) and tool turns in `messages` go through `tool_conversation`: to the
+    template's own tools branch, or written in the Hermes format for a template without one.
+
     A template that raises (`raise_exception(...)`, an undefined name used wrongly, a type error
     in its expressions) becomes a ValueError carrying the template's message.
     """
     compiled = compile_chat_template(template)
+    if tools or _has_tool_turns(messages):
+        messages, tools = tool_conversation(template, messages, tools or None)
     variables: dict[str, Any] = {}
     # transformers passes only the special tokens that are set; a missing one stays undefined.
     if bos_token is not None:

@@ -161,8 +161,10 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        tools: list[dict] | None = None,
     ) -> str | list[int]:
-        """The prompt text (or its ids) for a conversation, rendered with the model's chat template."""
+        """The prompt text (or its ids) for a conversation, rendered with the model's chat template; `tools`
+        (OpenAI's tool objects) reach it as chat_template.render_chat_template describes."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template, so chat messages cannot be turned into a prompt")
         validate_chat_messages(messages)
@@ -173,6 +175,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
+            tools=tools,
             **{name: value for name, value in special.items() if value is not None},
         )
         if not tokenize:
@@ -199,6 +202,8 @@ def validate_chat_messages(messages: Any) -> None:
         if role not in CHAT_ROLES:
             raise ValueError(f"messages[{index}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}")
         content = message.get("content")
+        if content is None and role == "assistant" and message.get("tool_calls"):
+            continue  # an assistant turn that only called tools (the template renders its tool_calls)
         if not isinstance(content, str):
             raise ValueError(f"messages[{index}].content must be a str, got {type(content).__name__}")
 

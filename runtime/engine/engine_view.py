@@ -8,7 +8,7 @@ ints the worker bumps (reading one is atomic).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..kv_transfer.kv_connector import KVTransferStats
 from ..outputs import EngineInfo
@@ -28,10 +28,12 @@ class EngineView:
         """Token ids of `text` (ValueError for a non-str). Seconds for a very long text: call it off the loop."""
         return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def tokenize_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation rendered by the model's chat template (ValueError when there is none)."""
+    def tokenize_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                      tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template (ValueError when there is none);
+        `tools`: OpenAI's tool objects for the prompt (sidecar/tool_calls.py's ToolPlan.template_tools)."""
         return self.engine.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                                         tokenize=True)
+                                                         tokenize=True, tools=tools)
 
     def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.engine.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
