@@ -1,0 +1,378 @@
+"""Tool calling (sidecar/tool_calls.py): the plan's validation, the parser on crafted replies (whole and streamed in
+any split), the grammar through the structured-output compiler, and the embedded SmolLM2 under "required" and a
+named function, whose calls parse and validate against their schemas."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedserve.runtime.structured_outputs_params import MAX_CONSTRAINT_CHARS
+from pagedserve.sidecar.tool_calls import MAX_TOOLS, ToolCallParser, plan_tools
+
+WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                  "required": ["city", "unit"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city",
+                                            "parameters": WEATHER_PARAMS}}
+TIME_PARAMS = {"type": "object", "properties": {"zone": {"$ref": "#/$defs/zone"}}, "required": ["zone"],
+               "additionalProperties": False,
+               "$defs": {"zone": {"type": "string", "pattern": "^[A-Z][a-z]+/[A-Z][a-z]+$"}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time in a timezone",
+                                         "parameters": TIME_PARAMS}}
+PING = {"type": "function", "function": {"name": "ping"}}  # no parameters: takes none
+TOOLS = [WEATHER, TIME, PING]
+NAMES = ("get_weather", "get_time", "ping")
+
+
+def call(name: str, arguments: str, tag: bool = True) -> str:
+    body = f'{{"name": "{name}", "arguments": {arguments}}}'
+    return f"<tool_call>\n{body}\n</tool_call>" if tag else body
+
+
+def shape(calls: list[dict]) -> list[tuple[str, str]]:
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+# -- the plan: validation --------------------------------------------------------------------------------------
+
+
+def fn(**function) -> dict:
+    return {"type": "function", "function": {"name": "f", **function}}
+
+
+@pytest.mark.parametrize(("tools", "tool_choice", "parallel", "match"), [
+    ({"a": 1}, None, None, r"^tools must be a list"),
+    ([WEATHER] * (MAX_TOOLS + 1), None, None, rf"^tools has {MAX_TOOLS + 1} tools; the limit is {MAX_TOOLS}"),
+    (["f"], None, None, r"^tools\[0\] must be an object"),
+    ([{"type": "custom", "custom": {}}], None, None, r"^tools\[0\]\.type must be 'function'"),
+    ([{"type": "function"}], None, None, r"^tools\[0\]\.function must be an object"),
+    ([{"type": "function", "function": {"name": "get weather"}}], None, None, r"^tools\[0\]\.function\.name must be"),
+    ([{"type": "function", "function": {"name": "x" * 65}}], None, None, r"^tools\[0\]\.function\.name must be"),
+    ([WEATHER, fn(name="get_weather")], None, None, r"^tools\[1\]\.function\.name 'get_weather' repeats tools\[0\]"),
+    ([fn(description=3)], None, None, r"^tools\[0\]\.function\.description must be a str"),
+    ([fn(strict="yes")], None, None, r"^tools\[0\]\.function\.strict must be a bool"),
+    ([PING, fn(parameters=[1])], None, None, r"^tools\[1\]\.function\.parameters must be a JSON Schema object"),
+    ([fn(parameters={"type": "string"})], None, None, r"^tools\[0\]\.function\.parameters must describe an object"),
+    ([fn(parameters={"type": "object", "properties": {"a": {"type": "foo"}}})], None, None,
+     r"^tools\[0\]\.function\.parameters is not a valid JSON Schema: .*foo"),
+    ([fn(parameters={"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}})], None, None,
+     r"^tools\[0\]\.function\.parameters is not a valid JSON Schema"),
+    ([fn(strict=True, parameters={"type": "object", "properties": {"u": {"type": "string", "format": "uri-x"}}})],
+     None, None, r"^tools\[0\]\.function\.parameters uses format, which cannot be enforced exactly \(strict\)"),
+    ([WEATHER], "always", None, r"^tool_choice must be 'none', 'auto', 'required' or"),
+    ([WEATHER], 3, None, r"^tool_choice must be a string or an object"),
+    (None, "required", None, r"^tool_choice 'required' needs tools"),
+    ([], "auto", None, r"^tool_choice 'auto' needs tools"),
+    ([WEATHER], {"type": "tool", "function": {"name": "get_weather"}}, None, r"^tool_choice\.type must be 'function'"),
+    ([WEATHER], {"type": "function"}, None, r"^tool_choice\.function\.name must be the name of one of the tools"),
+    ([WEATHER], {"type": "function", "function": {"name": "get_time"}}, None,
+     r"^tool_choice\.function\.name 'get_time' is not one of the tools \(get_weather\)"),
+    ([WEATHER], "auto", "yes", r"^parallel_tool_calls must be a bool"),
+])
+def test_bad_input_names_the_field(tools, tool_choice, parallel, match) -> None:
+    with pytest.raises(ValueError, match=match) as e:
+        plan_tools(tools, tool_choice, parallel)
+    assert len(str(e.value)) < 400
+
+
+def test_a_grammar_over_the_size_limit_is_refused_naming_tools() -> None:
+    big = {"type": "object", "properties": {f"p{i}_{'x' * 60}": {"type": "string"} for i in range(2000)}}
+    assert len(json.dumps(big)) > MAX_CONSTRAINT_CHARS / 2
+    many = [fn(name=f"f{i}", parameters=big) for i in range(2)]
+    with pytest.raises(ValueError, match=r"^tools \(the tool-call grammar\) is \d+ characters; the limit"):
+        plan_tools(many, "required")
+
+
+# -- the plan: the four modes ----------------------------------------------------------------------------------
+
+
+def test_none_puts_no_tools_in_the_prompt_and_parses_nothing() -> None:
+    for plan in (plan_tools(TOOLS, "none"), plan_tools(None), plan_tools([], None)):
+        assert plan.mode == "none"
+        assert plan.template_tools is None and plan.structured_outputs is None and plan.parser() is None
+    assert plan_tools(TOOLS, "none").finish_reason("stop", []) == "stop"
+
+
+def test_auto_prompts_with_the_tools_and_parses_without_a_grammar() -> None:
+    for plan in (plan_tools(TOOLS), plan_tools(TOOLS, "auto")):
+        assert plan.mode == "auto" and plan.structured_outputs is None
+        assert [t["function"]["name"] for t in plan.template_tools] == list(NAMES)
+        assert plan.parser().names == NAMES
+    calls = plan.parser().parse(call("ping", "{}"))[1]
+    assert plan.finish_reason("stop", calls) == "tool_calls"
+    assert plan.finish_reason("stop", []) == "stop" and plan.finish_reason("length", calls) == "length"
+
+
+def test_required_and_named_carry_a_grammar() -> None:
+    required = plan_tools(TOOLS, "required")
+    assert required.structured_outputs.kind == "grammar" and required.template_tools == required.tools
+    assert required.parser().max_calls is None
+    assert plan_tools(TOOLS, "required", False).parser().max_calls == 1
+    named = plan_tools(TOOLS, {"type": "function", "function": {"name": "get_time"}})
+    assert named.mode == "function" and named.function_name == "get_time"
+    assert named.parser().names == ("get_time",) and named.parser().max_calls == 1
+    assert named.structured_outputs.grammar_text != required.structured_outputs.grammar_text
+    calls = named.parser().parse(call("get_time", '{"zone": "Europe/Paris"}'))[1]
+    assert named.finish_reason("stop", calls) == "stop"  # as OpenAI: a forced function is not "tool_calls"
+    assert required.finish_reason("stop", calls) == "tool_calls"
+
+
+def test_tools_are_normalised_for_the_template() -> None:
+    plan = plan_tools([{"function": {"name": "f", "description": None, "parameters": {"type": "object"},
+                                     "extra": 1}, "type": "function"}])
+    assert plan.template_tools == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def test_approximated_schemas_are_warned_about() -> None:
+    lenient = fn(parameters={"type": "object", "properties": {"u": {"type": "string", "format": "uri-x"}}})
+    plan = plan_tools([lenient], "required")
+    assert len(plan.warnings) == 1 and plan.warnings[0].startswith("tools[0].function.parameters: format")
+    assert plan_tools([lenient], "none").warnings == []
+
+
+# -- the parser on crafted replies ------------------------------------------------------------------------------
+
+WEATHER_ARGS = '{"city": "Paris", "unit": "celsius"}'
+CASES = [
+    # (reply, content, calls)
+    ("Hello there.", "Hello there.", []),
+    ("", "", []),
+    (call("get_weather", WEATHER_ARGS), None, [("get_weather", WEATHER_ARGS)]),
+    ("Let me check.\n" + call("get_weather", WEATHER_ARGS) + "\n", "Let me check.", [("get_weather", WEATHER_ARGS)]),
+    (call("get_weather", WEATHER_ARGS) + "\n" + call("ping", "{}"), None,
+     [("get_weather", WEATHER_ARGS), ("ping", "{}")]),
+    # a bare object (Llama 3's format, "parameters" too) at the start or after a call
+    ('  {"name": "get_time", "parameters": {"zone": "Asia/Tokyo"}}', None, [("get_time", '{"zone": "Asia/Tokyo"}')]),
+    (call("ping", "{}", tag=False) + " " + call("ping", '{"a": [1, "}"]}', tag=False), None,
+     [("ping", "{}"), ("ping", '{"a": [1, "}"]}')]),
+    # braces and brackets inside strings do not end the arguments
+    (call("get_weather", '{"city": "{[}\\"]", "unit": "celsius"}'), None,
+     [("get_weather", '{"city": "{[}\\"]", "unit": "celsius"}')]),
+    # other key orders and arguments as a JSON string are decoded when the tag closes
+    ('<tool_call>{"arguments": {"zone": "Europe/Rome"}, "name": "get_time"}</tool_call> Done.', " Done.",
+     [("get_time", '{"zone": "Europe/Rome"}')]),
+    ('<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"Europe/Oslo\\"}"}</tool_call>', None,
+     [("get_time", '{"zone": "Europe/Oslo"}')]),
+    ('{"name": "ping", "arguments": "{}"}', None, [("ping", "{}")]),
+    # an unclosed tag at the end (vLLM tolerates it too) and arguments cut by max_tokens
+    ('<tool_call>\n{"arguments": {}, "name": "ping"}', None, [("ping", "{}")]),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', None, [("get_weather", '{"city": "Par')]),
+    # a missing </tool_call> before the next call
+    ('<tool_call>{"name": "ping", "arguments": {}}\n<tool_call>{"name": "ping", "arguments": {"x": 1}}</tool_call>',
+     None, [("ping", "{}"), ("ping", '{"x": 1}')]),
+    # not calls: left in the content as written
+    ("<tool_call>not json</tool_call> ok", "<tool_call>not json</tool_call> ok", []),
+    (call("launch_missiles", "{}"), call("launch_missiles", "{}"), []),
+    ('{"answer": 42}', '{"answer": 42}', []),
+    ('{"name": "ping", "arguments": 3}', '{"name": "ping", "arguments": 3}', []),
+    ('Use {"name": "ping", "arguments": {}} like this', 'Use {"name": "ping", "arguments": {}} like this', []),
+    ("a < b and <tool", "a < b and <tool", []),
+    ("<tool_call>{oops <tool_call>" + '{"name": "ping", "arguments": {}}</tool_call>', "<tool_call>{oops",
+     [("ping", "{}")]),
+    ("Text then\n\n", "Text then\n\n", []),
+]
+
+
+@pytest.mark.parametrize(("reply", "content", "calls"), CASES)
+def test_parse(reply, content, calls) -> None:
+    got_content, got_calls = ToolCallParser(NAMES).parse(reply)
+    assert (got_content, shape(got_calls)) == (content, calls)
+    for c in got_calls:
+        assert re.fullmatch(r"call_[0-9a-f]{24}", c["id"]) and c["type"] == "function"
+    assert len({c["id"] for c in got_calls}) == len(got_calls)
+
+
+def test_without_parallel_calls_only_the_first_is_kept() -> None:
+    reply = "Sure." + call("ping", "{}") + call("get_time", '{"zone": "Europe/Rome"}')
+    assert shape(ToolCallParser(NAMES, max_calls=1).parse(reply)[1]) == [("ping", "{}")]
+    assert ToolCallParser(NAMES, max_calls=1).parse(reply)[0] == "Sure."
+
+
+# -- streaming ---------------------------------------------------------------------------------------------------
+
+
+def stream(parser: ToolCallParser, pieces: list[str]) -> list[dict]:
+    deltas = []
+    for piece in pieces:
+        deltas += parser.feed(piece)
+    return deltas + parser.finish()
+
+
+def reassemble(deltas: list[dict]) -> tuple[str | None, list[tuple[str, str]]]:
+    """A client's view of a stream: content joined, each call's arguments joined by index (OpenAI's rules)."""
+    content, calls = "", []
+    for delta in deltas:
+        assert set(delta) in ({"content"}, {"tool_calls"}), delta
+        content += delta.get("content", "")
+        for tc in delta.get("tool_calls", []):
+            if "id" in tc:  # a new call: announced once, with its name, before any arguments
+                assert tc["index"] == len(calls) and tc["type"] == "function" and tc["function"]["arguments"] == ""
+                assert re.fullmatch(r"call_[0-9a-f]{24}", tc["id"])
+                calls.append([tc["function"]["name"], ""])
+            else:
+                assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}
+                assert tc["index"] == len(calls) - 1 and tc["function"]["arguments"]
+                calls[-1][1] += tc["function"]["arguments"]
+    return (None if calls and not content else content), [tuple(c) for c in calls]
+
+
+def split(text: str, cuts: list[int]) -> list[str]:
+    pieces, i = [], 0
+    for n in cuts:
+        if i >= len(text):
+            break
+        pieces.append(text[i:i + n])
+        i += n
+    return pieces + ([text[i:]] if i < len(text) else [])
+
+
+@pytest.mark.parametrize(("reply", "content", "calls"), CASES)
+def test_streamed_deltas_reassemble_to_the_whole_parse_char_by_char(reply, content, calls) -> None:
+    assert reassemble(stream(ToolCallParser(NAMES), list(reply))) == (content, calls)
+    assert reassemble(stream(ToolCallParser(NAMES), [reply])) == (content, calls)
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=st.sampled_from(CASES), cuts=st.lists(st.integers(1, 12), max_size=40))
+def test_streamed_deltas_reassemble_in_any_split(case, cuts) -> None:
+    reply, content, calls = case
+    assert reassemble(stream(ToolCallParser(NAMES), split(reply, cuts))) == (content, calls)
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet="ab {}<>/_\"\n:,toolcalnme", max_size=60), cuts=st.lists(st.integers(1, 6), max_size=20))
+def test_any_text_streams_as_it_parses(text, cuts) -> None:
+    # Whatever the model writes, the stream tells the client what the whole parse would; text without the
+    # call syntax comes back exactly as written.
+    parser = ToolCallParser(NAMES)
+    content, calls = parser.parse(text)
+    assert reassemble(stream(ToolCallParser(NAMES), split(text, cuts))) == (content, shape(calls))
+    if "<tool_call>" not in text and not text.lstrip().startswith("{"):
+        assert (content, calls) == (text, [])
+
+
+def test_streaming_holds_back_only_what_could_start_a_call() -> None:
+    p = ToolCallParser(NAMES)
+    assert p.feed("Hello there") == [{"content": "Hello there"}]
+    assert p.feed(", I'll check <tool_") == [{"content": ", I'll check"}]  # " <tool_" may start a tag
+    assert p.feed("box> now.") == [{"content": " <tool_box> now."}]
+    assert p.feed(" <tool_call>\n{\"name\": \"get_w") == []
+    head = p.feed('eather", "arguments": {"city": "Pa')
+    assert head[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert head[1:] == [{"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Pa'}}]}]
+    assert p.feed('ris", "unit": "celsius"}}\n</tool') == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": 'ris", "unit": "celsius"}'}}]}]
+    assert p.feed("_call>\n") == [] and p.finish() == []
+    assert shape(p.tool_calls) == [("get_weather", WEATHER_ARGS)]
+    assert p.content == "Hello there, I'll check <tool_box> now."
+
+
+def test_a_bare_object_is_held_only_until_it_cannot_be_a_call() -> None:
+    p = ToolCallParser(NAMES)
+    assert p.feed('{"na') == []
+    assert p.feed('me": "x') == []
+    assert p.feed('y", "arguments": {}}') == [{"content": '{"name": "xy", "arguments": {}}'}]  # unknown name
+    q = ToolCallParser(NAMES)
+    assert q.feed('{"result": 1') == [{"content": '{"result": 1'}]
+    with pytest.raises(ValueError, match="feed after finish"):
+        q.finish(), q.feed("x")
+
+
+# -- the grammar through the structured-output compiler ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiler(smollm2_path):
+    from pagedserve.models.tokenizer.tokenizer import load_gguf_tokenizer
+    from pagedserve.runtime.structured_output.grammar_compiler import GrammarCompiler
+
+    tok = load_gguf_tokenizer(smollm2_path)
+    return tok, GrammarCompiler(tok, tok.vocab_size)
+
+
+def accepts(compiler, plan, text: str) -> bool:
+    """Whether the plan's grammar accepts `text` as a whole output (the model's tokens of it, then EOS)."""
+    tok, gc = compiler
+    matcher = gc.submit(plan.structured_outputs.grammar_text).result(timeout=60).deep_copy()
+    ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_ids[0]]
+    return matcher.validate_tokens(ids) == len(ids)
+
+
+PARIS = call("get_weather", WEATHER_ARGS)
+
+
+@pytest.mark.parametrize(("choice", "parallel", "text", "ok"), [
+    ("required", True, PARIS, True),
+    ("required", True, call("get_time", '{"zone": "Europe/Rome"}'), True),  # a $ref inside the parameters
+    ("required", True, call("ping", "{}"), True),
+    ("required", True, PARIS + "\n" + call("ping", "{}"), True),
+    ("required", False, PARIS + "\n" + call("ping", "{}"), False),  # one call only
+    ("required", True, "", False),
+    ("required", True, "Sure. " + PARIS, False),  # nothing but calls
+    ("required", True, call("get_weather", '{"city": "Paris", "unit": "kelvin"}'), False),  # enum
+    ("required", True, call("get_weather", '{"city": "Paris"}'), False),  # a required key missing
+    ("required", True, call("get_weather", '{"city": "Paris", "unit": "celsius", "x": 1}'), False),  # extra key
+    ("required", True, call("get_time", '{"zone": "paris"}'), False),  # the $ref's pattern
+    ("required", True, call("ping", '{"x": 1}'), False),  # no parameters: none allowed
+    ("required", True, call("launch", "{}"), False),
+    ("required", True, call("get_weather", '{"city":"Paris","unit":"celsius"}'), False),  # one JSON spelling
+    ("required", True, '{"name": "ping", "arguments": {}}', False),  # always in the tag
+    ({"type": "function", "function": {"name": "get_weather"}}, True, PARIS, True),
+    ({"type": "function", "function": {"name": "get_weather"}}, True, call("ping", "{}"), False),
+    ({"type": "function", "function": {"name": "get_weather"}}, True, PARIS + "\n" + PARIS, False),
+])
+def test_grammar_accepts_exactly_the_valid_calls(compiler, choice, parallel, text, ok) -> None:
+    plan = plan_tools(TOOLS, choice, parallel)
+    assert accepts(compiler, plan, text) is ok
+    if ok:  # what the grammar lets through, the parser reads, and the arguments match the schema
+        content, calls = plan.parser().parse(text)
+        assert content is None and calls
+        for c in calls:
+            schema = {t["function"]["name"]: t["function"].get("parameters") for t in TOOLS}[c["function"]["name"]]
+            jsonschema.validate(json.loads(c["function"]["arguments"]), schema or {"type": "object"})
+
+
+# -- the embedded model -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_required_and_named_calls_parse_and_match_their_schemas(smollm2_loaded) -> None:
+    from engine_helpers import drain
+
+    from pagedserve.runtime.config import EngineConfig
+    from pagedserve.runtime.engine.llm_engine import LLMEngine
+    from pagedserve.runtime.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(device="cpu", seed=0, kv_cache_memory_bytes=128 << 20), loaded=smollm2_loaded)
+    tok = smollm2_loaded.tokenizer
+    messages = [{"role": "user", "content": "What's the weather like in Paris, and what time is it in Tokyo?"}]
+    choices = {"required": "required", "required-1": "required",
+               "named": {"type": "function", "function": {"name": "get_time"}}}
+    plans = {}
+    for i, (rid, choice) in enumerate(choices.items()):
+        plans[rid] = plan = plan_tools(TOOLS, choice, rid != "required-1")
+        prompt = tok.apply_chat_template(messages, tools=plan.template_tools, tokenize=True)
+        params = SamplingParams(n=2, temperature=0.8, seed=i, max_tokens=120,
+                                structured_outputs=plan.structured_outputs)
+        engine.add_request(rid, prompt, params)
+    finished = drain(engine, max_steps=1_000)
+    schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object", "maxProperties": 0}
+               for t in TOOLS}
+    for rid, plan in plans.items():
+        for out in finished[rid].outputs:
+            assert out.finish_reason == "stop", (rid, out.text)
+            content, calls = plan.parser().parse(out.text)
+            assert content is None and calls, (rid, out.text)
+            assert plan.finish_reason(out.finish_reason, calls) == ("stop" if rid == "named" else "tool_calls")
+            if rid != "required":
+                assert len(calls) == 1
+            if rid == "named":
+                assert calls[0]["function"]["name"] == "get_time"
+            for c in calls:
+                jsonschema.validate(json.loads(c["function"]["arguments"]), schemas[c["function"]["name"]])
