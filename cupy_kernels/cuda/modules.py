@@ -90,7 +90,7 @@ MODULES: dict[str, KernelModule] = {
         KernelModule("norm", "norm.cu", (), _typed("add_rms_norm_kernel")),
         KernelModule("rotary", "rotary.cu", (), _typed("rotary_kernel")),
         KernelModule("activation", "activation.cu", (), _typed("silu_and_mul_kernel")),
-        KernelModule("sampling", "sampling.cu", (), _typed("argmax_rows_kernel")),
+        KernelModule("sampling", "sampling.cu", (), _typed("argmax_rows_kernel") + _typed("sample_rows_kernel")),
     )
 }
 # Files that are not modules of their own: prepended to every module's source.
