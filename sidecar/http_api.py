@@ -276,7 +276,6 @@ class HttpApi:
 
     async def _generate(self, request: Request, engine: AsyncEngine, body, prompts: list, max_tokens: int | None,
                         render: Render):
-        fields = set(type(body).model_fields)
         try:
             if max_tokens is None:  # long text prompts are tokenized off the loop before _params counts them
                 for i, p in enumerate(prompts):
@@ -284,16 +283,13 @@ class HttpApi:
                         prompts[i] = await asyncio.to_thread(engine.tokenize, p)
             params = self._params(engine, body, prompts, max_tokens)
         except ValueError as e:
-            err = error_for(e, fields)
-            if err.param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
-                err.param = "max_completion_tokens"
-            raise err from None
+            raise _error(e, body) from None
         ids = [render.request_id if len(prompts) == 1 else f"{render.request_id}-{i}" for i in range(len(prompts))]
         outputs = Outputs([engine.generate(rid, p, sp) for rid, p, sp in zip(ids, prompts, params)])
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         try:  # every prompt's first output before any header: refusals (bad input, full queue) get their status
-            await self._until_disconnect(request, outputs.prime, fields)
-            last = await self._until_disconnect(request, outputs.collect, fields) if not body.stream else None
+            await self._until_disconnect(request, outputs.prime, body)
+            last = await self._until_disconnect(request, outputs.collect, body) if not body.stream else None
         except BaseException:
             await outputs.aclose()
             raise
@@ -304,7 +300,7 @@ class HttpApi:
                                    headers={"Cache-Control": "no-cache"}, ping=15)
 
     @staticmethod
-    async def _until_disconnect(request: Request, fn: Callable[[], Any], fields: set[str]) -> Any:
+    async def _until_disconnect(request: Request, fn: Callable[[], Any], body) -> Any:
         """await fn(), cancelled if the client disconnects first (then ClientGone, answered by nobody)."""
         result: list[Any] = []
         errors: list[BaseException] = []
@@ -322,7 +318,7 @@ class HttpApi:
                 errors.append(e)
             tg.cancel_scope.cancel()
         if errors:
-            raise error_for(errors[0], fields) from None
+            raise _error(errors[0], body) from None
         if not result:
             raise ClientGone()
         return result[0]
@@ -351,6 +347,16 @@ class HttpApi:
             yield "[DONE]"
         finally:
             await outputs.aclose()
+
+
+def _error(e: BaseException, body) -> ApiError:
+    """error_for, with `param` the body's own name for what the engine's message names."""
+    err = error_for(e, set(type(body).model_fields))
+    if err.param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
+        err.param = "max_completion_tokens"
+    if err.param == "logprobs" and isinstance(body, ChatCompletionRequest):  # chat's count is top_logprobs
+        err.param = "top_logprobs"
+    return err
 
 
 def structured_outputs(body) -> StructuredOutputsParams | None:

@@ -43,6 +43,8 @@ class Outputs:
         seen: set[int] = set()
         while len(seen) < self.num_prompts:
             p, item = await self._queue.get()
+            if isinstance(item, ValueError) and self.num_prompts > 1 and str(item).startswith("prompt"):
+                raise ValueError(f"prompt[{p}]: {item}")  # which of the prompts it is about
             if isinstance(item, BaseException):
                 raise item
             seen.add(p)

@@ -178,7 +178,10 @@ class CompletionRender(Render):
             text = self.opts.token_text(t)
             tokens.append(text)
             token_lps.append(lp)
-            tops.append({self.opts.token_text(tt): v for tt, v in top})
+            entry_top: dict[str, float] = {}
+            for tt, v in top:  # tokens that decode alike (parts of a character) share a key: the likeliest's
+                entry_top.setdefault(self.opts.token_text(tt), v)
+            tops.append(entry_top)
             offsets.append(offset)
             offset += len(text)
         self._offset[index] = offset

@@ -14,17 +14,10 @@ import urllib.request
 
 import openai
 import pytest
+from http_helpers import grpc_greedy_ids, http_address
 from server_proc import ServerProcess, client_for, wait_idle
 
 KEY = "test-key"
-
-
-def http_address(srv: ServerProcess) -> str:
-    """The HTTP API's address, from the server's `server.listening` log line (port 0: the kernel chose it)."""
-    for line in srv.log().splitlines():
-        if '"server.listening"' in line:
-            return next(a for a in json.loads(line)["addresses"] if a.startswith("http://"))
-    raise AssertionError(f"no server.listening line:\n{srv.log()}")
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +50,6 @@ def raw(server, method: str, path: str, body: dict | None = None, key: str | Non
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
-
-
-def grpc_greedy_ids(server, prompt: list[int], n: int) -> list[int]:
-    with client_for(server) as c:
-        return [t for ch in c.generate(prompt, max_tokens=n, temperature=0.0, ignore_eos=True) for t in ch.token_ids]
 
 
 def test_models_and_health(server, oai, model):
