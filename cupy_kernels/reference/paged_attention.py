@@ -146,6 +146,8 @@ def _prefill_one(query, k_cache, v_cache, start, end, context_len, block_table, 
     hidden = (k_pos[None, :] > q_pos[:, None]) | (k_pos[None, :] < window_start(q_pos, window)[:, None])  # [n, L]
     bias = np.where(hidden, np.float32(-np.inf), np.float32(0.0))
     scores.reshape(num_kv_heads, group, n, num_keys)[...] += bias  # broadcast over heads, in place
+    if window:  # the first block's keys older than every row's window: weight 0, whatever they hold
+        v = np.where((k_pos < window_start(q_pos[0], window))[:, None, None], np.float32(0.0), v)
     o = np.matmul(_softmax_rows(scores), v.transpose(1, 0, 2))  # [KV, G*n, D]
     out[start:end] = o.reshape(num_kv_heads, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, num_heads, head_dim)
 
@@ -172,9 +174,10 @@ def _decode_group(query, k_cache, v_cache, rows, seq_lens, block_tables, scale, 
     k_pos = first[:, None] * block_size + np.arange(padded)[None, :]
     # slots past the context (never written), and keys older than the window
     hidden = (k_pos >= seq_lens[:, None]) | (k_pos < window_start(seq_lens - 1, window)[:, None])
-    scores += np.where(hidden, np.float32(-np.inf), np.float32(0.0))[:, None, None, :]
+    scores = np.where(hidden[:, None, None, :], np.float32(-np.inf), scores)  # whatever the slot holds
     del k
     v = v_cache[tables].reshape(b, padded, num_kv_heads, head_dim).astype(np.float32, copy=False)
+    v = np.where(hidden[:, :, None, None], np.float32(0.0), v)  # p = 0 there: 0 * v must be 0, not NaN
     out[rows] = np.matmul(_softmax_rows(scores), v.transpose(0, 2, 1, 3)).reshape(b, num_heads, head_dim)
 
 

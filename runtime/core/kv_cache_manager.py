@@ -22,12 +22,28 @@ write into a shared block replaces it, in the writer's table only, by a fresh on
 
 The pending copies are handed to the model runner with ``take_pending_copies`` and must be
 applied on the device *before* the step's forward writes any new K/V.
+
+KV cache groups (sliding-window models; vLLM's hybrid KV cache manager is the model). A group is a set of
+layers that read one block table; every group draws block ids from the one pool. A model with only global
+layers is one group (everything above). Gemma 3 has global layers and sliding-window layers (window W):
+their layers are cut into groups of equal size (kv_cache_groups), each with a table per sequence, so one
+block id means a block of every one of the `num_tensors` K/V array pairs, used by the layer of the group it
+was handed to. A sliding group's table keeps only the blocks a future query can read; those wholly older
+than the window of the next position are released (to the prefix cache's free queue, hash kept) and
+replaced by the manager's null block, which no kernel reads::
+
+    block_size 4, W = 6, 14 tokens computed: the next query (p = 14) sees keys 9..14
+    full group     [7, 2, 9, 5]
+    sliding group  [N, N, 3, 8]     N = the null block; positions 0..7 released
+
+A prefix-cache hit then needs, in a sliding group, only the blocks the first uncomputed position's window
+covers (find_cached_prefix); the hit is the longest prefix that every group can serve.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .block_pool import BlockPool, BlockPoolIntegrityError
 
@@ -61,21 +77,95 @@ class _SlotPlan:
         return self.num_new_table_blocks + len(self.cow_indices)
 
 
+@dataclass(frozen=True)
+class KVCacheGroups:
+    """How a model's layers share the block pool: the groups' windows (None: global attention) and, per layer,
+    its group and the K/V array pair (tensor) that holds it. One block id is a block of every tensor; a
+    layer writes and reads it only when the block belongs to its group's table."""
+
+    windows: tuple[int | None, ...]
+    layer_group: tuple[int, ...]
+    layer_tensor: tuple[int, ...]
+    num_tensors: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_tensors", max(self.layer_tensor, default=-1) + 1)
+
+
+def kv_cache_groups(layer_windows: Sequence[int | None]) -> KVCacheGroups:
+    """Groups for layers with these windows (None: global). All layers alike: one group, a tensor per layer
+    (the layout without groups). Else, as vLLM does, each kind's layers are cut in order into groups of the
+    smallest kind's count (the largest's, when that is within 25% of it): Gemma 3 270M's 3 global and 15
+    local layers make 1 + 5 groups of 3 layers over 3 tensors, so a block id costs 3 layers' K/V, not 18::
+
+        layer    0  1  2  3  4  5 |  6 ... 11 | 12 ... 17       (5, 11, 17 global; W = 512 elsewhere)
+        group    1  1  1  2  2  0 |  2 3 3 3 4 0 | ...
+        tensor   0  1  2  0  1  0 |  ...
+    """
+    windows = [None if w is None else _check_window(w) for w in layer_windows]
+    if not windows:
+        raise ValueError("kv_cache_groups: a model has at least one layer")
+    kinds = list(dict.fromkeys(windows))  # in order of first appearance
+    if len(kinds) == 1:
+        return KVCacheGroups((kinds[0],), (0,) * len(windows), tuple(range(len(windows))))
+    counts = [windows.count(k) for k in kinds]
+    size = max(counts) if max(counts) < 1.25 * min(counts) else min(counts)
+    group_windows: list[int | None] = []
+    first_group = {}
+    for kind, count in zip(kinds, counts):
+        first_group[kind] = len(group_windows)
+        group_windows += [kind] * -(-count // size)
+    seen = dict.fromkeys(kinds, 0)
+    layer_group, layer_tensor = [], []
+    for w in windows:
+        i = seen[w]
+        seen[w] += 1
+        layer_group.append(first_group[w] + i // size)
+        layer_tensor.append(i % size)
+    return KVCacheGroups(tuple(group_windows), tuple(layer_group), tuple(layer_tensor))
+
+
+def _check_window(window: object) -> int:
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise ValueError(f"sliding_window must be None or a positive int, got {window!r}")
+    return window
+
+
+class CachedPrefix(list):
+    """find_cached_prefix's answer: the hit's blocks of group 0 (the list itself: its length is the hit in
+    blocks) and `group_blocks`, the hit's blocks of every group (a sliding group's entries that its window
+    does not need are the null block)."""
+
+    group_blocks: tuple[list[int], ...] = ()
+
+
 def _check_count(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
 
 
 class KVCacheManager:
-    """Owns a BlockPool and the block table of every live sequence (keyed by a str id)."""
+    """Owns a BlockPool and the block tables of every live sequence (keyed by a str id), one per KV cache
+    group. `group_windows`: each group's sliding window, None for global attention (the default: one global
+    group, the layout of a model without sliding windows)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 group_windows: Sequence[int | None] = (None,)) -> None:
         self.pool = BlockPool(num_blocks, block_size)
         self.enable_prefix_caching = enable_prefix_caching
-        self._block_tables: dict[str, list[int]] = {}
+        self.group_windows = tuple(None if w is None else _check_window(w) for w in group_windows)
+        if not self.group_windows:
+            raise ValueError("group_windows: at least one KV cache group")
+        # The block a sliding group's released entries point at: held here for good, never read by a kernel.
+        self.null_block: int | None = None
+        if any(w is not None for w in self.group_windows):
+            if num_blocks < 2:
+                raise ValueError(f"num_blocks must be at least 2 with a sliding window group, got {num_blocks}")
+            self.null_block = self.pool.allocate(1)[0]
+        self._tables: dict[str, list[list[int]]] = {}  # seq_id -> a table per group
         self._pending_copies: list[tuple[int, int]] = []
-        # Prefix caching: the chained hashes of each sequence's full blocks hashed so far.
-        self._hashes: dict[str, list[int]] = {}
+        # Prefix caching: per sequence, per group, the chained hashes of its full blocks hashed so far.
+        self._hashes: dict[str, list[list[int]]] = {}
 
     @property
     def block_size(self) -> int:
@@ -85,16 +175,59 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def __contains__(self, seq_id: object) -> bool:
-        return seq_id in self._block_tables
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
 
-    def block_table(self, seq_id: str) -> list[int]:
-        """A copy of the sequence's block table (empty for an unknown id)."""
-        return list(self._block_tables.get(seq_id, ()))
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._tables
+
+    def block_table(self, seq_id: str, group: int = 0) -> list[int]:
+        """A copy of the sequence's block table of `group` (empty for an unknown id)."""
+        tables = self._tables.get(seq_id)
+        return list(tables[group]) if tables else []
+
+    def block_tables(self, seq_id: str) -> list[list[int]]:
+        """Copies of the sequence's block tables, one per group (empty lists for an unknown id)."""
+        return [self.block_table(seq_id, g) for g in range(self.num_groups)]
 
     def num_blocks_needed(self, seq_id: str, num_computed_tokens: int, num_new_tokens: int) -> int:
-        """Free blocks that ``allocate_slots`` with these arguments would take, copies included."""
-        return self._plan(seq_id, num_computed_tokens, num_new_tokens).num_blocks_needed
+        """Free blocks that ``allocate_slots`` with these arguments would take, copies included (an upper
+        bound with sliding groups: the blocks allocate_slots first releases are not subtracted)."""
+        return sum(p.num_blocks_needed for p in self._plans(seq_id, num_computed_tokens, num_new_tokens))
+
+    def _live(self, table: Sequence[int]) -> list[int]:
+        """The table's entries that hold a reference (the null block's do not)."""
+        null = self.null_block
+        return list(table) if null is None else [b for b in table if b != null]
+
+    def release_outside_window(self, seq_id: str, num_computed_tokens: int) -> int:
+        """In each sliding group, release the blocks whose every position is older than the window of
+        position `num_computed_tokens` (the next query; later ones see even less of the past) and point
+        their entries at the null block. Cached blocks keep their hash (free, reusable by a prefix hit).
+        Returns the number of references dropped::
+
+            block_size 4, W = 6, num_computed_tokens 14: window 9..14
+            sliding [A, B, C, D] -> [N, N, C, D]     A (0..3) and B (4..7) released
+        """
+        self._check_seq_id(seq_id)
+        _check_count("num_computed_tokens", num_computed_tokens)
+        tables = self._tables.get(seq_id)
+        if not tables or self.null_block is None:
+            return 0
+        dropped: list[int] = []
+        for window, table in zip(self.group_windows, tables):
+            if window is None:
+                continue
+            old = min(len(table), max(0, num_computed_tokens - window + 1) // self.pool.block_size)
+            for i in range(old - 1, -1, -1):  # newest first: the walk stops at the first released entry
+                if table[i] == self.null_block:
+                    break
+                dropped.append(table[i])
+                table[i] = self.null_block
+        self.pool.free(reversed(dropped))  # oldest first into the free queue: the first evicted
+        self._drop_dead_copies()
+        return len(dropped)
 
     def allocate_slots(self, seq_id: str, num_computed_tokens: int, num_new_tokens: int) -> bool:
         """Make room to write ``num_new_tokens`` K/V entries after ``num_computed_tokens``.
@@ -112,20 +245,23 @@ class KVCacheManager:
         nothing changes and False is returned (the scheduler then preempts or waits).
         The sequence is registered on its first successful call.
         """
-        plan = self._plan(seq_id, num_computed_tokens, num_new_tokens)
-        if plan.num_blocks_needed > self.pool.num_free_blocks:
+        if seq_id in self._tables:
+            self.release_outside_window(seq_id, num_computed_tokens)
+        plans = self._plans(seq_id, num_computed_tokens, num_new_tokens)
+        if sum(p.num_blocks_needed for p in plans) > self.pool.num_free_blocks:
             return False
-        fresh = self.pool.allocate(plan.num_blocks_needed)
-        table = self._block_tables.setdefault(seq_id, [])
+        tables = self._tables.setdefault(seq_id, [[] for _ in self.group_windows])
         block_size = self.pool.block_size
-        for index, new_block in zip(plan.cow_indices, fresh):
-            old_block = table[index]
-            table[index] = new_block
-            if index * block_size < plan.num_computed_tokens:
-                self._pending_copies.append((old_block, new_block))
-            # Still referenced by the other sharers (ref_cnt was > 1), so this never frees it.
-            self.pool.free([old_block])
-        table.extend(fresh[len(plan.cow_indices):])
+        for plan, table in zip(plans, tables):
+            fresh = self.pool.allocate(plan.num_blocks_needed)
+            for index, new_block in zip(plan.cow_indices, fresh):
+                old_block = table[index]
+                table[index] = new_block
+                if index * block_size < plan.num_computed_tokens:
+                    self._pending_copies.append((old_block, new_block))
+                # Still referenced by the other sharers (ref_cnt was > 1), so this never frees it.
+                self.pool.free([old_block])
+            table.extend(fresh[len(plan.cow_indices):])
         return True
 
     # -- prefix caching --------------------------------------------------------------------------
@@ -138,41 +274,101 @@ class KVCacheManager:
     #   hashes   h0 = H(root, b0)  h1 = H(h0, b1)  (partial: not hashed)
 
     @staticmethod
-    def _root_hash(extra_key: object) -> int:
-        return hash(("pagedserve-prefix-root", extra_key))
+    def _root_hash(extra_key: object, group: int = 0) -> int:
+        # Each group chains from its own root: equal tokens in two groups are two blocks (other layers' K/V).
+        if group == 0:
+            return hash(("pagedserve-prefix-root", extra_key))
+        return hash(("pagedserve-prefix-root", extra_key, group))
 
-    def find_cached_prefix(self, token_ids: Sequence[int], extra_key: object = None) -> list[int]:
-        """Blocks of the longest cached prefix of full blocks of `token_ids`.
+    def _first_needed(self, group: int, num_blocks: int) -> int:
+        """The first of a hit's `num_blocks` blocks that group needs: all for a global group; for a sliding
+        one those holding the window of the first uncomputed position (num_blocks * block_size)."""
+        window = self.group_windows[group]
+        if window is None:
+            return 0
+        return max(0, num_blocks * self.pool.block_size - window + 1) // self.pool.block_size
+
+    def find_cached_prefix(self, token_ids: Sequence[int], extra_key: object = None) -> CachedPrefix:
+        """Blocks of the longest cached prefix of full blocks of `token_ids` that every group can serve: a
+        global group needs all of the prefix's blocks cached, a sliding group only those its window needs
+        (vLLM's hybrid rule); a block some group misses inside what it needs cuts the hit back to it.
 
         Capped so at least the last token is left to compute: its logits are needed to sample.
         """
+        hit = CachedPrefix()
+        hit.group_blocks = tuple([] for _ in self.group_windows)
         if not self.enable_prefix_caching:
-            return []
+            return hit
         block_size = self.pool.block_size
-        parent = self._root_hash(extra_key)
-        found: list[int] = []
-        for i in range((len(token_ids) - 1) // block_size):
-            tokens = tuple(token_ids[i * block_size : (i + 1) * block_size])
-            block_hash = hash((parent, tokens))
-            block_id = self.pool.lookup(block_hash, parent, tokens)
-            if block_id is None:
-                break
-            found.append(block_id)
-            parent = block_hash
-        return found
+        limit = (len(token_ids) - 1) // block_size
+        hashes, parents = [], []  # per group: the chain's hash of each block and its parent's
+        for g in range(self.num_groups):
+            parent, chain, links = self._root_hash(extra_key, g), [], []
+            for i in range(limit):
+                links.append(parent)
+                parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
+                chain.append(parent)
+            hashes.append(chain)
+            parents.append(links)
+
+        def lookup(g: int, i: int) -> int | None:
+            return self.pool.lookup(hashes[g][i], parents[g][i],
+                                    tuple(token_ids[i * block_size : (i + 1) * block_size]))
+
+        found: list[dict[int, int]] = [{} for _ in self.group_windows]
+        n = limit
+        for g, window in enumerate(self.group_windows):  # global groups: the longest prefix, left to right
+            if window is None:
+                for i in range(n):
+                    block = lookup(g, i)
+                    if block is None:
+                        n = i
+                        break
+                    found[g][i] = block
+        settled = False
+        while n > 0 and not settled:  # sliding groups: cut back until each holds its window of the hit
+            settled = True
+            for g, window in enumerate(self.group_windows):
+                if window is None:
+                    continue
+                for i in range(n - 1, self._first_needed(g, n) - 1, -1):
+                    block = found[g].get(i)
+                    if block is None:
+                        block = lookup(g, i)
+                    if block is None:
+                        n, settled = i, False
+                        break
+                    found[g][i] = block
+                if not settled:
+                    break
+        null = self.null_block
+        hit.group_blocks = tuple(
+            [found[g][i] if i >= self._first_needed(g, n) else null for i in range(n)]  # type: ignore[misc]
+            for g in range(self.num_groups))
+        hit.extend(hit.group_blocks[0])
+        return hit
 
     def allocate_with_prefix(self, seq_id: str, cached_blocks: Sequence[int], num_new_tokens: int) -> bool:
-        """Start a sequence on cached blocks, then make room for `num_new_tokens` after them.
+        """Start a sequence on cached blocks (find_cached_prefix's answer; a plain list of blocks with one
+        global group), then make room for `num_new_tokens` after them.
 
         All-or-nothing like allocate_slots: on failure the cached blocks are released again.
         """
         self._check_seq_id(seq_id)
-        if self._block_tables.get(seq_id):
+        if any(self._tables.get(seq_id, ())):
             raise ValueError(f"sequence {seq_id!r} already has blocks; prefix hits apply to new sequences")
         if not cached_blocks:
             return self.allocate_slots(seq_id, 0, num_new_tokens)
-        self.pool.touch(cached_blocks)
-        self._block_tables[seq_id] = list(cached_blocks)
+        groups = getattr(cached_blocks, "group_blocks", ())
+        if not groups:
+            if self.num_groups != 1:
+                raise ValueError("allocate_with_prefix: give find_cached_prefix's answer (blocks of every group)")
+            groups = (list(cached_blocks),)
+        if len(groups) != self.num_groups or any(len(t) != len(cached_blocks) for t in groups):
+            raise ValueError("allocate_with_prefix: the cached blocks do not match this manager's groups")
+        for table in groups:
+            self.pool.touch(self._live(table))
+        self._tables[seq_id] = [list(t) for t in groups]
         if self.allocate_slots(seq_id, len(cached_blocks) * self.pool.block_size, num_new_tokens):
             return True
         self.free(seq_id)
@@ -180,21 +376,24 @@ class KVCacheManager:
 
     def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int,
                           extra_key: object = None) -> None:
-        """Hash the sequence's blocks that became full (all their tokens computed) since the last call."""
+        """Hash the sequence's blocks that became full (all their tokens computed) since the last call; a
+        sliding group's released entries are chained over but not cached (their block is gone)."""
         if not self.enable_prefix_caching:
             return
-        table = self._block_tables.get(seq_id)
-        if table is None:
+        tables = self._tables.get(seq_id)
+        if tables is None:
             return
         block_size = self.pool.block_size
-        chain = self._hashes.setdefault(seq_id, [])
-        parent = chain[-1] if chain else self._root_hash(extra_key)
-        for i in range(len(chain), min(num_computed_tokens // block_size, len(table))):
-            tokens = tuple(token_ids[i * block_size : (i + 1) * block_size])
-            block_hash = hash((parent, tokens))
-            self.pool.cache(table[i], block_hash, parent, tokens)
-            chain.append(block_hash)
-            parent = block_hash
+        chains = self._hashes.setdefault(seq_id, [[] for _ in tables])
+        for g, (table, chain) in enumerate(zip(tables, chains)):
+            parent = chain[-1] if chain else self._root_hash(extra_key, g)
+            for i in range(len(chain), min(num_computed_tokens // block_size, len(table))):
+                tokens = tuple(token_ids[i * block_size : (i + 1) * block_size])
+                block_hash = hash((parent, tokens))
+                if table[i] != self.null_block:
+                    self.pool.cache(table[i], block_hash, parent, tokens)
+                chain.append(block_hash)
+                parent = block_hash
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give ``child_id`` the parent's blocks, shared (each ref_cnt + 1); nothing is copied.
@@ -202,16 +401,16 @@ class KVCacheManager:
         Fork between steps, after the parent's K/V for its computed tokens is written: the
         child starts with the parent's ``num_computed_tokens``.
         """
-        if parent_id not in self._block_tables:
+        if parent_id not in self._tables:
             raise ValueError(f"fork: unknown parent sequence {parent_id!r}")
         self._check_seq_id(child_id)
-        if child_id in self._block_tables:
+        if child_id in self._tables:
             raise ValueError(f"fork: child sequence {child_id!r} already has a block table")
-        parent_table = self._block_tables[parent_id]
-        self.pool.incref(parent_table)
-        self._block_tables[child_id] = list(parent_table)
+        parent_tables = self._tables[parent_id]
+        self.pool.incref([b for table in parent_tables for b in self._live(table)])
+        self._tables[child_id] = [list(table) for table in parent_tables]
         if parent_id in self._hashes:
-            self._hashes[child_id] = list(self._hashes[parent_id])
+            self._hashes[child_id] = [list(chain) for chain in self._hashes[parent_id]]
 
     def free(self, seq_id: str) -> None:
         """Release the sequence's blocks and forget it; a no-op for an unknown id.
@@ -219,16 +418,18 @@ class KVCacheManager:
         Tail first: blocks reaching ref_cnt 0 enter the free queue last-block-first, so an LRU
         prefix cache would evict a chain's tail before the prefix other requests may share.
         """
-        table = self._block_tables.pop(seq_id, None)
+        tables = self._tables.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
-        if table:
-            self.pool.free(reversed(table))
-            # A copy into a block nobody holds any more is useless; dropping it also keeps
-            # the destinations of the pending copies distinct if that block is reused.
-            if self._pending_copies:
-                self._pending_copies = [
-                    (src, dst) for src, dst in self._pending_copies if self.pool.ref_cnt(dst) > 0
-                ]
+        if tables:
+            for table in tables:
+                self.pool.free(reversed(self._live(table)))
+            self._drop_dead_copies()
+
+    def _drop_dead_copies(self) -> None:
+        # A copy into a block nobody holds any more is useless; dropping it also keeps
+        # the destinations of the pending copies distinct if that block is reused.
+        if self._pending_copies:
+            self._pending_copies = [(src, dst) for src, dst in self._pending_copies if self.pool.ref_cnt(dst) > 0]
 
     def truncate(self, seq_id: str, num_tokens: int) -> int:
         """Keep only the blocks that hold positions ``[0, num_tokens)``; release the rest (tail first).
@@ -245,19 +446,21 @@ class KVCacheManager:
         """
         self._check_seq_id(seq_id)
         _check_count("num_tokens", num_tokens)
-        table = self._block_tables.get(seq_id)
+        tables = self._tables.get(seq_id)
         keep = -(-num_tokens // self.pool.block_size)
-        if table is None or len(table) <= keep:
+        if tables is None or len(tables[0]) <= keep:
             return 0
-        dropped = table[keep:]
-        del table[keep:]
-        chain = self._hashes.get(seq_id)
-        if chain is not None and len(chain) > keep:
-            del chain[keep:]
-        self.pool.free(reversed(dropped))
-        if self._pending_copies:
-            self._pending_copies = [(src, dst) for src, dst in self._pending_copies if self.pool.ref_cnt(dst) > 0]
-        return len(dropped)
+        released = 0
+        for g, table in enumerate(tables):
+            dropped = self._live(table[keep:])
+            del table[keep:]
+            chains = self._hashes.get(seq_id)
+            if chains is not None and len(chains[g]) > keep:
+                del chains[g][keep:]
+            self.pool.free(reversed(dropped))
+            released += len(dropped)
+        self._drop_dead_copies()
+        return released
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Return and clear the ``(src_block, dst_block)`` copies recorded since the last call.
@@ -272,27 +475,42 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         """Raise BlockPoolIntegrityError unless the pool agrees with the live block tables."""
-        for seq_id, table in self._block_tables.items():
-            if len(set(table)) != len(table):
-                raise BlockPoolIntegrityError(f"block table of {seq_id!r} repeats a block: {table}")
-        self.pool.check_integrity(self._block_tables.values())
+        live_tables = []
+        for seq_id, tables in self._tables.items():
+            if len({len(t) for t in tables}) != 1:
+                raise BlockPoolIntegrityError(f"block tables of {seq_id!r} differ in length: {tables}")
+            entries = [b for table in tables for b in self._live(table)]
+            if len(set(entries)) != len(entries):
+                raise BlockPoolIntegrityError(f"block tables of {seq_id!r} repeat a block: {tables}")
+            for window, table in zip(self.group_windows, tables):
+                if window is None and self.null_block in table:
+                    raise BlockPoolIntegrityError(f"a global group's table of {seq_id!r} holds the null block")
+            live_tables.append(entries)
+        if self.null_block is not None:
+            live_tables.append([self.null_block])  # the manager's own reference
+        self.pool.check_integrity(live_tables)
 
     def usage(self) -> KVCacheUsage:
-        live = {block_id for table in self._block_tables.values() for block_id in table}
+        """Blocks in use by sequences (the null block not counted), free ones, and the shared ones."""
+        live = {block_id for tables in self._tables.values() for table in tables for block_id in self._live(table)}
         num_shared = sum(1 for block_id in live if self.pool.ref_cnt(block_id) > 1)
+        held = 0 if self.null_block is None else 1
         return KVCacheUsage(
-            num_blocks=self.pool.num_blocks,
-            num_used_blocks=self.pool.num_used_blocks,
+            num_blocks=self.pool.num_blocks - held,
+            num_used_blocks=self.pool.num_used_blocks - held,
             num_free_blocks=self.pool.num_free_blocks,
             num_shared_blocks=num_shared,
             num_exclusive_blocks=len(live) - num_shared,
         )
 
-    def _plan(self, seq_id: str, num_computed_tokens: int, num_new_tokens: int) -> _SlotPlan:
+    def _plans(self, seq_id: str, num_computed_tokens: int, num_new_tokens: int) -> list[_SlotPlan]:
         self._check_seq_id(seq_id)
         _check_count("num_computed_tokens", num_computed_tokens)
         _check_count("num_new_tokens", num_new_tokens)
-        table = self._block_tables.get(seq_id, [])
+        tables = self._tables.get(seq_id) or [[] for _ in self.group_windows]
+        return [self._plan(seq_id, table, num_computed_tokens, num_new_tokens) for table in tables]
+
+    def _plan(self, seq_id: str, table: list[int], num_computed_tokens: int, num_new_tokens: int) -> _SlotPlan:
         block_size = self.pool.block_size
         capacity = len(table) * block_size
         if num_computed_tokens > capacity:
@@ -308,7 +526,8 @@ class KVCacheManager:
             first_written = num_computed_tokens // block_size
             last_written = min(len(table), num_required)  # exclusive; existing blocks only
             cow_indices = tuple(
-                i for i in range(first_written, last_written) if self.pool.ref_cnt(table[i]) > 1
+                i for i in range(first_written, last_written)
+                if table[i] != self.null_block and self.pool.ref_cnt(table[i]) > 1
             )
         return _SlotPlan(
             cow_indices=cow_indices,

@@ -280,11 +280,11 @@ def test_check_integrity_catches_a_corrupted_table() -> None:
     mgr = KVCacheManager(num_blocks=4, block_size=4)
     assert mgr.allocate_slots("a", 0, 8)
     mgr.check_integrity()
-    mgr._block_tables["a"].append(3)  # a block the pool thinks is free
+    mgr._tables["a"][0].append(3)  # a block the pool thinks is free (group 0's table)
     with pytest.raises(BlockPoolIntegrityError, match="block 3 has ref_cnt 0 but appears 1"):
         mgr.check_integrity()
-    mgr._block_tables["a"] = [0, 0]
-    with pytest.raises(BlockPoolIntegrityError, match="repeats a block"):
+    mgr._tables["a"] = [[0, 0]]
+    with pytest.raises(BlockPoolIntegrityError, match="repeat a block"):
         mgr.check_integrity()
 
 

@@ -1,0 +1,207 @@
+"""The KV manager's sliding-window groups (runtime/core/kv_cache_manager.py): layers cut into groups, a sliding
+group's blocks released once they left the window of every future query, the prefix cache kept right, and
+the contract with the kernels (tables whose released entries point at the null block read the same as whole
+tables, even when the released blocks are reused and overwritten)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedserve.cupy_kernels.reference import paged_attention as pa
+from pagedserve.runtime.core.kv_cache_manager import KVCacheManager, kv_cache_groups
+
+
+def gemma3_windows(num_layers: int, window: int = 512, every: int = 6) -> list[int | None]:
+    """Gemma 3's pattern: every sixth layer global, the others local."""
+    return [None if (n + 1) % every == 0 else window for n in range(num_layers)]
+
+
+def test_layers_alike_make_one_group_with_a_tensor_per_layer():
+    groups = kv_cache_groups([None] * 4)
+    assert groups.windows == (None,) and groups.layer_group == (0,) * 4 and groups.layer_tensor == (0, 1, 2, 3)
+    assert groups.num_tensors == 4
+
+
+@pytest.mark.parametrize("num_layers,sizes", [(18, (3, 6)), (26, (4, 7)), (12, (2, 6))])
+def test_gemma3_layers_share_tensors_one_layer_per_group(num_layers, sizes):
+    """270M (18 layers: 3 global), 1B (26: 4 global): groups of the global count; each tensor holds at most one
+    layer of each group, and a group's layers sit in distinct tensors."""
+    size, num_groups = sizes
+    windows = gemma3_windows(num_layers)
+    groups = kv_cache_groups(windows)
+    assert groups.num_tensors == size and len(groups.windows) == num_groups
+    pairs = list(zip(groups.layer_group, groups.layer_tensor))
+    assert len(set(pairs)) == num_layers  # no two layers share a (group, tensor) slot
+    for layer, (g, _) in enumerate(pairs):
+        assert groups.windows[g] == windows[layer]
+    assert groups.windows.count(None) == 1
+
+
+def test_kinds_within_a_quarter_of_each_other_take_the_larger_count():
+    groups = kv_cache_groups([None] * 5 + [64] * 6)
+    assert groups.windows == (None, 64) and groups.num_tensors == 6
+    groups = kv_cache_groups([None] * 4 + [64] * 5)  # 5 is not under 1.25 x 4: groups of 4
+    assert groups.windows == (None, 64, 64) and groups.num_tensors == 4
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_a_bad_window_is_refused(bad):
+    with pytest.raises(ValueError, match="sliding_window"):
+        kv_cache_groups([None, bad])
+    with pytest.raises(ValueError, match="sliding_window"):
+        KVCacheManager(8, 4, group_windows=(None, bad))
+
+
+def test_blocks_that_left_the_window_are_released_and_not_counted():
+    kv = KVCacheManager(num_blocks=16, block_size=4, group_windows=(None, 6))
+    null = kv.null_block
+    assert kv.usage().num_used_blocks == 0 and kv.usage().num_blocks == 15
+    assert kv.allocate_slots("a", 0, 14)  # positions 0..13: 4 blocks in each group
+    assert kv.usage().num_used_blocks == 8
+    full_before = kv.block_table("a", 0)
+    assert kv.allocate_slots("a", 14, 1)  # the query at 14 sees 9..14: blocks 0 (0..3), 1 (4..7) leave
+    assert kv.block_table("a", 0) == full_before
+    sliding = kv.block_table("a", 1)
+    assert sliding[:2] == [null, null] and null not in sliding[2:]
+    assert kv.usage().num_used_blocks == 6 and kv.num_free_blocks == 9
+    kv.check_integrity()
+    assert kv.release_outside_window("a", 14) == 0  # nothing more to release
+    kv.free("a")
+    assert kv.usage().num_used_blocks == 0
+    kv.check_integrity()
+
+
+@pytest.mark.parametrize("window,block_size", [(512, 16), (37, 16), (5, 4), (16, 16)])
+def test_a_long_decode_holds_a_bounded_number_of_sliding_blocks(window, block_size):
+    """2,000 tokens over the window: the sliding group holds at most the window's blocks (plus the one being
+    written) at every step, the global group all of them."""
+    kv = KVCacheManager(num_blocks=2000 // block_size + window // block_size + 4, block_size=block_size,
+                        group_windows=(None, window))
+    computed = 0
+    for new in [300] + [1] * 1700:
+        assert kv.allocate_slots("a", computed, new)
+        computed += new
+        kv.release_outside_window("a", computed)
+        live = [b for b in kv.block_table("a", 1) if b != kv.null_block]
+        assert len(live) <= -(-(window - 1) // block_size) + 1
+        assert len(kv.block_table("a", 0)) == -(-computed // block_size)
+    kv.check_integrity()
+
+
+def test_fork_truncate_and_free_keep_the_counts_right():
+    kv = KVCacheManager(num_blocks=32, block_size=4, group_windows=(6, None))
+    assert kv.allocate_slots("p", 0, 18)
+    kv.release_outside_window("p", 18)
+    kv.fork("p", "c")
+    kv.check_integrity()
+    assert kv.allocate_slots("c", 18, 3)  # writes into the shared last block: a copy in each group
+    assert len(kv.take_pending_copies()) == 2
+    assert kv.truncate("c", 19) == 2  # 21 -> 19 tokens: the sixth block of each group
+    kv.check_integrity()
+    kv.free("p")
+    kv.free("c")
+    assert kv.usage().num_used_blocks == 0
+    kv.check_integrity()
+
+
+def test_a_prefix_hit_needs_only_the_window_of_a_sliding_group():
+    """A's 40 tokens cached; its old sliding blocks evicted: B, on the same 40 tokens + 5, still hits all 10
+    blocks (its first new token's window needs blocks 8 and 9 of the sliding group only)."""
+    kv = KVCacheManager(num_blocks=21, block_size=4, enable_prefix_caching=True, group_windows=(None, 6))
+    prompt = list(range(100, 140))
+    assert kv.allocate_slots("a", 0, 40)
+    kv.cache_full_blocks("a", prompt, 40)
+    sliding_a = kv.block_table("a", 1)
+    kv.release_outside_window("a", 40)  # sliding blocks 0..7 released, hashes kept
+    kv.free("a")
+    taken = kv.pool.allocate(8)  # evicts exactly the eight released sliding blocks (first in the queue)
+    assert sorted(taken) == sorted(sliding_a[:8])
+    hit = kv.find_cached_prefix(prompt + [1, 2, 3, 4, 5])
+    assert len(hit) == 10
+    assert hit.group_blocks[1] == [kv.null_block] * 8 + sliding_a[8:]
+    kv.pool.free(taken)
+    assert kv.allocate_with_prefix("b", hit, 5)
+    kv.check_integrity()
+    kv.free("b")
+    kv.check_integrity()
+
+
+def test_a_sliding_group_missing_its_window_cuts_the_hit_back():
+    """Every global block of A's prefix cached, its sliding blocks all evicted: the window of any hit's first
+    new token lacks a block, so the hit is cut back to nothing."""
+    kv = KVCacheManager(num_blocks=21, block_size=4, enable_prefix_caching=True, group_windows=(6, None))
+    prompt = list(range(100, 140))
+    assert kv.allocate_slots("a", 0, 40)
+    kv.cache_full_blocks("a", prompt, 40)
+    sliding_a = kv.block_table("a", 0)
+    kv.release_outside_window("a", 40)
+    kv.free("a")  # the sliding group's blocks first: the queue is sliding 0..7, sliding 9, 8, global 9..0
+    assert sorted(kv.pool.allocate(10)) == sorted(sliding_a)
+    assert kv.pool.num_cached_blocks == 10  # the global group's, all of them
+    hit = kv.find_cached_prefix(prompt + [1])
+    assert len(hit) == 0 and hit.group_blocks == ([], [])
+
+
+def test_a_released_but_cached_sliding_block_is_revived_by_a_hit():
+    kv = KVCacheManager(num_blocks=40, block_size=4, enable_prefix_caching=True, group_windows=(None, 6))
+    prompt = list(range(40))
+    assert kv.allocate_slots("a", 0, 40)
+    kv.cache_full_blocks("a", prompt, 40)
+    kv.release_outside_window("a", 40)
+    sliding_a = kv.block_table("a", 1)
+    hit = kv.find_cached_prefix(prompt[:38] + [7, 7, 7])  # differs in block 9: a hit of 9 blocks
+    assert len(hit) == 9
+    first_needed = (36 - 6 + 1) // 4  # 7: block 7 was released, its hash kept
+    assert sliding_a[7] == kv.null_block
+    assert hit.group_blocks[1][first_needed:] != [kv.null_block] * 2
+    assert kv.allocate_with_prefix("b", hit, 5)
+    kv.check_integrity()
+
+
+def test_one_global_group_behaves_as_before():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    assert kv.null_block is None
+    assert kv.allocate_slots("a", 0, 9)
+    assert kv.release_outside_window("a", 9) == 0
+    assert kv.block_table("a") == [0, 1, 2] and kv.block_tables("a") == [[0, 1, 2]]
+    kv.cache_full_blocks("a", list(range(9)), 9)
+    assert kv.find_cached_prefix(list(range(9))) == [0, 1]
+
+
+def test_the_kernels_read_released_tables_as_whole_ones():
+    """2,000 tokens over a 512 window (block 16): a prompt of 1,800 in chunks of 300, then 200 decodes. At each
+    step the sliding group's table (released entries: the null block; released blocks handed to another
+    sequence and overwritten with NaN) gives the same bits as the sequence's whole table."""
+    rng = np.random.default_rng(0)
+    block_size, window, kv_heads, dim = 16, 512, 1, 16
+    kv = KVCacheManager(num_blocks=260, block_size=block_size, group_windows=(window,))
+    k_cache = np.full((260, block_size, kv_heads, dim), np.nan, np.float32)
+    v_cache = k_cache.copy()
+    keys = rng.standard_normal((2000, kv_heads, dim)).astype(np.float32)
+    values = rng.standard_normal((2000, kv_heads, dim)).astype(np.float32)
+    whole_k, whole_v = np.zeros((125, block_size, kv_heads, dim), np.float32), np.zeros((125, block_size, kv_heads,
+                                                                                            dim), np.float32)
+    whole_k.reshape(-1, kv_heads, dim)[:2000], whole_v.reshape(-1, kv_heads, dim)[:2000] = keys, values
+    computed = 0
+    for step, new in enumerate([300] * 6 + [1] * 200):
+        assert kv.allocate_slots("a", computed, new)
+        table = kv.block_table("a")
+        pos = np.arange(computed, computed + new)
+        slots = np.array(table)[pos // block_size] * block_size + pos % block_size
+        k_cache.reshape(-1, kv_heads, dim)[slots], v_cache.reshape(-1, kv_heads, dim)[slots] = keys[pos], values[pos]
+        computed += new
+        query = rng.standard_normal((new, 2, dim)).astype(np.float32)
+        qsl, lens = np.array([0, new]), np.array([computed])
+        got = pa.paged_attention(query, k_cache, v_cache, qsl, lens, np.array([table]), 0.25, sliding_window=window)
+        want = pa.paged_attention(query, whole_k, whole_v, qsl, lens, np.arange(125)[None, :], 0.25,
+                                  sliding_window=window)
+        np.testing.assert_array_equal(got, want, err_msg=f"step {step}")
+        released = kv.release_outside_window("a", computed)
+        if released:  # another sequence takes the released blocks and writes over them
+            assert kv.allocate_slots(f"other{step}", 0, released * block_size)
+            for b in kv.block_table(f"other{step}"):
+                k_cache[b] = v_cache[b] = np.nan
+            kv.free(f"other{step}")
+    assert computed == 2000 and len([b for b in kv.block_table("a") if b != kv.null_block]) <= 33
+    kv.check_integrity()
