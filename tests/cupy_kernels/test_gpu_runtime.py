@@ -299,7 +299,7 @@ def test_device_sampler_with_cupy_reads_back_once_and_matches_the_host_path():
     finally:
         sampling_device.fetch = real_fetch
     host = gpu_helpers.run_sampler(np, logits, params)
-    # One transfer for the device call. (The test asserted 2 on 2026-12-04 and saw [6]: the host call below runs
-    # after the patch is undone, so only the device call's fetch (six arrays in one copy) is counted: the test was wrong.)
+    # One transfer for the device call. The test asserted 2 on 2026-12-04 and saw [6]: the host call below runs
+    # after the patch is undone, so only the device call's fetch (six arrays in one copy) counts. The test was wrong.
     assert len(gets) == 1, gets
     gpu_helpers.check_device_tokens_against_host(dev, host, logits, params)
