@@ -15,12 +15,17 @@ with num_logits = 0):
 
     input_ids       = [a0 a1 a2 | b7 d1 d2 | c4 c5]
     logits_indices  = [2, 3, 4, 5]     a's last row, then b's three rows; c has none
+
+KV cache groups (a model with sliding-window layers; runtime/core/kv_cache_manager.py): every group after
+the first has its own block tables and slot mapping (group_block_tables, group_slot_mappings), and
+layer_group says which group each layer reads and writes; `kv_tables(layer)` gives a layer its pair. A
+batch without groups leaves all three empty: every layer uses block_tables and slot_mapping.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -34,6 +39,16 @@ class ForwardBatch:
     seq_lens: np.ndarray  # [B] int32
     block_tables: np.ndarray  # [B, max_blocks] int32, padded with 0
     logits_indices: np.ndarray  # [N] int64
+    group_block_tables: tuple[Any, ...] = ()  # groups 1..G-1: [B, max_blocks] int32 each
+    group_slot_mappings: tuple[Any, ...] = ()  # groups 1..G-1: [T] int64 each
+    layer_group: tuple[int, ...] = ()  # per layer, its group (empty: group 0 for every layer)
+
+    def kv_tables(self, layer: int) -> tuple[Any, Any]:
+        """(block_tables, slot_mapping) of the KV cache group that `layer` belongs to."""
+        group = self.layer_group[layer] if self.layer_group else 0
+        if group == 0:
+            return self.block_tables, self.slot_mapping
+        return self.group_block_tables[group - 1], self.group_slot_mappings[group - 1]
 
     @property
     def num_tokens(self) -> int:
@@ -54,9 +69,27 @@ class SeqChunk:
     # Logits rows wanted: the last `num_logits` new tokens (1 = a plain sample, 0 = a prefill chunk
     # short of the prompt's end, 1 + k = a speculative verify step with k draft tokens).
     num_logits: int = 1
+    group_block_tables: Sequence[Sequence[int]] = ()  # the tables of KV cache groups 1.. (none: one group)
 
 
-def build_forward_batch(chunks: Sequence[SeqChunk], block_size: int) -> ForwardBatch:
+def _tables_and_slots(tables: Sequence[Sequence[int]], seq_lens: np.ndarray, seq_index: np.ndarray,
+                      positions: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """One group's block tables [B, max_blocks] (padded with 0) and the slot of every new token."""
+    max_blocks = max(1, max(len(t) for t in tables))
+    block_tables = np.zeros((len(tables), max_blocks), dtype=np.int32)
+    for i, table in enumerate(tables):
+        needed = -(-int(seq_lens[i]) // block_size)
+        if len(table) < needed:
+            raise ValueError(f"sequence {i}: block table has {len(table)} blocks, needs {needed}")
+        block_tables[i, : len(table)] = table
+    blocks = block_tables[seq_index, positions // block_size].astype(np.int64)
+    return block_tables, blocks * block_size + positions % block_size
+
+
+def build_forward_batch(chunks: Sequence[SeqChunk], block_size: int,
+                        layer_group: Sequence[int] = ()) -> ForwardBatch:
+    """The step's batch; `layer_group`: each layer's KV cache group, when the chunks carry the tables of more
+    than one (SeqChunk.group_block_tables)."""
     if not chunks:
         raise ValueError("build_forward_batch needs at least one sequence")
     counts = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
@@ -66,19 +99,19 @@ def build_forward_batch(chunks: Sequence[SeqChunk], block_size: int) -> ForwardB
     query_start_loc = np.zeros(len(chunks) + 1, dtype=np.int32)
     np.cumsum(counts, out=query_start_loc[1:])
     seq_lens = (computed + counts).astype(np.int32)
-    max_blocks = max(1, max(len(c.block_table) for c in chunks))
-    block_tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
-    for i, c in enumerate(chunks):
-        needed = -(-int(seq_lens[i]) // block_size)
-        if len(c.block_table) < needed:
-            raise ValueError(f"sequence {i}: block table has {len(c.block_table)} blocks, needs {needed}")
-        block_tables[i, : len(c.block_table)] = c.block_table
     input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=int(counts.sum()))
     # positions: computed .. computed + count - 1 for each sequence, built without a Python loop per token.
     seq_index = np.repeat(np.arange(len(chunks)), counts)
     positions = np.arange(int(counts.sum()), dtype=np.int64) - query_start_loc[seq_index] + computed[seq_index]
-    blocks = block_tables[seq_index, positions // block_size].astype(np.int64)
-    slot_mapping = blocks * block_size + positions % block_size
+    block_tables, slot_mapping = _tables_and_slots([c.block_table for c in chunks], seq_lens, seq_index, positions,
+                                                   block_size)
+    num_groups = 1 + len(chunks[0].group_block_tables)
+    if any(len(c.group_block_tables) != num_groups - 1 for c in chunks):
+        raise ValueError("every sequence of a step carries the block tables of the same KV cache groups")
+    if (num_groups > 1 or layer_group) and (not layer_group or max(layer_group) >= num_groups or min(layer_group) < 0):
+        raise ValueError(f"layer_group {tuple(layer_group)} does not name the step's {num_groups} KV cache groups")
+    extra = [_tables_and_slots([c.group_block_tables[g] for c in chunks], seq_lens, seq_index, positions, block_size)
+             for g in range(num_groups - 1)]
     num_logits = np.array([c.num_logits for c in chunks], dtype=np.int64)
     if ((num_logits < 0) | (num_logits > counts)).any():
         raise ValueError("num_logits must be between 0 and the sequence's number of new tokens")
@@ -88,4 +121,4 @@ def build_forward_batch(chunks: Sequence[SeqChunk], block_size: int) -> ForwardB
                                                                           num_logits)
     logits_indices = ends - np.repeat(num_logits, num_logits) + offsets
     return ForwardBatch(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
-                        logits_indices)
+                        logits_indices, tuple(t for t, _ in extra), tuple(s for _, s in extra), tuple(layer_group))

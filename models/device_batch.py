@@ -26,11 +26,14 @@ from there to the device with cudaMemcpyAsync on the current stream, so the copy
 does not block the host (a copy from pageable memory is staged by the driver and synchronous).
 
 On the numpy backend `to_device` returns the batch unchanged (the CPU path is untouched).
+
+KV cache groups after the first (a model with sliding-window layers) are checked the same way and go up
+as one more int64 buffer (their slot mappings) and one more int32 buffer (their tables, trimmed alike).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -191,6 +194,22 @@ def to_device(batch: ForwardBatch, backend: Backend, block_size: int, num_blocks
     if not backend.is_gpu or is_on_device(batch):
         return batch
     check_batch(batch, block_size, num_blocks, vocab_size)
-    i64, i32, layout = pack_batch(batch, blocks_needed(np.asarray(batch.seq_lens), block_size))
-    dev_i64, dev_i32 = _upload(backend.xp, i64, i32)
-    return unpack_batch(dev_i64, dev_i32, layout)
+    width = blocks_needed(np.asarray(batch.seq_lens), block_size)
+    i64, i32, layout = pack_batch(batch, width)
+    if not batch.group_block_tables:
+        dev_i64, dev_i32 = _upload(backend.xp, i64, i32)
+        return unpack_batch(dev_i64, dev_i32, layout)
+    groups = [replace(batch, block_tables=t, slot_mapping=s, group_block_tables=(), group_slot_mappings=())
+              for t, s in zip(batch.group_block_tables, batch.group_slot_mappings)]
+    for group in groups:
+        check_batch(group, block_size, num_blocks)
+    packed = [pack_batch(group, width) for group in groups]
+    t, b = layout.num_tokens, layout.num_seqs
+    slots = np.concatenate([g64[2 * t : 3 * t] for g64, _, _ in packed])
+    tables = np.concatenate([g32[2 * b + 1 :] for _, g32, _ in packed])
+    dev_i64, dev_i32, dev_slots, dev_tables = _upload(backend.xp, i64, i32, slots, tables)
+    n = len(groups)
+    return replace(unpack_batch(dev_i64, dev_i32, layout),
+                   group_block_tables=tuple(dev_tables.reshape(n, b, width)[g] for g in range(n)),
+                   group_slot_mappings=tuple(dev_slots.reshape(n, t)[g] for g in range(n)),
+                   layer_group=batch.layer_group)

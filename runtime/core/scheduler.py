@@ -192,6 +192,8 @@ class Scheduler:
         request.num_computed_tokens += num_tokens
         self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens,
                                   request.cache_salt)
+        # A sliding-window group's blocks that no future query reads go back to the pool now (hashed above).
+        self.kv.release_outside_window(request.request_id, request.num_computed_tokens)
 
     def rollback_rejected(self, request: Request, num_accepted: int) -> None:
         """After a verify step: the accepted drafts' K/V counts as computed, the rejected drafts' slots are
@@ -202,6 +204,7 @@ class Scheduler:
         self.kv.truncate(request.request_id, request.num_computed_tokens)
         self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens,
                                   request.cache_salt)
+        self.kv.release_outside_window(request.request_id, request.num_computed_tokens)
 
     def fork(self, parent: Request, child: Request) -> None:
         """`child` (a parallel sample or a beam) shares every block of the running `parent` (copy-on-write)
