@@ -16,6 +16,13 @@ Two tokenizer models are supported:
     tokenizer.ggml.model = "llama"  SentencePiece-style BPE with byte fallback ("\u2581" for spaces, one
                                     prepended to the text). Merges come from the file, or are rebuilt
                                     from the token scores when the file has none.
+      ... of Gemma (1, 2, 3)        the same BPE with byte fallback, built as transformers' GGUF loader
+                                    builds Gemma's: every space becomes "\u2581" (a normalizer; no prefix
+                                    space is added), tokens that are runs of spaces are respelled as runs
+                                    of "\u2581", and the merges, which Gemma files do not carry, are rebuilt
+                                    in the order the tokens appear in the file (Gemma's scores do not
+                                    follow its merge order). Byte tokens "<0xNN>" spell what no merge
+                                    reaches; the decoder turns them back into bytes.
 
 Token types mark what must never be cut into pieces: CONTROL (3) tokens become special added tokens,
 USER_DEFINED (4) tokens plain added tokens.
@@ -33,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from ..loading.gguf_metadata import read_gguf_metadata
 from .tokenizer import Tokenizer
@@ -85,9 +92,11 @@ _SPLIT_BY_PRE: dict[str, str] = {
     **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
 }  # fmt: skip
 
-# Architectures whose "llama" (SentencePiece) vocabulary transformers builds differently (Gemma's
-# respelled spaces and file-order merges, Phi-3's normalizer-made prefix space). Not reproduced here.
-_UNSUPPORTED_SENTENCEPIECE_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "phi3"})
+# Architectures whose "llama" (SentencePiece) vocabulary is Gemma's (see `_gemma_backend`).
+_GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
+# Phi-3's vocabulary transformers builds differently again (a normalizer-made prefix space). Not reproduced here.
+_UNSUPPORTED_SENTENCEPIECE_ARCHS = frozenset({"phi3"})
+_SPACE_MARK = "\u2581"
 
 
 @lru_cache(maxsize=1)
@@ -146,6 +155,19 @@ def _merges_from_scores(tokens: Sequence[str], scores: Sequence[float]) -> list[
         candidates.extend((left, right, score) for left, right in splits)
     candidates.sort(key=lambda c: (c[2], len(c[0]), len(c[1])), reverse=True)
     return [(left, right) for left, right, _ in candidates]
+
+
+def _merges_in_vocab_order(tokens: Sequence[str]) -> list[tuple[str, str]]:
+    """`_merges_from_scores` with every token scored by its position (earlier is better), without the sort:
+    merges come token by token in file order, a token's own splits longer left piece first. (A token listed
+    twice counts at its last position, as there.)"""
+    rank = {token: index for index, token in enumerate(tokens)}
+    return [
+        (token[:cut], token[cut:])
+        for token in sorted(rank, key=rank.__getitem__)
+        for cut in range(len(token) - 1, 0, -1)
+        if token[:cut] in rank and token[cut:] in rank
+    ]
 
 
 def _merges(metadata: Mapping[str, Any], source: str) -> list[tuple[str, str]]:
@@ -221,6 +243,36 @@ def _sentencepiece_backend(metadata: Mapping[str, Any], source: str) -> tuple[to
     return backend, tokens
 
 
+def _gemma_backend(metadata: Mapping[str, Any], source: str) -> tuple[tokenizers.Tokenizer, list[str]]:
+    """Gemma's SentencePiece BPE, as transformers' GGUF loader builds it (`gemma_tokenizer` there).
+
+    The file stores a token of two or more spaces with real spaces, while the text reaches the model with
+    every space already "\u2581": such tokens are respelled first, so that the merges rebuilt from the
+    vocabulary can reach them. Merges rank by the merged token's position in the file (earlier first).
+    """
+    tokens = [_SPACE_MARK * len(t) if t and " " in t and not t.strip() else t
+              for t in metadata["tokenizer.ggml.tokens"]]
+    if "tokenizer.ggml.merges" in metadata:
+        merges = _split_merges(metadata["tokenizer.ggml.merges"], source)
+    else:
+        merges = _merges_in_vocab_order(tokens)
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
+    backend = tokenizers.Tokenizer(models.BPE(
+        vocab={token: index for index, token in enumerate(tokens)},
+        merges=merges,
+        unk_token=unk,
+        fuse_unk=True,
+        byte_fallback=True,
+        dropout=None,
+    ))
+    backend.normalizer = normalizers.Replace(" ", _SPACE_MARK)
+    # What transformers' GemmaTokenizer installs; after the normalizer no " " is left, so it splits nothing.
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence([decoders.Replace(_SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()])
+    return backend, tokens
+
+
 def _add_marked_tokens(
     backend: tokenizers.Tokenizer,
     metadata: Mapping[str, Any],
@@ -281,7 +333,7 @@ def load_gguf_tokenizer(path: str | Path, reader: gguf.GGUFReader | None = None)
     """The tokenizer of a GGUF file, built from its metadata (`reader` saves parsing it again).
 
     Raises ValueError naming the file for a missing/corrupt file, missing tokenizer keys, or a
-    tokenizer model other than "gpt2" and "llama" (or a "llama" vocabulary of Gemma or Phi-3).
+    tokenizer model other than "gpt2" and "llama" (or a "llama" vocabulary of Phi-3).
     """
     source = str(path)
     metadata = _metadata_from_reader(reader) if reader is not None else read_gguf_metadata(path)
@@ -306,10 +358,14 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], source: str = "<gg
         if architecture in _UNSUPPORTED_SENTENCEPIECE_ARCHS:
             raise ValueError(
                 f"{source}: a SentencePiece ('llama') tokenizer for architecture {architecture!r} is not supported "
-                "(transformers builds Gemma and Phi-3 vocabularies differently)"
+                "(transformers builds Phi-3's vocabulary differently)"
             )
-        backend, keys = _sentencepiece_backend(metadata, source)
-        default_specials = ["<unk>", "<s>", "</s>"]  # LlamaTokenizer's defaults
+        if architecture in _GEMMA_ARCHS:
+            backend, keys = _gemma_backend(metadata, source)
+            default_specials = ["<mask>"]  # GemmaTokenizer's one default the file does not name
+        else:
+            backend, keys = _sentencepiece_backend(metadata, source)
+            default_specials = ["<unk>", "<s>", "</s>"]  # LlamaTokenizer's defaults
         # Older files have no flag, and llama.cpp adds BOS to a SentencePiece vocabulary unless told not to.
         add_bos_default = True
     else:
