@@ -38,6 +38,7 @@ from .http_outputs import Outputs
 from .http_render import ChatRender, CompletionRender, Render, RenderOptions
 from .http_server import HttpServer
 from .servicer import CHAT_ROLES
+from .tool_calls import plan_tools
 
 __all__ = ["HttpApi", "HttpServer"]
 
@@ -81,7 +82,7 @@ class HttpApi:
         app.add_exception_handler(ClientGone, lambda _r, _e: Response(status_code=499))  # nobody reads it
         app.add_exception_handler(RequestValidationError, invalid_body)
         app.add_exception_handler(StarletteHTTPException, http_error)
-        app.add_exception_handler(Exception, lambda _r, e: JSONResponse(error_for(e).body(), 500))
+        app.add_exception_handler(Exception, _answer_error)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
@@ -139,8 +140,8 @@ class HttpApi:
             raise ApiError(400, "set one of prompt or messages", "prompt", "invalid_value")
         if body.messages is not None:
             messages = self._chat_messages(body.messages)
-            ids = await _maybe_off_loop(sum(len(m["content"]) for m in messages), engine.tokenize_chat, messages,
-                                        body.add_generation_prompt)
+            ids = await _maybe_off_loop(sum(len(m["content"] or "") for m in messages), engine.tokenize_chat,
+                                        messages, body.add_generation_prompt)
         else:
             self._check_text(body.prompt, "prompt")
             add = True if body.add_special_tokens is None else body.add_special_tokens
@@ -177,21 +178,27 @@ class HttpApi:
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         engine = self._prepare(body)
-        if body.uses_tools():  # the seam for sidecar/tool_calls.py: prompt with tools, grammar, parsed calls
-            raise ApiError(400, "tools (with tool_choice other than 'none') are not supported by this server's "
-                           "HTTP API yet", "tools", "unsupported")
+        try:
+            plan = plan_tools(*body.tools_raw(), body.parallel_tool_calls)
+        except ValueError as e:
+            raise _error(e, body) from None
+        if plan.structured_outputs is not None and structured_outputs(body) is not None:
+            raise ApiError(400, f"tool_choice {body.tool_choice if isinstance(body.tool_choice, str) else 'function'}"
+                           f" constrains the reply to tool calls; it cannot be combined with response_format or "
+                           f"structured_outputs", "tool_choice", "invalid_value")
         messages = self._chat_messages(body.messages)
         try:
-            ids = await _maybe_off_loop(sum(len(m["content"]) for m in messages), engine.tokenize_chat, messages,
-                                        body.add_generation_prompt)
+            ids = await _maybe_off_loop(sum(len(m["content"] or "") for m in messages), engine.tokenize_chat,
+                                        messages, body.add_generation_prompt, plan.template_tools)
         except ValueError as e:
-            raise ApiError(400, str(e), "messages", "invalid_value") from None
+            raise _error(e, body) from None
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         opts = RenderOptions(n=body.n, return_token_ids=body.return_token_ids,
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                             token_text=self._token_text(engine))
+                             token_text=self._token_text(engine), tool_plan=plan if plan.mode != "none" else None,
+                             warnings=list(plan.warnings))
         render = ChatRender(f"chatcmpl-{uuid.uuid4().hex}", self._model_name(), opts)
-        return await self._generate(request, engine, body, [ids], limit, render)
+        return await self._generate(request, engine, body, [ids], limit, render, plan.structured_outputs)
 
     def _prepare(self, body) -> AsyncEngine:
         engine = self._engine()
@@ -230,7 +237,9 @@ class HttpApi:
                 self._check_text(p, field)
         return prompts  # token ids: the engine checks their range and length before copying them
 
-    def _chat_messages(self, messages: list[ChatMessage]) -> list[dict[str, str]]:
+    def _chat_messages(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
+        """The conversation for the chat template: role and content, and the tool turns' fields (an assistant's
+        tool_calls, a tool result's tool_call_id and name), which the template renders."""
         if len(messages) > self.max_chat_messages:
             raise ApiError(400, f"messages has {len(messages)} messages; the limit is {self.max_chat_messages}",
                            "messages", "invalid_value")
@@ -239,19 +248,29 @@ class HttpApi:
             if m.role not in CHAT_ROLES:
                 raise ApiError(400, f"messages[{i}].role {m.role[:40]!r} is not one of {list(CHAT_ROLES)}",
                                f"messages[{i}].role", "invalid_value")
-            if m.tool_calls:  # the seam for sidecar/tool_calls.py (rendered by the chat template's tool support)
-                raise ApiError(400, f"messages[{i}].tool_calls are not supported by this server's HTTP API yet",
-                               f"messages[{i}].tool_calls", "unsupported")
             text = m.text()
             self._check_text(text, f"messages[{i}].content")
             total += len(text)
-            out.append({"role": m.role, "content": text})
+            message: dict[str, Any] = {"role": m.role, "content": text}
+            if m.tool_calls:
+                calls = [c.model_dump() for c in m.tool_calls]
+                for j, c in enumerate(calls):
+                    self._check_text(c["function"]["arguments"], f"messages[{i}].tool_calls[{j}].function.arguments")
+                    total += len(c["function"]["arguments"])
+                message["tool_calls"] = calls
+                if m.content is None:
+                    message["content"] = None
+            for key in ("tool_call_id", "name"):
+                if getattr(m, key) is not None:
+                    message[key] = getattr(m, key)
+            out.append(message)
         if total > self.max_prompt_chars:  # the rendered conversation is one prompt
             raise ApiError(400, f"messages hold {total} characters in all; the limit is {self.max_prompt_chars}",
                            "messages", "invalid_value")
         return out
 
-    def _params(self, engine: AsyncEngine, body, prompts: list, max_tokens: int | None) -> list[SamplingParams]:
+    def _params(self, engine: AsyncEngine, body, prompts: list, max_tokens: int | None,
+                so: StructuredOutputsParams | None = None) -> list[SamplingParams]:
         """One SamplingParams per prompt (they differ only in max_tokens when it is unset); ValueError or
         ApiError naming the field."""
         for i, stop in enumerate([body.stop] if isinstance(body.stop, str) else body.stop or []):
@@ -260,7 +279,7 @@ class HttpApi:
         if body.stream and (kwargs.get("best_of") or body.n) > body.n:
             raise ApiError(400, "best_of > n cannot stream (only the best n are known, at the end)", "best_of",
                            "invalid_value")
-        so = structured_outputs(body)
+        so = so or structured_outputs(body)
         if so is not None:
             kwargs["structured_outputs"] = so
         context = engine.model_info().max_model_len
@@ -275,13 +294,13 @@ class HttpApi:
         return params
 
     async def _generate(self, request: Request, engine: AsyncEngine, body, prompts: list, max_tokens: int | None,
-                        render: Render):
+                        render: Render, so: StructuredOutputsParams | None = None):
         try:
             if max_tokens is None:  # long text prompts are tokenized off the loop before _params counts them
                 for i, p in enumerate(prompts):
                     if isinstance(p, str) and len(p) > LONG_PROMPT_CHARS:
                         prompts[i] = await asyncio.to_thread(engine.tokenize, p)
-            params = self._params(engine, body, prompts, max_tokens)
+            params = self._params(engine, body, prompts, max_tokens, so)
         except ValueError as e:
             raise _error(e, body) from None
         ids = [render.request_id if len(prompts) == 1 else f"{render.request_id}-{i}" for i in range(len(prompts))]
@@ -347,6 +366,11 @@ class HttpApi:
             yield "[DONE]"
         finally:
             await outputs.aclose()
+
+
+async def _answer_error(_request: Request, e: Exception) -> JSONResponse:
+    err = error_for(e)  # a ValueError from a route's own checks is still a 400; anything else a logged 500
+    return JSONResponse(err.body(), err.status)
 
 
 def _error(e: BaseException, body) -> ApiError:

@@ -76,23 +76,18 @@ class StructuredOutputsBody(_Strict):
                 "json_object": self.json_object, "strict": self.strict}
 
 
-_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+class FunctionDef(BaseModel):
+    """OpenAI's function definition; its name and parameters are checked by sidecar/tool_calls.plan_tools."""
 
-
-class FunctionDef(_Strict):
+    model_config = ConfigDict(extra="ignore")
     name: str
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
 
-    @model_validator(mode="after")
-    def _name(self) -> FunctionDef:
-        if not _FUNCTION_NAME.fullmatch(self.name):
-            raise ValueError(f"function name {self.name[:80]!r} must be 1-64 of a-z, A-Z, 0-9, '_' and '-'")
-        return self
 
-
-class Tool(_Strict):
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
     type: Literal["function"]
     function: FunctionDef
 
@@ -234,25 +229,23 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = ("audio", "modalities", "prediction", "web_search_options")
 
     def check(self) -> None:
-        """Checks across fields, as ApiError naming the field (a pydantic validator could not name it)."""
+        """Checks across fields, as ApiError naming the field (a pydantic validator could not name it). tools,
+        tool_choice and parallel_tool_calls are checked together by sidecar/tool_calls.plan_tools."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
-        names = [t.function.name for t in self.tools or []]
-        if len(set(names)) != len(names):
-            raise ApiError(400, "tools holds two functions of the same name", "tools", "invalid_value")
-        if isinstance(self.tool_choice, NamedToolChoice):
-            if self.tool_choice.function.name not in names:
-                raise ApiError(400, f"tool_choice names function {self.tool_choice.function.name[:64]!r}, which "
-                               f"is not in tools ({names[:16]})", "tool_choice", "invalid_value")
-        elif self.tool_choice == "required" and not self.tools:
-            raise ApiError(400, "tool_choice 'required' needs tools", "tool_choice", "invalid_value")
+
+    def tools_raw(self) -> tuple[list[dict] | None, Any]:
+        """tools and tool_choice as the JSON they came as (what plan_tools reads)."""
+        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools is not None else None
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        return tools, choice
 
     def sampling_kwargs(self) -> dict[str, Any]:
         kwargs = super().sampling_kwargs()
@@ -260,6 +253,3 @@ class ChatCompletionRequest(_Common):
             kwargs["logprobs"] = self.top_logprobs or 0
         return kwargs
 
-    def uses_tools(self) -> bool:
-        """Whether the request asks for tool calls (tools given and tool_choice not "none")."""
-        return bool(self.tools) and self.tool_choice != "none"

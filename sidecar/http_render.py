@@ -16,6 +16,9 @@ Extra fields beyond OpenAI's, each present only when it has something to say:
                         enforced (CompletionOutput.schema_violations); streaming: on the chunk that finishes it
     choices[].token_ids, prompt_token_ids   with return_token_ids (vLLM's extra)
 
+Chat requests with tools (sidecar/tool_calls.py's ToolPlan) get the model's tool-call text parsed out of each
+choice: `message.tool_calls` and finish_reason "tool_calls" whole, `delta.tool_calls` streamed.
+
 Logprobs are the model's raw ones (runtime/sample/sampler.py); a token's text is the token decoded alone,
 its bytes that text's UTF-8 (a token that is part of a character decodes to U+FFFD, as in vLLM).
 """
@@ -23,8 +26,8 @@ its bytes that text's UTF-8 (a token that is part of a character decodes to U+FF
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from pagedserve.runtime.outputs import CompletionOutput, RequestOutput
 
@@ -48,6 +51,8 @@ class RenderOptions:
     logprobs: int | None = None  # top logprobs per token (0: the chosen token's only); None: no logprobs
     token_text: Callable[[int], str] = str  # a token id decoded alone
     echo: list[str] | None = None  # completions: each prompt's text, put before its choices' text
+    tool_plan: Any = None  # chat: sidecar/tool_calls.ToolPlan when the request has tools (calls parsed out)
+    warnings: list[str] = field(default_factory=list)  # the request's own (tools' schemas), before the engine's
 
 
 def _lp(value: float) -> float:
@@ -93,20 +98,20 @@ class Render:
         top = sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
         return _lp(entry[token_id]), [(t, _lp(v)) for t, v in top]
 
-    def _extras(self, choice: dict, c: CompletionOutput, token_ids: list[int], whole: bool) -> dict:
+    def _extras(self, choice: dict, c: CompletionOutput, token_ids: list[int]) -> dict:
         if self.opts.logprobs is not None:
             entries = (c.logprobs or [])[-len(token_ids):] if token_ids else []
             choice["logprobs"] = self._logprobs(choice["index"], token_ids, entries)
         if self.opts.return_token_ids:
             choice["token_ids"] = list(token_ids)
-        if c.schema_violations and (whole or c.finish_reason):
+        if c.schema_violations:
             choice["schema_violations"] = list(c.schema_violations)
         return choice
 
     def whole(self, outs: list[RequestOutput | None]) -> dict:
         """The non-streaming answer from each prompt's last output."""
         choices = []
-        warnings: list[str] = []
+        warnings: list[str] = list(self.opts.warnings)
         for p, out in enumerate(outs):
             by_index = {c.index: c for c in out.outputs} if out is not None else {}
             warnings += [w for w in (out.warnings if out is not None else []) if w not in warnings]
@@ -117,8 +122,8 @@ class Render:
                 echo = self.opts.echo[p] if self.opts.echo else ""
                 self._offset[index] = len(echo)
                 choice = self._choice(index, c, echo + c.text)
-                choice["finish_reason"] = c.finish_reason or "abort"
-                choices.append(self._extras(choice, c, list(c.token_ids), whole=True))
+                choice["finish_reason"] = choice["finish_reason"] or "abort"
+                choices.append(self._extras(choice, c, list(c.token_ids)))
         body = {**self._head(self.OBJECT), "choices": choices, "usage": usage(outs)}
         if warnings:
             body["warnings"] = warnings
@@ -129,23 +134,43 @@ class Render:
         return body
 
     def deltas(self, prompt: int, out: RequestOutput) -> list[dict]:
-        """This output's new text per choice, each choice's finish_reason once."""
+        """This output's new text per choice, each choice's finish_reason once; its logprobs and token ids on
+        the choice's first chunk, its schema violations on the last."""
         chunks = []
+        asked = self.opts.return_token_ids or self.opts.logprobs is not None
         for c in out.outputs:
             index = prompt * self.opts.n + c.index
             if index in self._finished:
                 continue
-            asked = self.opts.return_token_ids or self.opts.logprobs is not None
-            if c.new_text or c.finish_reason or (asked and c.new_token_ids):
-                choice = self._delta(index, c.new_text, c.finish_reason)
-                chunk = self._chunk(self._extras(choice, c, list(c.new_token_ids), whole=False))
-                if out.warnings and not self._warned:
-                    chunk["warnings"] = list(out.warnings)
+            choices = self._stream_choices(index, c)
+            if not choices and asked and c.new_token_ids:
+                choices = [self._delta(index, "", None)]
+            if choices:
+                ids = list(c.new_token_ids)
+                if self.opts.logprobs is not None:
+                    entries = (c.logprobs or [])[-len(ids):] if ids else []
+                    choices[0]["logprobs"] = self._logprobs(index, ids, entries)
+                if self.opts.return_token_ids:
+                    choices[0]["token_ids"] = ids
+                    for choice in choices[1:]:
+                        choice["token_ids"] = []
+                if c.schema_violations and c.finish_reason:
+                    choices[-1]["schema_violations"] = list(c.schema_violations)
+                new = [self._chunk(choice) for choice in choices]
+                warnings = [*self.opts.warnings, *(w for w in out.warnings if w not in self.opts.warnings)]
+                if warnings and not self._warned:
+                    new[0]["warnings"] = warnings
                     self._warned = True
-                chunks.append(chunk)
+                chunks += new
             if c.finish_reason:
                 self._finished.add(index)
         return chunks
+
+    def _stream_choices(self, index: int, c: CompletionOutput) -> list[dict]:
+        """The stream choices (one a chunk) of a choice's new output: its text and, once, its finish_reason."""
+        if c.new_text or c.finish_reason:
+            return [self._delta(index, c.new_text, c.finish_reason)]
+        return []
 
     def unfinished(self) -> list[dict]:
         """Final chunks of the choices an abort left without a finish_reason."""
@@ -202,13 +227,45 @@ class ChatRender(Render):
     OBJECT = "chat.completion"
     CHUNK_OBJECT = "chat.completion.chunk"
 
+    def __init__(self, request_id: str, model: str, opts: RenderOptions) -> None:
+        super().__init__(request_id, model, opts)
+        self._parsers: dict[int, Any] = {}  # per choice: its tool-call parser (requests with tools)
+
+    def _parser(self, index: int):
+        if self.opts.tool_plan is None:
+            return None
+        if index not in self._parsers:
+            self._parsers[index] = self.opts.tool_plan.parser()
+        return self._parsers[index]
+
     def _choice(self, index: int, c: CompletionOutput, text: str) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": c.finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        reason = c.finish_reason
+        parser = self._parser(index)
+        if parser is not None:  # the model's tool-call text as OpenAI's tool_calls
+            content, calls = parser.parse(text)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            reason = self.opts.tool_plan.finish_reason(reason, calls)
+        return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
 
     def _delta(self, index: int, text: str, finish_reason: str | None) -> dict:
         return {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
                 "finish_reason": finish_reason}
+
+    def _stream_choices(self, index: int, c: CompletionOutput) -> list[dict]:
+        parser = self._parser(index)
+        if parser is None:
+            return super()._stream_choices(index, c)
+        deltas = parser.feed(c.new_text) if c.new_text else []
+        if c.finish_reason:
+            deltas += parser.finish()
+        choices = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+        if c.finish_reason:
+            reason = self.opts.tool_plan.finish_reason(c.finish_reason, parser.tool_calls)
+            choices.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
+        return choices
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self.opts.token_text(token_id)
