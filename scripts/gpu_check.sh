@@ -24,7 +24,9 @@
 #       3. preflight with the machine's CuPy: a device, NVRTC, cuBLAS, cuRAND (exit 2 / 4);
 #       4. runs every GPU test (tests/cupy_kernels -m gpu), 60 s per test (pytest-timeout), 260 s in all;
 #          a GPU test that SKIPS fails the run; the full log and JUnit file go to $OUT;
-#       5. bench/gpu_attention.py, bench/gpu_decode.py, bench/gpu_sampler.py: their stdout must parse as JSON;
+#       5. scripts/gpu_gemm_probe.py (right after the preflight: which cuBLAS route a graph captures), then
+#          bench/gpu_throughput.py (the whole engine, Llama-3.1-8B shape), bench/gpu_attention.py,
+#          bench/gpu_decode.py, bench/gpu_sampler.py: their stdout must parse as JSON;
 #       6. tensor parallelism over NCCL (tests/cupy_kernels/test_nccl.py): single rank on one GPU, TP=2 on two;
 #       7. $OUT/gpu_results.json names every failed, errored, skipped or unfinished test with its message.
 #       Files in $OUT: gpu_results.json, gpu_tests.log, gpu_tests.xml, gpu_bench.log, gpu_check.log.
@@ -65,6 +67,8 @@ PER_TEST_S=60
 ATTENTION_S=45
 DECODE_S=75
 SAMPLER_S=30
+GEMM_PROBE_S=20    # one small capture per cuBLAS route, ~10 s with CuPy's start (not yet run on a device)
+THROUGHPUT_S=75    # 32 layers: build, graphs, 256 x (128 + 128) and one 32 -> 128 stream; ~40 s expected
 TP_S=40
 RESULTS_RESERVE_S=10
 
@@ -335,6 +339,21 @@ if [ "$PRE_RC" -ne 0 ]; then
 fi
 log "device: $("$PY" -c "import json,sys; print(json.load(open(sys.argv[1])).get('device', '?'))" "$WORK/preflight.json" 2>/dev/null)"
 
+# -- 3b. which cuBLAS route a stream capture records (the GEMMs of every decode graph): before the tests, so
+# their graph results can be read against it. Like the benchmarks (step 5): stdout must be one JSON object.
+run_bench() {  # name, cap seconds, script, args...
+  local name=$1 cap t0=$SECONDS
+  cap="$(left "$2")"; shift 2
+  if [ "$cap" -lt 5 ]; then log "bench $name: not run, the time budget ran out"; return; fi
+  (cd "$WORK" && timeout -k 5 "$cap" "$PY" "$@") > "$WORK/bench_$name.out" 2> "$WORK/bench_$name.err"
+  local rc=$?
+  echo "$rc" > "$WORK/bench_$name.rc"
+  record "bench_$name" "$rc" "$t0"
+  { echo "=== $* (exit $rc, $((SECONDS - t0)) s) ==="; cat "$WORK/bench_$name.err"; } >> "$OUT_DIR/gpu_bench.log"
+  log "bench $name: exit $rc ($((SECONDS - t0)) s)"
+}
+run_bench gemm_probe "$GEMM_PROBE_S" "$ROOT/scripts/gpu_gemm_probe.py"
+
 # -- 4. GPU tests ------------------------------------------------------------------------------------------
 export PAGEDSERVE_GPU_ERRORS="$WORK/errors.jsonl" PAGEDSERVE_GPU_REFERENCE="$REFERENCE"
 export PAGEDSERVE_CACHE_DIR="$WORK/cache"  # the kernel cache: compiled once, shared by tests and benchmarks
@@ -352,17 +371,8 @@ grep -E "^(FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed)" "$OUT_DIR/gpu_tests.log
 log "tests: exit $TESTS_RC after $((SECONDS - t0)) s"
 
 # -- 5. benchmarks: stdout must be one JSON object (logs go to stderr) -------------------------------------------
-run_bench() {  # name, cap seconds, script, args...
-  local name=$1 cap t0=$SECONDS
-  cap="$(left "$2")"; shift 2
-  if [ "$cap" -lt 5 ]; then log "bench $name: not run, the time budget ran out"; return; fi
-  (cd "$WORK" && timeout -k 5 "$cap" "$PY" "$@") > "$WORK/bench_$name.out" 2> "$WORK/bench_$name.err"
-  local rc=$?
-  echo "$rc" > "$WORK/bench_$name.rc"
-  record "bench_$name" "$rc" "$t0"
-  { echo "=== $* (exit $rc, $((SECONDS - t0)) s) ==="; cat "$WORK/bench_$name.err"; } >> "$OUT_DIR/gpu_bench.log"
-  log "bench $name: exit $rc ($((SECONDS - t0)) s)"
-}
+# the whole engine (Llama-3.1-8B's 32 layers, random weights drawn on the device): the issue's headline figures
+run_bench throughput "$THROUGHPUT_S" "$ROOT/bench/gpu_throughput.py"
 run_bench attention "$ATTENTION_S" "$ROOT/bench/gpu_attention.py" --iters 20
 # 16 layers of Llama-3.1-8B's shape: the per-layer figures of the full model in half the build time.
 run_bench decode "$DECODE_S" "$ROOT/bench/gpu_decode.py" --layers 16 --steps 5
