@@ -26,19 +26,21 @@ Shapes are OpenAI's: a call is {"id": "call_<24 hex>", "type": "function", "func
 {"tool_calls": [{"index": i, "function": {"arguments": <fragment>}}]}. Joining the deltas of any split of a
 text gives parse(text) (ids aside).
 
-What the parser finds (the Hermes/Qwen format every family is prompted with, and what the grammar forces):
+What the parser finds: the Hermes/Qwen format (what templates without a tools branch are prompted with, Qwen's
+own templates use, and the grammar forces) and the formats of the other families' own tools branches:
 
     Sure.<tool_call>\\n{"name": "f", "arguments": {"x": 1}}\\n</tool_call>   -> content "Sure.", call f {"x": 1}
     {"name": "f", "parameters": {"x": 1}}                -> a bare object at the start or after a call (Llama 3)
+    [{"name": "f", "arguments": {...}}, {...}]           -> a list of them at the start (Mistral)
     <tool_call>{"arguments": {...}, "name": "f"}          -> any key order, arguments as a JSON string, an
                                                              unclosed tag at the end: decoded when it closes
     <tool_call>not json</tool_call>, an unknown name     -> left in content as written
 
 Streaming holds back only what could still become a call: a suffix that may start `<tool_call>`, trailing
-whitespace (dropped before a call), a bare `{"name": ...` head until it is one, and an uncommitted tag's
-inside. Once `"arguments": {` of a known name is seen, the call is announced and its arguments stream as
-they come (a reply cut by max_tokens leaves them incomplete, as OpenAI's do). With parallel_tool_calls
-false only the first call is kept.
+whitespace (dropped before a call), a bare `{"name": ...` (or `[{"name": ...`) head until it is one, and an
+uncommitted tag's inside. Once `"arguments": {` of a known name is seen, the call is announced and its
+arguments stream as they come (a reply cut by max_tokens leaves them incomplete, as OpenAI's do). With
+parallel_tool_calls false only the first call is kept.
 """
 
 from __future__ import annotations
@@ -346,6 +348,8 @@ class ToolCallParser:
         self._tagged = False  # the current call came inside <tool_call>
         self._scan: _JsonEnd | None = None
         self._scanned = 0  # characters of the buffer the scanner has seen (_BARE_BLOCK)
+        self._list_open = ""  # "[" (and whitespace) of a bare list whose first call is not yet decided
+        self._in_list = False  # inside a bare list of calls: "," and "]" between calls are not content
         self._emit = True  # the current call is reported (False past max_calls)
         self._content: list[str] = []
         self.tool_calls: list[dict] = []
@@ -396,10 +400,16 @@ class ToolCallParser:
     def _step(self, out: list[dict], final: bool) -> bool:
         buf, state = self._buf, self._state
         if state == _TEXT:
-            i = buf.find(TAG)
-            if i >= 0:
-                self._text(buf[:i], out)
-                self._buf, self._state, self._tagged = buf[i + len(TAG):], _TAG_HEAD, True
+            if self._in_list:  # between the calls of a bare list: separators, then a call or the list's end
+                rest = buf.lstrip(WS + ",")
+                if not rest:
+                    self._buf = ""
+                    return False
+                if rest[0] == "{":
+                    self._buf, self._state, self._tagged = rest, _BARE_HEAD, False
+                    return True
+                self._in_list = False
+                self._buf = rest[1:] if rest[0] == "]" else rest
                 return True
             if self._eligible:
                 j = len(buf) - len(buf.lstrip(WS))
@@ -407,6 +417,22 @@ class ToolCallParser:
                     self._text(buf[:j], out)
                     self._buf, self._state, self._tagged = buf[j:], _BARE_HEAD, False
                     return True
+                if j < len(buf) and buf[j] == "[":  # a list of calls (Mistral's, after its [TOOL_CALLS] token)
+                    k = len(buf) - len(buf[j + 1:].lstrip(WS))
+                    if k == len(buf) and not final:
+                        self._text(buf[:j], out)
+                        self._buf = buf[j:]
+                        return False
+                    if k < len(buf) and buf[k] == "{":
+                        self._text(buf[:j], out)
+                        self._list_open = buf[j:k]
+                        self._buf, self._state, self._tagged = buf[k:], _BARE_HEAD, False
+                        return True
+            i = buf.find(TAG)
+            if i >= 0:
+                self._text(buf[:i], out)
+                self._buf, self._state, self._tagged = buf[i + len(TAG):], _TAG_HEAD, True
+                return True
             keep = 0 if final else _partial_suffix(buf, TAG)
             self._text(buf[: len(buf) - keep], out)
             self._buf = buf[len(buf) - keep:]
@@ -498,13 +524,15 @@ class ToolCallParser:
             self._ws += text
 
     def _not_a_call(self, text: str, out: list[dict], rest: str = "") -> None:
-        self._state = _TEXT
-        self._text(text, out)
+        self._state, self._in_list = _TEXT, False
+        self._text(self._list_open + text, out)  # a list whose first element is not a call is text too
+        self._list_open = ""
         self._eligible = False
         self._buf = rest
 
     def _open_call(self, name: str, out: list[dict]) -> None:
         self._ws = ""  # whitespace before a call is not content
+        self._in_list, self._list_open = bool(self._list_open) or self._in_list, ""
         self._emit = self.max_calls is None or len(self.tool_calls) < self.max_calls
         if self._emit:
             call_id = new_call_id()

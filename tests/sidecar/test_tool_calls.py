@@ -151,6 +151,14 @@ CASES = [
     ('  {"name": "get_time", "parameters": {"zone": "Asia/Tokyo"}}', None, [("get_time", '{"zone": "Asia/Tokyo"}')]),
     (call("ping", "{}", tag=False) + " " + call("ping", '{"a": [1, "}"]}', tag=False), None,
      [("ping", "{}"), ("ping", '{"a": [1, "}"]}')]),
+    # a list of bare calls (Mistral's, once its [TOOL_CALLS] control token is decoded away)
+    ('[{"name": "ping", "arguments": {}}, {"name": "get_time", "arguments": {"zone": "Asia/Tokyo"}}]', None,
+     [("ping", "{}"), ("get_time", '{"zone": "Asia/Tokyo"}')]),
+    (' [ {"name": "ping", "arguments": {}} ] Done.', " Done.", [("ping", "{}")]),
+    ("[1, 2]", "[1, 2]", []),
+    ('[{"name": "nope", "arguments": {}}]', '[{"name": "nope", "arguments": {}}]', []),
+    # a tag inside a bare call's string is the string's
+    ('{"name": "ping", "arguments": {"s": "<tool_call>"}}', None, [("ping", '{"s": "<tool_call>"}')]),
     # braces and brackets inside strings do not end the arguments
     (call("get_weather", '{"city": "{[}\\"]", "unit": "celsius"}'), None,
      [("get_weather", '{"city": "{[}\\"]", "unit": "celsius"}')]),
@@ -246,14 +254,14 @@ def test_streamed_deltas_reassemble_in_any_split(case, cuts) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(text=st.text(alphabet="ab {}<>/_\"\n:,toolcalnme", max_size=60), cuts=st.lists(st.integers(1, 6), max_size=20))
+@given(text=st.text(alphabet="ab {}[]<>/_\"\n:,toolcalnme", max_size=60), cuts=st.lists(st.integers(1, 6), max_size=20))
 def test_any_text_streams_as_it_parses(text, cuts) -> None:
     # Whatever the model writes, the stream tells the client what the whole parse would; text without the
     # call syntax comes back exactly as written.
     parser = ToolCallParser(NAMES)
     content, calls = parser.parse(text)
     assert reassemble(stream(ToolCallParser(NAMES), split(text, cuts))) == (content, shape(calls))
-    if "<tool_call>" not in text and not text.lstrip().startswith("{"):
+    if "<tool_call>" not in text and not text.lstrip().startswith(("{", "[")):
         assert (content, calls) == (text, [])
 
 
