@@ -18,7 +18,7 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import anyio
 from fastapi import FastAPI, Request
@@ -29,6 +29,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.runtime.engine.async_engine import LONG_PROMPT_CHARS, AsyncEngine
+from pagedserve.runtime.outputs import RequestOutput
 from pagedserve.runtime.sampling_params import SamplingParams
 from pagedserve.runtime.structured_outputs_params import StructuredOutputsParams
 
@@ -39,6 +40,9 @@ from .http_render import ChatRender, CompletionRender, Render, RenderOptions
 from .http_server import HttpServer
 from .servicer import CHAT_ROLES
 from .tool_calls import plan_tools
+
+if TYPE_CHECKING:
+    from .metrics import ServerMetrics
 
 __all__ = ["HttpApi", "HttpServer"]
 
@@ -67,10 +71,10 @@ class DetokenizeRequest(BaseModel):
 class HttpApi:
     def __init__(self, get_engine: Callable[[], AsyncEngine | None], model_name: Callable[[], str],
                  serving: Callable[[], bool], max_prompt_chars: int, max_chat_messages: int,
-                 metrics_registry: Any = None) -> None:
+                 metrics: ServerMetrics | None = None) -> None:
         self._get_engine, self._model_name, self._serving = get_engine, model_name, serving
         self.max_prompt_chars, self.max_chat_messages = max_prompt_chars, max_chat_messages
-        self.metrics_registry = metrics_registry  # prometheus_client registry, or None: /metrics is 404
+        self.server_metrics = metrics  # the registry of --metrics-port (the server makes one with --http-port)
         self.created = int(time.time())
         self._token_texts: dict[int, str] = {}
 
@@ -84,7 +88,7 @@ class HttpApi:
         app.add_exception_handler(StarletteHTTPException, http_error)
         app.add_exception_handler(Exception, _answer_error)
         app.add_api_route("/health", self.health, methods=["GET"])
-        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics_text, methods=["GET"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
@@ -109,12 +113,12 @@ class HttpApi:
             raise ApiError(503, "not serving (loading or shutting down)", None, "not_serving")
         return JSONResponse({"status": "ok"})
 
-    async def metrics(self) -> Response:
-        if self.metrics_registry is None:
+    async def metrics_text(self) -> Response:
+        if self.server_metrics is None:
             raise ApiError(404, "metrics are off", None, "not_found")
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        return PlainTextResponse(generate_latest(self.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(generate_latest(self.server_metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def _card(self, engine: AsyncEngine) -> dict:
         return {"id": self._model_name(), "object": "model", "created": self.created, "owned_by": "pagedserve",
@@ -306,17 +310,39 @@ class HttpApi:
         ids = [render.request_id if len(prompts) == 1 else f"{render.request_id}-{i}" for i in range(len(prompts))]
         outputs = Outputs([engine.generate(rid, p, sp) for rid, p, sp in zip(ids, prompts, params)])
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        start = time.monotonic()
         try:  # every prompt's first output before any header: refusals (bad input, full queue) get their status
             await self._until_disconnect(request, outputs.prime, body)
             last = await self._until_disconnect(request, outputs.collect, body) if not body.stream else None
-        except BaseException:
+        except BaseException as e:
             await outputs.aclose()
+            self._observe(outputs, start, e)
             raise
         if not body.stream:
             await outputs.aclose()
+            self._observe(outputs, start)
             return JSONResponse(render.whole(last))
-        return EventSourceResponse(self._events(outputs, render, include_usage), sep="\n",
-                                   headers={"Cache-Control": "no-cache"}, ping=15)
+        return EventSourceResponse(self._events(outputs, render, include_usage, lambda e: self._observe(
+            outputs, start, e)), sep="\n", headers={"Cache-Control": "no-cache"}, ping=15)
+
+    def _observe(self, outputs: Outputs, start: float, error: BaseException | None = None) -> None:
+        """Each engine request's outcome in the metrics, named as the gRPC path names them."""
+        if self.server_metrics is None:
+            return
+        failed = None
+        if isinstance(error, (ClientGone, asyncio.CancelledError, GeneratorExit)):
+            failed = "cancelled"  # the client left
+        elif error is not None:
+            status = error.status if isinstance(error, ApiError) else None
+            failed = {400: "invalid_argument", 429: "resource_exhausted", 503: "unavailable"}.get(status, "internal")
+        for last in outputs.last:
+            if failed is not None:
+                outcome = failed
+            elif last is not None and last.finished and last.outputs:
+                outcome = last.outputs[0].finish_reason or "abort"
+            else:
+                outcome = "abort"  # ended without a final output: the gRPC Abort RPC
+            self.server_metrics.observe_request(outcome, time.monotonic() - start, *request_timings(last))
 
     @staticmethod
     async def _until_disconnect(request: Request, fn: Callable[[], Any], body) -> Any:
@@ -343,12 +369,14 @@ class HttpApi:
         return result[0]
 
     @staticmethod
-    async def _events(outputs: Outputs, render: Render, include_usage: bool) -> AsyncIterator[str]:
+    async def _events(outputs: Outputs, render: Render, include_usage: bool,
+                      observe: Callable[[BaseException | None], None]) -> AsyncIterator[str]:
         """The stream's events (sse-starlette frames each as "data: ..."); a disconnect cancels this generator,
         and closing `outputs` aborts the requests."""
         def dump(obj: dict) -> str:
             return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
+        error: BaseException | None = None
         try:
             for event in render.start():
                 yield dump(event)
@@ -357,15 +385,32 @@ class HttpApi:
                     for event in render.deltas(p, out):
                         yield dump(event)
             except Exception as e:  # after the headers went out: the error is the stream's last event
-                yield dump(error_for(e).body())
+                error = error_for(e)
+                yield dump(error.body())
                 return
             for event in render.unfinished():  # aborted (the gRPC Abort RPC) without a final output
                 yield dump(event)
             if include_usage:
                 yield dump(render.usage_chunk(outputs.last))
             yield "[DONE]"
+        except BaseException as e:  # cancelled: the client left
+            error = e
+            raise
         finally:
             await outputs.aclose()
+            observe(error)
+
+
+def request_timings(last: RequestOutput | None) -> tuple[float | None, float | None, int, int]:
+    """(ttft, tpot of sample 0, prompt tokens, generated tokens) of a finished request, as the gRPC path counts."""
+    if last is None or not last.finished:
+        return None, None, 0, 0
+    m = last.metrics
+    n0 = len(last.outputs[0].token_ids) if last.outputs else 0
+    tpot = None
+    if n0 > 1 and m.first_token_time is not None and m.finished_time is not None:
+        tpot = (m.finished_time - m.first_token_time) / (n0 - 1)
+    return m.ttft, tpot, len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs)
 
 
 async def _answer_error(_request: Request, e: Exception) -> JSONResponse:

@@ -204,11 +204,22 @@ def test_what_a_schema_does_not_enforce_comes_back_as_warnings_and_violations(oa
     assert err.value.param == "response_format.json_schema.schema" and "strict" in err.value.message
 
 
-def test_metrics_tokenize_and_detokenize(server, oai):
-    oai.completions.create(model="tiny-llama", prompt="hi", max_tokens=2)
+def metric(server, name: str) -> float:
     with urllib.request.urlopen(server.http + "/metrics", timeout=30) as resp:
+        assert resp.status == 200
         text = resp.read().decode()
-    assert resp.status == 200 and "pagedserve_num_requests_running" in text and "pagedserve_kv_cache_usage_perc" in text
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_metrics_tokenize_and_detokenize(server, oai):
+    before = metric(server, 'pagedserve_requests_total{outcome="length"}')
+    refused = metric(server, 'pagedserve_requests_total{outcome="invalid_argument"}')
+    oai.completions.create(model="tiny-llama", prompt=["hi", "ho"], max_tokens=2, extra_body={"ignore_eos": True})
+    assert post(server, "/v1/completions", {"prompt": [1, 99999]})[0] == 400
+    assert metric(server, 'pagedserve_requests_total{outcome="length"}') == before + 2  # one per prompt
+    assert metric(server, 'pagedserve_requests_total{outcome="invalid_argument"}') == refused + 1
+    assert metric(server, "pagedserve_kv_cache_usage_perc") == 0.0 and metric(server, "pagedserve_memory_budget_bytes")
     status, body = post(server, "/tokenize", {"model": "tiny-llama", "prompt": "hello world"})
     with client_for(server) as c:
         assert status == 200 and body["tokens"] == c.tokenize("hello world") and body["count"] == len(body["tokens"])
