@@ -24,7 +24,7 @@ batch without groups leaves all three empty: every layer uses block_tables and s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -43,12 +43,25 @@ class ForwardBatch:
     group_slot_mappings: tuple[Any, ...] = ()  # groups 1..G-1: [T] int64 each
     layer_group: tuple[int, ...] = ()  # per layer, its group (empty: group 0 for every layer)
 
+    def group_of(self, layer: int) -> int:
+        """The KV cache group `layer` reads and writes."""
+        return self.layer_group[layer] if self.layer_group else 0
+
     def kv_tables(self, layer: int) -> tuple[Any, Any]:
         """(block_tables, slot_mapping) of the KV cache group that `layer` belongs to."""
-        group = self.layer_group[layer] if self.layer_group else 0
+        group = self.group_of(layer)
         if group == 0:
             return self.block_tables, self.slot_mapping
         return self.group_block_tables[group - 1], self.group_slot_mappings[group - 1]
+
+    def for_layer(self, layer: int) -> ForwardBatch:
+        """The batch as `layer` sees it: its group's block_tables and slot_mapping in the usual fields (the batch
+        itself for group 0), so a layer's code reads batch.block_tables / batch.slot_mapping as before."""
+        group = self.group_of(layer)
+        if group == 0:
+            return self
+        return replace(self, block_tables=self.group_block_tables[group - 1],
+                       slot_mapping=self.group_slot_mappings[group - 1])
 
     @property
     def num_tokens(self) -> int:

@@ -20,20 +20,24 @@ def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int,
     return (num_blocks, block_size, num_kv_heads, config.head_dim)
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, itemsize: int, shard: TPShard | None = None) -> int:
-    """Bytes one block takes across all layers, K and V (on one rank, given its `shard`)."""
+def kv_bytes_per_block(config: ModelConfig, block_size: int, itemsize: int, shard: TPShard | None = None,
+                       num_arrays: int | None = None) -> int:
+    """Bytes one block takes across all layers, K and V (on one rank, given its `shard`); `num_arrays`: the K/V
+    array pairs when layers share them (KV cache groups: runtime/core/kv_cache_manager.kv_cache_groups)."""
     num_kv_heads = (shard or TPShard()).kv_heads(config)[1]
-    return 2 * config.num_hidden_layers * block_size * num_kv_heads * config.head_dim * itemsize
+    layers = config.num_hidden_layers if num_arrays is None else num_arrays
+    return 2 * layers * block_size * num_kv_heads * config.head_dim * itemsize
 
 
 def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, backend: Backend,
-                       shard: TPShard | None = None) -> list[tuple[Any, Any]]:
+                       shard: TPShard | None = None, num_arrays: int | None = None) -> list[tuple[Any, Any]]:
+    """A K/V array pair per layer, or `num_arrays` pairs when layers share them (KV cache groups)."""
     if num_blocks <= 0 or block_size <= 0:
         raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
     shape = kv_cache_shape(config, num_blocks, block_size, shard)
     zeros = backend.xp.zeros if backend.xp is not np else host_zeros
     return [(zeros(shape, dtype=backend.dtype), zeros(shape, dtype=backend.dtype))
-            for _ in range(config.num_hidden_layers)]
+            for _ in range(config.num_hidden_layers if num_arrays is None else num_arrays)]
 
 
 def host_zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:

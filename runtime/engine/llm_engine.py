@@ -82,7 +82,8 @@ class LLMEngine:
                                  self.block_size)
         # GPU: decode CUDA graphs are captured now, against these very KV caches.
         self.executor.initialize_cache(num_blocks, self.max_model_len)
-        self.kv_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching,
+                                         self.executor.driver_worker.kv_groups.windows)
         # Guided decoding: grammars compile in a worker thread; costs nothing until a request has one.
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
         self.runner = ModelRunner(self.executor, self.kv_manager, Sampler(config.seed, self.backend.ops.logsumexp_rows),
@@ -113,7 +114,9 @@ class LLMEngine:
         # Disaggregated serving (kv_connector.py): blocks in and out of the pool in the wire layout. Under
         # tensor parallelism each rank holds a slice of the heads, so whole blocks are not in one place: off.
         worker = self.executor.driver_worker
-        self.block_io = KVBlockIO(worker.kv_caches, self.backend) if self.executor.world_size == 1 else None
+        # Blocks of several KV cache groups (sliding-window layers) have no one wire layout yet: off there too.
+        whole = self.executor.world_size == 1 and len(worker.kv_groups.windows) == 1
+        self.block_io = KVBlockIO(worker.kv_caches, self.backend) if whole else None
         self.kv_stats = KVTransferStats()
         self.remote_prefill: RemotePrefill | None = None  # set on a decode instance
         self.failed_requests: list[tuple[str, Exception]] = []  # taken by the caller after each step

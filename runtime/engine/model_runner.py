@@ -94,8 +94,9 @@ class ModelRunner:
             completes = s.completes_prompt
             num_logits = 1 + len(s.spec_token_ids) if completes else 0
             try:
-                chunk = SeqChunk(r.all_token_ids[start : start + num_real] + s.spec_token_ids, start,
-                                 self.kv.block_table(r.request_id), num_logits=num_logits)
+                tables = self.kv.block_tables(r.request_id)  # one per KV cache group
+                chunk = SeqChunk(r.all_token_ids[start : start + num_real] + s.spec_token_ids, start, tables[0],
+                                 num_logits=num_logits, group_block_tables=tables[1:])
             except Exception as e:  # this sequence alone leaves the batch
                 results[i] = StepResult(error=e, error_stage="prepare")
                 continue
@@ -104,7 +105,8 @@ class ModelRunner:
                 completing.append(i)
                 first_rows.append(num_rows)
                 num_rows += num_logits
-        batch = build_forward_batch(chunks, self.kv.block_size)
+        groups = self.executor.driver_worker.kv_groups
+        batch = build_forward_batch(chunks, self.kv.block_size, groups.layer_group if self.kv.num_groups > 1 else ())
         rows, seqs, owners = [], [], []  # sampler rows: logits row, sequence, scheduled index
         beams = []  # (first logits row, scheduled index) of beams proposing their next tokens
         verify = []  # speculating sequences: scheduled index, first logits row

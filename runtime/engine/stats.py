@@ -44,8 +44,10 @@ def engine_stats(engine: LLMEngine, window_s: float = 10.0) -> EngineStats:
     sched = engine.scheduler
     held = sum(r.num_computed_tokens for r in sched.running)
     slots = usage.num_used_blocks * engine.block_size
-    per_block = kv_bytes_per_block(engine.model_config, engine.block_size, engine.backend.dtype.itemsize)
-    table_blocks = sum(len(kv.block_table(r.request_id)) for r in sched.running)
+    per_block = kv_bytes_per_block(engine.model_config, engine.block_size, engine.backend.dtype.itemsize,
+                                   num_arrays=engine.executor.driver_worker.kv_groups.num_tensors)
+    table_blocks = sum(sum(b != kv.null_block for b in table) for r in sched.running
+                       for table in kv.block_tables(r.request_id))
     spec: dict[str, str | int | float] = {}  # EngineStats' spec_* fields; their defaults when speculation is off
     if engine.spec is not None:
         s = engine.spec.stats

@@ -32,6 +32,7 @@ from pagedserve.models.loading.loader import LoadedModel, load_model
 from pagedserve.models.tensor_parallel import TPShard, check_tensor_parallel, shard_weights
 
 from ..config import EngineConfig, check_gpu_block_size
+from ..core.kv_cache_manager import KVCacheGroups, kv_cache_groups
 from .cuda_graphs import DecodeGraphs, build_decode_graphs
 from .gpu_memory import profile_kv_cache
 from .memory_budget import default_cpu_kv_bytes, host_memory_available
@@ -89,13 +90,16 @@ class Worker:
         self.model = model_class(loaded.config, weights, self.backend, source=str(loaded.path), shard=shard,
                                  comm=comm)
         finish_warm_up(self.backend)
-        self.kv_caches: list[tuple[Any, Any]] | None = None
+        self.kv_groups = model_kv_groups(self.model, self.model_config.num_hidden_layers)
+        self.kv_caches: list[tuple[Any, Any]] | None = None  # per layer (layers of a KV group layout share pairs)
+        self.kv_pairs: list[tuple[Any, Any]] | None = None  # the distinct pairs (block copies go through these)
         self.graphs: DecodeGraphs | None = None
         self.kv_sizing = None  # GPU: the gpu_memory.KVCacheSizing behind the pool's size
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block on this rank (its KV heads only), all layers, K and V."""
-        return kv_bytes_per_block(self.model_config, self.config.block_size, self.backend.dtype.itemsize, self.shard)
+        return kv_bytes_per_block(self.model_config, self.config.block_size, self.backend.dtype.itemsize, self.shard,
+                                  self.kv_groups.num_tensors)
 
     def determine_num_kv_blocks(self, max_model_len: int) -> int:
         """How many KV blocks this rank can hold. CPU: kv_cache_memory_bytes (unset: 4 GiB or half of what the
@@ -121,14 +125,28 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Allocate the KV pool; on a single GPU, capture the decode graphs against it (None: eager)."""
-        self.kv_caches = allocate_kv_caches(self.model_config, num_blocks, self.config.block_size, self.backend,
-                                            self.shard)
-        self.graphs = build_decode_graphs(self.config, self.model, self.kv_caches, max_model_len)
+        self.kv_pairs = allocate_kv_caches(self.model_config, num_blocks, self.config.block_size, self.backend,
+                                           self.shard, self.kv_groups.num_tensors)
+        self.kv_caches = [self.kv_pairs[t] for t in self.kv_groups.layer_tensor]
+        # The decode graphs' static batch holds one block table: a model reading several KV groups runs eager.
+        grouped = len(self.kv_groups.windows) > 1
+        self.graphs = None if grouped else build_decode_graphs(self.config, self.model, self.kv_caches, max_model_len)
 
     def execute_model(self, request: ExecuteModelRequest) -> Any:
         """Block copies, then one forward; float32 logits of the batch's logits rows on rank 0, None elsewhere."""
-        self.backend.ops.copy_blocks(self.kv_caches, request.block_copies)
+        self.backend.ops.copy_blocks(self.kv_pairs, request.block_copies)  # once per array pair
         logits = self.graphs.run(request.batch) if self.graphs is not None else None
         if logits is None:  # no graph for this step (CPU, graphs off, prefill in the batch, too many rows)
             logits = self.model.forward(request.batch, self.kv_caches)
         return logits
+
+
+def model_kv_groups(model: Any, num_layers: int) -> KVCacheGroups:
+    """The KV cache layout for `model`: groups by its layers' sliding windows (`model.windows`) when it reads
+    each layer's group from the batch (`reads_kv_cache_groups`, ForwardBatch.kv_tables); else one group of
+    every layer, each in its own K/V pair (a window then still holds in the kernels, but no block is
+    released)."""
+    windows = getattr(model, "windows", None)
+    if windows and getattr(model, "reads_kv_cache_groups", False):
+        return kv_cache_groups(windows)
+    return kv_cache_groups([None] * num_layers)

@@ -44,6 +44,9 @@ def test_each_group_has_its_tables_and_slots_and_a_layer_reads_its_own():
     tables, slots = batch.kv_tables(0)
     assert tables is batch.group_block_tables[0] and slots is batch.group_slot_mappings[0]
     assert batch.kv_tables(2) == (batch.block_tables, batch.slot_mapping)
+    view = batch.for_layer(1)
+    assert view.block_tables is batch.group_block_tables[0] and view.slot_mapping is batch.group_slot_mappings[0]
+    assert view.seq_lens is batch.seq_lens and batch.for_layer(2) is batch and batch.group_of(1) == 1
 
 
 def test_without_groups_every_layer_reads_the_one_table():

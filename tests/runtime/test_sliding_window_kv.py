@@ -205,3 +205,34 @@ def test_the_kernels_read_released_tables_as_whole_ones():
             kv.free(f"other{step}")
     assert computed == 2000 and len([b for b in kv.block_table("a") if b != kv.null_block]) <= 33
     kv.check_integrity()
+
+
+class _StubModel:
+    windows = [512, 512, None, 512, 512, None]
+
+
+class _GroupReadingModel(_StubModel):
+    reads_kv_cache_groups = True
+
+
+def test_the_worker_groups_layers_only_for_a_model_that_reads_groups():
+    from pagedserve.runtime.worker.worker import model_kv_groups
+
+    assert model_kv_groups(_StubModel(), 6).windows == (None,)  # windows in the kernels, every block kept
+    groups = model_kv_groups(_GroupReadingModel(), 6)
+    assert groups.windows == (512, 512, None) and groups.num_tensors == 2
+    assert model_kv_groups(object(), 3).layer_tensor == (0, 1, 2)
+
+
+def test_layers_of_different_groups_share_an_array_pair():
+    from model_factory import random_model
+
+    from pagedserve.cupy_kernels.backend import get_backend
+    from pagedserve.models.kv_cache import allocate_kv_caches, kv_bytes_per_block
+
+    cfg = random_model(layers=6)[0]
+    groups = kv_cache_groups(_StubModel.windows)
+    pairs = allocate_kv_caches(cfg, 4, 16, get_backend("cpu"), num_arrays=groups.num_tensors)
+    per_layer = [pairs[t] for t in groups.layer_tensor]
+    assert len(pairs) == 2 and per_layer[0] is per_layer[2] and per_layer[0] is not per_layer[1]
+    assert kv_bytes_per_block(cfg, 16, 4, num_arrays=2) * 3 == kv_bytes_per_block(cfg, 16, 4)
