@@ -139,3 +139,16 @@ def test_arguments_that_are_not_json_are_kept_as_written(smol) -> None:
         {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Paris"}}]}]
     text = smol.apply_chat_template(broken)
     assert 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": "{city: Paris"}\n</tool_call>' in text
+
+
+def test_gemma3_template_gets_the_fallback_and_keeps_its_turns_alternating() -> None:
+    # Gemma 3's own template (from the packaged 270M, committed with the tokenizer goldens) has no tools branch,
+    # folds the system message into the first user turn and refuses turns that do not alternate.
+    template = json.loads((DATA / "goldens" / "gemma3-270m_tokenizer.json").read_text())["chat_template"]
+    assert not template_supports_tools(template)
+    text = render_chat_template(template, [{"role": "system", "content": "Be brief."}] + ROUND_TRIP, tools=[WEATHER],
+                                bos_token="<bos>")
+    assert text.startswith(f"<bos><start_of_turn>user\nBe brief.\n\n{tools_system_text([WEATHER])}\n\nWeather in Paris")
+    assert "<start_of_turn>model\n" + format_tool_call("get_weather", {"city": "Paris"}) + "\n" in text
+    assert text.endswith("<start_of_turn>user\n<tool_response>\n18C\n</tool_response>\n<tool_response>\n21C\n"
+                         "</tool_response><end_of_turn>\n<start_of_turn>model\n")
