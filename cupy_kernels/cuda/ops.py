@@ -320,12 +320,13 @@ def argmax_rows(logits):
 SAMPLE_THREADS = 512  # PS_SAMPLE_THREADS in sampling.cu: the most threads a sample_rows launch uses
 
 
-def sample_rows(logits, temperature, top_k, top_p, min_p, uniforms, out=None):
+def sample_rows(logits, temperature, top_k, top_p, min_p, uniforms, by_value=None, out=None):
     """One token id per row of logits [B, V] (float16/32): logits / temperature, then top-k, top-p, min-p,
     then an inverse-CDF draw in token order with the row's uniform; no sort (sampling.cu's sample_rows_kernel;
     numpy reference: reference/sample_rows.py). Per-row parameters: temperature (> 0) float32, top_k int32
-    (0 = off), top_p float32 (1 = off), min_p float32 (0 = off), uniforms float64 in [0, 1): each [B], on the
-    host or the device. Returns int64 [B] (into `out` when given: a graph's static buffer)."""
+    (0 = off), top_p float32 (1 = off), min_p float32 (0 = off), uniforms float64 in [0, 1), by_value int32 (1:
+    draw in value order, the host sampler's order for top-k rows; None: token order for every row): each [B], on
+    the host or the device. Returns int64 [B] (into `out` when given: a graph's static buffer)."""
     import cupy
 
     if logits.ndim != 2:
@@ -338,7 +339,8 @@ def sample_rows(logits, temperature, top_k, top_p, min_p, uniforms, out=None):
     args = []
     for name, a, dtype in (("temperature", temperature, np.float32), ("top_k", top_k, np.int32),
                            ("top_p", top_p, np.float32), ("min_p", min_p, np.float32),
-                           ("uniforms", uniforms, np.float64)):
+                           ("uniforms", uniforms, np.float64),
+                           ("by_value", np.zeros(rows, np.int32) if by_value is None else by_value, np.int32)):
         if not is_cupy_array(a):
             a = np.ascontiguousarray(a, dtype=dtype)
         if a.shape != (rows,):

@@ -75,8 +75,12 @@ __global__ void argmax_rows_kernel(long long* __restrict__ out, const T* __restr
 //   top-p (top_p < 1), over the top-k set S: t_p = the largest key whose strictly smaller keys in S hold at
 //     most (1 - top_p) of S's mass; keys >= t_p are kept (ties at the cut all kept; the top token always);
 //   min-p (min_p > 0): w >= min_p (the top token's w is 1);
-//   the draw: the first token id whose running mass of kept tokens, in token order, exceeds u * W (W: the kept
-//     mass); should rounding put u * W at W, the last kept token with weight.
+//   the draw, in token order: the first token id whose running mass of kept tokens exceeds u * W (W: the kept
+//     mass); should rounding put u * W at W, the last kept token with weight;
+//   or, for a row with by_value set, in value order (largest first, ties lowest id first; the host sampler's order
+//     for top-k rows, so a seeded request draws the same token on either): the level t* = the largest key whose
+//     kept mass at or above it exceeds u * W, then among the kept tokens at t* (one weight each) the c-th lowest
+//     id, c = floor((u * W - the kept mass above t*) / w(t*)) + 1.
 #define PS_SP 16  // pivots per pass
 #define PS_SAMPLE_THREADS 512  // the most threads a launch uses (the launcher's choice; registers allow no more)
 
@@ -139,6 +143,7 @@ struct PsRow {
     int i_tie;    // of the keys == key_k, ids <= i_tie are in the top-k set
     int key_p;    // top-p threshold key (the lowest key when off)
     float min_p;  // 0 when off
+    int key_tie;  // PS_KEPT_TIES_UPTO counts the kept tokens with this key
 };
 
 template <typename T>
@@ -149,7 +154,12 @@ __device__ __forceinline__ bool ps_in_top_k(const PsRow& r, int key, int i) {
 }
 
 // What one pass accumulates per pivot (the k-ary searches below).
-enum PsMeasure { PS_COUNT_GE_KEY, PS_COUNT_TIES_UPTO, PS_MASS_BELOW_KEY, PS_MASS_UPTO };
+enum PsMeasure { PS_COUNT_GE_KEY, PS_COUNT_TIES_UPTO, PS_MASS_BELOW_KEY, PS_MASS_UPTO, PS_KEPT_MASS_GE_KEY,
+                 PS_KEPT_TIES_UPTO };
+
+__device__ __forceinline__ float ps_key_value(int key) {  // the float a key was made from
+    return __int_as_float(key < 0 ? key ^ 0x7fffffff : key);
+}
 
 template <typename T, int M>
 __device__ void ps_measure(const T* x, const PsRow& r, const long long (&piv)[PS_SP], float* scratch, float* out) {
@@ -173,10 +183,18 @@ __device__ void ps_measure(const T* x, const PsRow& r, const long long (&piv)[PS
             if (M == PS_MASS_BELOW_KEY) {
 #pragma unroll
                 for (int j = 0; j < PS_SP; ++j) acc[j] += key < piv[j] ? w : 0.0f;
-            } else {  // PS_MASS_UPTO: the kept tokens' mass up to each pivot id
-                if (key < r.key_p || w < r.min_p) continue;
+            } else {
+                if (key < r.key_p || w < r.min_p) continue;  // the kept tokens only
+                if (M == PS_MASS_UPTO) {
 #pragma unroll
-                for (int j = 0; j < PS_SP; ++j) acc[j] += i <= piv[j] ? w : 0.0f;
+                    for (int j = 0; j < PS_SP; ++j) acc[j] += i <= piv[j] ? w : 0.0f;
+                } else if (M == PS_KEPT_MASS_GE_KEY) {
+#pragma unroll
+                    for (int j = 0; j < PS_SP; ++j) acc[j] += key >= piv[j] ? w : 0.0f;
+                } else if (key == r.key_tie) {  // PS_KEPT_TIES_UPTO
+#pragma unroll
+                    for (int j = 0; j < PS_SP; ++j) acc[j] += i <= piv[j] ? 1.0f : 0.0f;
+                }
             }
         }
     }
@@ -213,7 +231,7 @@ template <typename T>
 __global__ void __launch_bounds__(PS_SAMPLE_THREADS) sample_rows_kernel(long long* __restrict__ out, const T* __restrict__ logits, long long stride,
                                    int vocab, const float* __restrict__ temperature, const int* __restrict__ top_k,
                                    const float* __restrict__ top_p, const float* __restrict__ min_p,
-                                   const double* __restrict__ uniforms) {
+                                   const double* __restrict__ uniforms, const int* __restrict__ by_value) {
     __shared__ float scratch[32 * PS_SP];
     __shared__ float totals[PS_SP];
     __shared__ float red_v[32];
@@ -260,6 +278,7 @@ __global__ void __launch_bounds__(PS_SAMPLE_THREADS) sample_rows_kernel(long lon
     r.i_tie = vocab - 1;
     r.key_p = kmin;
     r.min_p = min_p[row] > 0.0f ? min_p[row] : 0.0f;
+    r.key_tie = kmin;
 
     // top-k
     const int k = top_k[row];
@@ -269,12 +288,12 @@ __global__ void __launch_bounds__(PS_SAMPLE_THREADS) sample_rows_kernel(long lon
                                                      totals);
         // How many keys are above the threshold, and how many equal it: (count >= key_k+1, ties up to V-1).
         long long piv[PS_SP];
-        #pragma unroll
+#pragma unroll
         for (int j = 0; j < PS_SP; ++j) piv[j] = (long long)r.key_k + 1;
         ps_measure<T, PS_COUNT_GE_KEY>(x, r, piv, scratch, totals);
         const float above = totals[0];
         __syncthreads();
-        #pragma unroll
+#pragma unroll
         for (int j = 0; j < PS_SP; ++j) piv[j] = vocab - 1;
         ps_measure<T, PS_COUNT_TIES_UPTO>(x, r, piv, scratch, totals);
         const float ties = totals[0];
@@ -291,7 +310,7 @@ __global__ void __launch_bounds__(PS_SAMPLE_THREADS) sample_rows_kernel(long lon
     const float p = top_p[row];
     if (p < 1.0f) {
         long long piv[PS_SP];
-        #pragma unroll
+#pragma unroll
         for (int j = 0; j < PS_SP; ++j) piv[j] = (long long)kmax + 1;  // every key is below: S's whole mass
         ps_measure<T, PS_MASS_BELOW_KEY>(x, r, piv, scratch, totals);
         const float budget = (1.0f - p) * totals[0];
@@ -300,9 +319,38 @@ __global__ void __launch_bounds__(PS_SAMPLE_THREADS) sample_rows_kernel(long lon
                                                        scratch, totals);
     }
 
-    // The draw: the largest id whose running kept mass is <= u * W, plus one.
     long long piv[PS_SP];
-    #pragma unroll
+    if (by_value[row]) {  // the draw in value order (see the top)
+#pragma unroll
+        for (int j = 0; j < PS_SP; ++j) piv[j] = kmin;
+        ps_measure<T, PS_KEPT_MASS_GE_KEY>(x, r, piv, scratch, totals);
+        const double target = uniforms[row] * (double)totals[0];
+        __syncthreads();
+        const long long level = ps_search<T, PS_KEPT_MASS_GE_KEY>(
+            x, r, kmin, kmax, [target](float s) { return (double)s > target; }, scratch, totals);
+#pragma unroll
+        for (int j = 0; j < PS_SP; ++j) piv[j] = level + 1;
+        ps_measure<T, PS_KEPT_MASS_GE_KEY>(x, r, piv, scratch, totals);
+        const double above = totals[0];
+        __syncthreads();
+        r.key_tie = (int)level;
+#pragma unroll
+        for (int j = 0; j < PS_SP; ++j) piv[j] = vocab - 1;
+        ps_measure<T, PS_KEPT_TIES_UPTO>(x, r, piv, scratch, totals);
+        const float ties = totals[0];
+        __syncthreads();
+        const double w_level = expf(ps_key_value((int)level) - r.row_max);
+        double c = floor((target - above) / w_level) + 1.0;
+        c = c < 1.0 ? 1.0 : (c > ties ? ties : c);
+        const float cf = (float)c;
+        const long long token = ps_search<T, PS_KEPT_TIES_UPTO>(x, r, -1, vocab - 1,
+                                                                [cf](float n) { return n < cf; }, scratch,
+                                                                totals) + 1;
+        if (threadIdx.x == 0) out[row] = token;
+        return;
+    }
+    // The draw in token order: the largest id whose running kept mass is <= u * W, plus one.
+#pragma unroll
     for (int j = 0; j < PS_SP; ++j) piv[j] = vocab - 1;
     ps_measure<T, PS_MASS_UPTO>(x, r, piv, scratch, totals);
     const double target = uniforms[row] * (double)totals[0];

@@ -7,8 +7,9 @@ w = exp(y - max y); then
   top-p (top_p < 1), over the top-k set S: t_p = the largest key whose strictly smaller keys in S hold at
     most (1 - top_p) of S's mass; keys >= t_p kept (ties at the cut all kept, the top token always);
   min-p (min_p > 0): w >= min_p;
-  the draw: the first token id whose running kept mass, in token order, exceeds u * W (W: the kept mass);
-    if rounding puts u * W at W, the last kept token with weight.
+  the draw: the first token whose running kept mass exceeds u * W (W: the kept mass), in token order, or for a
+    row with by_value set in value order (largest first, ties lowest id first: the host sampler's order for
+    top-k rows); if rounding puts u * W at W, the last kept token with weight.
 Each threshold is found by the kernel's k-ary search (SAMPLE_PIVOTS pivots a pass, no sort); the masses
 here are float64 sums, the kernel's float32 sums in a fixed tree, so the two can differ only where a
 mass lands within rounding of a cut. `kept_probabilities` gives the distribution the rules define, by
@@ -71,7 +72,7 @@ def _row_masks(y: np.ndarray, top_k: int, top_p: float, min_p: float) -> tuple[n
     return kept, w
 
 
-def sample_rows(logits: np.ndarray, temperature, top_k, top_p, min_p, uniforms) -> np.ndarray:
+def sample_rows(logits: np.ndarray, temperature, top_k, top_p, min_p, uniforms, by_value=None) -> np.ndarray:
     """Token ids int64 [B]: sample_rows_kernel's result for the same inputs (up to rounding at a cut)."""
     logits = np.asarray(logits)
     out = np.empty(logits.shape[0], dtype=np.int64)
@@ -81,6 +82,12 @@ def sample_rows(logits: np.ndarray, temperature, top_k, top_p, min_p, uniforms) 
         kw = np.where(kept, w, 0.0)
         target = float(uniforms[b]) * kw.sum()
         vocab = y.shape[0]
+        if by_value is not None and by_value[b]:
+            order = np.lexsort((np.arange(vocab), -y))  # value descending, then token id ascending
+            cs = np.cumsum(kw[order])
+            at = int(np.searchsorted(cs, target, side="right"))
+            out[b] = order[at] if at < vocab and kw[order[at]] > 0 else order[np.flatnonzero(kw[order] > 0).max()]
+            continue
         cs = np.cumsum(kw)
         token = kary_search(-1, vocab - 1, lambda p: cs[p.clip(0)] * (p >= 0) <= target) + 1
         out[b] = token if token < vocab else int(np.flatnonzero(kept & (w > 0)).max())

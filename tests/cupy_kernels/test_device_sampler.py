@@ -108,6 +108,35 @@ def test_kernel_matches_the_reference_token_for_token(emulated_sampling, dtype, 
     got = cuda_ops.sample_rows(_dev(x), temp, k, p, m, u).get()
     want = ref.sample_rows(x, temp, k, p, m, u)
     np.testing.assert_array_equal(got, want)
+    by_value = (np.arange(rows) % 2).astype(np.int32)  # every other row draws in value order
+    got_v = cuda_ops.sample_rows(_dev(x), temp, k, p, m, u, by_value).get()
+    np.testing.assert_array_equal(got_v, ref.sample_rows(x, temp, k, p, m, u, by_value))
+    assert (got_v[by_value == 0] == got[by_value == 0]).all() and (got_v != got).any()
+
+
+def test_value_order_draws_the_host_samplers_token_for_top_k_rows(emulated_sampling):
+    """A top-k row in value order draws what Sampler's host path draws from the same uniform (its candidates
+    sorted most likely first), so a seeded request gets the same token on the CPU and the GPU."""
+    from pagedserve.runtime.sample.sampler import Sampler
+
+    x = _logits(6, 500, seed=4)
+    modes = [(0.8, 40, 1.0, 0.0), (1.0, 7, 1.0, 0.0), (1.0, 100, 0.8, 0.0), (0.6, 50, 1.0, 0.05),
+             (1.0, 3, 1.0, 0.0), (1.5, 400, 0.95, 0.01)]
+    temp, k, p, m = _params(modes)
+    u = np.random.default_rng(8).random(6)
+    got = cuda_ops.sample_rows(_dev(x), temp, k, p, m, u, np.ones(6, np.int32)).get()
+    for b in range(6):
+        ids, vals = _host_candidates(x[b:b + 1] / temp[b], int(k[b]))
+        w = np.exp(vals - vals[:, :1])
+        tok = Sampler._sample_candidates(ids, w, w.sum(axis=1), p[b:b + 1], p[b] < 1, m[b:b + 1], m[b] > 0,
+                                         u[b:b + 1], np)
+        assert got[b] == tok[0], (b, got[b], tok[0])
+
+
+def _host_candidates(scaled, k):
+    from pagedserve.runtime.sample.sampling_ops import _top_candidates
+
+    return _top_candidates(scaled.astype(np.float32), k, np)
 
 
 def test_kernel_uses_each_rows_own_parameters_and_writes_into_out(emulated_sampling):
@@ -139,7 +168,8 @@ def test_kernel_samples_pass_chi_square_against_the_kept_distribution(emulated_s
     row = _logits(1, vocab, seed=int(mode[2] * 1000))[0]
     temp, k, p, m = _params([mode], n)
     u = np.random.default_rng(42).random(n)
-    got = cuda_ops.sample_rows(_dev(np.repeat(row[None], n, 0)), temp, k, p, m, u).get()
+    by_value = (np.arange(n) % 2).astype(np.int32)  # half the draws in value order: one distribution either way
+    got = cuda_ops.sample_rows(_dev(np.repeat(row[None], n, 0)), temp, k, p, m, u, by_value).get()
     probs = ref.kept_probabilities(row, *mode)
     counts = np.bincount(got, minlength=vocab)
     assert counts[probs == 0].sum() == 0
