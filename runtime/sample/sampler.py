@@ -173,6 +173,8 @@ class Sampler:
                 unseeded.append(b)
         if unseeded:
             u[unseeded] = self.generator.random(len(unseeded))
+        if sampling_device.sample_random_rows(processed, params, random_rows, u, tokens, xp):
+            return  # CuPy arrays: every random row in one launch of the sort-free CUDA sampler
 
         # Group rows by their own truncation settings only (never a batch-wide maximum), so a
         # row's result does not depend on its neighbours.

@@ -17,6 +17,11 @@ and any top logprobs packed into one float64 buffer) and replaces the decisions 
 Everything here works through `xp` (the numpy API subset CuPy has) and is tested with numpy as xp.
 Row results depend only on the row (ties at the k-th value: lowest token id first), which keeps
 seeded requests independent of their batch.
+
+On CuPy arrays the random rows skip all of that: `sample_random_rows` draws every one of them in one launch of
+the CUDA set's sort-free sampler (cupy_kernels/cuda/sampling.cu's sample_rows_kernel: temperature, top-k, top-p,
+min-p by threshold searches, one CTA per row), top-k rows in value order as the host path draws them, the others
+in token order. The functions above then serve only array modules without that kernel.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from pagedserve.cupy_kernels.backend import to_host
+from pagedserve.cupy_kernels.cuda.launch import is_cupy_array
 
 _BISECTION_STEPS = 33  # a float32 key range spans < 2**33 integers: 33 halvings reach one value
 
@@ -113,3 +119,25 @@ def fetch(parts: list[Any], xp: Any) -> list[np.ndarray]:
         out.append(host[at : at + n].reshape(p.shape))
         at += n
     return out
+
+
+def sample_random_rows(processed: Any, params: Any, rows: list[int], u: np.ndarray, tokens: Any, xp: Any) -> bool:
+    """Draw tokens[rows] with the CUDA sampler kernel when `processed` is a CuPy array: one launch for every random
+    row whatever its settings, each row's parameters and uniform u[b] uploaded together. False (nothing done)
+    for any other array, whose rows go through the xp path."""
+    if not is_cupy_array(processed):
+        return False
+    from pagedserve.cupy_kernels.cuda import ops as cuda_ops
+
+    vocab = processed.shape[1]
+    top_k = np.array([params[b].top_k if 0 < params[b].top_k < vocab else 0 for b in rows], np.int32)
+    args = (np.array([params[b].temperature for b in rows], np.float32), top_k,
+            np.array([params[b].top_p for b in rows], np.float32),
+            np.array([params[b].min_p for b in rows], np.float32), u[np.asarray(rows, dtype=np.int64)],
+            (top_k > 0).astype(np.int32))
+    if len(rows) == processed.shape[0]:
+        tokens[...] = cuda_ops.sample_rows(processed, *args)
+    else:
+        rows_x = xp.asarray(np.asarray(rows, dtype=np.int64))
+        tokens[rows_x] = cuda_ops.sample_rows(processed[rows_x], *args)
+    return True
