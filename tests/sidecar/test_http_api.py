@@ -8,12 +8,12 @@ import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 import socket
-import time
 import urllib.error
 import urllib.request
 
 import openai
 import pytest
+from engine_helpers import wait_until
 from http_helpers import grpc_greedy_ids, http_address
 from server_proc import ServerProcess, client_for, wait_idle
 
@@ -174,10 +174,7 @@ def test_a_disconnect_mid_stream_frees_the_blocks(server, oai, model):
         with socket.create_connection((host, int(port))) as s:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-            deadline = time.monotonic() + 30
-            while c.server_stats().num_running == 0:
-                assert time.monotonic() < deadline, "the request never ran"
-                time.sleep(0.002)
+            wait_until(lambda: c.server_stats().num_running > 0, 30, "the request to run")
         stats = wait_idle(c)
         assert stats.kv_blocks_used == 0 and stats.num_running == 0 and stats.num_waiting == 0
         # Both were aborted, not left to run to their 480 tokens.
@@ -226,14 +223,9 @@ def test_sigterm_drains_http_streams_and_refuses_new_requests_with_503(tmp_path)
         with ThreadPoolExecutor(12) as pool:  # ~12 x 480 tokens one at a time: seconds of work queued
             futures = [pool.submit(stream, i) for i in range(12)]
             with client_for(srv) as c:
-                deadline = time.monotonic() + 30
-                while c.server_stats().num_waiting < 6:
-                    assert time.monotonic() < deadline, "the streams never queued"
-                    time.sleep(0.005)
+                wait_until(lambda: c.server_stats().num_waiting >= 6, 30, "the streams to queue")
             srv.proc.terminate()
-            deadline = time.monotonic() + 30
-            while raw(srv, "GET", "/health", key=None)[0] != 503:
-                assert time.monotonic() < deadline, "health never went 503"
+            wait_until(lambda: raw(srv, "GET", "/health", key=None)[0] == 503, 30, "health to answer 503")
             status, body = raw(srv, "POST", "/v1/completions", {"prompt": "hi"}, key=None)
             assert status == 503 and body["error"]["code"] == "draining", body
             results = [f.result(timeout=120) for f in futures]
