@@ -29,28 +29,22 @@ from pagedserve.cupy_kernels.reference.quant import (
 
 from .. import registry
 from ..config import ModelConfig
+from .gguf_metadata import GGUFFile, GGUFTensor, read_gguf
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def open_gguf(path: str | Path):
-    """A GGUFReader for `path`, with a ValueError naming the file when it is missing or corrupt."""
-    import gguf
-
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The metadata and memory-mapped tensors of `path` (gguf_metadata.read_gguf), with a ValueError naming
+    the file when it is missing or corrupt."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: GGUF file not found")
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError/struct.error/IndexError on bad bytes
-        raise ValueError(f"{path}: corrupt or unreadable GGUF file ({type(e).__name__}: {e})") from None
+    return read_gguf(path)
 
 
-def field_value(reader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+def field_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.metadata.get(key, default)
 
 
 def gguf_config(reader, path: str | Path) -> ModelConfig:
@@ -66,8 +60,8 @@ def gguf_config(reader, path: str | Path) -> ModelConfig:
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
     kv_heads = int(field_value(reader, f"{arch}.attention.head_count_kv", heads))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = field_value(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+    tokens = field_value(reader, "tokenizer.ggml.tokens")
+    vocab = field_value(reader, f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
     if vocab is None:
         raise ValueError(f"{path}: GGUF metadata gives no vocab size")
     tensor_names = {t.name for t in reader.tensors}
@@ -105,15 +99,15 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def dequantize_tensor(tensor, path) -> np.ndarray:
-    """A GGUF tensor (a gguf.ReaderTensor) as float32, shaped as numpy reads it: [rows, cols] for a matrix
-    (GGUF lists dims fastest first). ValueError naming the file and tensor for a type we cannot read."""
+def dequantize_tensor(tensor: GGUFTensor, path) -> np.ndarray:
+    """A GGUF tensor as float32, shaped as numpy reads it: [rows, cols] for a matrix (GGUF lists dims fastest
+    first). ValueError naming the file and tensor for a type we cannot read."""
     from gguf import GGMLQuantizationType, quants
 
     qtype = tensor.tensor_type
     try:
         if qtype == GGMLQuantizationType.F32:
-            w = np.array(tensor.data, dtype=np.float32)
+            w = np.array(np.asarray(tensor.data).view(np.float32))
         elif qtype.name in KQUANT_TYPES:
             w = dequantize_kquant(qtype.name, np.asarray(tensor.data))
         else:
@@ -158,7 +152,7 @@ def _quant_arrays(tensor, hf_name: str, rows_fix) -> dict[str, np.ndarray]:
     return {names[part]: np.ascontiguousarray(rows_fix(a)) for part, a in arrays.items()}
 
 
-def load_gguf_weights(path: str | Path, reader=None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def load_gguf_weights(path: str | Path, reader: GGUFFile | None = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Config and float32 weights (Hugging Face names, HF q/k row order) of a GGUF file, plus the
     block arrays of its quantized matmul weights (`quant_names`)."""
     reader = reader or open_gguf(path)

@@ -27,9 +27,10 @@ Two tokenizer models are supported:
 Token types mark what must never be cut into pieces: CONTROL (3) tokens become special added tokens,
 USER_DEFINED (4) tokens plain added tokens.
 
-Reading metadata: pass the `gguf.GGUFReader` the weight loader already opened, or nothing, in which
-case loading/gguf_metadata.py parses only the metadata block (GGUFReader builds numpy views for every one
-of the ~100k vocabulary strings, which takes seconds; this takes tens of milliseconds).
+Reading metadata: pass the file the weight loader already opened (gguf_metadata.read_gguf, or a
+`gguf.GGUFReader`), or nothing, in which case loading/gguf_metadata.py parses only the metadata block
+(GGUFReader builds numpy views for every one of the ~100k vocabulary strings, which takes seconds; this
+takes tens of milliseconds).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
-from ..loading.gguf_metadata import read_gguf_metadata
+from ..loading.gguf_metadata import GGUFFile, read_gguf_metadata
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -112,8 +113,10 @@ def _byte_to_unicode() -> dict[int, str]:
     return table
 
 
-def _metadata_from_reader(reader: gguf.GGUFReader) -> dict[str, Any]:
-    """The tokenizer keys of an already opened GGUFReader, as plain Python values."""
+def _metadata_from_reader(reader: GGUFFile | gguf.GGUFReader) -> dict[str, Any]:
+    """The tokenizer keys of an already opened file (gguf_metadata.GGUFFile or a gguf.GGUFReader), as plain values."""
+    if isinstance(reader, GGUFFile):
+        return reader.metadata
     return {
         key: field.contents()
         for key, field in reader.fields.items()
@@ -329,8 +332,9 @@ def _named_token(metadata: Mapping[str, Any], key: str, keys: Sequence[str], sou
     return keys[token_id]
 
 
-def load_gguf_tokenizer(path: str | Path, reader: gguf.GGUFReader | None = None) -> Tokenizer:
-    """The tokenizer of a GGUF file, built from its metadata (`reader` saves parsing it again).
+def load_gguf_tokenizer(path: str | Path, reader: GGUFFile | gguf.GGUFReader | None = None) -> Tokenizer:
+    """The tokenizer of a GGUF file, built from its metadata (`reader`, the file the weight loader already
+    opened, saves parsing it again).
 
     Raises ValueError naming the file for a missing/corrupt file, missing tokenizer keys, or a
     tokenizer model other than "gpt2" and "llama" (or a "llama" vocabulary of Phi-3).

@@ -30,6 +30,8 @@ from .chat_template import render_chat_template
 if TYPE_CHECKING:
     import gguf
 
+    from ..loading.gguf_metadata import GGUFFile
+
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 # A text the probe for "does the backend's post-processor add BOS?" encodes. Any non-empty text works.
@@ -354,7 +356,7 @@ def load_hf_tokenizer(model_dir: str | Path) -> Tokenizer:
     return tokenizer
 
 
-def load_gguf_tokenizer(path: str | Path, reader: gguf.GGUFReader | None = None) -> Tokenizer:
+def load_gguf_tokenizer(path: str | Path, reader: GGUFFile | gguf.GGUFReader | None = None) -> Tokenizer:
     """Build the tokenizer a GGUF file describes (see `gguf_tokenizer.load_gguf_tokenizer`)."""
     # Imported here: gguf_tokenizer imports this module for `Tokenizer`.
     from .gguf_tokenizer import load_gguf_tokenizer as _load

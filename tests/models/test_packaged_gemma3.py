@@ -148,3 +148,28 @@ def test_every_tensor_dequantizes_finite_with_gemma3_shapes(gemma_path):
         kinds.add(tensor.tensor_type.name)
     assert seen == want
     assert {"Q4_K", "Q6_K"} <= kinds  # the k-quants this file holds (its 640-wide rows are Q5_0/Q8_0)
+
+
+@pytest.mark.slow
+def test_read_gguf_agrees_with_the_gguf_package(gemma_path):
+    """gguf_metadata.read_gguf (our tensor table, no per-string numpy views) against gguf.GGUFReader."""
+    import gguf
+
+    from pagedserve.models.loading.gguf_metadata import read_gguf
+
+    ours, theirs = read_gguf(gemma_path), gguf.GGUFReader(gemma_path)
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, ref in zip(ours.tensors, theirs.tensors):
+        assert mine.shape == tuple(int(d) for d in ref.shape) and mine.tensor_type == ref.tensor_type
+        assert np.array_equal(mine.data.reshape(-1), np.asarray(ref.data).reshape(-1).view(np.uint8)), mine.name
+    assert ours.metadata["gemma3.attention.sliding_window"] == 512
+
+
+def test_a_truncated_gguf_is_a_clear_error(tmp_path, gemma_path):
+    from pagedserve.models.loading.gguf_metadata import read_gguf
+
+    cut = tmp_path / "cut.gguf"
+    with gemma_path.open("rb") as f:
+        cut.write_bytes(f.read(8_000_000))  # the metadata and tensor table whole, the tensors cut short
+    with pytest.raises(ValueError, match="cut.gguf: tensor .* runs past the end of the file"):
+        read_gguf(cut)
