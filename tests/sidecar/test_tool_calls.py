@@ -123,6 +123,17 @@ def test_required_and_named_carry_a_grammar() -> None:
     assert required.finish_reason("stop", calls) == "tool_calls"
 
 
+def test_compiled_once_per_distinct_tools() -> None:
+    # Clients send the same tools with every request: the grammar is built once, failures every time.
+    first, again = plan_tools(TOOLS, "required"), plan_tools([dict(t) for t in TOOLS], "required")
+    assert again.structured_outputs is first.structured_outputs
+    assert plan_tools(TOOLS, "required", False).structured_outputs is not first.structured_outputs
+    bad = [fn(parameters={"type": "object", "properties": {"a": {"type": "foo"}}})]
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"tools\[0\]\.function\.parameters is not a valid JSON Schema"):
+            plan_tools(bad, "auto")
+
+
 def test_tools_are_normalised_for_the_template() -> None:
     plan = plan_tools([{"function": {"name": "f", "description": None, "parameters": {"type": "object"},
                                      "extra": 1}, "type": "function"}])
