@@ -181,7 +181,7 @@ class _Compiled:
     """A small LRU of what llguidance made of a text (keyed by its SHA-256, so big schemas cost no memory twice).
 
     Clients send the same tools with every request; validating 128 tools' schemas and their grammar takes
-    ~0.4 s on one core, on the event loop, so each distinct text is compiled once. Failures are not kept.
+    about 0.25 s on one core, on the event loop, so each distinct text is compiled once. Failures are not kept.
     """
 
     def __init__(self, size: int) -> None:
