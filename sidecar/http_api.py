@@ -186,7 +186,9 @@ class HttpApi:
             plan = plan_tools(*body.tools_raw(), body.parallel_tool_calls)
         except ValueError as e:
             raise _error(e, body) from None
-        if plan.structured_outputs is not None and structured_outputs(body) is not None:
+        constrained = body.structured_outputs is not None or (body.response_format is not None
+                                                                and body.response_format.type != "text")
+        if plan.structured_outputs is not None and constrained:
             raise ApiError(400, f"tool_choice {body.tool_choice if isinstance(body.tool_choice, str) else 'function'}"
                            f" constrains the reply to tool calls; it cannot be combined with response_format or "
                            f"structured_outputs", "tool_choice", "invalid_value")
