@@ -211,6 +211,7 @@ def test_without_parallel_calls_only_the_first_is_kept() -> None:
     reply = "Sure." + call("ping", "{}") + call("get_time", '{"zone": "Europe/Rome"}')
     assert shape(ToolCallParser(NAMES, max_calls=1).parse(reply)[1]) == [("ping", "{}")]
     assert ToolCallParser(NAMES, max_calls=1).parse(reply)[0] == "Sure."
+    assert reassemble(stream(ToolCallParser(NAMES, max_calls=1), list(reply))) == ("Sure.", [("ping", "{}")])
 
 
 # -- streaming ---------------------------------------------------------------------------------------------------
