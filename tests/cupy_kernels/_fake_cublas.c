@@ -110,6 +110,46 @@ static void store(void* p, int type, long i, double v) {
     abort();
 }
 
+typedef struct {
+    int transa, transb, m, n, k, atype, lda, btype, ldb, ctype, ldc, compute;
+    const void *alpha, *A, *B, *beta;
+    void* C;
+} Gemm;
+
+static int capturing = 0;
+static Gemm recorded[64];
+static int num_recorded = 0;
+
+void fake_cublas_capture(int on) {
+    capturing = on;
+    if (on) num_recorded = 0;
+}
+
+static void run_gemm(const Gemm* g) {
+    const int wide = g->compute == 70;  // CUBLAS_COMPUTE_64F: double alpha/beta and sums; 68: float
+    const double a = wide ? *(const double*)g->alpha : *(const float*)g->alpha;
+    const double b = wide ? *(const double*)g->beta : *(const float*)g->beta;
+    for (int j = 0; j < g->n; ++j)
+        for (int i = 0; i < g->m; ++i) {
+            double acc = 0;
+            float facc = 0;
+            for (int p = 0; p < g->k; ++p) {
+                const double x = load(g->A, g->atype, g->transa == 0 ? i + (long)p * g->lda : p + (long)i * g->lda);
+                const double y = load(g->B, g->btype, g->transb == 0 ? p + (long)j * g->ldb : j + (long)p * g->ldb);
+                if (wide) acc += x * y;
+                else facc += (float)x * (float)y;
+            }
+            double v = a * (wide ? acc : (double)facc);
+            if (b != 0) v += b * load(g->C, g->ctype, i + (long)j * g->ldc);
+            store(g->C, g->ctype, i + (long)j * g->ldc, v);
+        }
+}
+
+int fake_cublas_replay(void) {
+    for (int r = 0; r < num_recorded; ++r) run_gemm(&recorded[r]);
+    return num_recorded;
+}
+
 int cublasGemmEx(void* handle, int transa, int transb, int m, int n, int k, const void* alpha, const void* A,
                  int atype, int lda, const void* B, int btype, int ldb, const void* beta, void* C, int ctype, int ldc,
                  int compute, int algo) {
@@ -123,23 +163,13 @@ int cublasGemmEx(void* handle, int transa, int transb, int m, int n, int k, cons
     if (lda < (transa == 0 ? m : k) || lda < 1 || ldb < (transb == 0 ? k : n) || ldb < 1 || ldc < m || ldc < 1)
         return 7;
     if (atype != btype || atype != ctype) return 15;
-    const int wide = compute == 70;  // CUBLAS_COMPUTE_64F: double alpha/beta and sums; 68: float
-    if (!wide && compute != 68) return 15;
-    const double a = wide ? *(const double*)alpha : *(const float*)alpha;
-    const double b = wide ? *(const double*)beta : *(const float*)beta;
-    for (int j = 0; j < n; ++j)
-        for (int i = 0; i < m; ++i) {
-            double acc = 0;
-            float facc = 0;
-            for (int p = 0; p < k; ++p) {
-                const double x = load(A, atype, transa == 0 ? i + (long)p * lda : p + (long)i * lda);
-                const double y = load(B, btype, transb == 0 ? p + (long)j * ldb : j + (long)p * ldb);
-                if (wide) acc += x * y;
-                else facc += (float)x * (float)y;
-            }
-            double v = a * (wide ? acc : (double)facc);
-            if (b != 0) v += b * load(C, ctype, i + (long)j * ldc);
-            store(C, ctype, i + (long)j * ldc, v);
-        }
+    if (compute != 70 && compute != 68) return 15;
+    const Gemm g = {transa, transb, m, n, k, atype, lda, btype, ldb, ctype, ldc, compute, alpha, A, B, beta, C};
+    if (capturing) {
+        if (num_recorded == 64) return 3;
+        recorded[num_recorded++] = g;  // alpha and beta are read at replay, from the caller's host buffers
+        return 0;
+    }
+    run_gemm(&g);
     return 0;
 }

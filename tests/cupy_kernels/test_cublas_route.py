@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+import shutil
+import subprocess
 import sys
 import types
+from pathlib import Path
+
+import numpy as np
 
 import pytest
 
@@ -69,3 +75,126 @@ def test_setting_names_a_route_or_is_refused(fake_cupy, monkeypatch):
     monkeypatch.setenv(cublas_route.ENV, "cutlass")
     with pytest.raises(ValueError, match="PAGEDSERVE_GEMM='cutlass': expected one of auto, ctypes, nvmath, cupy"):
         cublas_route.current_gemm()
+
+
+# ---------------------------------------------------------------------------------------------
+# The probe itself, on a stand-in CuPy over the fake libcublas (whose capture records GEMMs and whose
+# replay runs them): the eager check, the capture and the replay onto new inputs, as on a device.
+# ---------------------------------------------------------------------------------------------
+
+GCC = shutil.which("gcc")
+
+
+@pytest.fixture(scope="module")
+def fake_libcublas(tmp_path_factory):
+    if GCC is None:
+        pytest.skip("gcc not found (needed to build the fake libcublas)")
+    so = tmp_path_factory.mktemp("fake_cublas") / "libcublas.so.13"
+    src = Path(__file__).with_name("_fake_cublas.c")
+    proc = subprocess.run([GCC, "-O1", "-fPIC", "-shared", "-o", str(so), str(src)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return so
+
+
+class _DeviceArray(np.ndarray):
+    __module__ = "cupy_probe_stand_in"
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+    def get(self):
+        return np.array(self.view(np.ndarray))
+
+    def set(self, a):
+        np.copyto(self.view(np.ndarray), a)
+
+
+def _probe_cupy(lib, replays: bool):
+    cp = types.ModuleType("cupy")
+    cp.float16, cp.uint8 = np.float16, np.uint8
+    cp.asarray = lambda a: np.array(a).view(_DeviceArray)
+    cp.asfortranarray = lambda a: np.asfortranarray(a).view(_DeviceArray)
+    cp.empty = lambda shape, dtype: np.empty(shape, dtype).view(_DeviceArray)
+    buffers = {}
+
+    def malloc(n):
+        b = np.zeros(n, np.uint8)
+        buffers[b.ctypes.data] = b
+        return b.ctypes.data
+
+    class Stream:
+        current = None
+
+        def __init__(self, non_blocking=False, ptr=0x5100):
+            self.ptr = ptr
+
+        def __enter__(self):
+            self.outer, Stream.current = Stream.current, self
+
+        def __exit__(self, *exc):
+            Stream.current = self.outer
+
+        def begin_capture(self):
+            lib.fake_cublas_capture(1)
+
+        def end_capture(self):
+            lib.fake_cublas_capture(0)
+            return types.SimpleNamespace(launch=lambda stream=None: lib.fake_cublas_replay() if replays else None)
+
+        def synchronize(self):
+            pass
+
+    null = Stream(ptr=0)
+    cp.cuda = types.SimpleNamespace(
+        Stream=Stream, Device=lambda: types.SimpleNamespace(synchronize=lambda: None),
+        get_current_stream=lambda: Stream.current or null, device=types.SimpleNamespace(get_cublas_handle=lambda: None),
+        runtime=types.SimpleNamespace(malloc=malloc, free=lambda p: buffers.pop(p), getDevice=lambda: 0))
+    return cp, buffers
+
+
+@pytest.mark.parametrize("replays", [True, False])
+def test_the_probe_captures_replays_and_checks_on_a_stand_in_device(fake_libcublas, monkeypatch, replays):
+    from pagedserve.cupy_kernels.cuda import cublas
+
+    monkeypatch.setenv("PAGEDSERVE_LIBCUBLAS", str(fake_libcublas))
+    lib = cublas.load_library(str(fake_libcublas))
+    lib.fake_cublas_log.restype = ctypes.c_char_p
+    lib.fake_cublas_reset()
+    cp, buffers = _probe_cupy(lib, replays)
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    r = cublas_route.probe_route("ctypes", cp, m=4, k=64, n=24)
+    assert r["error"] is None, r
+    assert r["loaded"] and r["eager_ok"] and r["capture_ok"] and r["cublas_version"] == 130000
+    assert r["replay_ok"] is replays  # a graph that does not run leaves NaN in the output: the probe sees it
+    assert buffers == {}  # the workspace went back when the probe closed its handle
+    log = lib.fake_cublas_log().decode().splitlines()
+    streams = [line for line in log if line.startswith("stream")]
+    assert streams == ["stream 0", "stream 20736"]  # the default stream, then the capture stream before capturing
+    assert cublas_route.pick_route([r]) == ("ctypes" if replays else "cupy")
+
+
+def test_the_probe_script_reports_the_routes_and_what_linear_chose(fake_libcublas, monkeypatch):
+    """scripts/gpu_gemm_probe.py's run() on the stand-in: every route probed (nvmath absent here), the rule's
+    choice, and the op table's `linear` taking that same route in the process."""
+    import runpy
+
+    from pagedserve.cupy_kernels.cuda import cublas
+
+    monkeypatch.setenv("PAGEDSERVE_LIBCUBLAS", str(fake_libcublas))
+    monkeypatch.delenv(cublas_route.ENV, raising=False)
+    monkeypatch.setattr(cublas_route, "_chosen", {})
+    monkeypatch.setitem(sys.modules, "nvmath", None)  # not installed: the nvmath route reports it
+    lib = cublas.load_library(str(fake_libcublas))
+    cp, _ = _probe_cupy(lib, replays=True)
+    cp.__version__ = "stand-in"
+    cp.ones = lambda shape, dtype: np.ones(shape, dtype).view(_DeviceArray)
+    cp.cuda.runtime.getDeviceCount = lambda: 1
+    cp.cuda.runtime.getDeviceProperties = lambda d: {"name": b"Stand-in GPU"}
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_gemm_probe.py"
+    result = runpy.run_path(str(script), run_name="gpu_gemm_probe_under_test")["run"]()
+    routes = {r["route"]: r for r in result["routes"]}
+    assert routes["ctypes"]["replay_ok"] and not routes["nvmath"]["loaded"] and "nvmath" in routes["nvmath"]["error"]
+    assert result["chosen"] == "ctypes" and result["linear_route"] == "ctypes" and result["device"] == "Stand-in GPU"
