@@ -1,18 +1,23 @@
 """RayExecutor: ranks 1..N-1 as Ray actors (`distributed_executor_backend="ray"`, extra `[ray]`), as vLLM
 does for ranks on several hosts. Rank 0 stays in the driver process, as with local processes.
 
-Ray connects to the cluster named by RAY_ADDRESS (or one already initialised in this process), else
-starts a local one. GPU ranks each ask Ray for one GPU (Ray sets CUDA_VISIBLE_DEVICES, so an actor's
-device is its index 0) and talk over NCCL; CPU ranks talk through shared memory, so they must share the
-driver's host (checked at start). Each step's batch is put in Ray's object store once; the driver
-waits for every rank's step to finish (bounded by collective_timeout_s), and inside collectives it
-polls the ranks' pending calls so a dead actor fails the step at once (RayActorError -> WorkerFailedError).
+Ray connects to the cluster named by RAY_ADDRESS, or uses the one already initialised in this process,
+else starts a local one (stopped again at shutdown). Where ranks run is decided first, in one placement
+group (ray_placement.py): on CPU every rank on the driver's node, since CPU ranks talk through shared
+memory; on GPUs one GPU per rank, packed on the driver's node and spread only when it has too few, and
+talking over NCCL. Too few resources is a ValueError naming them, before any weights load. The
+`executor.started` log line carries the rank-to-node map and the rank actors' pids.
+
+Each step's batch goes to each rank inside its call; the driver waits for every rank's step to finish
+(bounded by collective_timeout_s), and inside collectives it polls the ranks' pending calls, so a dead
+actor or node fails the step at once (ActorDiedError -> WorkerFailedError naming the rank).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 from typing import Any
 
@@ -24,18 +29,36 @@ from pagedserve.models.loading.loader import LoadedModel
 from ..config import EngineConfig
 from . import Executor, WorkerFailedError
 from .mp_executor import _INIT_TIMEOUT_S, comm_spec, make_comm
+from .ray_placement import RankPlacement, actor_options, place_ranks, reserve_rank0_gpu
 from ..worker.worker import ExecuteModelRequest, Worker
 
 log = structlog.get_logger("pagedserve.engine")
+
+RAY_MISSING = ("distributed_executor_backend='ray' needs Ray: pip install 'pagedserve[ray]' "
+               "(or use the default local processes, 'mp')")
 
 
 def _import_ray() -> Any:
     try:
         import ray
     except ImportError:
-        raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'pagedserve[ray]' "
-                         "(or use the default local processes, 'mp')") from None
+        raise ValueError(RAY_MISSING) from None
     return ray
+
+
+def ray_address(env: Any) -> str | None:
+    """The cluster to join: RAY_ADDRESS, else None (Ray then starts a local one)."""
+    address = env.get("RAY_ADDRESS") or None
+    if address is not None and address.startswith("ray://"):
+        raise ValueError(f"RAY_ADDRESS={address!r} is a Ray Client address, but the Ray executor's driver (rank 0) "
+                         f"must run on a node of the cluster: give its GCS address (host:6379)")
+    return address
+
+
+def _rank_env() -> dict[str, str]:
+    """What a rank must see as the driver does (PAGEDSERVE_BATCH_INVARIANT and the like): Ray starts actors
+    with the raylet's environment, not the driver's."""
+    return {k: v for k, v in os.environ.items() if k.startswith("PAGEDSERVE_")}
 
 
 class _RayRank:
@@ -43,12 +66,13 @@ class _RayRank:
 
     def __init__(self, config: EngineConfig, rank: int, world_size: int, spec: tuple) -> None:
         self.comm = make_comm(spec, rank, world_size)
+        # Ray sets CUDA_VISIBLE_DEVICES to the actor's one GPU, so it is device 0 here.
         self.worker = Worker(config, rank, world_size, self.comm, local_device=0)
 
-    def node_id(self) -> str:
+    def where(self) -> tuple[str, int]:
         import ray
 
-        return ray.get_runtime_context().get_node_id()
+        return ray.get_runtime_context().get_node_id(), os.getpid()
 
     def call(self, method: str, *args: Any) -> Any:
         try:
@@ -62,48 +86,64 @@ class _RayRank:
 class RayExecutor(Executor):
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         ray = self.ray = _import_ray()
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS") or None, ignore_reinit_error=True,
-                     log_to_driver=False)
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(address=ray_address(os.environ), log_to_driver=False)
         n = config.tensor_parallel_size
         backend = get_backend(config.device)
         self.failure = None
         self.timeout_s = float(config.collective_timeout_s)
         self.pending: list[Any] = []
         self._last_poll = 0.0
-        spec = comm_spec(config, backend.is_gpu)
-        self.comm = make_comm(spec, 0, n, create=True, liveness=self.check_health)
         self.actors: list[Any] = []
+        self.rank_pids: list[int] = []
+        self.placement: RankPlacement | None = None
+        self._holder = None
+        self.comm = None
         try:
-            self.driver_worker = Worker(config, 0, n, self.comm, loaded, local_device=0)
+            self.placement = placement = place_ranks(ray, n, backend.is_gpu)
+            self.rank_nodes = placement.rank_nodes
+            local_device = 0
+            if backend.is_gpu:
+                self._holder, local_device = reserve_rank0_gpu(ray, placement, os.environ.get("CUDA_VISIBLE_DEVICES"))
+            spec = comm_spec(config, backend.is_gpu)
+            self.comm = make_comm(spec, 0, n, create=True, liveness=self.check_health)
+            self.driver_worker = Worker(config, 0, n, self.comm, loaded, local_device=local_device)
             if spec[0] == "shm":
                 spec = ("shm", self.comm.name, *spec[2:])
             rank_config = dataclasses.replace(config, model=str(self.driver_worker.model_path))
-            actor = ray.remote(num_cpus=1, num_gpus=1 if backend.is_gpu else 0)(_RayRank)
-            self.actors = [actor.remote(rank_config, r, n, spec) for r in range(1, n)]
-            nodes = ray.get([a.node_id.remote() for a in self.actors], timeout=_INIT_TIMEOUT_S)
-            here = ray.get_runtime_context().get_node_id()
-            if not backend.is_gpu and any(node != here for node in nodes):
-                raise ValueError("CPU tensor parallelism talks through shared memory, so every rank must run on "
-                                 "the driver's host; across hosts use GPUs (NCCL)")
+            rank_actor = ray.remote(_RayRank)
+            self.actors = [rank_actor.options(**actor_options(placement, r, backend.is_gpu, _rank_env()))
+                           .remote(rank_config, r, n, spec) for r in range(1, n)]
+            try:
+                where = ray.get([a.where.remote() for a in self.actors], timeout=_INIT_TIMEOUT_S)
+            except ray.exceptions.RayError as e:  # a rank's __init__ raised, or its actor died loading
+                raise WorkerFailedError(f"a tensor-parallel rank (Ray actor) failed to start: {e}") from e
+            self.rank_pids = [pid for _, pid in where]
+            if [node for node, _ in where] != self.rank_nodes[1:]:  # an actor outside its reserved bundle
+                raise RuntimeError(f"Ray started the rank actors on {[node for node, _ in where]}, not on their "
+                                   f"reserved nodes {self.rank_nodes[1:]}")
         except BaseException:
             self.shutdown()
             raise
-        log.info("executor.started", backend="ray", tensor_parallel_size=n, collectives=spec[0])
+        log.info("executor.started", backend="ray", tensor_parallel_size=n, collectives=spec[0],
+                 driver_node=placement.driver_node, rank_nodes=self.rank_nodes, rank_pids=self.rank_pids,
+                 nodes_used=len(set(self.rank_nodes)))
 
     def _call(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
         if self.failure is not None:
             raise WorkerFailedError(f"the engine's ranks failed earlier: {self.failure}")
         ray = self.ray
-        ref_args = [ray.put(a) for a in args]  # once in the object store, read by every rank
-        self.pending = [a.call.remote(method, *ref_args) for a in self.actors]
         try:
+            # By value, not ray.put: a step's batch is small, so Ray sends it inside each call, and an object in
+            # the driver's node's store lost with that node would make Ray end the driver before it can fail cleanly.
+            self.pending = [a.call.remote(method, *args) for a in self.actors]
             mine = getattr(self.driver_worker, method)(*args)
             theirs = ray.get(self.pending, timeout=timeout_s)
         except WorkerFailedError as e:
             raise self._fail(e) from e
-        except Exception as e:  # noqa: BLE001 - RayActorError, RayTaskError, GetTimeoutError, CollectiveError
-            raise self._fail(WorkerFailedError(f"a tensor-parallel rank failed during {method!r}: {e}")) from e
+        except Exception as e:  # noqa: BLE001 - ActorDiedError, RayTaskError, GetTimeoutError, CollectiveError
+            raise self._fail(self._rank_error(e, method)) from e
         finally:
             self.pending = []
         return [mine, *theirs]
@@ -130,7 +170,17 @@ class RayExecutor(Executor):
             try:
                 self.ray.get(ref)
             except Exception as e:  # noqa: BLE001
-                raise WorkerFailedError(f"a tensor-parallel rank (Ray actor) failed: {e}") from e
+                raise self._rank_error(e, "a collective", rank=self.pending.index(ref) + 1) from e
+
+    def _rank_error(self, error: BaseException, during: str, rank: int | None = None) -> WorkerFailedError:
+        """A WorkerFailedError naming the rank (its pid and node) where Ray's error says which one failed."""
+        if rank is None:
+            pid = re.search(r"\bpid: (\d+)", str(error))  # Ray's ActorDiedError names the actor's pid
+            rank = self.rank_pids.index(int(pid[1])) + 1 if pid and int(pid[1]) in self.rank_pids else None
+        if rank is None or rank > len(self.rank_pids):
+            return WorkerFailedError(f"a tensor-parallel rank (Ray actor) failed during {during}: {error}")
+        return WorkerFailedError(f"tensor-parallel rank {rank} (Ray actor, pid {self.rank_pids[rank - 1]}, node "
+                                 f"{self.rank_nodes[rank][:12]}) failed during {during}: {error}")
 
     def _fail(self, error: WorkerFailedError) -> WorkerFailedError:
         if self.failure is None:
@@ -140,10 +190,21 @@ class RayExecutor(Executor):
         return self.failure
 
     def shutdown(self) -> None:
-        for a in self.actors:
+        """Kill the rank actors, release their placement group, and stop Ray if this executor started it."""
+        for a in [*self.actors, *([self._holder] if self._holder is not None else [])]:
             try:
                 self.ray.kill(a)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        self.actors = []
-        self.comm.close()
+        self.actors, self._holder = [], None
+        if self.placement is not None:
+            try:
+                self.ray.util.remove_placement_group(self.placement.group)
+            except Exception:  # noqa: BLE001 - its node is gone
+                pass
+            self.placement = None
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
+        if self._owns_ray and self.ray.is_initialized():
+            self.ray.shutdown()
