@@ -180,35 +180,3 @@ def test_llm_api_takes_tensor_parallel_size_and_shuts_its_ranks_down(data_dir):
     for p in procs:
         p.join(10)
         assert p.exitcode == 0  # stopped when asked, not killed
-
-
-def test_tp2_under_a_local_ray_cluster_gives_the_tp1_tokens(data_dir):
-    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'pagedserve[ray]'); it is left "
-                                            "out of the test extra because its wheel is large")
-    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
-    try:
-        many = _engine(data_dir / "tiny-llama", 2, distributed_executor_backend="ray")
-        try:
-            assert type(many.executor).__name__ == "RayExecutor"
-            assert _generate(many) == _generate(_engine(data_dir / "tiny-llama", 1))
-            # A rank actor that dies mid-generation fails the next step, promptly and for good.
-            many.add_request("long", "hello", SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
-            many.step()
-            ray.kill(many.executor.actors[0])
-            t0 = time.monotonic()
-            with pytest.raises(WorkerFailedError, match="rank"):
-                for _ in range(3):  # the kill lands asynchronously: within a step or two
-                    many.step()
-            assert time.monotonic() - t0 < 30
-            with pytest.raises(WorkerFailedError, match="failed earlier"):
-                many.step()
-        finally:
-            many.shutdown()
-    finally:
-        ray.shutdown()
-
-
-@pytest.mark.skipif(__import__("importlib").util.find_spec("ray") is not None, reason="Ray is installed")
-def test_ray_executor_without_ray_says_how_to_get_it(data_dir):
-    with pytest.raises(ValueError, match=r"needs Ray: pip install 'pagedserve\[ray\]'"):
-        _engine(data_dir / "tiny-llama", 2, distributed_executor_backend="ray")
