@@ -173,3 +173,20 @@ def test_a_truncated_gguf_is_a_clear_error(tmp_path, gemma_path):
         cut.write_bytes(f.read(8_000_000))  # the metadata and tensor table whole, the tensors cut short
     with pytest.raises(ValueError, match="cut.gguf: tensor .* runs past the end of the file"):
         read_gguf(cut)
+
+
+@pytest.mark.slow
+def test_load_model_by_alias(gemma_path):
+    """`--model gemma3-270m` end to end through the loader: config from the GGUF's gemma3 keys, weights checked
+    against the registry's shapes (inside load_model), the tokenizer the goldens were made with."""
+    from pagedserve.models.loading.loader import load_model
+
+    loaded = load_model("gemma3-270m")
+    c = loaded.config
+    assert (loaded.name, loaded.path) == ("gemma3-270m", gemma_path)
+    assert (c.architecture, c.hidden_size, c.num_hidden_layers, c.head_dim, c.vocab_size) == ("gemma3", 640, 18, 256,
+                                                                                           262144)
+    assert c.layer_types == tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18))
+    assert c.sliding_window == 512 and c.tie_word_embeddings
+    assert all(np.isfinite(w).all() for w in loaded.weights.values() if w.dtype == np.float32)
+    assert loaded.tokenizer.encode("Hello world") == [2, 9259, 1902]
