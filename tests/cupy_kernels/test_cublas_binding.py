@@ -11,6 +11,7 @@ scripts/gpu_gemm_probe.py. Skipped when gcc is absent.
 from __future__ import annotations
 
 import ctypes
+import json
 import shutil
 import subprocess
 import sys
@@ -186,3 +187,60 @@ def test_the_nvmath_route_makes_the_same_calls(fake_lib, monkeypatch):
     assert logs[0] == logs[1] and len(logs[0]) == 6
     np.testing.assert_array_equal(outs[0], outs[1])
     np.testing.assert_allclose(outs[0], x @ w, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The binding inside the model: the Llama forward of get_backend("cuda") on the host emulation of the kernels,
+# every linear through CublasGemm over the fake libcublas, against the float32 numpy model (the GPU suite's
+# own check, gpu_helpers.check_model_logits_match_numpy): the real weights' layouts (fused qkv, gate_up, the
+# tied lm_head's F-ordered view) all marshalled right.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def emulation_libs(tmp_path_factory):
+    import importlib.util
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pagedserve.cupy_kernels.cuda import modules as cuda_modules
+
+    spec = importlib.util.spec_from_file_location("pagedserve_host_emulation_helpers_cublas",
+                                                  Path(__file__).with_name("test_kernels_on_host.py"))
+    host = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host)
+    if host.GXX is None:
+        pytest.skip("g++ not found (needed to run the kernels on the CPU)")
+    workdir = tmp_path_factory.mktemp("host_emulation_cublas")
+    mods = list(cuda_modules.MODULES.values())
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        paths = list(pool.map(lambda m: host._build(m, workdir), mods))
+    return host, {m.name: ctypes.CDLL(str(p)) for m, p in zip(mods, paths)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_model_forward_with_every_linear_through_the_binding(emulation_libs, fake_lib, monkeypatch, name):
+    import gpu_helpers
+    from pagedserve.cupy_kernels.cuda import cublas_route, launch as cuda_launch, modules as cuda_modules
+
+    host, libs = emulation_libs
+    cp = host.fake_cupy(libs)
+    cp.cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=0)
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", "0")
+    monkeypatch.setattr(cuda_modules, "_modules", {})
+    monkeypatch.setattr(cuda_modules, "_functions", {})
+    monkeypatch.setattr(cuda_launch, "_dummies", {})
+    fake_lib.fake_cublas_reset()
+    gemm = cublas.CublasGemm(fake_lib, WORKSPACE, 1 << 20)
+    monkeypatch.setattr(cublas_route, "current_gemm", lambda: gemm)
+    gpu_helpers.model_pair.cache_clear()
+    try:
+        gpu_helpers.check_model_logits_match_numpy(name)
+    finally:
+        gpu_helpers.model_pair.cache_clear()
+    log = _log(fake_lib)
+    assert gemm.calls > 20 and sum(line.startswith("gemm") for line in log) == gemm.calls
+    tied = json.loads((Path(gpu_helpers.DATA) / name / "config.json").read_text())["tie_word_embeddings"]
+    assert any(" transa=1 " in line for line in log if line.startswith("gemm")) == tied, \
+        "a tied lm_head (the embedding's transposed view) is the one F-ordered weight"
