@@ -4,7 +4,9 @@ Entries live in `<cache root>/gguf-<sha256 of the GGUF file>-v<format>/` and hol
 (float32, Hugging Face names, q/k already un-permuted, plus the block arrays of quantized matmul weights),
 config.json and the tokenizer files. Keying by content hash means a replaced or edited file never reuses a
 stale entry. Entries are written to a temporary directory and renamed into place, so a crash mid-write leaves
-no half entry behind.
+no half entry behind. (A packaged model's joined GGUF file lives beside the entries, in `<cache root>/packaged/`:
+packaged.py.) The packaged Gemma 3 270M's entry is about 1.2 GB: its 262,144 x 640 embedding alone is 640 MB
+of float32, plus its Q8_0 blocks.
 """
 
 from __future__ import annotations
