@@ -151,18 +151,20 @@ def test_every_tensor_dequantizes_finite_with_gemma3_shapes(gemma_path):
 
 
 @pytest.mark.slow
-def test_read_gguf_agrees_with_the_gguf_package(gemma_path):
-    """gguf_metadata.read_gguf (our tensor table, no per-string numpy views) against gguf.GGUFReader."""
+def test_read_gguf_agrees_with_the_gguf_package(smollm2_path):
+    """gguf_metadata.read_gguf (our tensor table, no per-string numpy views) against gguf.GGUFReader, on SmolLM2
+    (GGUFReader takes ~6 s on its 49,152 tokens, ~45 s on Gemma's 262,144). Gemma's other types (Q5_0, Q4_K, Q6_K)
+    are sized by the same table: a wrong row size fails dequantize_tensor's size check in the test above."""
     import gguf
 
     from pagedserve.models.loading.gguf_metadata import read_gguf
 
-    ours, theirs = read_gguf(gemma_path), gguf.GGUFReader(gemma_path)
+    ours, theirs = read_gguf(smollm2_path), gguf.GGUFReader(smollm2_path)
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
     for mine, ref in zip(ours.tensors, theirs.tensors):
         assert mine.shape == tuple(int(d) for d in ref.shape) and mine.tensor_type == ref.tensor_type
         assert np.array_equal(mine.data.reshape(-1), np.asarray(ref.data).reshape(-1).view(np.uint8)), mine.name
-    assert ours.metadata["gemma3.attention.sliding_window"] == 512
+    assert ours.metadata["general.architecture"] == "llama" and len(ours.tensors) == 272
 
 
 def test_a_truncated_gguf_is_a_clear_error(tmp_path, gemma_path):
