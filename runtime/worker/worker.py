@@ -130,6 +130,9 @@ class Worker:
         self.kv_caches = [self.kv_pairs[t] for t in self.kv_groups.layer_tensor]
         # The decode graphs' static batch holds one block table: a model reading several KV groups runs eager.
         grouped = len(self.kv_groups.windows) > 1
+        if grouped:
+            log.info("engine.kv_groups", rank=self.rank, windows=list(self.kv_groups.windows),
+                     array_pairs=self.kv_groups.num_tensors, decode_graphs="off: one table per static batch")
         self.graphs = None if grouped else build_decode_graphs(self.config, self.model, self.kv_caches, max_model_len)
 
     def execute_model(self, request: ExecuteModelRequest) -> Any:
