@@ -49,3 +49,37 @@ def test_loading_and_draining_answer_503():
         assert status == 503, (phase, path, status)
         assert code == ("not_serving" if path == "/health" else phase), (phase, path, code)
     assert seen[-1][2] == 404
+
+
+def test_outputs_merge_prompts_in_order_and_pull_no_further_than_the_reader():
+    from pagedserve.sidecar.http_outputs import Outputs
+
+    pulled: list[tuple[int, int]] = []
+    closed: set[int] = set()
+
+    async def gen(p: int, n: int):
+        try:
+            for i in range(n):
+                pulled.append((p, i))
+                yield (p, i)
+        finally:
+            closed.add(p)
+
+    async def main():
+        outs = Outputs([gen(0, 500), gen(1, 500)])
+        await outs.prime()
+        for _ in range(100):  # let the pumps run as far as they may (a bounded loop of yields, no waiting)
+            await asyncio.sleep(0)
+        assert sorted(pulled) == [(0, 0), (0, 1), (1, 0), (1, 1)]  # Outputs.AHEAD each, then they wait
+        got = [item async for _, item in outs]
+        assert [i for p, i in got if p == 0] == list(range(500)) and [i for p, i in got if p == 1] == list(range(500))
+        assert outs.last == [(0, 499), (1, 499)]
+        await outs.aclose()
+        # A reader that leaves early: every generator is closed (the engine's aborts its request).
+        early = Outputs([gen(2, 10**6), gen(3, 10**6)])
+        await early.prime()
+        await early.__anext__()
+        await early.aclose()
+        assert {2, 3} <= closed
+
+    asyncio.run(main())
