@@ -5,6 +5,10 @@ layer), for prompts and generations that run far past the window, through chunke
 
 from __future__ import annotations
 
+import shutil
+
+import pytest
+
 from pagedserve.models import llama
 from pagedserve.runtime.llm import LLM
 from pagedserve.runtime.sampling_params import SamplingParams
@@ -13,9 +17,16 @@ PROMPTS = [[(7 * i + 3) % 500 + 1 for i in range(60)], [(5 * i + 1) % 500 + 1 fo
            [(7 * i + 3) % 500 + 1 for i in range(45)]]  # the third: a prefix of the first (a cache hit)
 
 
-def run(data_dir, groups: bool, monkeypatch):
+@pytest.fixture
+def model_dir(data_dir, tmp_path):
+    """A copy of tiny-gemma3 read by every run of a test (the same weights even if the committed copy is
+    regenerated meanwhile)."""
+    return shutil.copytree(data_dir / "tiny-gemma3", tmp_path / "tiny-gemma3")
+
+
+def run(model_dir, groups: bool, monkeypatch):
     monkeypatch.setattr(llama.LlamaForCausalLM, "reads_kv_cache_groups", groups, raising=False)
-    llm = LLM(str(data_dir / "tiny-gemma3"), enable_prefix_caching=True, block_size=8, max_num_batched_tokens=16)
+    llm = LLM(str(model_dir), enable_prefix_caching=True, block_size=8, max_num_batched_tokens=16)
     params = SamplingParams(max_tokens=40, temperature=1.0, seed=11, logprobs=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     kv = llm.engine.kv_manager
@@ -24,9 +35,9 @@ def run(data_dir, groups: bool, monkeypatch):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], kv
 
 
-def test_groups_on_and_off_give_the_same_bits(data_dir, monkeypatch):
-    off, kv_off = run(data_dir, False, monkeypatch)
-    on, kv_on = run(data_dir, True, monkeypatch)
+def test_groups_on_and_off_give_the_same_bits(model_dir, monkeypatch):
+    off, kv_off = run(model_dir, False, monkeypatch)
+    on, kv_on = run(model_dir, True, monkeypatch)
     assert kv_off.group_windows == (None,) and kv_on.group_windows == (8, None)
     # both layers share one K/V pair: the same memory holds twice the blocks (less the null block)
     assert kv_on.usage().num_blocks == 2 * kv_off.usage().num_blocks - 1
@@ -35,11 +46,11 @@ def test_groups_on_and_off_give_the_same_bits(data_dir, monkeypatch):
     assert len(set(chosen)) > 10  # the log-probabilities move step by step: the comparison has teeth
 
 
-def test_a_long_prompt_holds_only_its_window_in_the_sliding_group(data_dir, monkeypatch):
+def test_a_long_prompt_holds_only_its_window_in_the_sliding_group(model_dir, monkeypatch):
     """Between the steps of a 300-token prompt's prefill, the sliding group holds at most the blocks of its
     window and the next chunk's; the global group all of them."""
     monkeypatch.setattr(llama.LlamaForCausalLM, "reads_kv_cache_groups", True, raising=False)
-    llm = LLM(str(data_dir / "tiny-gemma3"), block_size=8, max_num_batched_tokens=32)
+    llm = LLM(str(model_dir), block_size=8, max_num_batched_tokens=32)
     engine = llm.engine
     engine.add_request("r", [(3 * i) % 500 + 1 for i in range(300)], SamplingParams(max_tokens=1))
     kv = engine.kv_manager
