@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedserve.cupy_kernels.reference import paged_attention as pa
 from pagedserve.runtime.core.kv_cache_manager import KVCacheManager, kv_cache_groups
@@ -236,3 +239,129 @@ def test_layers_of_different_groups_share_an_array_pair():
     per_layer = [pairs[t] for t in groups.layer_tensor]
     assert len(pairs) == 2 and per_layer[0] is per_layer[2] and per_layer[0] is not per_layer[1]
     assert kv_bytes_per_block(cfg, 16, 4, num_arrays=2) * 3 == kv_bytes_per_block(cfg, 16, 4)
+
+
+class SlidingKVMachine(RuleBasedStateMachine):
+    """Sequences scheduled step by step over a global and a sliding group (or a sliding group alone), against a
+    simulated KV store: each step allocates, applies the copies, writes every scheduled token into each
+    group's slot, takes back rejected drafts (speculative decoding), then releases what left the window, as
+    the scheduler does. After every step each group reads back, through its table, every position the next
+    query may see; a released entry is the null block; no block leaks."""
+
+    @initialize(block_size=st.sampled_from([1, 2, 4]), window=st.integers(1, 9), with_global=st.booleans(),
+                num_blocks=st.integers(3, 40))
+    def init(self, block_size: int, window: int, with_global: bool, num_blocks: int) -> None:
+        self.windows = (None, window) if with_global else (window,)
+        self.mgr = KVCacheManager(num_blocks, block_size, group_windows=self.windows)
+        self.bs, self.window = block_size, window
+        self.kv: dict[int, list] = {}  # block -> its slots' values (fresh blocks keep stale values)
+        self.tokens: dict[str, list[int]] = {}
+        self.scheduled: dict[str, list[int]] = {}
+        self.reject: dict[str, tuple[int, bool]] = {}  # drafts rejected after the step, and whether truncated
+        self.next_value = self.next_seq = 0
+
+    def _schedule(self, seq_id: str, num_new: int) -> bool:
+        computed = len(self.tokens.get(seq_id, []))
+        if seq_id in self.mgr:
+            self.mgr.release_outside_window(seq_id, computed)  # what allocate_slots does first
+        needed = self.mgr.num_blocks_needed(seq_id, computed, num_new)
+        free_before = self.mgr.num_free_blocks
+        if not self.mgr.allocate_slots(seq_id, computed, num_new):
+            assert needed > free_before and self.mgr.num_free_blocks == free_before
+            return False
+        assert self.mgr.num_free_blocks == free_before - needed
+        self.tokens.setdefault(seq_id, [])
+        self.scheduled[seq_id] = list(range(self.next_value, self.next_value + num_new))
+        self.next_value += num_new
+        return True
+
+    def _idle(self) -> list[str]:
+        return sorted(set(self.tokens) - set(self.scheduled))
+
+    @precondition(lambda self: len(self.tokens) < 5)
+    @rule(num_new=st.integers(0, 12))
+    def add_sequence(self, num_new: int) -> None:
+        self.next_seq += 1
+        self._schedule(f"s{self.next_seq}", num_new)
+
+    @precondition(lambda self: self._idle())
+    @rule(data=st.data(), num_new=st.integers(1, 7), drafts_rejected=st.integers(0, 3), truncate=st.booleans())
+    def append(self, data: st.DataObject, num_new: int, drafts_rejected: int, truncate: bool) -> None:
+        seq_id = data.draw(st.sampled_from(self._idle()))
+        if self._schedule(seq_id, num_new) and drafts_rejected:
+            self.reject[seq_id] = (min(drafts_rejected, num_new - 1), truncate)
+
+    @precondition(lambda self: self._idle() and len(self.tokens) < 7)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent = data.draw(st.sampled_from(self._idle()))
+        self.next_seq += 1
+        child = f"s{self.next_seq}"
+        free_before = self.mgr.num_free_blocks
+        self.mgr.fork(parent, child)
+        assert self.mgr.num_free_blocks == free_before and self.mgr.block_tables(child) == self.mgr.block_tables(parent)
+        self.tokens[child] = list(self.tokens[parent])
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.mgr.free(seq_id)
+        del self.tokens[seq_id]
+        self.scheduled.pop(seq_id, None)
+        self.reject.pop(seq_id, None)
+
+    @rule()
+    def forward(self) -> None:
+        copies = self.mgr.take_pending_copies()
+        gathered = [list(self.kv.get(src, [None] * self.bs)) for src, _ in copies]
+        for (_, dst), values in zip(copies, gathered):
+            self.kv[dst] = values
+        for seq_id, values in self.scheduled.items():
+            start = len(self.tokens[seq_id])
+            for g, table in enumerate(self.mgr.block_tables(seq_id)):
+                for pos, value in enumerate(values, start):
+                    assert table[pos // self.bs] != self.mgr.null_block, "a write into a released entry"
+                    self.kv.setdefault(table[pos // self.bs], [None] * self.bs)[pos % self.bs] = (g, value)
+            self.tokens[seq_id].extend(values)
+        for seq_id in self.scheduled:
+            rejected, truncate = self.reject.pop(seq_id, (0, False))
+            if rejected:
+                del self.tokens[seq_id][-rejected:]
+                if truncate:
+                    self.mgr.truncate(seq_id, len(self.tokens[seq_id]))
+            self.mgr.release_outside_window(seq_id, len(self.tokens[seq_id]))
+        self.scheduled.clear()
+        self.check_contents()
+
+    def check_contents(self) -> None:
+        for seq_id, tokens in self.tokens.items():
+            n = len(tokens)
+            for g, (window, table) in enumerate(zip(self.windows, self.mgr.block_tables(seq_id))):
+                first = 0 if window is None else max(0, n - window + 1)  # the next query's oldest key
+                for pos in range(first, n):
+                    block = table[pos // self.bs]
+                    assert block != self.mgr.null_block, f"{seq_id} group {g}: position {pos} released"
+                    assert self.kv[block][pos % self.bs] == (g, tokens[pos]), (seq_id, g, pos)
+                if window is not None:  # blocks wholly older than the window are released
+                    assert all(b == self.mgr.null_block for b in table[: first // self.bs])
+
+    @invariant()
+    def pool_is_consistent(self) -> None:
+        if not hasattr(self, "mgr"):
+            return
+        self.mgr.check_integrity()
+        usage = self.mgr.usage()
+        assert usage.num_used_blocks + usage.num_free_blocks == usage.num_blocks
+
+    def teardown(self) -> None:
+        if not hasattr(self, "mgr"):
+            return
+        for seq_id in list(self.tokens):
+            self.mgr.free(seq_id)
+        assert self.mgr.usage().num_used_blocks == 0 and self.mgr.take_pending_copies() == []
+        self.mgr.check_integrity()
+
+
+TestSlidingKVMachine = SlidingKVMachine.TestCase
+TestSlidingKVMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
