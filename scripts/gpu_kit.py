@@ -54,8 +54,9 @@ IMAGE_FILE = ROOT / "scripts" / "gpu_image_packages.txt"
 TRAVEL_LIMIT_BYTES = 64 * 1024 * 1024  # the device tool's limit: working tree + carried paths
 MIB = 1024 * 1024
 # What the kit itself wants on the machine besides the project's requirements: per-test timeouts
-# (the image has pytest-timeout) and `packaging` for this module. Missing ones are warnings, not failures.
-KIT_REQUIREMENTS = ["pytest-timeout>=2.1", "packaging>=21"]
+# (the image has pytest-timeout), `packaging` for this module, and nvmath-python, the second cuBLAS route
+# scripts/gpu_gemm_probe.py tries (cupy_kernels/cuda/cublas_route.py). Missing ones are warnings, not failures.
+KIT_REQUIREMENTS = ["pytest-timeout>=2.1", "packaging>=21", "nvmath-python>=1.0.1"]
 
 
 def log(msg: str) -> None:
