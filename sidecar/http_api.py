@@ -56,11 +56,11 @@ class DetokenizeRequest(BaseModel):
 class HttpApi:
     def __init__(self, get_engine: Callable[[], AsyncEngine | None], model_name: Callable[[], str],
                  serving: Callable[[], bool], max_prompt_chars: int, max_chat_messages: int,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None, slow_reader_timeout: float | None = None) -> None:
         self._get_engine, self._model_name, self._serving = get_engine, model_name, serving
         self.max_prompt_chars = max_prompt_chars
         self.inputs = Inputs(max_prompt_chars, max_chat_messages)
-        self.generation = Generation(self.inputs, model_name, metrics)
+        self.generation = Generation(self.inputs, model_name, metrics, slow_reader_timeout)
         self.server_metrics = metrics  # the registry of --metrics-port (the server makes one with --http-port)
         self.created = int(time.time())
 

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse
+import structlog
 from sse_starlette import EventSourceResponse
+from sse_starlette.sse import SendTimeoutError
 
 from pagedserve.runtime.engine.async_engine import LONG_PROMPT_CHARS, AsyncEngine
 from pagedserve.runtime.outputs import RequestOutput
@@ -34,14 +36,39 @@ from .tool_calls import plan_tools
 if TYPE_CHECKING:
     from .metrics import ServerMetrics
 
+log = structlog.get_logger("pagedserve.http")
+
 
 class ClientGone(Exception):
     """The HTTP client disconnected before its answer was ready."""
 
 
+class _EventStream(EventSourceResponse):
+    """sse-starlette's response, with a client that read nothing for send_timeout seconds logged as one line
+    (its stream ended, its requests aborted by closing the body iterator) instead of an ASGI traceback."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except Exception as e:
+            if not _only(e, SendTimeoutError):
+                raise
+            log.info("http.slow_reader", send_timeout_s=self.send_timeout, detail="stream ended, requests aborted")
+
+
+def _only(e: BaseException, kind: type) -> bool:
+    """e is a `kind`, or an exception group holding nothing else."""
+    inner = getattr(e, "exceptions", None)
+    return isinstance(e, kind) or (inner is not None and all(_only(x, kind) for x in inner))
+
+
 class Generation:
-    def __init__(self, inputs: Inputs, model_name: Callable[[], str], metrics: ServerMetrics | None) -> None:
+    def __init__(self, inputs: Inputs, model_name: Callable[[], str], metrics: ServerMetrics | None,
+                 slow_reader_timeout: float | None = None) -> None:
         self.inputs, self._model_name, self.server_metrics = inputs, model_name, metrics
+        # A stream whose client reads nothing for this long is ended and its requests aborted (gRPC's
+        # slow_reader_timeout): it would otherwise hold its running slot and blocks while it stalls.
+        self.slow_reader_timeout = slow_reader_timeout
         self._token_texts: dict[int, str] = {}
 
     async def completions(self, engine: AsyncEngine, body: CompletionRequest, request: Request):
@@ -141,8 +168,9 @@ class Generation:
             await outputs.aclose()
             self._observe(outputs, start)
             return JSONResponse(render.whole(last))
-        return EventSourceResponse(self._events(outputs, render, include_usage, lambda e: self._observe(
-            outputs, start, e)), sep="\n", headers={"Cache-Control": "no-cache"}, ping=15)
+        return _EventStream(self._events(outputs, render, include_usage, lambda e: self._observe(
+            outputs, start, e)), sep="\n", headers={"Cache-Control": "no-cache"}, ping=15,
+            send_timeout=self.slow_reader_timeout)
 
     def _observe(self, outputs: Outputs, start: float, error: BaseException | None = None) -> None:
         """Each engine request's outcome in the metrics, named as the gRPC path names them."""
