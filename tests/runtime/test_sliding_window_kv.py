@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -246,13 +246,16 @@ class SlidingKVMachine(RuleBasedStateMachine):
     simulated KV store: each step allocates, applies the copies, writes every scheduled token into each
     group's slot, takes back rejected drafts (speculative decoding), then releases what left the window, as
     the scheduler does. After every step each group reads back, through its table, every position the next
-    query may see; a released entry is the null block; no block leaks."""
+    query may see; a released entry is the null block; no block leaks. With prefix caching, a sequence's
+    tokens follow one of two streams (token = stream * 1000 + position), so new sequences hit what others
+    (live, freed or released) cached, and the blocks a hit hands over must hold what they claim."""
 
     @initialize(block_size=st.sampled_from([1, 2, 4]), window=st.integers(1, 9), with_global=st.booleans(),
-                num_blocks=st.integers(3, 40))
-    def init(self, block_size: int, window: int, with_global: bool, num_blocks: int) -> None:
+                num_blocks=st.integers(3, 40), prefix=st.booleans())
+    def init(self, block_size: int, window: int, with_global: bool, num_blocks: int, prefix: bool) -> None:
         self.windows = (None, window) if with_global else (window,)
-        self.mgr = KVCacheManager(num_blocks, block_size, group_windows=self.windows)
+        self.mgr = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix, group_windows=self.windows)
+        self.stream: dict[str, int] = {}
         self.bs, self.window = block_size, window
         self.kv: dict[int, list] = {}  # block -> its slots' values (fresh blocks keep stale values)
         self.tokens: dict[str, list[int]] = {}
@@ -271,8 +274,8 @@ class SlidingKVMachine(RuleBasedStateMachine):
             return False
         assert self.mgr.num_free_blocks == free_before - needed
         self.tokens.setdefault(seq_id, [])
-        self.scheduled[seq_id] = list(range(self.next_value, self.next_value + num_new))
-        self.next_value += num_new
+        stream = self.stream.setdefault(seq_id, self.next_seq % 2)
+        self.scheduled[seq_id] = [stream * 1000 + p for p in range(computed, computed + num_new)]
         return True
 
     def _idle(self) -> list[str]:
@@ -282,7 +285,23 @@ class SlidingKVMachine(RuleBasedStateMachine):
     @rule(num_new=st.integers(0, 12))
     def add_sequence(self, num_new: int) -> None:
         self.next_seq += 1
-        self._schedule(f"s{self.next_seq}", num_new)
+        seq_id = f"s{self.next_seq}"
+        stream = self.stream[seq_id] = self.next_seq % 2
+        prompt = [stream * 1000 + p for p in range(num_new)]
+        hit = self.mgr.find_cached_prefix(prompt)
+        if not hit:
+            self._schedule(seq_id, num_new)
+            return
+        event("prefix hit")
+        cached = len(hit) * self.bs
+        for g, blocks in enumerate(hit.group_blocks):  # what a hit hands over holds what it claims
+            window = self.windows[g]
+            first = 0 if window is None else max(0, cached - window + 1)
+            for pos in range(first, cached):
+                assert self.kv[blocks[pos // self.bs]][pos % self.bs] == (g, prompt[pos]), (g, pos)
+        if self.mgr.allocate_with_prefix(seq_id, hit, num_new - cached):
+            self.tokens[seq_id] = prompt[:cached]
+            self.scheduled[seq_id] = prompt[cached:]
 
     @precondition(lambda self: self._idle())
     @rule(data=st.data(), num_new=st.integers(1, 7), drafts_rejected=st.integers(0, 3), truncate=st.booleans())
@@ -301,6 +320,7 @@ class SlidingKVMachine(RuleBasedStateMachine):
         self.mgr.fork(parent, child)
         assert self.mgr.num_free_blocks == free_before and self.mgr.block_tables(child) == self.mgr.block_tables(parent)
         self.tokens[child] = list(self.tokens[parent])
+        self.stream[child] = self.stream[parent]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -330,6 +350,7 @@ class SlidingKVMachine(RuleBasedStateMachine):
                 del self.tokens[seq_id][-rejected:]
                 if truncate:
                     self.mgr.truncate(seq_id, len(self.tokens[seq_id]))
+            self.mgr.cache_full_blocks(seq_id, self.tokens[seq_id], len(self.tokens[seq_id]))
             self.mgr.release_outside_window(seq_id, len(self.tokens[seq_id]))
         self.scheduled.clear()
         self.check_contents()
