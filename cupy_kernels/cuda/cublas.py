@@ -77,6 +77,9 @@ GEMM_TYPES: dict[str, GemmTypes] = {
 }
 
 
+_TYPES_BY_DTYPE = {np.dtype(name): t for name, t in GEMM_TYPES.items() if name != "bfloat16"}
+
+
 def gemm_types(dtype: Any) -> GemmTypes:
     """The row of GEMM_TYPES for a dtype, or its name (bfloat16 has no numpy dtype: ml_dtypes' is named so)."""
     name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
@@ -290,6 +293,7 @@ class CublasGemm:
         # alpha = 1, beta = 0 in both scale dtypes; host memory that lives as long as the handle.
         self._scales = {np.dtype(d): (np.ones(1, d), np.zeros(1, d)) for d in (np.float32, np.float64)}
         self.calls = 0
+        self._plans: dict[tuple, GemmPlan] = {}
         self.on_close: Any = None  # what else close() releases (make_cupy_gemm: the workspace)
 
     @property
@@ -308,7 +312,7 @@ class CublasGemm:
         self.stream_ptr = stream_ptr
 
     def gemm_ptrs(self, dtype: Any, plan: GemmPlan, x_ptr: int, w_ptr: int, out_ptr: int, stream_ptr: int) -> None:
-        types = gemm_types(dtype)
+        types = _TYPES_BY_DTYPE.get(dtype) or gemm_types(dtype)
         self.set_stream(stream_ptr)
         alpha, beta = self._scales[types.scale_dtype]
         t = types.data_type
@@ -325,9 +329,15 @@ class CublasGemm:
             raise ValueError(f"cublas gemm: x is {x.dtype} and w is {w.dtype}; one dtype expected")
         if out is None:
             out = cupy.empty((x.shape[0], w.shape[1]), dtype=x.dtype)
-        item = x.itemsize
-        plan = plan_gemm(x.shape, [s // item for s in x.strides], w.shape, [s // item for s in w.strides],
-                         [s // item for s in out.strides])
+        key = (x.shape, x.strides, w.shape, w.strides, out.strides, x.dtype)
+        plan = self._plans.get(key)
+        if plan is None:  # a step's few shapes are planned once (the layers share them), not per call
+            item = x.itemsize
+            plan = plan_gemm(x.shape, [s // item for s in x.strides], w.shape, [s // item for s in w.strides],
+                             [s // item for s in out.strides])
+            if len(self._plans) > 4096:
+                self._plans.clear()
+            self._plans[key] = plan
         if x.shape[0] and w.shape[1]:
             if not x.shape[1]:
                 out.fill(0)
