@@ -60,9 +60,12 @@ class Inputs:
                 message["tool_calls"] = calls
                 if m.content is None:
                     message["content"] = None
-            for key in ("tool_call_id", "name"):
-                if getattr(m, key) is not None:
-                    message[key] = getattr(m, key)
+            for key in ("tool_call_id", "name"):  # rendered by templates: text like the content
+                value = getattr(m, key)
+                if value is not None:
+                    self.check_text(value, f"messages[{i}].{key}")
+                    total += len(value)
+                    message[key] = value
             out.append(message)
         if total > self.max_prompt_chars:  # the rendered conversation is one prompt
             raise ApiError(400, f"messages hold {total} characters in all; the limit is {self.max_prompt_chars}",
