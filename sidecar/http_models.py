@@ -138,7 +138,7 @@ class _Common(BaseModel):
         """The first field set that this server does not implement over HTTP, or None."""
         for name in self.UNSUPPORTED:
             value = (self.model_extra or {}).get(name, getattr(self, name, None))
-            if value not in (None, False, {}, []):
+            if value not in (None, False, {}, [], ["text"]):  # ["text"]: modalities asking for text only
                 return name
         return None
 
