@@ -78,8 +78,12 @@ class LLMEngine:
         self.memory_budget = check_engine_memory(config, self.model_config, self.executor.driver_worker,
                                                  self.backend, num_blocks, self.max_model_len)
         self.limits = RequestLimits(max_logprobs=config.max_logprobs)
-        self.shape = ServerShape(self.model_config.vocab_size, self.max_model_len, config.max_num_seqs, num_blocks,
-                                 self.block_size)
+        # With KV cache groups a sequence may hold a block in every group (a prompt inside the window does):
+        # requests are checked against a group's share of the pool, which is the whole pool of a model
+        # without groups (the same bytes hold num_groups times the blocks), so none can outgrow it.
+        num_groups = len(self.executor.driver_worker.kv_groups.windows)
+        self.shape = ServerShape(self.model_config.vocab_size, self.max_model_len, config.max_num_seqs,
+                                 num_blocks if num_groups == 1 else (num_blocks - 1) // num_groups, self.block_size)
         # GPU: decode CUDA graphs are captured now, against these very KV caches.
         self.executor.initialize_cache(num_blocks, self.max_model_len)
         self.kv_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching,

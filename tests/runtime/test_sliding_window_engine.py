@@ -68,3 +68,15 @@ def test_a_long_prompt_holds_only_its_window_in_the_sliding_group(model_dir, mon
 
 def null_free_len(table, kv):
     return len([b for b in table if b != kv.null_block])
+
+
+def test_requests_are_checked_against_a_groups_share_of_a_small_pool(model_dir, monkeypatch):
+    """21 blocks over two groups (one the null block): a request is checked against 10 blocks (80 tokens), so one
+    admitted alone always fits, even while its prompt lies inside the window; one that could not is refused."""
+    monkeypatch.setattr(llama.LlamaForCausalLM, "reads_kv_cache_groups", True, raising=False)
+    llm = LLM(str(model_dir), block_size=8, num_kv_blocks=21, max_num_batched_tokens=64)
+    out = llm.generate([{"prompt_token_ids": [(3 * i) % 500 + 1 for i in range(70)]}],
+                       SamplingParams(max_tokens=10, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 10
+    with pytest.raises(ValueError, match="KV blocks"):
+        llm.generate([{"prompt_token_ids": [5] * 75}], SamplingParams(max_tokens=10))
