@@ -2,7 +2,9 @@
 
 Start-up: bind the socket(s) and answer health NOT_SERVING at once; load and warm the model in a worker
 thread; then SERVING and READY=1. SIGTERM/SIGINT: NOT_SERVING, STOPPING=1, refuse new requests
-(UNAVAILABLE), give in-flight ones `drain_timeout` seconds, abort the rest, stop, exit 0.
+(gRPC UNAVAILABLE, HTTP 503), give in-flight ones of both APIs `drain_timeout` seconds, abort the rest
+(a gRPC stream ends UNAVAILABLE, an HTTP stream with OpenAI's error event, a whole HTTP answer 503), stop
+gRPC, then HTTP (uvicorn closes idle keep-alive connections), exit 0.
 """
 
 from __future__ import annotations

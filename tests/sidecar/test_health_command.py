@@ -56,6 +56,19 @@ def test_serving_is_0_not_serving_is_1_and_live_accepts_any_answer(health_server
     assert run_health(capsys, "--socket", path, "--service", "pagedserve.v1.Generation") == (0, "SERVING", "")
 
 
+def test_a_tcp_address_works_too(capsys):
+    servicer = health.HealthServicer()
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        servicer.set("", HealthStatus.SERVING)
+        assert run_health(capsys, "--socket", f"127.0.0.1:{port}") == (0, "SERVING", "")
+    finally:
+        server.stop(None)
+
+
 def test_no_server_is_2_with_a_message_naming_the_socket(tmp_path, capsys):
     path = str(tmp_path / "nobody.sock")
     code, out, err = run_health(capsys, "--socket", path)
