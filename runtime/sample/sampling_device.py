@@ -136,7 +136,7 @@ def sample_random_rows(processed: Any, params: Any, rows: list[int], u: np.ndarr
             np.array([params[b].min_p for b in rows], np.float32), u[np.asarray(rows, dtype=np.int64)],
             (top_k > 0).astype(np.int32))
     if len(rows) == processed.shape[0]:
-        tokens[...] = cuda_ops.sample_rows(processed, *args)
+        cuda_ops.sample_rows(processed, *args, out=tokens)
     else:
         rows_x = xp.asarray(np.asarray(rows, dtype=np.int64))
         tokens[rows_x] = cuda_ops.sample_rows(processed[rows_x], *args)

@@ -200,3 +200,43 @@ def test_kernel_on_gpu_matches_the_reference_and_passes_chi_square():
                                  np.random.default_rng(1).random(n)).get()
     probs = ref.kept_probabilities(row, *mode)
     assert goodness_of_fit(np.bincount(draws, minlength=vocab), probs)[2] > 1e-3
+
+
+def _sampler_xp(cp):
+    from pagedserve.runtime.engine.model_runner import _DeviceArrayModule
+
+    cp.__getattr__ = lambda name: getattr(np, name)  # the sampler's other array calls: numpy on the stand-in arrays
+    return _DeviceArrayModule(cp)
+
+
+def test_sampler_on_device_arrays_matches_the_host_path_through_the_kernel(emulated_sampling, monkeypatch):
+    """The GPU suite's sampler check (gpu_helpers: greedy, top-k, top-p, min-p, penalties, a ban, logprobs),
+    on the emulated kernel: the random rows go through one sample_rows launch, which draws the host path's
+    tokens where both walk the same order and top-p draws inside the nucleus; one read-back."""
+    import gpu_helpers
+    from pagedserve.runtime.sample import sampling_device
+
+    calls, fetches = [], []
+    real_sample, real_fetch = cuda_ops.sample_rows, sampling_device.fetch
+    monkeypatch.setattr(cuda_ops, "sample_rows", lambda *a, **k: calls.append(a[0].shape) or real_sample(*a, **k))
+    monkeypatch.setattr(sampling_device, "fetch", lambda parts, xp: fetches.append(len(parts)) or real_fetch(parts, xp))
+    params = gpu_helpers.sampler_params()
+    logits = gpu_helpers.sampler_logits(len(params), 3000, seed=11)
+    dev = gpu_helpers.run_sampler(_sampler_xp(emulated_sampling), _dev(logits), params)
+    monkeypatch.setattr(sampling_device, "fetch", real_fetch)
+    host = gpu_helpers.run_sampler(np, logits, params)
+    assert calls == [(7, 3000)] and len(fetches) == 1  # the 7 random rows in one launch; one transfer
+    gpu_helpers.check_device_tokens_against_host(dev, host, logits, params)
+
+
+def test_an_all_random_batch_writes_the_kernels_tokens_in_place(emulated_sampling):
+    from pagedserve.runtime.sample.sampler import Sampler
+    from pagedserve.runtime.sampling_params import SamplingParams
+
+    params = [SamplingParams(temperature=0.9, top_k=k, seed=s) for s, k in ((1, 5), (2, 50), (3, 1))]
+    logits = _logits(3, 700, seed=2)
+    gens = [np.random.default_rng(p.seed) for p in params]
+    out = Sampler(0)(_dev(logits), params, gens, [[]] * 3, [[]] * 3, xp=_sampler_xp(emulated_sampling))
+    host = Sampler(0)(logits, params, [np.random.default_rng(p.seed) for p in params], [[]] * 3, [[]] * 3)
+    np.testing.assert_array_equal(out.token_ids, host.token_ids)
+    assert out.token_ids[2] == logits[2].argmax()
