@@ -1,8 +1,8 @@
 """SIGTERM drains HTTP requests as it drains gRPC ones, in one window: what finishes within --drain-timeout
 ends normally, the rest ends cleanly (an SSE stream with OpenAI's error event, a whole answer with 503, a
-gRPC stream with UNAVAILABLE), an idle keep-alive connection does not hold the exit up, and the process
-exits 0. (tests/sidecar/test_http_api.py checks that streams queued at SIGTERM all finish within a long
-window and that new requests get 503.)
+gRPC stream with UNAVAILABLE), neither an idle keep-alive connection nor a client that stopped reading holds
+the exit up, and the process exits 0. (tests/sidecar/test_http_api.py checks that streams queued at SIGTERM
+all finish within a long window and that new requests get 503.)
 
 On the tiny model one sequence decodes at most ~1000 tokens/s and eight ~300 steps/s: the short streams
 (100 tokens) end well inside the 1.5 s window, and the long ones (2000 tokens) cannot finish in it."""
@@ -31,6 +31,32 @@ def http_address(srv: ServerProcess) -> str:
         if '"server.listening"' in line:
             return next(a for a in json.loads(line)["addresses"] if a.startswith("http://"))
     raise AssertionError(f"no server.listening line:\n{srv.log()}")
+
+
+def stalled_stream(host: str, port: int) -> socket.socket:
+    """A long stream (logprobs make its events large) asked for on a socket with a tiny receive buffer, then
+    never read: the server's writes back up, and the drain must not wait on them for ever."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    s.settimeout(30)
+    s.connect((host, port))
+    body = json.dumps({"prompt": [8, 8, 8], "max_tokens": LONG, "ignore_eos": True, "stream": True,
+                       "logprobs": 5}).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    return s
+
+
+def read_to_end(s: socket.socket, limit: int = 64 << 20) -> bytes:
+    """Everything until the peer closes (bounded: a stream of LONG tokens is far below `limit`)."""
+    data = b""
+    while len(data) < limit:
+        got = s.recv(1 << 16)
+        if not got:
+            break
+        data += got
+    s.close()
+    return data
 
 
 @pytest.mark.slow
@@ -84,6 +110,7 @@ def test_sigterm_finishes_or_cleanly_ends_http_and_grpc_streams_then_exits_zero(
         with openai.OpenAI(base_url=srv.http + "/v1", api_key="none", max_retries=0, timeout=120) as oai:
             model = oai.models.list().data[0].id  # leaves a keep-alive connection in the client's pool
             idle = socket.create_connection((host, int(port)), timeout=30)  # connected, never sends a byte
+            stalled = stalled_stream(host, int(port))  # a stream whose client stopped reading
             # A whole answer sends nothing before it ends: start it first, alone, and see it run in the stats.
             threads = [threading.Thread(target=http_whole, args=("http-whole-long", oai))]
             threads[0].start()
@@ -112,6 +139,7 @@ def test_sigterm_finishes_or_cleanly_ends_http_and_grpc_streams_then_exits_zero(
             exit_s = time.monotonic() - t_term
             assert idle.recv(1) == b""  # the server closed the idle connection on its way out
             idle.close()
+            assert read_to_end(stalled).startswith(b"HTTP/1.1 200")  # it got its headers, then the server left
     finally:
         srv.stop()
     assert code == 0, srv.log()
@@ -129,4 +157,4 @@ def test_sigterm_finishes_or_cleanly_ends_http_and_grpc_streams_then_exits_zero(
     # Aborted at the window's end; the rest of the shutdown (gRPC grace, uvicorn) takes seconds at most.
     assert DRAIN_S - 0.5 < exit_s < DRAIN_S + 10, exit_s
     stopped = [json.loads(line) for line in srv.log().splitlines() if '"server.stopped"' in line]
-    assert len(stopped) == 1 and stopped[0]["aborted"] == 4, stopped
+    assert len(stopped) == 1 and stopped[0]["aborted"] == 5, stopped  # the four long ones and the stalled one
