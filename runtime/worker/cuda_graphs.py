@@ -175,9 +175,10 @@ class CupyGraphCapturer:
 
 
 def build_decode_graphs(config: EngineConfig, model: Any, kv_caches: list[tuple[Any, Any]], max_model_len: int,
-                        capturer: GraphCapturer | None = None) -> DecodeGraphs | None:
+                        capturer: GraphCapturer | None = None, layer_group: Sequence[int] = ()) -> DecodeGraphs | None:
     """Capture the decode graphs for an engine; None on the CPU, when turned off, or when capture
-    failed (logged; the engine then runs every step eagerly)."""
+    failed (logged; the engine then runs every step eagerly). `layer_group`: each layer's KV cache group, when
+    the model reads several (their tables go up with each replay)."""
     if not config.enable_cuda_graphs or not model.backend.is_gpu:
         return None
     if getattr(model, "check_activations", False):  # its checks read back to the host: not capturable
@@ -191,5 +192,6 @@ def build_decode_graphs(config: EngineConfig, model: Any, kv_caches: list[tuple[
                         traceback=traceback.format_exc(limit=8), fallback="eager")
             return None
     block_size = int(kv_caches[0][0].shape[1])
-    graphs = DecodeGraphs(model, kv_caches, resolve_batch_sizes(config), -(-max_model_len // block_size), capturer)
+    graphs = DecodeGraphs(model, kv_caches, resolve_batch_sizes(config), -(-max_model_len // block_size), capturer,
+                          tuple(layer_group))
     return graphs if graphs.capture_all() else None

@@ -25,6 +25,10 @@ Capture itself (a private stream, the graphs' memory arena, pinned uploads) is b
 cuda_graphs.CupyGraphCapturer on a GPU, a fake in the unit tests. cuda_graphs.py also says what capture needs
 and how it is met.
 
+KV cache groups (a model with sliding-window layers, runtime/core/kv_cache_manager.py): the tables and slots of
+every group after the first go up too, into static buffers of their own (padding rows: slot -1, block 0), and
+the captured batch's layers read their group's views of them (ForwardBatch.kv_tables).
+
 Failure policy: a capture error (any exception while warming up, capturing, or in the first test
 launch) is logged as `cuda_graphs.capture_failed` with the batch size and the error, every graph is
 dropped, and decode steps run eagerly. A failure of a later replay is raised, not hidden.
@@ -35,7 +39,7 @@ from __future__ import annotations
 import bisect
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
@@ -150,6 +154,22 @@ def pack_decode_batch(batch: ForwardBatch | None, size: int,
     return i64, i32, layout
 
 
+def pack_decode_groups(batch: ForwardBatch | None, size: int, max_blocks: int,
+                       num_extra: int) -> tuple[np.ndarray, np.ndarray]:
+    """The slots [num_extra * size] int64 and block tables [num_extra * size * max_blocks] int32 of the KV
+    cache groups after the first, padded like pack_decode_batch (slot -1, block 0)."""
+    slots = np.full((num_extra, size), -1, dtype=np.int64)
+    tables = np.zeros((num_extra, size, max_blocks), dtype=np.int32)
+    if batch is not None:
+        b = batch.num_seqs
+        for g in range(num_extra):
+            slots[g, :b] = batch.group_slot_mappings[g]
+            src = np.asarray(batch.group_block_tables[g])
+            width = min(max_blocks, src.shape[1])
+            tables[g, :b, :width] = src[:, :width]
+    return slots.reshape(-1), tables.reshape(-1)
+
+
 class GraphCapturer(Protocol):
     """The CUDA side of capturing (cuda_graphs.CupyGraphCapturer), kept behind a small interface so
     DecodeGraphs runs on numpy in the unit tests (with a fake that records the function and "replays" it by
@@ -189,6 +209,7 @@ class DecodeGraphs:
     sizes: tuple[int, ...]
     max_blocks: int  # widest block table: ceil(max_model_len / block_size)
     capturer: GraphCapturer
+    layer_group: tuple[int, ...] = ()  # each layer's KV cache group (empty: one group)
     captured: dict[tuple[int, int], _Captured] = field(default_factory=dict)
     num_replays: int = 0
     disabled_reason: str | None = None
@@ -208,6 +229,10 @@ class DecodeGraphs:
         largest = PackedLayout(self.sizes[-1], self.sizes[-1], self.sizes[-1], self.max_blocks)
         self.static_i64 = xp.zeros(largest.i64_size, dtype=np.int64)
         self.static_i32 = xp.zeros(largest.i32_size, dtype=np.int32)
+        self.layer_group = tuple(self.layer_group)
+        self.num_extra = max(self.layer_group, default=0)  # KV cache groups after the first
+        self.static_slots = xp.zeros(max(1, self.num_extra * self.sizes[-1]), dtype=np.int64)
+        self.static_tables = xp.zeros(max(1, self.num_extra * self.sizes[-1] * self.max_blocks), dtype=np.int32)
 
     @property
     def enabled(self) -> bool:
@@ -216,16 +241,31 @@ class DecodeGraphs:
     def _step(self, size: int, width: int) -> _Captured:
         layout = PackedLayout(size, size, size, width)
         i64, i32 = self.static_i64[: layout.i64_size], self.static_i32[: layout.i32_size]
-        return _Captured(size, width, unpack_batch(i64, i32, layout))
+        batch = unpack_batch(i64, i32, layout)
+        if self.num_extra:
+            n = self.num_extra
+            slots = self.static_slots[: n * size].reshape(n, size)
+            tables = self.static_tables[: n * size * width].reshape(n, size, width)
+            batch = replace(batch, group_slot_mappings=tuple(slots[g] for g in range(n)),
+                            group_block_tables=tuple(tables[g] for g in range(n)), layer_group=self.layer_group)
+        return _Captured(size, width, batch)
 
-    def _padding(self, size: int, width: int) -> tuple[Any, Any, np.ndarray, np.ndarray]:
-        """(static i64 view, static i32 view, host i64, host i32) of a graph's padding-only batch."""
-        host_i64, host_i32, _ = pack_decode_batch(None, size, width)
-        return self.static_i64[: host_i64.size], self.static_i32[: host_i32.size], host_i64, host_i32
+    def _padding(self, size: int, width: int) -> list[tuple[Any, np.ndarray]]:
+        """(static view, host array) pairs of a graph's padding-only batch."""
+        return self._copies(None, size, width)
 
-    def _upload(self, i64: Any, i32: Any, host_i64: np.ndarray, host_i32: np.ndarray) -> None:
-        self.capturer.upload([(i64, host_i64), (i32, host_i32)])
-        self.upload_bytes = host_i64.nbytes + host_i32.nbytes
+    def _copies(self, batch: ForwardBatch | None, size: int, width: int) -> list[tuple[Any, np.ndarray]]:
+        """(static view, host array) pairs of `batch` (None: padding only) packed for a graph of (size, width)."""
+        host_i64, host_i32, _ = pack_decode_batch(batch, size, width)
+        copies = [(self.static_i64[: host_i64.size], host_i64), (self.static_i32[: host_i32.size], host_i32)]
+        if self.num_extra:
+            slots, tables = pack_decode_groups(batch, size, width, self.num_extra)
+            copies += [(self.static_slots[: slots.size], slots), (self.static_tables[: tables.size], tables)]
+        return copies
+
+    def _upload(self, copies: list[tuple[Any, np.ndarray]]) -> None:
+        self.capturer.upload(copies)
+        self.upload_bytes = sum(src.nbytes for _, src in copies)
 
     def capture_all(self) -> bool:
         """Warm up every (size, width), largest first; reserve the graph memory they measured; capture
@@ -240,7 +280,7 @@ class DecodeGraphs:
                 try:
                     # The static buffers hold this graph's padding rows whenever it runs here (they are
                     # shared: another graph's layout would put real slot ids where this one reads).
-                    self._upload(*self._padding(size, width))
+                    self._upload(self._padding(size, width))
                     fn = self._forward_fn(step)
                     if phase == "warmup":
                         self.capturer.warmup(fn)
@@ -294,9 +334,14 @@ class DecodeGraphs:
         if size is None or width is None:
             return None
         check_batch(batch, self.block_size, self.num_blocks, self.vocab_size)
+        if len(batch.group_block_tables) != self.num_extra:
+            raise ValueError(f"a decode batch of {1 + len(batch.group_block_tables)} KV cache groups for graphs "
+                             f"captured with {1 + self.num_extra}")
+        for tables, slots in zip(batch.group_block_tables, batch.group_slot_mappings):
+            check_batch(replace(batch, block_tables=tables, slot_mapping=slots, group_block_tables=(),
+                                group_slot_mappings=()), self.block_size, self.num_blocks)
         step = self.captured[(size, width)]
-        host_i64, host_i32, _ = pack_decode_batch(batch, size, width)
-        self._upload(self.static_i64[: host_i64.size], self.static_i32[: host_i32.size], host_i64, host_i32)
+        self._upload(self._copies(batch, size, width))
         self.capturer.launch(step.graph)
         self.num_replays += 1
         return self.logits[: batch.num_seqs]

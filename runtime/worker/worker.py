@@ -132,8 +132,9 @@ class Worker:
         grouped = len(self.kv_groups.windows) > 1
         if grouped:
             log.info("engine.kv_groups", rank=self.rank, windows=list(self.kv_groups.windows),
-                     array_pairs=self.kv_groups.num_tensors, decode_graphs="off: one table per static batch")
-        self.graphs = None if grouped else build_decode_graphs(self.config, self.model, self.kv_caches, max_model_len)
+                     array_pairs=self.kv_groups.num_tensors)
+        self.graphs = build_decode_graphs(self.config, self.model, self.kv_caches, max_model_len,
+                                          layer_group=self.kv_groups.layer_group if grouped else ())
 
     def execute_model(self, request: ExecuteModelRequest) -> Any:
         """Block copies, then one forward; float32 logits of the batch's logits rows on rank 0, None elsewhere."""
