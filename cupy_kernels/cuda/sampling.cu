@@ -68,7 +68,9 @@ __global__ void argmax_rows_kernel(long long* __restrict__ out, const T* __restr
 // Every selection is a threshold found by a k-ary search (SP pivots per pass over the row, so a 32-bit
 // key range takes 8 passes and an index range of 128k takes 5), in the spirit of the pivot-based top-k /
 // top-p of Qrita (arXiv 2602.01518); each pass's per-pivot counts or masses are reduced in a fixed order,
-// so a row's result depends on nothing but the row. With y = logits / temperature, key = y's float32 bits
+// so a row's result depends on nothing but the row. Once a top-k set of at most PS_CANDIDATES tokens is
+// known it is gathered into shared memory (in an order fixed by a block scan), and every later pass (top-p,
+// min-p, the draw) reads those instead of the row. With y = logits / temperature, key = y's float32 bits
 // made order-preserving as int32, w = exp(y - max y):
 //   top-k (0 < k < V): t_k = the largest key with count(key >= t_k) >= k; every key > t_k is kept, and of the
 //     keys == t_k the lowest token ids, up to k in all (i_tie: the last one kept);
@@ -83,6 +85,7 @@ __global__ void argmax_rows_kernel(long long* __restrict__ out, const T* __restr
 //     id, c = floor((u * W - the kept mass above t*) / w(t*)) + 1.
 #define PS_SP 16  // pivots per pass
 #define PS_SAMPLE_THREADS 512  // the most threads a launch uses (the launcher's choice; registers allow no more)
+#define PS_CANDIDATES 2048  // a top-k set of at most this many tokens moves to shared memory (PS_CAND_MAX in ops)
 
 __device__ __forceinline__ int ps_float_bits(float f) {
 #if defined(__CUDACC__)
@@ -144,6 +147,10 @@ struct PsRow {
     int key_p;    // top-p threshold key (the lowest key when off)
     float min_p;  // 0 when off
     int key_tie;  // PS_KEPT_TIES_UPTO counts the kept tokens with this key
+    // The top-k set gathered into shared memory (num_cand > 0): every later pass reads these, not the row.
+    const float* cand_y;
+    const int* cand_id;
+    int num_cand;
 };
 
 template <typename T>
@@ -161,13 +168,28 @@ __device__ __forceinline__ float ps_key_value(int key) {  // the float a key was
     return __int_as_float(key < 0 ? key ^ 0x7fffffff : key);
 }
 
+// Element e of what the passes read: the row (token e), or the gathered top-k set (candidate e).
+template <typename T>
+__device__ __forceinline__ void ps_element(const T* x, const PsRow& r, int e, float& y, int& i) {
+    if (r.num_cand) {
+        y = r.cand_y[e];
+        i = r.cand_id[e];
+    } else {
+        y = ps_y(x, e, r.temperature);
+        i = e;
+    }
+}
+
 template <typename T, int M>
 __device__ void ps_measure(const T* x, const PsRow& r, const long long (&piv)[PS_SP], float* scratch, float* out) {
     float acc[PS_SP];
 #pragma unroll
     for (int j = 0; j < PS_SP; ++j) acc[j] = 0.0f;
-    for (int i = threadIdx.x; i < r.vocab; i += blockDim.x) {
-        const float y = ps_y(x, i, r.temperature);
+    const int n = r.num_cand ? r.num_cand : r.vocab;
+    for (int e = threadIdx.x; e < n; e += blockDim.x) {
+        float y;
+        int i;
+        ps_element(x, r, e, y, i);
         const int key = ps_sort_key(y);
         if (M == PS_COUNT_GE_KEY) {
 #pragma unroll
@@ -236,6 +258,9 @@ __global__ void __launch_bounds__(PS_SAMPLE_THREADS) sample_rows_kernel(long lon
     __shared__ float totals[PS_SP];
     __shared__ float red_v[32];
     __shared__ int red_k[32];
+    __shared__ float cand_y[PS_CANDIDATES];
+    __shared__ int cand_id[PS_CANDIDATES];
+    __shared__ int scan[PS_SAMPLE_THREADS];
     const int row = blockIdx.x;
     const T* x = logits + (long long)row * stride;
     const int lane = threadIdx.x & 31;
@@ -276,9 +301,13 @@ __global__ void __launch_bounds__(PS_SAMPLE_THREADS) sample_rows_kernel(long lon
     const int kmax = ps_sort_key(m);
     r.key_k = kmin;
     r.i_tie = vocab - 1;
-    r.key_p = kmin;
+    r.key_p = kmin;  // (a key below every kept one when top-p is off)
     r.min_p = min_p[row] > 0.0f ? min_p[row] : 0.0f;
     r.key_tie = kmin;
+    r.cand_y = cand_y;
+    r.cand_id = cand_id;
+    r.num_cand = 0;
+    int klo = kmin;  // the lowest key a later search needs: the top-k threshold once there is one
 
     // top-k
     const int k = top_k[row];
@@ -304,6 +333,37 @@ __global__ void __launch_bounds__(PS_SAMPLE_THREADS) sample_rows_kernel(long lon
                                                             [room](float c) { return c < room; }, scratch,
                                                             totals) + 1;
         }
+        klo = r.key_k;
+        if (k <= PS_CANDIDATES) {
+            // Gather the top-k set (exactly k tokens) into shared memory, each thread's in token order after the
+            // threads before it (a block scan of the counts), so the order, and every sum after, is fixed.
+            int mine = 0;
+            for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+                mine += ps_in_top_k(r, ps_sort_key(ps_y(x, i, r.temperature)), i) ? 1 : 0;
+            }
+            scan[threadIdx.x] = mine;
+            __syncthreads();
+            for (int offset = 1; offset < (int)blockDim.x; offset <<= 1) {
+                const int add = (int)threadIdx.x >= offset ? scan[threadIdx.x - offset] : 0;
+                __syncthreads();
+                scan[threadIdx.x] += add;
+                __syncthreads();
+            }
+            int at = scan[threadIdx.x] - mine;
+            for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+                const float y = ps_y(x, i, r.temperature);
+                if (ps_in_top_k(r, ps_sort_key(y), i)) {
+                    cand_y[at] = y;
+                    cand_id[at] = i;
+                    ++at;
+                }
+            }
+            const int n = scan[blockDim.x - 1];
+            __syncthreads();
+            r.num_cand = n;  // every candidate is in the top-k set: the test below must pass them all
+            r.key_k = (int)0x80000000;
+            r.i_tie = 0x7fffffff;
+        }
     }
 
     // top-p over the top-k set
@@ -315,19 +375,19 @@ __global__ void __launch_bounds__(PS_SAMPLE_THREADS) sample_rows_kernel(long lon
         ps_measure<T, PS_MASS_BELOW_KEY>(x, r, piv, scratch, totals);
         const float budget = (1.0f - p) * totals[0];
         __syncthreads();
-        r.key_p = (int)ps_search<T, PS_MASS_BELOW_KEY>(x, r, kmin, kmax, [budget](float s) { return s <= budget; },
+        r.key_p = (int)ps_search<T, PS_MASS_BELOW_KEY>(x, r, klo, kmax, [budget](float s) { return s <= budget; },
                                                        scratch, totals);
     }
 
     long long piv[PS_SP];
     if (by_value[row]) {  // the draw in value order (see the top)
 #pragma unroll
-        for (int j = 0; j < PS_SP; ++j) piv[j] = kmin;
+        for (int j = 0; j < PS_SP; ++j) piv[j] = klo;
         ps_measure<T, PS_KEPT_MASS_GE_KEY>(x, r, piv, scratch, totals);
         const double target = uniforms[row] * (double)totals[0];
         __syncthreads();
         const long long level = ps_search<T, PS_KEPT_MASS_GE_KEY>(
-            x, r, kmin, kmax, [target](float s) { return (double)s > target; }, scratch, totals);
+            x, r, klo, kmax, [target](float s) { return (double)s > target; }, scratch, totals);
 #pragma unroll
         for (int j = 0; j < PS_SP; ++j) piv[j] = level + 1;
         ps_measure<T, PS_KEPT_MASS_GE_KEY>(x, r, piv, scratch, totals);
@@ -360,8 +420,11 @@ __global__ void __launch_bounds__(PS_SAMPLE_THREADS) sample_rows_kernel(long lon
                                                  totals) + 1;
     if (token >= vocab) {  // rounding put u * W at W: the last kept token with weight
         int last = -1;
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-            const float y = ps_y(x, i, r.temperature);
+        const int n = r.num_cand ? r.num_cand : vocab;
+        for (int e = threadIdx.x; e < n; e += blockDim.x) {
+            float y;
+            int i;
+            ps_element(x, r, e, y, i);
             const int key = ps_sort_key(y);
             const float w = expf(y - r.row_max);
             if (ps_in_top_k(r, key, i) && key >= r.key_p && w >= r.min_p && w > 0.0f) last = i;
