@@ -8,12 +8,15 @@ import json
 import os
 import sys
 
-from .settings import DEFAULT_SOCKET, add_settings_arguments, load_settings
+# Not .settings here (it loads the engine's config, numpy and more): `pagedserve health`, run by every probe,
+# imports what one health check needs and no more.
+from .client_requests import DEFAULT_SOCKET
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from .logging_setup import configure_logging
     from .server import run_server
+    from .settings import load_settings
 
     settings = load_settings(args)
     configure_logging(level=settings.log_level)
@@ -160,6 +163,8 @@ def _add_text_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    from .settings import add_settings_arguments
+
     s = sub.add_parser("serve", help="run the gRPC sidecar (unix socket by default; --http-port adds the OpenAI API)")
     add_settings_arguments(s)
     s.set_defaults(func=_cmd_serve)
@@ -174,6 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("stats", help="model info and live stats of a running server")
     st.add_argument("--socket", default=None)
     st.set_defaults(func=_cmd_stats)
+    _add_health_parser(sub)
+    from .bench_cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def _add_health_parser(sub) -> None:
     h = sub.add_parser("health", help="exit 0 if a running server is SERVING (for exec probes), else 1 or 2",
                        description=_cmd_health.__doc__)
     h.add_argument("--socket", default=None,
@@ -183,17 +196,19 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--live", action="store_true",
                    help="liveness: exit 0 on any answer, NOT_SERVING (loading, draining) included")
     h.set_defaults(func=_cmd_health)
-    from .bench_cli import add_bench_parser
-
-    add_bench_parser(sub)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from .client import PagedServeError
     from .logging_setup import configure_logging
 
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["health"]:  # a probe: only the parser it needs (the full one imports the engine's config)
+        parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+        _add_health_parser(parser.add_subparsers(dest="command", required=True))
+    else:
+        parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command != "serve":
         configure_logging(level="warning", stream=sys.stderr)
     try:

@@ -111,3 +111,13 @@ def test_against_a_real_server_before_and_after_it_stops(tmp_path):
     done = subprocess.run([*cmd, "--socket", srv.socket], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stdout == "", done
     assert f"unix:{srv.socket} did not answer" in done.stderr, done.stderr
+
+
+def test_a_probe_loads_neither_the_engine_nor_numpy(tmp_path):
+    """Kubernetes runs the command every few seconds beside the server: it imports what one check needs."""
+    code = ("import sys\nfrom pagedserve.sidecar.cli import main\n"
+            f"assert main(['health', '--socket', {str(tmp_path / 'x.sock')!r}]) == 2\n"
+            "heavy = ('numpy', 'pagedserve.runtime', 'pagedserve.sidecar.settings')\n"
+            "print(sorted(m for m in heavy if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr)
