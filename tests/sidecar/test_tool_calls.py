@@ -1,11 +1,14 @@
-"""Tool calling (sidecar/tool_calls.py): the plan's validation, the parser on crafted replies (whole and streamed in
-any split), the grammar through the structured-output compiler, and the embedded SmolLM2 under "required" and a
-named function, whose calls parse and validate against their schemas."""
+"""Tool calling (sidecar/tool_calls.py, tool_grammar.py, tool_parser.py): the plan's validation (off the chat
+endpoint's event loop), the parser on crafted replies (whole and streamed in any split), the grammar through the
+structured-output compiler, and the embedded SmolLM2 under "required" and a named function, whose calls parse and
+validate against their schemas."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -87,6 +90,38 @@ def test_a_grammar_over_the_size_limit_is_refused_naming_tools() -> None:
     many = [fn(name=f"f{i}", parameters=big) for i in range(2)]
     with pytest.raises(ValueError, match=r"^tools \(the tool-call grammar\) is \d+ characters; the limit"):
         plan_tools(many, "required")
+
+
+def test_the_chat_endpoint_plans_tools_off_the_event_loop(monkeypatch) -> None:
+    # Compiling 128 new tools takes ~0.25 s: the endpoint plans a request with tools in a worker thread (one
+    # without tools on the loop), and plan_tools' ValueError still answers 400 naming the field.
+    from pagedserve.sidecar import http_generate
+    from pagedserve.sidecar.http_models import ApiError, ChatCompletionRequest
+
+    threads: list[int] = []
+
+    def spy(*args):
+        threads.append(threading.get_ident())
+        return plan_tools(*args)
+
+    monkeypatch.setattr(http_generate, "plan_tools", spy)
+    generation = http_generate.Generation(None, lambda: "m", None)
+    hi = [{"role": "user", "content": "hi"}]
+    bodies = [ChatCompletionRequest(messages=hi, tools=[{"type": "function", "function": {"name": "a b"}}]),
+              ChatCompletionRequest(messages=hi, tool_choice="required")]
+
+    async def main() -> tuple[int, list[ApiError]]:
+        errors = []
+        for body in bodies:
+            with pytest.raises(ApiError) as e:
+                await generation.chat_completions(None, body, None)
+            errors.append(e.value)
+        return threading.get_ident(), errors
+
+    loop_thread, (bad_tool, no_tools) = asyncio.run(main())
+    assert len(threads) == 2 and threads[0] != loop_thread and threads[1] == loop_thread
+    assert (bad_tool.status, bad_tool.param) == (400, "tools[0].function.name"), bad_tool.message
+    assert (no_tools.status, no_tools.param) == (400, "tool_choice"), no_tools.message
 
 
 # -- the plan: the four modes ----------------------------------------------------------------------------------
