@@ -18,7 +18,7 @@ transformers users give such models, the Hermes/Qwen format, written into plain 
     assistant  <content>\n<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>   (tool_calls)
     user       <tool_response>\n<result>\n</tool_response>                              (tool turns)
 
-so every family gets tools (sidecar/tool_calls.py parses that format out of the reply).
+so every family gets tools (sidecar/tool_parser.py parses that format out of the reply).
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def _prepare_message(message: Mapping[str, Any]) -> dict[str, Any]:
     return prepared
 
 
-# The fallback's instructions: the Hermes/Qwen2.5 tool format, which sidecar/tool_calls.py parses.
+# The fallback's instructions: the Hermes/Qwen2.5 tool format, which sidecar/tool_parser.py parses.
 TOOLS_PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to help with the user's request.\n\n"
     "The functions you can call are listed as JSON signatures within <tools></tools> XML tags:\n<tools>"
