@@ -1,10 +1,13 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache, written against the op layer.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Phi-3) over a paged KV cache, written against the op layer.
 
-The registry (models/registry.py) names this class for those three families and holds their shape table.
+The registry (models/registry.py) names this class for those families and holds their shape table. Qwen2
+only adds q/k/v bias; Phi-3's fused qkv_proj / gate_up_proj are split at load (hf_loader) and its LongRoPE
+lives in rope.py; Mistral is Llama without sliding window here. Weights arrive with Hugging Face names; at
+construction q/k/v are fused into one matrix and gate/up into another, so each layer does four matmuls.
 
-One class serves all three: Qwen2 only adds q/k/v bias, Mistral is Llama without sliding window here.
-Weights arrive with Hugging Face names; at construction q/k/v are fused into one matrix and gate/up into
-another, so each layer does four matmuls.
+Other families subclass it and override the step they change (models/qwen3.py: q/k norms before rotary;
+models/gemma3.py: four norms a layer, GELU, sliding windows): `_layer` (one layer's weights), `_query`
+(qkv -> rotated query, key and value cached), `_attention`, `_mlp`, `_embed`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from .config import ModelConfig
 from .device_batch import to_device
 from .loading.gguf_loader import quant_weight
 from .registry import check_weights, expected_shapes  # the shape table lives in the registry (re-exported here)
-from .rope import rope_inv_freq
+from .rope import RotaryEmbedding
 from .tensor_parallel import TPShard
 from .loading.weights_check import check_float16_range
 
@@ -78,32 +81,35 @@ class LlamaForCausalLM:
                 self.lm_head = self.embed_tokens.T
         else:
             self.lm_head = put_t(weights["lm_head.weight"])
-        self.layers: list[LayerWeights] = []
-        for n in range(config.num_hidden_layers):
-            p = f"model.layers.{n}."
-            a = p + "self_attn."
-            bias = None
-            if config.attention_bias:
-                bias = put(np.concatenate([weights[a + f"{x}_proj.bias"] for x in "qkv"]))
-            self.layers.append(LayerWeights(
-                input_norm=put(weights[p + "input_layernorm.weight"]),
-                qkv=put_t(*(weights[a + f"{x}_proj.weight"] for x in "qkv")),
-                qkv_bias=bias,
-                o_proj=put_t(weights[a + "o_proj.weight"]),
-                post_norm=put(weights[p + "post_attention_layernorm.weight"]),
-                gate_up=put_t(weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]),
-                down=put_t(weights[p + "mlp.down_proj.weight"]),
-            ))
+        self.layers: list[LayerWeights] = [self._layer(n, weights) for n in range(config.num_hidden_layers)]
         self.lm_head_q = None
         if self.backend.ops.name == "numba" and not shard.is_sharded:
             self._attach_quant(weights)
-        self.inv_freq = rope_inv_freq(config, weights.get("rope_freqs"))
-        if self.backend.is_gpu:  # float64 on the device: cos/sin are computed there from device positions
-            self.inv_freq = self.backend.asarray(self.inv_freq)
+        self.rope = RotaryEmbedding(config, self.backend, weights.get("rope_freqs"))
         self.scale = config.head_dim ** -0.5
+        self.windows = [config.layer_window(n) for n in range(config.num_hidden_layers)]
+        check_sliding_window(self.backend, self.windows)
         # Debug mode (models/activation_check.py): inf/NaN in the residual stream raises, per checkpoint.
         self.check_activations = activation_check.enabled_by_env()
         self.activation_peaks: dict[str, float] = {}
+
+    def _layer(self, n: int, weights: dict[str, np.ndarray]) -> LayerWeights:
+        """Layer n's weights as the backend holds them (matmuls fused: qkv, gate_up)."""
+        put, put_t = self._put, self._put_t
+        p = f"model.layers.{n}."
+        a = p + "self_attn."
+        bias = None
+        if self.config.attention_bias:
+            bias = put(np.concatenate([weights[a + f"{x}_proj.bias"] for x in "qkv"]))
+        return LayerWeights(
+            input_norm=put(weights[p + "input_layernorm.weight"]),
+            qkv=put_t(*(weights[a + f"{x}_proj.weight"] for x in "qkv")),
+            qkv_bias=bias,
+            o_proj=put_t(weights[a + "o_proj.weight"]),
+            post_norm=put(weights[p + "post_attention_layernorm.weight"]),
+            gate_up=put_t(weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]),
+            down=put_t(weights[p + "mlp.down_proj.weight"]),
+        )
 
     def _attach_quant(self, weights: dict[str, np.ndarray]) -> None:
         """Keep the GGUF blocks of each matmul weight that has them (gguf_loader.quant_weight) beside the
@@ -181,42 +187,86 @@ class LlamaForCausalLM:
         full = self.comm.gather(logits, axis=-1)
         return None if full is None else full[:, : self.config.vocab_size]
 
-    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[Any, Any]]) -> Any:
-        """Run one step; returns float32 logits [len(batch.logits_indices), vocab] (None on ranks > 0)."""
+    def _query(self, layer: LayerWeights, qkv: Any, cos: Any, sin: Any, k_cache: Any, v_cache: Any,
+               slot_mapping: Any) -> Any:
+        """qkv [T, (H + 2 KV) D] -> the rotated query [T, H, D]; the rotated key and the value go to the cache."""
+        return self.backend.ops.rotary_and_cache(qkv, self.num_heads, self.num_kv_heads, cos, sin, k_cache, v_cache,
+                                                 slot_mapping)
+
+    def _attention(self, n: int, layer: LayerWeights, x: Any, cos_sin: tuple[Any, Any], kv: tuple[Any, Any],
+                   batch: ForwardBatch, plans: dict[int, Any]) -> Any:
+        """Layer n's attention block on its normed input x: qkv, rotary and cache, paged attention (through the
+        block tables of the layer's KV cache group, with its window), o_proj (all-reduced over the ranks)."""
+        ops = self.backend.ops
+        k_cache, v_cache = kv
+        block_tables, slot_mapping = batch.kv_tables(n)
+        qkv = ops.linear(x, layer.qkv, layer.qkv_bias, quant=layer.qkv_q)
+        q = self._query(layer, qkv, *cos_sin, k_cache, v_cache, slot_mapping)
+        window = {} if self.windows[n] is None else {"sliding_window": self.windows[n]}
+        attn = ops.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, block_tables,
+                                   self.scale, plan=plans[batch.group_of(n)], **window)
+        return self.comm.all_reduce(ops.linear(attn.reshape(batch.num_tokens, self.q_size), layer.o_proj,
+                                               quant=layer.o_proj_q))
+
+    def _mlp(self, layer: LayerWeights, x: Any) -> Any:
+        """The gated MLP: down(silu(gate x) * up x), all-reduced (down is row-parallel)."""
+        ops = self.backend.ops
+        up = ops.silu_and_mul(ops.linear(x, layer.gate_up, quant=layer.gate_up_q))
+        return self.comm.all_reduce(ops.linear(up, layer.down, quant=layer.down_q))
+
+    def _prepare(self, batch: ForwardBatch, kv_caches: list[tuple[Any, Any]]) -> tuple[ForwardBatch, dict[int, Any]]:
+        """The step's batch on the device (checked and uploaded once) and the attention plan of each KV cache
+        group's block tables (once a step, not once a layer)."""
         cfg, ops = self.config, self.backend.ops
         if len(kv_caches) != cfg.num_hidden_layers:
             raise ValueError(f"expected {cfg.num_hidden_layers} KV cache layers, got {len(kv_caches)}")
-        # GPU: the step's metadata is checked and uploaded here, once (numpy: the batch as it is).
         k0 = kv_caches[0][0]
         batch = to_device(batch, self.backend, int(k0.shape[1]), int(k0.shape[0]), cfg.vocab_size)
-        t = batch.num_tokens
-        cos, sin = ops.rope_cos_sin(self.inv_freq, batch.positions)
-        plan = ops.plan_attention((t, self.num_heads, cfg.head_dim), tuple(k0.shape), batch.query_start_loc,
-                                  batch.seq_lens, batch.block_tables)  # once a step, not once a layer
+        plans = {}
+        for n in range(cfg.num_hidden_layers):
+            group = batch.group_of(n)
+            if group not in plans:
+                plans[group] = ops.plan_attention((batch.num_tokens, self.num_heads, cfg.head_dim), tuple(k0.shape),
+                                                  batch.query_start_loc, batch.seq_lens, batch.kv_tables(n)[0])
+        return batch, plans
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[Any, Any]]) -> Any:
+        """Run one step; returns float32 logits [len(batch.logits_indices), vocab] (None on ranks > 0)."""
+        cfg, ops = self.config, self.backend.ops
+        # GPU: the step's metadata is checked and uploaded here, once (numpy: the batch as it is).
+        batch, plans = self._prepare(batch, kv_caches)
+        cos_sin = self.rope.cos_sin(batch)
         hidden = self._embed(batch.input_ids)
         residual = None
-        q_size = self.q_size  # this rank's heads
         check, peaks = self.check_activations, {}
-        for n, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+        for n, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
             if check:
                 activation_check.check_residual(residual, self.backend.xp, f"layer {n} input", peaks)
-            qkv = ops.linear(x, layer.qkv, layer.qkv_bias, quant=layer.qkv_q)
-            # q rotated; k rotated and written to the cache with v
-            q = ops.rotary_and_cache(qkv, self.num_heads, self.num_kv_heads, cos, sin, k_cache, v_cache,
-                                     batch.slot_mapping)
-            attn = ops.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
-                                       batch.block_tables, self.scale, plan=plan)
-            hidden = self.comm.all_reduce(ops.linear(attn.reshape(t, q_size), layer.o_proj, quant=layer.o_proj_q))
+            hidden = self._attention(n, layer, x, cos_sin, kv, batch, plans)
             x, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
             if check:
                 activation_check.check_residual(residual, self.backend.xp, f"layer {n} after attention", peaks)
-            up = ops.silu_and_mul(ops.linear(x, layer.gate_up, quant=layer.gate_up_q))
-            hidden = self.comm.all_reduce(ops.linear(up, layer.down, quant=layer.down_q))  # row-parallel
+            hidden = self._mlp(layer, x)
+        return self._final(hidden, residual, batch, peaks)
+
+    def _final(self, hidden: Any, residual: Any, batch: ForwardBatch, peaks: dict[str, float]) -> Any:
+        """The last add + norm on the rows that want logits, then the logits."""
         hidden = hidden[batch.logits_indices]
         residual = residual[batch.logits_indices]
-        x, residual = ops.add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
-        if check:
+        x, residual = self.backend.ops.add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)
+        if self.check_activations:
             activation_check.check_residual(residual, self.backend.xp, "final norm input", peaks)
             self.activation_peaks = peaks
         return self._logits(x)
+
+
+def check_sliding_window(backend: Backend, windows: list[int | None]) -> None:
+    """A model with sliding-window layers needs a kernel set whose paged attention takes `sliding_window`."""
+    if all(w is None for w in windows):
+        return
+    import inspect
+
+    if "sliding_window" not in inspect.signature(backend.ops.paged_attention).parameters:
+        raise ValueError(f"the {backend.ops.name} kernel set's paged attention has no sliding window; this model "
+                         f"has sliding-window layers")

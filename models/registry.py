@@ -7,7 +7,17 @@ models/config.py stays light), and one shape table: the tensors of one layer and
 functions of the config. Expected shapes (the loaders' checks), weight bytes (the memory budget and the
 GPU KV sizing) and matmul FLOPs per token (the scheduler and the benches) are all derived from it here.
 
-A new family is one `register(Architecture(...))` below plus the layers its model class needs.
+A new family is one `register(Architecture(...))` below plus the layers its model class needs:
+
+    family   model class                     beyond the Llama block
+    llama    llama.LlamaForCausalLM          (Llama 3.x: llama3 rope, tied embeddings in 3.2)
+    mistral  llama.LlamaForCausalLM          GGUF files say "llama"
+    qwen2    llama.LlamaForCausalLM          q/k/v bias
+    phi3     llama.LlamaForCausalLM          fused qkv_proj and gate_up_proj (split at load), LongRoPE
+    qwen3    qwen3.Qwen3ForCausalLM          RMSNorm of each q and k head before rotary (qk-norm)
+    gemma3   gemma3.Gemma3ForCausalLM        four norms a layer of (1 + w) (folded at load), qk-norm, GELU-tanh,
+                                             embedding times sqrt(hidden), sliding-window layers with their own
+                                             rope base, query_pre_attn_scalar
 """
 
 from __future__ import annotations
@@ -37,6 +47,13 @@ class Architecture:
     gguf_global_names: Mapping[str, str] = field(default_factory=dict)  # "token_embd.weight" -> HF name
     gguf_qk_permuted: bool = False  # llama.cpp interleaved the q/k rows (gguf_loader.unpermute_qk undoes it)
     qkv_bias: bool = False  # q/k/v always carry a bias (else only when config.json's attention_bias says so)
+    # What the loaders do to the checkpoint's full tensors before slicing and checking them (Phi-3's fused
+    # matrices split, Gemma's (1 + w) norms folded): fn(config, weights, fmt) with fmt "hf" or "gguf", in place.
+    load_transform: Callable[[ModelConfig, dict[str, Any], str], None] | None = None
+    # GGUF metadata beyond the Llama block's keys: fn(arch, value(key, default)) -> ModelConfig fields.
+    gguf_config_fields: Callable[[str, Callable[[str, Any], Any]], dict[str, Any]] | None = None
+    # Checkpoint tensors the loader splits (load_transform): read whole by a tensor-parallel rank, then sliced.
+    fused_names: tuple[str, ...] = ()
 
     @property
     def model_class(self) -> Any:
@@ -200,3 +217,100 @@ MISTRAL = register(Architecture(name="mistral", hf_names=("MistralForCausalLM",)
                                 gguf_qk_permuted=True, **_LLAMA_BLOCK))
 QWEN2 = register(Architecture(name="qwen2", hf_names=("Qwen2ForCausalLM",), gguf_name="qwen2", qkv_bias=True,
                               **_LLAMA_BLOCK))
+
+
+# -- Qwen3: the Llama block with per-head RMSNorm of q and k (qk-norm) -----------------------------
+
+def qwen3_layer_shapes(config: ModelConfig) -> dict[str, Shape]:
+    shapes = llama_layer_shapes(config)
+    shapes.update({"self_attn.q_norm.weight": (config.head_dim,), "self_attn.k_norm.weight": (config.head_dim,)})
+    return shapes
+
+
+QK_NORM_GGUF_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
+QWEN3 = register(Architecture(
+    name="qwen3", hf_names=("Qwen3ForCausalLM",), gguf_name="qwen3",
+    model_class_path="pagedserve.models.qwen3:Qwen3ForCausalLM", layer_shapes=qwen3_layer_shapes,
+    global_shapes=llama_global_shapes, gguf_layer_names={**LLAMA_GGUF_LAYER_NAMES, **QK_NORM_GGUF_NAMES},
+    gguf_global_names=LLAMA_GGUF_GLOBAL_NAMES))
+
+
+# -- Phi-3: the Llama block stored with fused qkv_proj and gate_up_proj, LongRoPE --------------------
+
+def split_phi3(config: ModelConfig, weights: dict[str, Any], fmt: str) -> None:
+    """qkv_proj [q + 2 kv, h] -> q_proj, k_proj, v_proj; gate_up_proj [2 I, h] -> gate_proj, up_proj (in the
+    GGUF file: attn_qkv and ffn_up, already renamed by the name map). Views, no copies."""
+    q, kv, i = config.q_size, config.kv_size, config.intermediate_size
+    for n in range(config.num_hidden_layers):
+        p = LAYER_PREFIX.format(n)
+        for fused, parts in ((p + "self_attn.qkv_proj.weight", (("q_proj", 0, q), ("k_proj", q, q + kv),
+                                                                ("v_proj", q + kv, q + 2 * kv))),
+                             (p + "mlp.gate_up_proj.weight", (("gate_proj", 0, i), ("up_proj", i, 2 * i)))):
+            w = weights.pop(fused, None)
+            if w is None:
+                continue
+            if w.shape[0] != parts[-1][2]:
+                raise ValueError(f"tensor {fused!r} has {w.shape[0]} rows, expected {parts[-1][2]} from the config")
+            module = fused.rsplit(".", 2)[0]
+            for name, a, b in parts:
+                weights[f"{module}.{name}.weight"] = w[a:b]
+
+
+PHI3 = register(Architecture(
+    name="phi3", hf_names=("Phi3ForCausalLM",), gguf_name="phi3",
+    model_class_path="pagedserve.models.llama:LlamaForCausalLM", layer_shapes=llama_layer_shapes,
+    global_shapes=llama_global_shapes,
+    gguf_layer_names={"attn_norm": "input_layernorm", "attn_qkv": "self_attn.qkv_proj",
+                      "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+                      "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"},
+    gguf_global_names={"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                       "output.weight": "lm_head.weight"},
+    load_transform=split_phi3, fused_names=("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")))
+
+
+# -- Gemma 3 (text): four norms a layer, qk-norm, GELU-tanh, sliding-window layers ----------------
+
+def gemma3_layer_shapes(config: ModelConfig) -> dict[str, Shape]:
+    h = config.hidden_size
+    shapes = qwen3_layer_shapes(config)
+    shapes.update({"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
+    return shapes
+
+
+GEMMA3_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight",
+                "post_feedforward_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+def fold_gemma_norms(config: ModelConfig, weights: dict[str, Any], fmt: str) -> None:
+    """Gemma's RMSNorm multiplies by (1 + w): fold the 1 in, so the model runs the plain rms_norm op. llama.cpp's
+    converter already did it in GGUF files."""
+    if fmt == "gguf":
+        return
+    names = ["model.norm.weight"] + [LAYER_PREFIX.format(n) + leaf for n in range(config.num_hidden_layers)
+                                     for leaf in GEMMA3_NORMS]
+    for name in names:
+        if name in weights:
+            weights[name] = weights[name] + 1.0  # float32, as transformers computes 1.0 + weight.float()
+
+
+def gemma3_gguf_fields(arch: str, value: Callable[[str, Any], Any]) -> dict[str, Any]:
+    """What llama.cpp's gemma3 loader assumes: every 6th layer global, local rope base 10000, attention scale
+    1/sqrt(head_dim) (its 27B: 1/sqrt(hidden / heads))."""
+    layers = int(value(f"{arch}.block_count", 0))
+    head_dim = int(value(f"{arch}.attention.key_length", 256))
+    hidden, heads = int(value(f"{arch}.embedding_length", 0)), int(value(f"{arch}.attention.head_count", 1))
+    scalar = hidden // heads if layers == 62 else head_dim  # llama.cpp's LLM_TYPE_27B: 62 layers
+    return {"layer_types": tuple("sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)),
+            "sliding_window": int(value(f"{arch}.attention.sliding_window", 4096)),
+            "rope_local_theta": 10000.0, "query_pre_attn_scalar": float(scalar), "hidden_act": "gelu_pytorch_tanh",
+            "rms_norm_eps": float(value(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6))}
+
+
+GEMMA3 = register(Architecture(
+    name="gemma3", hf_names=("Gemma3ForCausalLM",), gguf_name="gemma3",
+    model_class_path="pagedserve.models.gemma3:Gemma3ForCausalLM", layer_shapes=gemma3_layer_shapes,
+    global_shapes=llama_global_shapes,
+    gguf_layer_names={**LLAMA_GGUF_LAYER_NAMES, **QK_NORM_GGUF_NAMES, "post_attention_norm": "post_attention_layernorm",
+                      "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    gguf_global_names=LLAMA_GGUF_GLOBAL_NAMES, load_transform=fold_gemma_norms, gguf_config_fields=gemma3_gguf_fields))

@@ -1,4 +1,10 @@
-"""Loading a Hugging Face model directory: config.json plus one or many *.safetensors files."""
+"""Loading a Hugging Face model directory: config.json plus one or many *.safetensors files.
+
+A family whose registry entry has a `load_transform` gets its checkpoint reshaped here (Phi-3's fused qkv_proj
+and gate_up_proj split into the Llama block's names, Gemma's (1 + w) norms folded). A tensor-parallel rank reads
+only its slices, except of the fused tensors (its slices of q, k and v are not one slice of qkv_proj): those are
+read whole, split, and then sliced.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import registry
 from ..config import ModelConfig, load_hf_config
 from .safetensors_io import read_safetensors
 from ..tensor_parallel import TPShard, check_tensor_parallel
@@ -40,14 +47,28 @@ def load_hf_weights(model_dir: str | Path, shard: TPShard | None = None) -> tupl
     if not model_dir.is_dir():
         raise ValueError(f"{model_dir}: model directory not found")
     config = load_hf_config(model_dir)
+    entry = registry.for_config(config)
     select = None
-    if shard is not None and shard.is_sharded:
+    sharded = shard is not None and shard.is_sharded
+    if sharded:
         check_tensor_parallel(config, shard.world_size)
-        select = functools.partial(shard.index_for, config)
+        select = functools.partial(shard.index_for, config)  # None (whole) for the fused names it does not know
     weights: dict[str, np.ndarray] = {}
     for f in safetensors_files(model_dir):
         for name, tensor in read_safetensors(f, select=select).items():
             if name in weights:
                 raise ValueError(f"{f}: tensor {name!r} appears in more than one shard")
             weights[name] = tensor
+    if entry.load_transform is not None:
+        fused = {n for n in weights if n.endswith(entry.fused_names)} if entry.fused_names else set()
+        before = set(weights)
+        try:
+            entry.load_transform(config, weights, "hf")
+        except ValueError as e:
+            raise ValueError(f"{model_dir}: {e}") from None
+        if sharded and fused:  # the tensors split from whole fused ones: now this rank's slices
+            for name in [n for n in weights if n not in before]:
+                index = shard.index_for(config, name)
+                if index is not None:
+                    weights[name] = np.ascontiguousarray(weights[name][index])
     return config, weights
