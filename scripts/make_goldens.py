@@ -6,7 +6,13 @@ Hugging Face transformers on CPU in float32 is the oracle. This script writes:
                                 llama3 rope scaling, untied embeddings, chat template in tokenizer_config.json
   tests/data/tiny-qwen2/        Qwen2ForCausalLM, random weights (float16, one model.safetensors), q/k/v bias,
                                 tied embeddings, chat template in chat_template.jinja
-  tests/data/goldens/<model>.npz            for smollm2, tiny-llama, tiny-qwen2: per prompt i
+  tests/data/tiny-qwen3/        Qwen3ForCausalLM (qk-norm), bfloat16, tied embeddings, GQA 4/2 (TP=2 splits it)
+  tests/data/tiny-phi3/         Phi3ForCausalLM: fused qkv_proj and gate_up_proj, longrope (original max 64, so
+                                the 120-token prompt takes the long factors), untied, float16
+  tests/data/tiny-gemma3/       Gemma3ForCausalLM: layers [sliding (window 8), full], head_dim 256,
+                                query_pre_attn_scalar 192, GELU-tanh, (1 + w) norms, tied, bfloat16
+  tests/data/tiny-llama32/      LlamaForCausalLM as Llama 3.2 ships: tied embeddings, llama3 rope (factor 32)
+  tests/data/goldens/<model>.npz            for smollm2 and every tiny model: per prompt i
         prompt_ids_{i}       int64 [L]
         topk_ids_{i}         int64 [L, 10]    top-10 token ids (by logit, descending) at every prompt position
         topk_logits_{i}      float32 [L, 10]  the matching logits, from one full forward over the prompt
@@ -34,6 +40,13 @@ Rerun from the repository root (about a minute on 2 CPU cores; add --scan-from-z
 search, a few more minutes):
 
     /work/oracle-venv/bin/python scripts/make_goldens.py
+    OMP_NUM_THREADS=1 /work/oracle-venv/bin/python scripts/make_goldens.py --only tiny-qwen3 tiny-gemma3  # some
+
+One torch thread (OMP_NUM_THREADS=1) made the new families' files: on a busy 2-core host torch's default
+threads crawled (minutes per seed), and one thread fixes the order of the oracle's sums.
+
+The new families' tiny checkpoints (tiny-qwen3, tiny-phi3, tiny-gemma3, tiny-llama32) share tiny-llama's
+byte-level tokenizer files and get no tokenizer or chat goldens: their point is the forward pass.
 
 Outputs are deterministic for a given torch/transformers/tokenizers version: a second run rewrites
 identical files.
@@ -62,7 +75,8 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2Config
+from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, GenerationConfig, Phi3Config,
+                          Qwen2Config, Qwen3Config)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = REPO_ROOT / "tests" / "data"
@@ -252,6 +266,13 @@ class WeightScales:
     bias_std: float = 0.5
     norm_low: float = 0.6  # norm weights ~ U(norm_low, norm_high)
     norm_high: float = 1.4
+    # Gemma's post-attention and post-feedforward norms: larger, so that the layers' outputs weigh against the
+    # embedding (times sqrt(hidden)) in the residual stream; with (0.6, 1.4) the tied logits mostly repeat the
+    # input token and greedy runs collapse.
+    post_norm_low: float | None = None
+    post_norm_high: float | None = None
+    final_norm_low: float | None = None  # and a larger final norm for peakier tied logits (wider greedy gaps)
+    final_norm_high: float | None = None
 
 
 @dataclass(frozen=True)
@@ -263,10 +284,15 @@ class TinySpec:
     nfc: bool  # NFC normalizer (Qwen2 style)
     tokenizer_class: str
     scales: WeightScales
+    # A family's config (None: tiny-llama's and tiny-qwen2's own paths below); token_goldens: write the
+    # tokenizer and chat goldens (the new families reuse tiny-llama's tokenizer, nothing new to check).
+    make_config: object = None
+    token_goldens: bool = True
+    norm_offset: float = 0.0  # Gemma stores norm weights as w of a (1 + w) multiplier: draw them around 0
     # Where the seed scan starts. These are the first seeds that pass when scanning from 0 (about 160
     # candidates, ~5 minutes on 2 cores); starting here keeps a rerun fast. `--scan-from-zero` redoes
     # the full scan.
-    first_seed: int
+    first_seed: int = 0
 
 
 TINY_SPECS = [
@@ -292,7 +318,77 @@ TINY_SPECS = [
         scales=WeightScales(),
         first_seed=14,
     ),
+    TinySpec(name="tiny-qwen3", storage_dtype=torch.bfloat16, pattern=LLAMA3_PATTERN, bos_added=False, nfc=False,
+             tokenizer_class="PreTrainedTokenizerFast", scales=WeightScales(), first_seed=4,
+             make_config=lambda: qwen3_config(), token_goldens=False),
+    TinySpec(name="tiny-phi3", storage_dtype=torch.float16, pattern=LLAMA3_PATTERN, bos_added=True, nfc=False,
+             tokenizer_class="PreTrainedTokenizerFast", scales=WeightScales(), first_seed=33,
+             make_config=lambda: phi3_config(), token_goldens=False),
+    TinySpec(name="tiny-gemma3", storage_dtype=torch.bfloat16, pattern=LLAMA3_PATTERN, bos_added=True, nfc=False,
+             tokenizer_class="PreTrainedTokenizerFast", scales=WeightScales(
+                 embedding_std=0.5, post_norm_low=4.0, post_norm_high=6.0, final_norm_low=4.8, final_norm_high=7.2),
+             first_seed=8, make_config=lambda: gemma3_config(), token_goldens=False, norm_offset=-1.0),
+    TinySpec(name="tiny-llama32", storage_dtype=torch.bfloat16, pattern=LLAMA3_PATTERN, bos_added=True, nfc=False,
+             tokenizer_class="PreTrainedTokenizerFast", scales=WeightScales(), first_seed=4,
+             make_config=lambda: llama32_config(), token_goldens=False),
 ]
+
+
+def qwen3_config() -> Qwen3Config:
+    """qk-norm; 4 heads over 2 KV heads of 32 (TP=2 splits both)."""
+    config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                         bos_token_id=ENDOFTEXT_ID, eos_token_id=IM_END_ID, dtype="bfloat16")
+    config.architectures = ["Qwen3ForCausalLM"]
+    return config
+
+
+def phi3_config() -> Phi3Config:
+    """Fused qkv_proj / gate_up_proj; longrope with a pretraining length of 64 (max 256, so the cos/sin factor
+    is sqrt(1 + ln 4 / ln 64)): prompts of 1, 7 and 33 tokens stay on the short factors through their 32
+    greedy steps (at most 64 tokens), the 120-token one is on the long factors from its first forward."""
+    rng = np.random.default_rng(7)
+    half = 8  # head_dim 16
+    short = np.round(np.linspace(1.0, 1.6, half) + rng.uniform(0, 0.05, half), 4).tolist()
+    long = np.round(np.geomspace(1.0, 12.0, half), 4).tolist()
+    config = Phi3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        original_max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": short,
+                                         "long_factor": long},
+                        bos_token_id=ENDOFTEXT_ID, eos_token_id=IM_END_ID, pad_token_id=ENDOFTEXT_ID,
+                        dtype="float16")
+    config.architectures = ["Phi3ForCausalLM"]
+    return config
+
+
+def gemma3_config() -> Gemma3TextConfig:
+    """Layer 0 sliding (window 8, rope base 10,000), layer 1 full (rope base 1e6); head_dim 256 as in every
+    Gemma 3; query_pre_attn_scalar 192, not head_dim, so a scale taken from head_dim would show."""
+    config = Gemma3TextConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                              max_position_embeddings=2048, rms_norm_eps=1e-6, query_pre_attn_scalar=192,
+                              sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                              rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                              hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+                              bos_token_id=ENDOFTEXT_ID, eos_token_id=IM_END_ID, pad_token_id=ENDOFTEXT_ID,
+                              dtype="bfloat16")
+    config.architectures = ["Gemma3ForCausalLM"]
+    return config
+
+
+def llama32_config() -> transformers.LlamaConfig:
+    """Llama 3.2's shape of config: tied embeddings, llama3 rope scaling with factor 32 (original 64 here, so
+    the interpolated band holds some of the 16 frequencies of head_dim 32)."""
+    d = llama_config_dict()
+    d.update(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+             tie_word_embeddings=True,
+             rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                           "original_max_position_embeddings": 64, "rope_type": "llama3"})
+    return transformers.LlamaConfig.from_dict(d)
 
 
 def sha256_of(path: Path) -> str:
@@ -369,7 +465,7 @@ def write_tokenizer_files(spec: TinySpec, out: Path) -> None:
         "model_max_length": 2048,
         "tokenizer_class": spec.tokenizer_class,
     }
-    if spec.name == "tiny-llama":
+    if spec.name == "tiny-llama" or spec.make_config is not None:
         config.update(bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<|endoftext|>")
         config["chat_template"] = TINY_LLAMA_CHAT_TEMPLATE
     else:
@@ -440,7 +536,8 @@ def qwen2_config() -> Qwen2Config:
     return config
 
 
-def random_state_dict(model: torch.nn.Module, seed: int, scales: WeightScales, tied: bool) -> dict:
+def random_state_dict(model: torch.nn.Module, seed: int, scales: WeightScales, tied: bool,
+                      norm_offset: float = 0.0) -> dict:
     """Fill every parameter from one numpy stream in state_dict order; scaled so logits are peaky."""
     rng = np.random.default_rng(seed)
     hidden = model.config.hidden_size
@@ -449,8 +546,13 @@ def random_state_dict(model: torch.nn.Module, seed: int, scales: WeightScales, t
         if tied and name == "lm_head.weight":
             continue  # shared with embed_tokens; not stored, like real tied checkpoints
         shape = tuple(param.shape)
-        if name.endswith("norm.weight"):
-            value = rng.uniform(scales.norm_low, scales.norm_high, size=shape)
+        if name.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")) and (
+                scales.post_norm_low is not None):
+            value = rng.uniform(scales.post_norm_low, scales.post_norm_high, size=shape) + norm_offset
+        elif name == "model.norm.weight" and scales.final_norm_low is not None:
+            value = rng.uniform(scales.final_norm_low, scales.final_norm_high, size=shape) + norm_offset
+        elif name.endswith("norm.weight"):
+            value = rng.uniform(scales.norm_low, scales.norm_high, size=shape) + norm_offset
         elif name == "model.embed_tokens.weight":
             value = rng.standard_normal(shape) * scales.embedding_std
         elif name == "lm_head.weight":
@@ -491,7 +593,11 @@ def write_tiny_checkpoint(spec: TinySpec, seed: int, out: Path) -> None:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    if spec.name == "tiny-llama":
+    if spec.make_config is not None:
+        config = spec.make_config()
+        config.save_pretrained(str(out))
+        gen = GenerationConfig(bos_token_id=ENDOFTEXT_ID, eos_token_id=[IM_END_ID, ENDOFTEXT_ID])
+    elif spec.name == "tiny-llama":
         write_json(out / "config.json", llama_config_dict())
         config = transformers.LlamaConfig.from_dict(llama_config_dict())
         gen = GenerationConfig(bos_token_id=ENDOFTEXT_ID, eos_token_id=[IM_END_ID, ENDOFTEXT_ID])
@@ -504,7 +610,8 @@ def write_tiny_checkpoint(spec: TinySpec, seed: int, out: Path) -> None:
     gen.save_pretrained(str(out))
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    tensors = random_state_dict(skeleton, seed, spec.scales, tied=bool(config.tie_word_embeddings))
+    tensors = random_state_dict(skeleton, seed, spec.scales, tied=bool(config.tie_word_embeddings),
+                                norm_offset=spec.norm_offset)
     save_checkpoint(spec, tensors, out)
     write_tokenizer_files(spec, out)
 
@@ -660,19 +767,22 @@ def make_tiny(spec: TinySpec, first_seed: int) -> dict:
             goldens = [run_prompt(model, p, enforce_margin=True) for p in prompts]
         except MarginTooSmall as e:
             tried.append({"seed": seed, "why": str(e)})
+            print(f"  {spec.name}: seed {seed} rejected: {e}", flush=True)
             continue
         m = margins(goldens)
         if min(m["distinct_greedy_tokens"]) >= MIN_DISTINCT_GREEDY:
             break
         tried.append({"seed": seed, "why": f"distinct greedy tokens {m['distinct_greedy_tokens']}"})
+        print(f"  {spec.name}: seed {seed} rejected: {tried[-1]['why']}", flush=True)
     else:
         raise RuntimeError(f"{spec.name}: no seed in {MAX_SEED_TRIES} tries met the margin")
     print(f"  {spec.name}: seed {seed} after {len(tried)} rejected: {m}", flush=True)
     save_npz(GOLDEN_DIR / f"{spec.name}.npz", goldens)
-    tok = AutoTokenizer.from_pretrained(str(out))
-    check_backend_agrees(spec.name, tok, out)
-    write_json(GOLDEN_DIR / f"tokenizer_{spec.name}.json", tokenizer_golden(spec.name, tok))
-    write_json(GOLDEN_DIR / f"chat_{spec.name}.json", chat_golden(spec.name, tok))
+    if spec.token_goldens:
+        tok = AutoTokenizer.from_pretrained(str(out))
+        check_backend_agrees(spec.name, tok, out)
+        write_json(GOLDEN_DIR / f"tokenizer_{spec.name}.json", tokenizer_golden(spec.name, tok))
+        write_json(GOLDEN_DIR / f"chat_{spec.name}.json", chat_golden(spec.name, tok))
     return {
         "weight_seed": seed,
         # Where the scan started is left out on purpose: both ways of running must write the same manifest.
@@ -726,28 +836,43 @@ def main() -> None:
         action="store_true",
         help="search tiny-model weight seeds from 0, not from the recorded TinySpec.first_seed",
     )
+    parser.add_argument("--only", nargs="+", metavar="MODEL",
+                        help="remake only these models (tiny names or smollm2); the manifest keeps the others' entries")
     args = parser.parse_args()
+    names = [spec.name for spec in TINY_SPECS] + ["smollm2"]
+    only = set(args.only or names)
+    if only - set(names):
+        parser.error(f"unknown models {sorted(only - set(names))}; choose from {names}")
     start = time.time()
     torch.manual_seed(0)  # nothing should draw from torch's RNG, but pin it anyway
     GOLDEN_DIR.mkdir(parents=True, exist_ok=True)
-    models_info = {}
+    old_manifest = GOLDEN_DIR / "manifest.json"
+    models_info = json.loads(old_manifest.read_text())["models"] if args.only and old_manifest.is_file() else {}
     for spec in TINY_SPECS:
-        print(f"[{spec.name}]", flush=True)
-        models_info[spec.name] = make_tiny(spec, 0 if args.scan_from_zero else spec.first_seed)
-    print("[smollm2]", flush=True)
-    models_info["smollm2"] = make_smollm2()
+        if spec.name in only:
+            print(f"[{spec.name}]", flush=True)
+            models_info[spec.name] = make_tiny(spec, 0 if args.scan_from_zero else spec.first_seed)
+    if "smollm2" in only:
+        print("[smollm2]", flush=True)
+        models_info["smollm2"] = make_smollm2()
+    models_info = {name: models_info[name] for name in names if name in models_info}
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "safetensors": safetensors.__version__,
+        "gguf": getattr(gguf, "__version__", None) or _dist_version("gguf"),
+        "numpy": np.__version__,
+    }
+    if args.only and old_manifest.is_file():  # the others were made with the versions on record: keep them
+        for name in only:
+            models_info[name]["versions"] = versions
+        versions = json.loads(old_manifest.read_text())["versions"]
     manifest = {
         "generated_by": "scripts/make_goldens.py",
         "oracle": "transformers on CPU, float32, attn_implementation=eager, full forward per step (no KV cache)",
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__,
-            "safetensors": safetensors.__version__,
-            "gguf": getattr(gguf, "__version__", None) or _dist_version("gguf"),
-            "numpy": np.__version__,
-        },
+        "versions": versions,
         "top_k": TOP_K,
         "num_greedy": NUM_GREEDY,
         "tiny_greedy_gap_rule": f"every greedy step: top1 - top2 >= max({MIN_GREEDY_GAP}, "
@@ -756,7 +881,7 @@ def main() -> None:
     }
     write_json(GOLDEN_DIR / "manifest.json", manifest)
     print(json.dumps({k: {kk: v[kk] for kk in v if kk.startswith(("min_", "max_", "distinct"))}
-                      for k, v in models_info.items()}, indent=2))
+                      for k, v in models_info.items() if k in only}, indent=2))
     print(f"done in {time.time() - start:.1f}s")
 
 
