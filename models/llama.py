@@ -54,6 +54,10 @@ class LlamaForCausalLM:
     `weights` then hold that rank's slices, and the forward all-reduces after o_proj and down and
     gathers the logits on rank 0 (the other ranks' forward returns None)."""
 
+    # Each layer reads and writes through its KV cache group's block tables and slots (ForwardBatch.kv_tables),
+    # so the worker may give sliding-window layers a group whose out-of-window blocks are released.
+    reads_kv_cache_groups = True
+
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend: Backend | None = None,
                  source: str = "weights", shard: TPShard | None = None, comm: Any = None) -> None:
         self.shard = shard = shard or TPShard()
