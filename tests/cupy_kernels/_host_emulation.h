@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 #include <setjmp.h>
@@ -29,6 +30,7 @@
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
 #define __shared__ static
+#define PS_HOST_EMULATION 1
 
 struct ps_dim3 { unsigned x = 1, y = 1, z = 1; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
@@ -61,6 +63,7 @@ static ps_dim3 ps_block_idx, ps_block_dim, ps_grid_dim;
 static PsBarrier ps_cta_barrier;
 static std::vector<PsBarrier> ps_warp_barriers;
 static std::vector<unsigned long long> ps_warp_slots;  // 32 per warp
+static std::vector<unsigned> ps_mma_slots;              // 32 lanes x 10 words per warp: a[4], b[2], c[4]
 static std::function<void()> ps_body;
 
 #define threadIdx (ps_fibers[ps_cur].tid)
@@ -116,6 +119,19 @@ inline T __shfl_xor_sync(unsigned /*mask*/, T value, int lane_mask) {
     return out;
 }
 
+// Gather one 32-bit value from every lane of the caller's warp (every lane must call it: a barrier).
+// The caller reads the slots, then calls ps_warp_release() before any lane may write them again.
+static unsigned* ps_warp_gather(const unsigned* words, int count) {
+    const int me = ps_fibers[ps_cur].linear;
+    const int warp = me / 32;
+    unsigned* slots = &ps_mma_slots[(std::size_t)warp * 32 * 10];
+    std::memcpy(slots + (me % 32) * 10, words, sizeof(unsigned) * count);
+    ps_arrive(ps_warp_barriers[warp]);
+    return slots;
+}
+static void ps_warp_release() { ps_arrive(ps_warp_barriers[ps_fibers[ps_cur].linear / 32]); }
+static int ps_lane() { return ps_fibers[ps_cur].linear % 32; }
+
 // Run one CTA: one fiber per thread, scheduled round-robin between barriers.
 static void ps_run_cta(const std::function<void()>& body) {
     const int n = (int)(ps_block_dim.x * ps_block_dim.y * ps_block_dim.z);
@@ -128,6 +144,7 @@ static void ps_run_cta(const std::function<void()>& body) {
     ps_cta_barrier = PsBarrier{n, 0, {}};
     ps_warp_barriers.assign(n / 32, PsBarrier{32, 0, {}});
     ps_warp_slots.assign(n, 0);
+    ps_mma_slots.assign((std::size_t)n * 10, 0);
     for (int i = 0; i < n; ++i) {
         PsFiber& f = ps_fibers[i];
         f.stack.resize(1 << 16);
@@ -253,3 +270,87 @@ inline void cp_async_16(void* smem, const void* gmem, int src_bytes) {
 }
 inline void cp_async_commit() {}
 template <int N> inline void cp_async_wait() {}
+
+// ---- stand-ins for tensor_core.cuh: bfloat16 and the warp-level mma fragment model -----------------
+
+struct alignas(2) bf16 {
+    unsigned short bits;
+};
+
+inline float bf2f(unsigned short h) { return __int_as_float((int)(((unsigned)h) << 16)); }
+// float32 -> bfloat16, round to nearest even (NaN stays a quiet NaN), as cvt.rn.bf16.f32 does.
+inline unsigned short f2bf(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+inline float to_float(bf16 x) { return bf2f(x.bits); }
+template <> inline bf16 from_float<bf16>(float x) { return bf16{f2bf(x)}; }
+
+template <typename T> inline unsigned int pack2(float lo, float hi);
+template <> inline unsigned int pack2<f16>(float lo, float hi) { return float2_to_half2(lo, hi); }
+template <> inline unsigned int pack2<bf16>(float lo, float hi) {
+    return (unsigned int)f2bf(lo) | ((unsigned int)f2bf(hi) << 16);
+}
+
+template <typename T> inline float ps_elem(unsigned word, int half) {
+    const unsigned short h = (unsigned short)(half ? word >> 16 : word & 0xffffu);
+    return std::is_same<T, bf16>::value ? bf2f(h) : h2f(h);
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32 with d as c: the warp's fragments are
+// gathered, A (16x16), B (16x8) and C (16x8) rebuilt from them by the PTX ISA's per-lane layout, and each lane
+// keeps its own four D values. D = C + sum_k A[r][k] B[k][n], products exact, summed in float32 from k = 0
+// (the tensor core's internal order and rounding are not specified: tests allow for that).
+template <typename T>
+inline void mma_m16n8k16(float (&d)[4], const unsigned int (&a)[4], const unsigned int (&b)[2]) {
+    unsigned words[10];
+    for (int i = 0; i < 4; ++i) words[i] = a[i];
+    words[4] = b[0];
+    words[5] = b[1];
+    std::memcpy(words + 6, d, 16);
+    const unsigned* s = ps_warp_gather(words, 10);
+    const int lane = ps_lane(), g = lane >> 2, t = lane & 3;
+    float out[4];
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
+        float acc = d[i];
+        for (int k = 0; k < 16; ++k) {
+            // A[row][k]: lane (row % 8, (k % 8) / 2), register (row >= 8) + 2 (k >= 8), half k & 1
+            const unsigned aw = s[((row & 7) * 4 + ((k & 7) >> 1)) * 10 + (row >= 8) + 2 * (k >= 8)];
+            // B[k][col]: lane (col, (k % 8) / 2), register k >= 8, half k & 1
+            const unsigned bw = s[(col * 4 + ((k & 7) >> 1)) * 10 + 4 + (k >= 8)];
+            acc += ps_elem<T>(aw, k & 1) * ps_elem<T>(bw, k & 1);
+        }
+        out[i] = acc;
+    }
+    ps_warp_release();
+    for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+
+// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: lane 8i + r gives row r of matrix i; r[i] of lane (g, t)
+// becomes (M_i[2t][g], M_i[2t+1][g]). Rows must be 16-byte aligned, as on the GPU.
+inline void ldmatrix_x4_trans(unsigned int (&r)[4], const void* row_addr) {
+    if (reinterpret_cast<std::uintptr_t>(row_addr) % 16) {
+        std::fprintf(stderr, "host emulation: ldmatrix row address %p is not 16-byte aligned\n", row_addr);
+        std::abort();
+    }
+    unsigned words[2];
+    const std::uintptr_t p = reinterpret_cast<std::uintptr_t>(row_addr);
+    words[0] = (unsigned)(p & 0xffffffffu);
+    words[1] = (unsigned)(p >> 32);
+    const unsigned* s = ps_warp_gather(words, 2);
+    const int lane = ps_lane(), g = lane >> 2, t = lane & 3;
+    for (int i = 0; i < 4; ++i) {
+        unsigned short h[2];
+        for (int j = 0; j < 2; ++j) {
+            const int src = 8 * i + 2 * t + j;  // the lane holding row 2t + j of matrix i
+            const std::uintptr_t row = (std::uintptr_t)s[src * 10] | ((std::uintptr_t)s[src * 10 + 1] << 32);
+            std::memcpy(&h[j], reinterpret_cast<const char*>(row) + 2 * g, 2);
+        }
+        r[i] = (unsigned)h[0] | ((unsigned)h[1] << 16);
+    }
+    ps_warp_release();
+}
