@@ -89,7 +89,8 @@ class LlamaForCausalLM:
         self.lm_head_q = None
         if self.backend.ops.name == "numba" and not shard.is_sharded:
             self._attach_quant(weights)
-        self.rope = RotaryEmbedding(config, self.backend, weights.get("rope_freqs"))
+        self.rope = RotaryEmbedding(config, self.backend, weights.get("rope_freqs"), file_factors={
+            f"{k}_factor": weights[f"rope_factors_{k}"] for k in ("short", "long") if f"rope_factors_{k}" in weights})
         self.scale = config.head_dim ** -0.5
         self.windows = [config.layer_window(n) for n in range(config.num_hidden_layers)]
         check_sliding_window(self.backend, self.windows)

@@ -23,6 +23,7 @@ A new family is one `register(Architecture(...))` below plus the layers its mode
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field
 from math import prod
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -240,7 +241,8 @@ QWEN3 = register(Architecture(
 
 def split_phi3(config: ModelConfig, weights: dict[str, Any], fmt: str) -> None:
     """qkv_proj [q + 2 kv, h] -> q_proj, k_proj, v_proj; gate_up_proj [2 I, h] -> gate_proj, up_proj (in the
-    GGUF file: attn_qkv and ffn_up, already renamed by the name map). Views, no copies."""
+    GGUF file: attn_qkv and ffn_up, already renamed by the name map). Views, no copies. A GGUF file's block
+    arrays of a fused weight (gguf_loader.quant_names: "<name>.q4.qs", ...) hold whole rows too: split alike."""
     q, kv, i = config.q_size, config.kv_size, config.intermediate_size
     for n in range(config.num_hidden_layers):
         p = LAYER_PREFIX.format(n)
@@ -255,18 +257,39 @@ def split_phi3(config: ModelConfig, weights: dict[str, Any], fmt: str) -> None:
             module = fused.rsplit(".", 2)[0]
             for name, a, b in parts:
                 weights[f"{module}.{name}.weight"] = w[a:b]
+            for blocks in [n for n in weights if n.startswith(fused + ".")]:
+                suffix, rows = blocks[len(fused):], weights.pop(blocks)
+                for name, a, b in parts:
+                    weights[f"{module}.{name}.weight{suffix}"] = rows[a:b]
+
+
+def phi3_gguf_fields(arch: str, value: Callable[[str, Any], Any]) -> dict[str, Any]:
+    """LongRoPE when the context outgrows the pretraining length (its factors are the file's rope_factors_short /
+    rope_factors_long tensors, read by the model), and the sliding window on every layer, as llama.cpp does."""
+    fields: dict[str, Any] = {}
+    ctx = int(value(f"{arch}.context_length", 0))
+    original = int(value(f"{arch}.rope.scaling.original_context_length", 0) or ctx)
+    if ctx > original:
+        attn = value(f"{arch}.rope.scaling.attn_factor", None)
+        attn = math.sqrt(1 + math.log(ctx / original) / math.log(original)) if attn is None else float(attn)
+        fields["rope_scaling"] = {"rope_type": "longrope", "short_factor": None, "long_factor": None,
+                                  "original_max_position_embeddings": original, "attention_factor": attn}
+    window = value(f"{arch}.attention.sliding_window", None)
+    if window:
+        fields.update(layer_types=("sliding_attention",) * int(value(f"{arch}.block_count", 0)),
+                      sliding_window=int(window))
+    return fields
 
 
 PHI3 = register(Architecture(
     name="phi3", hf_names=("Phi3ForCausalLM",), gguf_name="phi3",
     model_class_path="pagedserve.models.llama:LlamaForCausalLM", layer_shapes=llama_layer_shapes,
     global_shapes=llama_global_shapes,
-    gguf_layer_names={"attn_norm": "input_layernorm", "attn_qkv": "self_attn.qkv_proj",
-                      "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-                      "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"},
-    gguf_global_names={"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                       "output.weight": "lm_head.weight"},
-    load_transform=split_phi3, fused_names=("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")))
+    gguf_layer_names={**LLAMA_GGUF_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    gguf_global_names={**LLAMA_GGUF_GLOBAL_NAMES, "rope_factors_long.weight": "rope_factors_long",
+                       "rope_factors_short.weight": "rope_factors_short"},
+    load_transform=split_phi3, gguf_config_fields=phi3_gguf_fields,
+    fused_names=("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")))
 
 
 # -- Gemma 3 (text): four norms a layer, qk-norm, GELU-tanh, sliding-window layers ----------------

@@ -32,7 +32,9 @@ def rope_inv_freq(config: ModelConfig, freq_factors: np.ndarray | None = None, t
     """inv_freq [head_dim / 2] in float64 (LongRoPE: its short-sequence frequencies).
 
     `freq_factors` are the per-frequency divisors that llama.cpp stores in GGUF files as rope_freqs
-    (an alternative spelling of llama3 scaling). `theta` and `scaling` default to the config's.
+    (an alternative spelling of llama3 scaling). `theta` and `scaling` default to the config's. LongRoPE's
+    factors of a GGUF file (its rope_factors_short / rope_factors_long tensors) come in `scaling`
+    (RotaryEmbedding puts them there).
     """
     dim = config.head_dim
     inv_freq = plain_inv_freq(config.rope_theta if theta is None else theta, dim)
@@ -60,6 +62,9 @@ def rope_inv_freq(config: ModelConfig, freq_factors: np.ndarray | None = None, t
 
 
 def _factors(scaling: dict[str, Any], key: str, dim: int) -> np.ndarray:
+    if scaling.get(key) is None:
+        raise ValueError(f"longrope rope scaling without its {key} (a GGUF file holds them as rope_factors_"
+                         f"{key.split('_')[0]} tensors)")
     f = np.asarray(scaling[key], dtype=np.float64)
     if f.shape != (dim // 2,):
         raise ValueError(f"longrope {key} has {f.size} entries, expected head_dim / 2 = {dim // 2}")
@@ -75,9 +80,14 @@ class RotaryEmbedding:
     """
 
     def __init__(self, config: ModelConfig, backend: Any, freq_factors: np.ndarray | None = None,
-                 theta: float | None = None, scaling: dict[str, Any] | None | str = "config") -> None:
+                 theta: float | None = None, scaling: dict[str, Any] | None | str = "config",
+                 file_factors: dict[str, np.ndarray] | None = None) -> None:
+        """`file_factors`: LongRoPE's {"short_factor": ..., "long_factor": ...} read from a GGUF file's tensors,
+        for a config whose rope_scaling leaves them None."""
         self.backend = backend
         scaling = config.rope_scaling if scaling == "config" else scaling
+        if scaling is not None and scaling.get("rope_type") == "longrope" and file_factors:
+            scaling = {**scaling, **{k: v for k, v in file_factors.items() if scaling.get(k) is None}}
         put = backend.asarray if backend.is_gpu else (lambda a: a)  # float64 on the device: cos/sin computed there
         self.inv_freq = put(rope_inv_freq(config, freq_factors, theta, scaling))
         self.long_inv_freq = None

@@ -269,6 +269,108 @@ def test_gemma3_gguf_metadata_and_folded_norms(data_dir, tmp_path):
         np.testing.assert_array_equal(w[name], t, err_msg=name)
 
 
+def _write_phi3_gguf(path, loaded, qtype: str = "F32") -> None:
+    """tiny-phi3 as llama.cpp's converter writes it: attn_qkv and ffn_up (gate and up) fused, LongRoPE's factors
+    as rope_factors_short / rope_factors_long tensors, the lengths and cos/sin factor in the metadata."""
+    import gguf
+
+    cfg, w = loaded.config, loaded.weights
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_rope_scaling_orig_ctx_len(cfg.rope_scaling["original_max_position_embeddings"])
+    writer.add_rope_scaling_attn_factors(cfg.rope_scaling["attention_factor"])
+    qt = gguf.GGMLQuantizationType[qtype]
+
+    def add(name, t):
+        t = np.ascontiguousarray(t, dtype=np.float32)
+        if t.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, gguf.quants.quantize(t, qt), raw_dtype=qt)
+        else:
+            writer.add_tensor(name, t)
+
+    add("token_embd.weight", w["model.embed_tokens.weight"])
+    add("output_norm.weight", w["model.norm.weight"])
+    add("output.weight", w["lm_head.weight"])
+    for kind in ("short", "long"):
+        add(f"rope_factors_{kind}.weight", np.asarray(cfg.rope_scaling[f"{kind}_factor"]))
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}."
+        add(f"blk.{n}.attn_norm.weight", w[p + "input_layernorm.weight"])
+        add(f"blk.{n}.attn_qkv.weight", np.concatenate([w[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]))
+        add(f"blk.{n}.attn_output.weight", w[p + "self_attn.o_proj.weight"])
+        add(f"blk.{n}.ffn_norm.weight", w[p + "post_attention_layernorm.weight"])
+        add(f"blk.{n}.ffn_up.weight", np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]))
+        add(f"blk.{n}.ffn_down.weight", w[p + "mlp.down_proj.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _all_logits(model, ids):
+    kv = allocate_kv_caches(model.config, 16, BLOCK, model.backend)
+    batch = build_forward_batch([SeqChunk(ids, 0, list(range(-(-len(ids) // BLOCK))), num_logits=len(ids))], BLOCK)
+    return model.forward(batch, kv)
+
+
+def test_phi3_gguf_is_the_same_model_as_its_hf_directory(data_dir, tmp_path):
+    """Fused tensors split, LongRoPE's factors from the file's tensors: the logits of a long (long factors) and a
+    short prompt match the Hugging Face directory's to float32 rounding (the cos/sin factor went through the
+    file as a float32)."""
+    loaded = load_model(data_dir / "tiny-phi3")
+    path = tmp_path / "phi3.gguf"
+    _write_phi3_gguf(path, loaded)
+    gcfg, gw = load_gguf_weights(path)
+    assert gcfg.rope_scaling["rope_type"] == "longrope" and gcfg.rope_scaling["short_factor"] is None
+    assert gcfg.rope_scaling["original_max_position_embeddings"] == 64 and not gcfg.layer_types
+    hf = registry.PHI3.model_class(loaded.config, loaded.weights)
+    from_gguf = registry.PHI3.model_class(gcfg, gw)
+    for n in (120, 33):
+        ids = np.random.default_rng(n).integers(3, 512, size=n).tolist()
+        assert_close_model(_all_logits(from_gguf, ids), _all_logits(hf, ids), loaded.config)
+
+
+def test_phi3_q8_gguf_keeps_blocks_of_the_split_weights(data_dir, tmp_path):
+    """A Q8_0 file's fused blocks are split by rows like the float32 weights: the numba set reads q/k/v and
+    gate/up from blocks in few-row decodes, and gives the reference's logits."""
+    loaded = load_model(data_dir / "tiny-phi3")
+    path = tmp_path / "phi3-q8.gguf"
+    _write_phi3_gguf(path, loaded, "Q8_0")
+    gcfg, gw = load_gguf_weights(path)
+    assert not any(".qkv_proj." in n or ".gate_up_proj." in n for n in gw)
+    numba_model = registry.PHI3.model_class(gcfg, gw, get_backend("cpu", "numba"))
+    assert numba_model.quantized_matmuls == 1 + 4 * gcfg.num_hidden_layers  # lm_head + qkv, o, gate_up, down
+    reference = registry.PHI3.model_class(gcfg, gw, get_backend("cpu", "numpy"))
+    out = {}
+    for name, model in (("numba", numba_model), ("numpy", reference)):
+        kv = allocate_kv_caches(gcfg, 16, BLOCK, model.backend)
+        prompts, tables = [list(range(3, 40)), list(range(50, 60))], [[0, 1, 2], [3]]
+        model.forward(build_forward_batch([SeqChunk(p, 0, t, num_logits=0) for p, t in zip(prompts, tables)], BLOCK),
+                      kv)
+        decode = [SeqChunk([7], len(p), t) for p, t in zip(prompts, tables)]  # 2 rows: the blocks on numba
+        out[name] = model.forward(build_forward_batch(decode, BLOCK), kv)
+    assert_close_model(out["numba"], out["numpy"], gcfg)
+    assert (out["numba"].argmax(1) == out["numpy"].argmax(1)).all()
+
+
+def test_a_longrope_config_without_factors_is_refused_by_name(data_dir, tmp_path):
+    loaded = load_model(data_dir / "tiny-phi3")
+    path = tmp_path / "phi3.gguf"
+    _write_phi3_gguf(path, loaded)
+    gcfg, gw = load_gguf_weights(path)
+    gw.pop("rope_factors_long")
+    with pytest.raises(ValueError, match="longrope rope scaling without its long_factor .*rope_factors_long"):
+        registry.PHI3.model_class(gcfg, gw)
+
+
 # -- kernel sets -------------------------------------------------------------------------------------
 
 
