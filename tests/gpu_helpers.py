@@ -462,10 +462,11 @@ def model_pair(name: str):
     """(numpy model, CUDA model) of one checkpoint. The host emulation clears this cache around each test:
     a model holds arrays of the `cupy` it was built under."""
     from pagedserve.cupy_kernels.backend import get_backend
-    from pagedserve.models.llama import LlamaForCausalLM
+    from pagedserve.models import registry
 
     cfg, weights = random_smollm2_shape() if name == "random-smollm2" else load_tiny(name)
-    return (LlamaForCausalLM(cfg, weights, get_backend("cpu")), LlamaForCausalLM(cfg, weights, get_backend("cuda")))
+    model_class = registry.for_config(cfg).model_class  # the family's class (tiny-gemma3: Gemma3ForCausalLM, ...)
+    return (model_class(cfg, weights, get_backend("cpu")), model_class(cfg, weights, get_backend("cuda")))
 
 
 def compare_logits(got, ref, name):

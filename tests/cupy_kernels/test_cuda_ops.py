@@ -231,13 +231,13 @@ def test_ops_return_device_arrays():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "random-smollm2"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-llama32", "random-smollm2"])
 def test_model_logits_match_numpy(name):
     gpu_helpers.check_model_logits_match_numpy(name)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-llama32"])
 def test_tiny_model_prompt_top1_matches_transformers_goldens(name):
     """Independent check: top-1 of the GPU logits against Hugging Face's (committed goldens), on every
     position where the golden top-1/top-2 gap is clear (> 0.05)."""

@@ -249,7 +249,7 @@ def test_qwen3_gguf_loads_the_same_model(data_dir, tmp_path):
     path = tmp_path / "qwen3.gguf"
     _write_gguf(path, "qwen3", loaded.config, loaded.weights)
     cfg, w = load_gguf_weights(path)
-    assert cfg.architecture == "qwen3" and cfg.head_dim == 32 and cfg.tie_word_embeddings
+    assert cfg.architecture == "qwen3" and cfg.head_dim == 64 and cfg.tie_word_embeddings
     assert set(w) == set(loaded.weights)
     for name, t in loaded.weights.items():  # no un-permute: rows as they are
         np.testing.assert_array_equal(w[name], t, err_msg=name)
