@@ -1,6 +1,11 @@
 """The CUDA paged attention op: how a batch is cut into CTAs and launches (attention_launch, partition_chunk),
 and the launches themselves (paged_attention).
 
+Tensor-core prefill (prefill_attention.cu, issue #45): with PAGEDSERVE_TC_PREFILL=1 on an sm_80+ device, the rows
+of sequences with two or more new tokens go to prefill_attention_kernel (mma.sync m16n8k16) and the decodes to
+paged_attention_kernel, two launches. Off by default until a device run has shown it correct and faster;
+prefill_attention() is also callable alone (float16 or bfloat16, head dims 64/128/256).
+
 Host metadata. When query_start_loc / seq_lens / block_tables arrive as numpy arrays they are checked on the
 host (batch_checks.check_metadata: sizes, ranges, block ids) and uploaded. As CuPy arrays they are used as
 they are, without a device sync: the attention then sizes its partition workspace from block_tables.shape[1]
@@ -10,6 +15,7 @@ instead of max(seq_lens).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,12 +24,37 @@ from ..batch_checks import check_metadata
 from ..reference.paged_attention import check_sliding_window
 from .launch import _check_cache_pair, _dummy, _elements, _i32, _i64, _inner_contiguous, _next_pow2, is_cupy_array
 from .modules import (ATTN_BLOCK_SIZES, ATTN_HEAD_DIMS, ATTN_THREADS, LOG2E, MAX_QUERIES_PER_KV, PARTITION_SIZE,
-                      _kernel, attention_kernel_name, attention_reduce_name)
+                      PREFILL_BLOCK_Q, PREFILL_HEAD_DIMS, PREFILL_THREADS, _kernel, attention_kernel_name,
+                      attention_reduce_name, prefill_kernel_name)
 
 # Most bytes of float32 partials (acc + max/sum) one attention launch may use. A batch whose split
 # decodes would need more runs in several launches over ranges of sequences (each with this much at
 # most), so 256 sequences at 131,072 tokens (1 GiB of partials in one launch) cost 64 MiB, not 1 GiB.
 PARTITION_SCRATCH_BYTES = 64 << 20
+
+# "1": prefill chunks on tensor cores (sm_80+ only). Default off until a device run proves it (issue #45).
+TC_PREFILL_ENV = "PAGEDSERVE_TC_PREFILL"
+
+
+def _compute_capability() -> int:
+    import cupy
+
+    return int(cupy.cuda.Device().compute_capability)
+
+
+def tensor_core_prefill_enabled() -> bool:
+    """PAGEDSERVE_TC_PREFILL=1 and an sm_80+ device (mma.sync m16n8k16 with bf16 needs sm_80)."""
+    return os.environ.get(TC_PREFILL_ENV, "0") == "1" and _compute_capability() >= 80
+
+
+def _tc_type(dtype) -> str:
+    """The prefill kernel's storage type: float16, or bfloat16 (ml_dtypes' type, or uint16 holding its bits)."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float16:
+        return "f16"
+    if dtype == np.uint16 or dtype.name == "bfloat16":
+        return "bf16"
+    raise ValueError(f"prefill_attention: dtype {dtype} is not float16 or bfloat16")
 
 
 @dataclass(frozen=True)
@@ -120,6 +151,9 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     else:
         part_acc = part_ml = _dummy()
     query = _inner_contiguous(query, "query")
+    prefill_elsewhere = num_tokens != num_seqs and tensor_core_prefill_enabled()
+    if prefill_elsewhere:  # chunks of 2+ tokens on tensor cores; the launch below does the decodes only
+        _launch_prefill(out, query, k_cache, v_cache, qsl, lens, tables, scale, window)
     attend = _kernel("paged_attention", attention_kernel_name(dim, block_size, launch.block_m))
     reduce = _kernel("paged_attention", attention_reduce_name(dim)) if max_parts > 1 else None
     for begin in range(0, num_seqs, chunk):  # one range, unless the partials would exceed the cap
@@ -129,7 +163,8 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
             (out, part_acc, part_ml, query, _i64(_elements(query.strides[0], 2, "query")),
              _i64(_elements(query.strides[1], 2, "query")), k_cache, v_cache, qsl, lens, tables,
              _i64(tables.shape[1]), _i32(num_seqs), _i32(num_heads), _i32(num_kv), _i32(launch.block_q),
-             _i32(max_parts), np.float32(scale * LOG2E), _i32(begin), _i32(end), _i32(window)),
+             _i32(max_parts), np.float32(scale * LOG2E), _i32(begin), _i32(end), _i32(window),
+             _i32(prefill_elsewhere)),
         )
         if reduce is not None:
             reduce((end - begin, num_heads), (dim,),
@@ -149,3 +184,63 @@ def partition_chunk(num_seqs: int, num_heads: int, head_dim: int, max_parts: int
         return max(1, num_seqs)
     return max(1, min(num_seqs, PARTITION_SCRATCH_BYTES // per_seq))
 
+
+
+def prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float,
+                      sliding_window: int | None = None, out=None):
+    """Tensor-core attention (prefill_attention.cu) for the rows of the sequences with two or more new tokens;
+    the rows of single-token sequences are left as they are in `out` (allocated, uninitialised, when None).
+    query [T, H, D] and the caches: float16, or bfloat16 (ml_dtypes' type, or uint16 arrays of its bits), one
+    dtype; D in PREFILL_HEAD_DIMS. Same metadata and sliding_window contract as paged_attention."""
+    import cupy
+
+    window = check_sliding_window(sliding_window)
+    _check_cache_pair(k_cache, v_cache, "prefill_attention")
+    num_blocks, block_size, num_kv, dim = k_cache.shape
+    if query.ndim != 3 or query.shape[2] != dim:
+        raise ValueError(f"prefill_attention: query must be [T, H, {dim}], got {tuple(query.shape)}")
+    if query.dtype != k_cache.dtype:
+        raise ValueError(f"prefill_attention: query dtype {query.dtype} and cache dtype {k_cache.dtype} differ")
+    _tc_type(query.dtype)
+    if dim not in PREFILL_HEAD_DIMS:
+        raise ValueError(f"prefill_attention: head_dim {dim} is not supported ({PREFILL_HEAD_DIMS})")
+    if block_size not in ATTN_BLOCK_SIZES:
+        raise ValueError(f"prefill_attention: block_size {block_size} is not supported ({ATTN_BLOCK_SIZES})")
+    if k_cache.data.ptr % 16 or v_cache.data.ptr % 16:
+        raise ValueError("prefill_attention: KV caches must be 16-byte aligned")
+    num_tokens, num_heads, _ = query.shape
+    if num_heads % num_kv:
+        raise ValueError(f"prefill_attention: {num_heads} query heads is not a multiple of {num_kv} kv heads")
+    if out is None:
+        out = cupy.empty(query.shape, dtype=query.dtype)
+    elif tuple(out.shape) != tuple(query.shape) or out.dtype != query.dtype or not out.flags.c_contiguous:
+        raise ValueError(f"prefill_attention: out must be a C-contiguous {query.dtype} array of {tuple(query.shape)}")
+    if num_tokens == 0:
+        return out
+    if not (is_cupy_array(seq_lens) or is_cupy_array(query_start_loc) or is_cupy_array(block_tables)):
+        check_metadata(query_start_loc, seq_lens, block_tables, num_tokens, block_size, num_blocks,
+                       "prefill_attention")
+    query = _inner_contiguous(query, "query")
+    _launch_prefill(out, query, k_cache, v_cache, _device_int32(query_start_loc), _device_int32(seq_lens),
+                    _device_int32(block_tables), scale, window)
+    return out
+
+
+def prefill_num_tiles(num_tokens: int, num_seqs: int) -> int:
+    """grid.x of prefill_attention_kernel: an upper bound on the 64-row query tiles, from T and B only."""
+    return (num_tokens - num_seqs) // PREFILL_BLOCK_Q + num_seqs
+
+
+def _launch_prefill(out, query, k_cache, v_cache, qsl, lens, tables, scale: float, window: int) -> None:
+    """One launch of prefill_attention_kernel; metadata already checked and on the device."""
+    num_tokens, num_heads, dim = query.shape
+    _, block_size, num_kv, _ = k_cache.shape
+    num_seqs = int(lens.shape[0])
+    q_token = _elements(query.strides[0], query.itemsize, "query")
+    q_head = _elements(query.strides[1], query.itemsize, "query")
+    if q_token % 2 or q_head % 2 or query.data.ptr % 4:
+        raise ValueError("prefill_attention: query rows must start on 4-byte boundaries (even strides)")
+    fn = _kernel("prefill_attention", prefill_kernel_name(dim, block_size, _tc_type(query.dtype)))
+    fn((prefill_num_tiles(num_tokens, num_seqs), num_heads), (PREFILL_THREADS,),
+       (out, query, _i64(q_token), _i64(q_head), k_cache, v_cache, qsl, lens, tables, _i64(tables.shape[1]),
+        _i32(num_seqs), _i32(num_heads), _i32(num_kv), np.float32(scale * LOG2E), _i32(window)))

@@ -44,6 +44,17 @@ ATTN_BLOCK_MS = (4, 8, 16, 32)  # rows (query tokens x heads of one group) per C
 MAX_QUERIES_PER_KV = max(ATTN_BLOCK_MS)
 LOG2E = 1.4426950408889634
 
+# Tensor-core prefill attention (prefill_attention.cu): 64 query rows per CTA (4 warps x 16), keys per tile.
+PREFILL_THREADS = 128
+PREFILL_BLOCK_Q = 64
+PREFILL_HEAD_DIMS = (64, 128, 256)
+PREFILL_TYPES = ("f16", "bf16")
+
+
+def prefill_kernel_name(head_dim: int, block_size: int, dtype: str) -> str:
+    return f"prefill_attention_kernel<{head_dim}, {block_size}, {dtype}>"
+
+
 # Storage dtypes of the elementwise kernels -> the C++ type name used in their instantiations.
 STORAGE_TYPES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "float"}
 
@@ -68,12 +79,14 @@ class KernelModule:
     source_file: str
     defines: tuple[tuple[str, int], ...]
     name_expressions: tuple[str, ...]
+    preludes: tuple[str, ...] = ()  # helper files (.cuh) placed between common.cu and the family's file
 
     def source(self) -> str:
         """The exact string compiled, by CuPy on a GPU machine and by nvcc in the compile test."""
         defines = "".join(f"#define {key} {value}\n" for key, value in self.defines)
         common = (KERNEL_DIR / "common.cu").read_text()
-        return defines + common + "\n" + (KERNEL_DIR / self.source_file).read_text()
+        preludes = "".join((KERNEL_DIR / p).read_text() + "\n" for p in self.preludes)
+        return defines + common + "\n" + preludes + (KERNEL_DIR / self.source_file).read_text()
 
 
 MODULES: dict[str, KernelModule] = {
@@ -85,6 +98,14 @@ MODULES: dict[str, KernelModule] = {
             (("PS_ATTN_THREADS", ATTN_THREADS), ("PS_TILE_N", ATTN_TILE_N), ("PS_PARTITION_SIZE", PARTITION_SIZE)),
             tuple(attention_kernel_name(d, bs, m) for d in ATTN_HEAD_DIMS for bs in ATTN_BLOCK_SIZES
                   for m in ATTN_BLOCK_MS) + tuple(attention_reduce_name(d) for d in ATTN_HEAD_DIMS),
+        ),
+        KernelModule(
+            "prefill_attention",
+            "prefill_attention.cu",
+            (("PS_PREFILL_THREADS", PREFILL_THREADS), ("PS_PREFILL_BLOCK_Q", PREFILL_BLOCK_Q)),
+            tuple(prefill_kernel_name(d, bs, t) for d in PREFILL_HEAD_DIMS for bs in ATTN_BLOCK_SIZES
+                  for t in PREFILL_TYPES),
+            preludes=("tensor_core.cuh",),
         ),
         KernelModule("cache_ops", "cache_ops.cu", (), _typed("reshape_and_cache_kernel") + ("copy_blocks_kernel",)),
         KernelModule("norm", "norm.cu", (), _typed("add_rms_norm_kernel")),

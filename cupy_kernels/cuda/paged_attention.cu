@@ -19,6 +19,8 @@
 //           they get ceil(seq_len / PS_PARTITION_SIZE) partitions, a function of their own length.
 //           A split sequence writes an unnormalised partial (acc, max, sum) per partition, combined by
 //           paged_attention_reduce_kernel. Everything else is done by partition 0 alone.
+// prefill_elsewhere = 1: sequences with more than one new token are left to prefill_attention.cu (their tiles
+// exit at once); the rest is unchanged.
 // Sequence range: a launch computes the sequences [seq_begin, seq_end) only (tiles of the others exit
 // at once) and indexes its partials by seq - seq_begin, so the host can bound the partial buffer
 // ([seq_end - seq_begin, H, max_parts, D] float32) by launching a large batch of long decodes in
@@ -98,7 +100,7 @@ paged_attention_kernel(f16* __restrict__ out,               // [T, H, D]
                        const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
                        const int* __restrict__ block_tables, long long block_table_stride, int num_seqs,
                        int num_heads, int num_kv_heads, int block_q, int max_parts, float scale_log2,
-                       int seq_begin, int seq_end, int sliding_window) {
+                       int seq_begin, int seq_end, int sliding_window, int prefill_elsewhere) {
     static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM <= 2 * PS_ATTN_THREADS, "unsupported head dim");
     static_assert(BLOCK_M % PS_ATTN_WARPS == 0, "rows must split evenly over warps");
     constexpr int ROWS_PER_WARP = BLOCK_M / PS_ATTN_WARPS;           // softmax / score rows per warp
@@ -129,6 +131,7 @@ paged_attention_kernel(f16* __restrict__ out,               // [T, H, D]
     if (seq < seq_begin || seq >= seq_end) return;
     const int q_begin = query_start_loc[seq];
     const int num_q = query_start_loc[seq + 1] - q_begin;
+    if (prefill_elsewhere && num_q > 1) return;  // prefill_attention_kernel (tensor cores) does these rows
     const int q0 = (tile - ((q_begin - seq) / block_q + seq)) * block_q;  // first local query
     if (q0 >= num_q) return;
     const int seq_len = seq_lens[seq];
