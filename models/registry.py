@@ -324,7 +324,13 @@ def gemma3_gguf_fields(arch: str, value: Callable[[str, Any], Any]) -> dict[str,
     head_dim = int(value(f"{arch}.attention.key_length", 256))
     hidden, heads = int(value(f"{arch}.embedding_length", 0)), int(value(f"{arch}.attention.head_count", 1))
     scalar = hidden // heads if layers == 62 else head_dim  # llama.cpp's LLM_TYPE_27B: 62 layers
-    return {"layer_types": tuple("sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)),
+    # the global layers' linear rope scaling of the 4B, 12B and 27B (factor 8): gemma3.rope.scaling.*
+    kind, factor = value(f"{arch}.rope.scaling.type", None), value(f"{arch}.rope.scaling.factor", None)
+    if kind not in (None, "none", "linear"):
+        raise ValueError(f"Gemma 3 GGUF with rope scaling {kind!r} is not supported (linear is)")
+    scaling = {"rope_type": "linear", "factor": float(factor)} if kind == "linear" and factor else None
+    types = tuple("sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers))
+    return {"rope_scaling": scaling, "layer_types": types,
             "sliding_window": int(value(f"{arch}.attention.sliding_window", 4096)),
             "rope_local_theta": 10000.0, "query_pre_attn_scalar": float(scalar), "hidden_act": "gelu_pytorch_tanh",
             "rms_norm_eps": float(value(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6))}

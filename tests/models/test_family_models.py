@@ -227,7 +227,12 @@ def _write_gguf(path, arch: str, cfg, weights, norm_offset: float = 0.0, extra=N
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     for key, value in (extra or {}).items():
-        w.add_uint32(f"{arch}.{key}", value)
+        if isinstance(value, str):
+            w.add_string(f"{arch}.{key}", value)
+        elif isinstance(value, float):
+            w.add_float32(f"{arch}.{key}", value)
+        else:
+            w.add_uint32(f"{arch}.{key}", value)
     for name, t in weights.items():
         if name in globals_:
             gname = globals_[name]
@@ -265,8 +270,16 @@ def test_gemma3_gguf_metadata_and_folded_norms(data_dir, tmp_path):
     assert cfg.architecture == "gemma3" and cfg.sliding_window == 8 and cfg.rope_local_theta == 1e4
     assert cfg.query_pre_attn_scalar == 256.0 and cfg.hidden_act == "gelu_pytorch_tanh"
     assert cfg.layer_types == ("sliding_attention", "sliding_attention")  # 2 layers of the 5:1 pattern
+    assert cfg.rope_scaling is None
     for name, t in loaded.weights.items():
         np.testing.assert_array_equal(w[name], t, err_msg=name)
+    # the 4B and larger: linear rope scaling (factor 8) on the global layers
+    _write_gguf(path, "gemma3", loaded.config, loaded.weights,
+                extra={"attention.sliding_window": 8, "rope.scaling.type": "linear", "rope.scaling.factor": 8.0})
+    assert load_gguf_weights(path)[0].rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    _write_gguf(path, "gemma3", loaded.config, loaded.weights, extra={"rope.scaling.type": "yarn"})
+    with pytest.raises(ValueError, match="Gemma 3 GGUF with rope scaling 'yarn' is not supported"):
+        load_gguf_weights(path)
 
 
 def _write_phi3_gguf(path, loaded, qtype: str = "F32") -> None:
