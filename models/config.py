@@ -152,11 +152,18 @@ def _longrope_extras(cfg: dict[str, Any], source: dict[str, Any]) -> dict[str, A
 
 
 def _sliding_layers(cfg: dict[str, Any]) -> dict[str, Any]:
-    """layer_types and sliding_window when config.json names sliding layers (Qwen3 with use_sliding_window)."""
+    """layer_types and sliding_window when config.json names sliding layers (Qwen3 with use_sliding_window), as
+    transformers reads them: its window only with use_sliding_window, and without layer_types the layers from
+    max_window_layers on."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
     types = tuple(cfg.get("layer_types") or ())
-    if "sliding_attention" not in types:
+    if not types and window is not None:
+        first = int(cfg.get("max_window_layers", 28))
+        types = tuple("sliding_attention" if i >= first else "full_attention"
+                      for i in range(int(cfg["num_hidden_layers"])))
+    if "sliding_attention" not in types or window is None:
         return {}
-    return {"layer_types": types, "sliding_window": cfg.get("sliding_window")}
+    return {"layer_types": types, "sliding_window": window}
 
 
 def _phi3_fields(cfg: dict[str, Any]) -> dict[str, Any]:

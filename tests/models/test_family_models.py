@@ -124,8 +124,14 @@ def test_qwen3_sliding_layers_only_when_config_names_them():
                                  "layer_types": ["full_attention"] * 2})
     assert plain.layer_types == () and plain.layer_window(1) is None
     mixed = config_from_hf_dict({**BASE, "architectures": ["Qwen3ForCausalLM"], "sliding_window": 64,
-                                 "layer_types": ["full_attention", "sliding_attention"]})
+                                 "use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"]})
     assert [mixed.layer_window(n) for n in range(2)] == [None, 64]
+    older = config_from_hf_dict({**BASE, "architectures": ["Qwen3ForCausalLM"], "sliding_window": 64,
+                                 "use_sliding_window": True, "max_window_layers": 1})  # no layer_types
+    assert older == mixed
+    off = config_from_hf_dict({**BASE, "architectures": ["Qwen3ForCausalLM"], "sliding_window": 64,
+                               "use_sliding_window": False, "max_window_layers": 1})
+    assert off.layer_types == ()
 
 
 def test_llama32_is_the_llama_class_with_tied_embeddings_and_llama3_rope(data_dir):
