@@ -12,13 +12,14 @@
 //   grid.x  query tiles: sequence s owns tiles tile_start(s) .. with tile_start(s) = (qsl[s] - s) / 64 + s (an
 //           upper bound on the count needs only T and B); surplus tiles exit at once.
 //   grid.y  query heads (GQA: kv head = head / (H / KV)).
-// Warp w owns rows 16w .. 16w + 15: their Q fragments stay in registers for the whole walk. Per tile of BLOCK_N
-// keys (64, or 32 for head dim 256: two tiles of K and V in 48 KiB of static shared memory) K and V come from the
-// cache through the block table by cp.async (keys outside [the first row's window start, the last row's
-// position] are zero-filled, never read), S = Q K^T by mma (fp32), the causal / window mask, an online softmax
-// per row in base 2 in fp32 (max and sum over the 4 lanes of a quad), P rounded to T and O += P V by mma, V's B
-// fragments by ldmatrix.trans. K of the next tile is fetched during the softmax and P V of this one, V of the
-// next during its scores. A warp skips a tile none of its rows sees (causal diagonal, window): an exact no-op.
+// Warp w owns rows 16w .. 16w + 15: their Q fragments stay in registers for the whole walk (head dims up to 128).
+// Per tile of BLOCK_N keys (64, or 32 for head dim 256: two tiles of K and V in 48 KiB of static shared memory)
+// K and V come from the cache through the block table by cp.async (keys outside [the first row's window start,
+// the last row's position] are zero-filled, never read), S = Q K^T by mma in fp32 (K's B fragments by ldmatrix),
+// the causal / window mask, an online softmax per row in base 2 in fp32 (max and sum over the 4 lanes of a
+// quad), P rounded to T and O += P V by mma (V's B fragments by ldmatrix.trans). K of the next tile is fetched
+// during the softmax and P V of this one, V of the next during its scores. A warp skips a tile none of its rows
+// sees (causal diagonal, window): an exact no-op. Tiles are taken last first (the causal tail is the heaviest).
 //
 // Batch invariance: key tiles sit at fixed positions (multiples of BLOCK_N); a tile a row sees nothing of is an
 // exact no-op for it (leading: m stays -inf and alpha = p = 0 on a zero acc; trailing: alpha = 1, p = 0), so a
@@ -75,15 +76,16 @@ __device__ __forceinline__ void load_q_fragment(unsigned int (&a)[4], const T* c
     }
 }
 
+// Head dim 64: at least 3 CTAs an SM (at most 168 registers; left alone ptxas picks 128 and spills on sm_80).
 template <int HEAD_DIM, int BLOCK_SIZE, typename T>
-__global__ void __launch_bounds__(PS_PREFILL_THREADS)
+__global__ void __launch_bounds__(PS_PREFILL_THREADS, HEAD_DIM <= 64 ? 3 : 1)
 prefill_attention_kernel(T* __restrict__ out,  // [T, H, D]
                          const T* __restrict__ query, long long q_stride_token, long long q_stride_head,
                          const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                          const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
                          const int* __restrict__ block_tables, long long block_table_stride, int num_seqs,
                          int num_heads, int num_kv_heads, float scale_log2, int sliding_window) {
-    static_assert(HEAD_DIM % 16 == 0, "head dim must be a multiple of 16");
+    static_assert(HEAD_DIM % 32 == 0, "head dim must be a multiple of 32 (two k-steps per ldmatrix)");
     constexpr int BLOCK_N = HEAD_DIM <= 128 ? 64 : 32;  // keys per tile
     constexpr int KSTEPS = HEAD_DIM / 16;                // k-steps of S = Q K^T
     constexpr int NT = BLOCK_N / 8;                      // n-tiles of S
@@ -97,7 +99,7 @@ prefill_attention_kernel(T* __restrict__ out,  // [T, H, D]
     const int warp = threadIdx.x >> 5;
     const int g = lane >> 2;  // groupID: rows g and g + 8 of the warp's 16
     const int t = lane & 3;   // threadID_in_group
-    const int tile = blockIdx.x;
+    const int tile = gridDim.x - 1 - blockIdx.x;  // last tiles first: a causal tile's work grows with its index
     const int head = blockIdx.y;
     const int kv_head = head / (num_heads / num_kv_heads);
 
@@ -174,20 +176,26 @@ prefill_attention_kernel(T* __restrict__ out,  // [T, H, D]
 #pragma unroll
                 for (int i = 0; i < 4; ++i) s[j][i] = 0.f;
 #pragma unroll
-            for (int kk = 0; kk < KSTEPS; ++kk) {
-                unsigned int qa[4];
-                if (Q_IN_REGS) {
+            for (int kk = 0; kk < KSTEPS; kk += 2) {
+                unsigned int qa[2][4];
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) qa[i] = qf[Q_IN_REGS ? kk : 0][i];
-                } else {
-                    load_q_fragment(qa, q_rows, pos, kk, t);
+                for (int h = 0; h < 2; ++h) {
+                    if (Q_IN_REGS) {
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) qa[h][i] = qf[Q_IN_REGS ? kk + h : 0][i];
+                    } else {
+                        load_q_fragment(qa[h], q_rows, pos, kk + h, t);
+                    }
                 }
 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
-                    // B = K^T: B[k = dim][n = key] = K[key][dim], two consecutive dims of key 8j + g
-                    const unsigned int b[2] = {*reinterpret_cast<const unsigned int*>(&k_s[8 * j + g][16 * kk + 2 * t]),
-                                               *reinterpret_cast<const unsigned int*>(&k_s[8 * j + g][16 * kk + 8 + 2 * t])};
-                    mma_m16n8k16<T>(s[j], qa, b);
+                    // B = K^T: B[k = dim][n = key] = K[key][dim]; one ldmatrix gives keys 8j.. for dims 16kk..16kk+31
+                    unsigned int b4[4];
+                    ldmatrix_x4(b4, &k_s[8 * j + (lane & 7)][16 * kk + (lane >> 3) * 8]);
+                    const unsigned int b0[2] = {b4[0], b4[1]};
+                    const unsigned int b1[2] = {b4[2], b4[3]};
+                    mma_m16n8k16<T>(s[j], qa[0], b0);
+                    mma_m16n8k16<T>(s[j], qa[1], b1);
                 }
             }
             float mx[2] = {neg_inf(), neg_inf()};

@@ -61,6 +61,15 @@ __device__ __forceinline__ void mma_m16n8k16<bf16>(float (&d)[4], const unsigned
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16: lanes 8i..8i+7 give the row addresses of matrix i; afterwards r[i] of
+// lane (g, t) holds (M_i[g][2t], M_i[g][2t+1]): an mma B fragment when M_i is an n x k tile stored row-major
+// (n rows), i.e. K[key][dim] read as B[k = dim][n = key] for S = Q K^T.
+__device__ __forceinline__ void ldmatrix_x4(unsigned int (&r)[4], const void* row_addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(row_addr)));
+}
+
 // ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: four 8x8 matrices of 16-bit values, transposed on the way.
 // Lanes 8i..8i+7 give the addresses of rows 0..7 of matrix i (16 bytes each, 16-byte aligned); afterwards
 // r[i] of lane (g, t) holds (M_i[2t][g], M_i[2t+1][g]): an mma B fragment when M_i is a k x n tile stored

@@ -330,9 +330,10 @@ inline void mma_m16n8k16(float (&d)[4], const unsigned int (&a)[4], const unsign
     for (int i = 0; i < 4; ++i) d[i] = out[i];
 }
 
-// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: lane 8i + r gives row r of matrix i; r[i] of lane (g, t)
-// becomes (M_i[2t][g], M_i[2t+1][g]). Rows must be 16-byte aligned, as on the GPU.
-inline void ldmatrix_x4_trans(unsigned int (&r)[4], const void* row_addr) {
+// ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16: lane 8i + r gives row r of matrix i (16 bytes, 16-byte
+// aligned, as on the GPU). r[i] of lane (g, t) becomes (M_i[g][2t], M_i[g][2t+1]), or with .trans
+// (M_i[2t][g], M_i[2t+1][g]).
+inline void ps_ldmatrix_x4(unsigned int (&r)[4], const void* row_addr, bool trans) {
     if (reinterpret_cast<std::uintptr_t>(row_addr) % 16) {
         std::fprintf(stderr, "host emulation: ldmatrix row address %p is not 16-byte aligned\n", row_addr);
         std::abort();
@@ -346,11 +347,15 @@ inline void ldmatrix_x4_trans(unsigned int (&r)[4], const void* row_addr) {
     for (int i = 0; i < 4; ++i) {
         unsigned short h[2];
         for (int j = 0; j < 2; ++j) {
-            const int src = 8 * i + 2 * t + j;  // the lane holding row 2t + j of matrix i
-            const std::uintptr_t row = (std::uintptr_t)s[src * 10] | ((std::uintptr_t)s[src * 10 + 1] << 32);
-            std::memcpy(&h[j], reinterpret_cast<const char*>(row) + 2 * g, 2);
+            const int row = trans ? 2 * t + j : g;  // M_i's row held by lane 8i + row
+            const int col = trans ? g : 2 * t + j;
+            const int src = 8 * i + row;
+            const std::uintptr_t addr = (std::uintptr_t)s[src * 10] | ((std::uintptr_t)s[src * 10 + 1] << 32);
+            std::memcpy(&h[j], reinterpret_cast<const char*>(addr) + 2 * col, 2);
         }
         r[i] = (unsigned)h[0] | ((unsigned)h[1] << 16);
     }
     ps_warp_release();
 }
+inline void ldmatrix_x4(unsigned int (&r)[4], const void* row_addr) { ps_ldmatrix_x4(r, row_addr, false); }
+inline void ldmatrix_x4_trans(unsigned int (&r)[4], const void* row_addr) { ps_ldmatrix_x4(r, row_addr, true); }

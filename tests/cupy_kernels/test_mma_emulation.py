@@ -35,13 +35,15 @@ __global__ void mma_probe(const unsigned* a, const unsigned* b, float* d) {
 }
 
 // m: 32 rows of 8 halves (16 bytes each) in shared memory, row i holding m[i]; lane L points at row perm[L].
+template <bool TRANS>
 __global__ void ldmatrix_probe(const unsigned short* m, const int* perm, unsigned* r) {
     __shared__ __align__(16) unsigned short s[32][8];
     const int lane = threadIdx.x;
     for (int j = 0; j < 8; ++j) s[lane][j] = m[8 * lane + j];
     __syncthreads();
     unsigned out[4];
-    ldmatrix_x4_trans(out, &s[perm[lane]][0]);
+    if (TRANS) ldmatrix_x4_trans(out, &s[perm[lane]][0]);
+    else ldmatrix_x4(out, &s[perm[lane]][0]);
     for (int i = 0; i < 4; ++i) r[4 * lane + i] = out[i];
 }
 
@@ -50,7 +52,8 @@ static int launch_warp(int which, void** args) {
     const int sizes[3] = {8, 8, 8};
     if (which == 0) return ps_launch(&mma_probe<f16>, dims, args, 3, sizes);
     if (which == 1) return ps_launch(&mma_probe<bf16>, dims, args, 3, sizes);
-    return ps_launch(&ldmatrix_probe, dims, args, 3, sizes);
+    if (which == 2) return ps_launch(&ldmatrix_probe<true>, dims, args, 3, sizes);
+    return ps_launch(&ldmatrix_probe<false>, dims, args, 3, sizes);
 }
 
 extern "C" int run_probe(int which, void* x, void* y, void* z) {
@@ -160,19 +163,22 @@ def test_mma_is_exact_on_small_integers(lib):
         np.testing.assert_array_equal(unpack_d(d), a_vals @ b_vals + c)
 
 
-def test_ldmatrix_x4_trans(lib):
+@pytest.mark.parametrize("trans", [True, False])
+def test_ldmatrix_x4(lib, trans):
     """Lane 8i + r points at row r of matrix i (rows given in a shuffled order): r[i] of lane (g, t) is
-    (M_i[2t][g], M_i[2t + 1][g])."""
+    (M_i[g][2t], M_i[g][2t + 1]), or with .trans (M_i[2t][g], M_i[2t + 1][g])."""
     rng = np.random.default_rng(3)
     rows = rng.integers(0, 1 << 16, (32, 8)).astype(np.uint16)  # 32 stored rows of 8 halves
     where = rng.permutation(32).astype(np.int32)  # matrix i's row r lives in stored row where[8i + r]
     got = np.zeros((32, 4), np.uint32)
-    assert lib.run_probe(2, ptr(rows), ptr(where), ptr(got)) == 0
+    assert lib.run_probe(2 if trans else 3, ptr(rows), ptr(where), ptr(got)) == 0
     for lane in range(32):
         g, t = lane >> 2, lane % 4
         for i in range(4):
             m = rows[where[8 * i: 8 * i + 8]]  # 8 x 8
-            assert got[lane, i] == int(m[2 * t, g]) | (int(m[2 * t + 1, g]) << 16), (lane, i)
+            if trans:
+                m = m.T
+            assert got[lane, i] == int(m[g, 2 * t]) | (int(m[g, 2 * t + 1]) << 16), (lane, i)
 
 
 def test_bf16_round_to_nearest_even(lib):
