@@ -166,8 +166,9 @@ def _sliding_layers(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"layer_types": types, "sliding_window": window}
 
 
-def _phi3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    # Phi-3 applies its sliding_window (2047 in Phi-3-mini-4k) to every layer, as transformers does.
+def _window_on_every_layer(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3 and Mistral apply their sliding_window (2047 in Phi-3-mini-4k, 4096 in Mistral-7B-v0.1; null in
+    the later ones) to every layer, as transformers does."""
     window = cfg.get("sliding_window")
     if window is None:
         return {}
@@ -206,7 +207,8 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 # What a family reads from config.json beyond the Llama block's keys (its values win over the common ones).
 _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "qwen3": _sliding_layers, "phi3": _phi3_fields, "gemma3": _gemma3_fields,
+    "qwen3": _sliding_layers, "phi3": _window_on_every_layer, "mistral": _window_on_every_layer,
+    "gemma3": _gemma3_fields,
 }
 
 

@@ -2,8 +2,9 @@
 
 The registry (models/registry.py) names this class for those families and holds their shape table. Qwen2
 only adds q/k/v bias; Phi-3's fused qkv_proj / gate_up_proj are split at load (hf_loader) and its LongRoPE
-lives in rope.py; Mistral is Llama without sliding window here. Weights arrive with Hugging Face names; at
-construction q/k/v are fused into one matrix and gate/up into another, so each layer does four matmuls.
+lives in rope.py; Mistral and Phi-3 may attend over a sliding window on every layer (config.sliding_window).
+Weights arrive with Hugging Face names; at construction q/k/v are fused into one matrix and gate/up into
+another, so each layer does four matmuls.
 
 Other families subclass it and override the step they change (models/qwen3.py: q/k norms before rotary;
 models/gemma3.py: four norms a layer, GELU, sliding windows): `_layer` (one layer's weights), `_query`

@@ -97,10 +97,12 @@ def test_phi3_longrope_from_the_hub_spelling():
         RotaryEmbedding(bad, get_backend("cpu", "numpy"))
 
 
-def test_phi3_sliding_window_covers_every_layer():
-    # Phi-3-mini-4k's 2047: transformers masks every layer with it
-    cfg = config_from_hf_dict({**BASE, "architectures": ["Phi3ForCausalLM"], "sliding_window": 2047})
-    assert [cfg.layer_window(n) for n in range(2)] == [2047, 2047]
+@pytest.mark.parametrize("arch, window", [("Phi3ForCausalLM", 2047), ("MistralForCausalLM", 4096)])
+def test_a_phi3_or_mistral_sliding_window_covers_every_layer(arch, window):
+    # Phi-3-mini-4k's 2047, Mistral-7B-v0.1's 4096: transformers masks every layer with it
+    cfg = config_from_hf_dict({**BASE, "architectures": [arch], "sliding_window": window})
+    assert [cfg.layer_window(n) for n in range(2)] == [window, window]
+    assert config_from_hf_dict({**BASE, "architectures": [arch], "sliding_window": None}).layer_types == ()
 
 
 def test_longrope_picks_factors_by_each_sequence_length(data_dir):
