@@ -11,6 +11,11 @@ LongRoPE picks its factors by sequence length, as transformers does (the length 
 sequence's choice never depends on the rest of the batch. A whole prompt past the pretraining length is
 rotated with the long factors, as transformers' one forward over it; a sequence that crosses the length
 while decoding keeps its earlier keys as they were rotated, as transformers' KV-cached generation does.
+
+Not yet right (the batch carries no prompt lengths, the prefix cache no factor choice): a long prompt cut
+into chunks rotates its chunks that end within the pretraining length with the short factors, and a
+prefix-cache hit may hand a short prompt keys a long one rotated with the long factors (or the reverse).
+Both need a prompt longer than original_max_position_embeddings (4,096 in Phi-3-128k).
 """
 
 from __future__ import annotations
