@@ -47,14 +47,15 @@ def tensor_core_prefill_enabled() -> bool:
     return os.environ.get(TC_PREFILL_ENV, "0") == "1" and _compute_capability() >= 80
 
 
-def _tc_type(dtype) -> str:
-    """The prefill kernel's storage type: float16, or bfloat16 (ml_dtypes' type, or uint16 holding its bits)."""
+def _storage_kind(dtype, what: str) -> str:
+    """The attention kernels' storage type T: float16 -> "f16"; bfloat16 (ml_dtypes' type, or uint16 arrays holding
+    bfloat16 bits: CuPy has no bfloat16 dtype) -> "bf16"."""
     dtype = np.dtype(dtype)
     if dtype == np.float16:
         return "f16"
     if dtype == np.uint16 or dtype.name == "bfloat16":
         return "bf16"
-    raise ValueError(f"prefill_attention: dtype {dtype} is not float16 or bfloat16")
+    raise ValueError(f"{what}: dtype {dtype} is not float16 or bfloat16")
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,8 @@ def plan_attention(query_shape, cache_shape, query_start_loc, seq_lens, block_ta
 
 def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float, plan=None,
                     sliding_window: int | None = None):
-    """Unified paged attention over a flat varlen batch: query [T, H, D] float16 -> out [T, H, D]. `plan` is
+    """Unified paged attention over a flat varlen batch: query [T, H, D] -> out [T, H, D], float16 or bfloat16
+    (_storage_kind; query and caches of one dtype). `plan` is
     plan_attention's None (accepted for the op table's one signature). `sliding_window`: None, or W (a query
     at p sees keys p - W < k <= p; the blocks before the window's are never read).
 
@@ -119,8 +121,9 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     num_blocks, block_size, num_kv, dim = k_cache.shape
     if query.ndim != 3 or query.shape[2] != dim:
         raise ValueError(f"paged_attention: query must be [T, H, {dim}], got {tuple(query.shape)}")
-    if query.dtype != np.float16 or k_cache.dtype != np.float16:
-        raise ValueError("paged_attention: the GPU kernel takes float16 query and caches")
+    if query.dtype != k_cache.dtype:
+        raise ValueError(f"paged_attention: query dtype {query.dtype} and cache dtype {k_cache.dtype} differ")
+    kind = _storage_kind(query.dtype, "paged_attention")
     if dim not in ATTN_HEAD_DIMS:
         raise ValueError(f"paged_attention: head_dim {dim} is not supported on the GPU ({ATTN_HEAD_DIMS})")
     if block_size not in ATTN_BLOCK_SIZES:
@@ -130,7 +133,7 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     num_tokens, num_heads, _ = query.shape
     num_seqs = int(seq_lens.shape[0])
     launch = attention_launch(num_heads, num_kv, num_tokens, num_seqs)
-    out = cupy.empty((num_tokens, num_heads, dim), dtype=cupy.float16)
+    out = cupy.empty((num_tokens, num_heads, dim), dtype=query.dtype)
     if num_tokens == 0:
         return out
     if is_cupy_array(seq_lens) or is_cupy_array(query_start_loc) or is_cupy_array(block_tables):
@@ -153,9 +156,9 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     query = _inner_contiguous(query, "query")
     prefill_elsewhere = num_tokens != num_seqs and tensor_core_prefill_enabled()
     if prefill_elsewhere:  # chunks of 2+ tokens on tensor cores; the launch below does the decodes only
-        _launch_prefill(out, query, k_cache, v_cache, qsl, lens, tables, scale, window)
-    attend = _kernel("paged_attention", attention_kernel_name(dim, block_size, launch.block_m))
-    reduce = _kernel("paged_attention", attention_reduce_name(dim)) if max_parts > 1 else None
+        _launch_prefill(out, query, k_cache, v_cache, qsl, lens, tables, scale, window, kind)
+    attend = _kernel("paged_attention", attention_kernel_name(dim, block_size, launch.block_m, kind))
+    reduce = _kernel("paged_attention", attention_reduce_name(dim, kind)) if max_parts > 1 else None
     for begin in range(0, num_seqs, chunk):  # one range, unless the partials would exceed the cap
         end = min(num_seqs, begin + chunk)
         attend(
@@ -201,7 +204,7 @@ def prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_
         raise ValueError(f"prefill_attention: query must be [T, H, {dim}], got {tuple(query.shape)}")
     if query.dtype != k_cache.dtype:
         raise ValueError(f"prefill_attention: query dtype {query.dtype} and cache dtype {k_cache.dtype} differ")
-    _tc_type(query.dtype)
+    kind = _storage_kind(query.dtype, "prefill_attention")
     if dim not in PREFILL_HEAD_DIMS:
         raise ValueError(f"prefill_attention: head_dim {dim} is not supported ({PREFILL_HEAD_DIMS})")
     if block_size not in ATTN_BLOCK_SIZES:
@@ -222,7 +225,7 @@ def prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_
                        "prefill_attention")
     query = _inner_contiguous(query, "query")
     _launch_prefill(out, query, k_cache, v_cache, _device_int32(query_start_loc), _device_int32(seq_lens),
-                    _device_int32(block_tables), scale, window)
+                    _device_int32(block_tables), scale, window, kind)
     return out
 
 
@@ -231,7 +234,7 @@ def prefill_num_tiles(num_tokens: int, num_seqs: int) -> int:
     return (num_tokens - num_seqs) // PREFILL_BLOCK_Q + num_seqs
 
 
-def _launch_prefill(out, query, k_cache, v_cache, qsl, lens, tables, scale: float, window: int) -> None:
+def _launch_prefill(out, query, k_cache, v_cache, qsl, lens, tables, scale: float, window: int, kind: str) -> None:
     """One launch of prefill_attention_kernel; metadata already checked and on the device."""
     num_tokens, num_heads, dim = query.shape
     _, block_size, num_kv, _ = k_cache.shape
@@ -240,7 +243,7 @@ def _launch_prefill(out, query, k_cache, v_cache, qsl, lens, tables, scale: floa
     q_head = _elements(query.strides[1], query.itemsize, "query")
     if q_token % 2 or q_head % 2 or query.data.ptr % 4:
         raise ValueError("prefill_attention: query rows must start on 4-byte boundaries (even strides)")
-    fn = _kernel("prefill_attention", prefill_kernel_name(dim, block_size, _tc_type(query.dtype)))
+    fn = _kernel("prefill_attention", prefill_kernel_name(dim, block_size, kind))
     fn((prefill_num_tiles(num_tokens, num_seqs), num_heads), (PREFILL_THREADS,),
        (out, query, _i64(q_token), _i64(q_head), k_cache, v_cache, qsl, lens, tables, _i64(tables.shape[1]),
         _i32(num_seqs), _i32(num_heads), _i32(num_kv), np.float32(scale * LOG2E), _i32(window)))

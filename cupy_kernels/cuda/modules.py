@@ -59,12 +59,17 @@ def prefill_kernel_name(head_dim: int, block_size: int, dtype: str) -> str:
 STORAGE_TYPES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "float"}
 
 
-def attention_kernel_name(head_dim: int, block_size: int, block_m: int) -> str:
-    return f"paged_attention_kernel<{head_dim}, {block_size}, {block_m}>"
+ATTN_TYPES = ("f16", "bf16")  # storage type of query, caches and out (the template's T; f16 by default)
 
 
-def attention_reduce_name(head_dim: int) -> str:
-    return f"paged_attention_reduce_kernel<{head_dim}>"
+def attention_kernel_name(head_dim: int, block_size: int, block_m: int, dtype: str = "f16") -> str:
+    suffix = "" if dtype == "f16" else f", {dtype}"
+    return f"paged_attention_kernel<{head_dim}, {block_size}, {block_m}{suffix}>"
+
+
+def attention_reduce_name(head_dim: int, dtype: str = "f16") -> str:
+    suffix = "" if dtype == "f16" else f", {dtype}"
+    return f"paged_attention_reduce_kernel<{head_dim}{suffix}>"
 
 
 def _typed(name: str) -> tuple[str, ...]:
@@ -96,8 +101,10 @@ MODULES: dict[str, KernelModule] = {
             "paged_attention",
             "paged_attention.cu",
             (("PS_ATTN_THREADS", ATTN_THREADS), ("PS_TILE_N", ATTN_TILE_N), ("PS_PARTITION_SIZE", PARTITION_SIZE)),
-            tuple(attention_kernel_name(d, bs, m) for d in ATTN_HEAD_DIMS for bs in ATTN_BLOCK_SIZES
-                  for m in ATTN_BLOCK_MS) + tuple(attention_reduce_name(d) for d in ATTN_HEAD_DIMS),
+            tuple(attention_kernel_name(d, bs, m, t) for t in ATTN_TYPES for d in ATTN_HEAD_DIMS
+                  for bs in ATTN_BLOCK_SIZES for m in ATTN_BLOCK_MS)
+            + tuple(attention_reduce_name(d, t) for t in ATTN_TYPES for d in ATTN_HEAD_DIMS),
+            preludes=("tensor_core.cuh",),
         ),
         KernelModule(
             "prefill_attention",

@@ -1,10 +1,11 @@
 // Unified paged attention over a flat, variable-length batch (prefill chunks and decodes mixed).
 //
 // Layout contract (see paged_attention.py):
-//   query   [T, H, D] float16, rows may be strided (a view of the fused qkv projection)
-//   caches  [num_blocks, BLOCK_SIZE, KV, D] float16, C-contiguous
+//   query   [T, H, D] float16 or bfloat16 (the template's T; f16 by default), rows may be strided (a view of
+//           the fused qkv projection)
+//   caches  [num_blocks, BLOCK_SIZE, KV, D] T, C-contiguous
 //   query_start_loc [B + 1], seq_lens [B], block_tables [B, stride] int32
-//   out     [T, H, D] float16
+//   out     [T, H, D] T (arithmetic in float32 whatever T is)
 // Query row j of a sequence with n new tokens sits at position seq_len - n + j and sees keys 0..pos;
 // with sliding_window = W > 0 only keys pos - W < key <= pos (0: no window).
 //
@@ -70,8 +71,8 @@ __device__ __forceinline__ int find_sequence(const int* __restrict__ query_start
 
 // Issue the cp.async copies of keys [t0, t0 + PS_TILE_N) of one kv head into a shared tile;
 // keys >= k_end or < k_lo (older than every row's window) are zero-filled, never read.
-template <int HEAD_DIM, int BLOCK_SIZE>
-__device__ __forceinline__ void load_kv_tile(f16 (*dst)[HEAD_DIM + 8], const f16* __restrict__ cache,
+template <int HEAD_DIM, int BLOCK_SIZE, typename T>
+__device__ __forceinline__ void load_kv_tile(T (*dst)[HEAD_DIM + 8], const T* __restrict__ cache,
                                              const int* __restrict__ block_table, long long slot_stride,
                                              int kv_head, int k_lo, int t0, int k_end) {
     constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per key row
@@ -79,7 +80,7 @@ __device__ __forceinline__ void load_kv_tile(f16 (*dst)[HEAD_DIM + 8], const f16
         const int row = c / CHUNKS;
         const int col = (c % CHUNKS) * 8;
         const int key = t0 + row;
-        const f16* src = cache;  // not read when the key is masked
+        const T* src = cache;  // not read when the key is masked
         int bytes = 0;
         if (key >= k_lo && key < k_end) {
             const long long block = block_table[key / BLOCK_SIZE];
@@ -90,13 +91,13 @@ __device__ __forceinline__ void load_kv_tile(f16 (*dst)[HEAD_DIM + 8], const f16
     }
 }
 
-template <int HEAD_DIM, int BLOCK_SIZE, int BLOCK_M>
+template <int HEAD_DIM, int BLOCK_SIZE, int BLOCK_M, typename T = f16>
 __global__ void __launch_bounds__(PS_ATTN_THREADS, PS_ATTN_MIN_BLOCKS)
-paged_attention_kernel(f16* __restrict__ out,               // [T, H, D]
+paged_attention_kernel(T* __restrict__ out,                 // [T, H, D]
                        float* __restrict__ part_acc,        // [seq_end - seq_begin, H, max_parts, D]
                        float* __restrict__ part_ml,         // [seq_end - seq_begin, H, max_parts, 2]
-                       const f16* __restrict__ query, long long q_stride_token, long long q_stride_head,
-                       const f16* __restrict__ k_cache, const f16* __restrict__ v_cache,
+                       const T* __restrict__ query, long long q_stride_token, long long q_stride_head,
+                       const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                        const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
                        const int* __restrict__ block_tables, long long block_table_stride, int num_seqs,
                        int num_heads, int num_kv_heads, int block_q, int max_parts, float scale_log2,
@@ -110,8 +111,8 @@ paged_attention_kernel(f16* __restrict__ out,               // [T, H, D]
     constexpr int ROWS_PER_THREAD = BLOCK_M / ROW_GROUPS;
 
     __shared__ __align__(16) float q_s[BLOCK_M][HEAD_DIM];
-    __shared__ __align__(16) f16 k_s[PS_TILE_N][HEAD_DIM + 8];  // +8 halves: conflict-free 16-byte reads
-    __shared__ __align__(16) f16 v_s[PS_TILE_N][HEAD_DIM + 8];
+    __shared__ __align__(16) T k_s[PS_TILE_N][HEAD_DIM + 8];  // +8 halves: conflict-free 16-byte reads
+    __shared__ __align__(16) T v_s[PS_TILE_N][HEAD_DIM + 8];
     __shared__ float p_s[BLOCK_M][PS_TILE_N + 1];
     __shared__ float alpha_s[BLOCK_M];
     __shared__ float m_s[BLOCK_M];
@@ -152,9 +153,9 @@ paged_attention_kernel(f16* __restrict__ out,               // [T, H, D]
     const long long slot_stride = (long long)num_kv_heads * HEAD_DIM;
 
     // Start fetching the first K and V tiles before anything else.
-    load_kv_tile<HEAD_DIM, BLOCK_SIZE>(k_s, k_cache, block_table, slot_stride, kv_head, key_lo, k_begin, k_end);
+    load_kv_tile<HEAD_DIM, BLOCK_SIZE, T>(k_s, k_cache, block_table, slot_stride, kv_head, key_lo, k_begin, k_end);
     cp_async_commit();
-    load_kv_tile<HEAD_DIM, BLOCK_SIZE>(v_s, v_cache, block_table, slot_stride, kv_head, key_lo, k_begin, k_end);
+    load_kv_tile<HEAD_DIM, BLOCK_SIZE, T>(v_s, v_cache, block_table, slot_stride, kv_head, key_lo, k_begin, k_end);
     cp_async_commit();
 
     // Rows: r = query_in_tile * group + head_in_group.
@@ -205,10 +206,10 @@ paged_attention_kernel(f16* __restrict__ out,               // [T, H, D]
 #pragma unroll
             for (int d = 0; d < HEAD_DIM; d += 8) {
                 const uint4 raw = *reinterpret_cast<const uint4*>(&k_s[lane][d]);
-                const float2 k01 = half2_to_float2(raw.x);
-                const float2 k23 = half2_to_float2(raw.y);
-                const float2 k45 = half2_to_float2(raw.z);
-                const float2 k67 = half2_to_float2(raw.w);
+                const float2 k01 = pair_to_float2<T>(raw.x);
+                const float2 k23 = pair_to_float2<T>(raw.y);
+                const float2 k45 = pair_to_float2<T>(raw.z);
+                const float2 k67 = pair_to_float2<T>(raw.w);
 #pragma unroll
                 for (int i = 0; i < ROWS_PER_WARP; ++i) {
                     const int r = warp + i * PS_ATTN_WARPS;
@@ -237,8 +238,8 @@ paged_attention_kernel(f16* __restrict__ out,               // [T, H, D]
         __syncthreads();  // every warp is done reading k_s
 
         if (it + 1 < num_kv_tiles)
-            load_kv_tile<HEAD_DIM, BLOCK_SIZE>(k_s, k_cache, block_table, slot_stride, kv_head, key_lo, t0 + PS_TILE_N,
-                                               k_end);
+            load_kv_tile<HEAD_DIM, BLOCK_SIZE, T>(k_s, k_cache, block_table, slot_stride, kv_head, key_lo,
+                                                  t0 + PS_TILE_N, k_end);
         cp_async_commit();  // possibly empty: keeps the group count uniform
 
         // Online softmax, base 2. Warp w owns rows w, w + 4, ... (the rows it just scored).
@@ -268,7 +269,7 @@ paged_attention_kernel(f16* __restrict__ out,               // [T, H, D]
         }
 #pragma unroll 4
         for (int t = 0; t < PS_TILE_N; ++t) {
-            const float2 v = half2_to_float2(*reinterpret_cast<const unsigned int*>(&v_s[t][2 * pair]));
+            const float2 v = pair_to_float2<T>(*reinterpret_cast<const unsigned int*>(&v_s[t][2 * pair]));
 #pragma unroll
             for (int j = 0; j < ROWS_PER_THREAD; ++j) {
                 const float p = p_s[row_group + j * ROW_GROUPS][t];
@@ -279,8 +280,8 @@ paged_attention_kernel(f16* __restrict__ out,               // [T, H, D]
         __syncthreads();  // every warp is done reading v_s and p_s
 
         if (it + 1 < num_kv_tiles)
-            load_kv_tile<HEAD_DIM, BLOCK_SIZE>(v_s, v_cache, block_table, slot_stride, kv_head, key_lo, t0 + PS_TILE_N,
-                                               k_end);
+            load_kv_tile<HEAD_DIM, BLOCK_SIZE, T>(v_s, v_cache, block_table, slot_stride, kv_head, key_lo,
+                                                  t0 + PS_TILE_N, k_end);
         cp_async_commit();
     }
     cp_async_wait<0>();
@@ -304,7 +305,7 @@ paged_attention_kernel(f16* __restrict__ out,               // [T, H, D]
             const float l = l_s[r];
             const float inv = l > 0.f ? 1.f / l : 0.f;
             unsigned int* dst = reinterpret_cast<unsigned int*>(out + (token * num_heads + head) * HEAD_DIM + 2 * pair);
-            *dst = float2_to_half2(acc[j].x * inv, acc[j].y * inv);
+            *dst = pack2<T>(acc[j].x * inv, acc[j].y * inv);
         } else {
             const long long slot = ((long long)(seq - seq_begin) * num_heads + head) * max_parts + part;
             float2* dst = reinterpret_cast<float2*>(part_acc + slot * HEAD_DIM + 2 * pair);
@@ -320,9 +321,9 @@ paged_attention_kernel(f16* __restrict__ out,               // [T, H, D]
 // Combine the partitions of split (single-token) sequences: one CTA per (sequence of the range, query
 // head), one thread per output dim. Partitions are folded in index order, so the result depends only on
 // the sequence.
-template <int HEAD_DIM>
+template <int HEAD_DIM, typename T = f16>
 __global__ void __launch_bounds__(HEAD_DIM)
-paged_attention_reduce_kernel(f16* __restrict__ out, const float* __restrict__ part_acc,
+paged_attention_reduce_kernel(T* __restrict__ out, const float* __restrict__ part_acc,
                               const float* __restrict__ part_ml, const int* __restrict__ query_start_loc,
                               const int* __restrict__ seq_lens, int num_heads, int max_parts, int seq_begin,
                               int sliding_window) {
@@ -347,5 +348,5 @@ paged_attention_reduce_kernel(f16* __restrict__ out, const float* __restrict__ p
         acc = fmaf(part_acc[(base + z) * HEAD_DIM + d], w, acc);
     }
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    out[((long long)q_begin * num_heads + head) * HEAD_DIM + d] = from_float<f16>(acc * inv);
+    out[((long long)q_begin * num_heads + head) * HEAD_DIM + d] = from_float<T>(acc * inv);
 }

@@ -1,4 +1,4 @@
-// Tensor-core helpers: bfloat16 storage and the warp-level m16n8k16 mma (sm_80+).
+// Tensor-core helpers: bfloat16 storage (bf16, pair_to_float2, pack2) and the warp-level m16n8k16 mma (sm_80+).
 //
 // Prepended (after common.cu) to the modules that list it in modules.py's `preludes`; the host emulation
 // (tests/cupy_kernels/_host_emulation.h) stands in for this whole file, with the same names.
@@ -33,6 +33,15 @@ template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) {
     return r;
 }
 
+// One register of two T (lo in the low half) <-> two floats.
+template <typename T> __device__ __forceinline__ float2 pair_to_float2(unsigned int v);
+template <> __device__ __forceinline__ float2 pair_to_float2<f16>(unsigned int v) { return half2_to_float2(v); }
+template <> __device__ __forceinline__ float2 pair_to_float2<bf16>(unsigned int v) {
+    float2 r;
+    r.x = __int_as_float((int)(v << 16));
+    r.y = __int_as_float((int)(v & 0xffff0000u));
+    return r;
+}
 // Two floats -> one register of two T (lo in the low half).
 template <typename T> __device__ __forceinline__ unsigned int pack2(float lo, float hi);
 template <> __device__ __forceinline__ unsigned int pack2<f16>(float lo, float hi) { return float2_to_half2(lo, hi); }

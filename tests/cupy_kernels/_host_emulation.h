@@ -289,6 +289,11 @@ inline unsigned short f2bf(float f) {
 inline float to_float(bf16 x) { return bf2f(x.bits); }
 template <> inline bf16 from_float<bf16>(float x) { return bf16{f2bf(x)}; }
 
+template <typename T> inline float2 pair_to_float2(unsigned int v);
+template <> inline float2 pair_to_float2<f16>(unsigned int v) { return half2_to_float2(v); }
+template <> inline float2 pair_to_float2<bf16>(unsigned int v) {
+    return float2{bf2f((unsigned short)(v & 0xffffu)), bf2f((unsigned short)(v >> 16))};
+}
 template <typename T> inline unsigned int pack2(float lo, float hi);
 template <> inline unsigned int pack2<f16>(float lo, float hi) { return float2_to_half2(lo, hi); }
 template <> inline unsigned int pack2<bf16>(float lo, float hi) {

@@ -461,14 +461,16 @@ def _prefill_case(rng, specs, kind, num_kv, group, dim, block_size):
     return (q, k, v, qsl, lens, tables), (qf, kf, vf)
 
 
-def _check_prefill(got, floats, qsl, lens, tables, scale, kind, window=None, what=""):
-    """Rows of sequences with 2+ new tokens against the numpy reference, with the error bound of rounding P and the
-    output to the storage type: |err| <= 2u (sum p|v| / l + |o|) (u: the type's unit roundoff)."""
+def _check_prefill(got, floats, qsl, lens, tables, scale, kind, window=None, what="", every_row=False):
+    """Rows of sequences with 2+ new tokens (every row with every_row) against the numpy reference, with the error
+    bound of rounding P and the output to the storage type: |err| <= 2u (sum p|v| / l + |o|) (u: the type's unit
+    roundoff)."""
     qf, kf, vf = floats
     tables = np.where(tables == gpu_helpers.PAD_BLOCK, 0, tables)
     ref = pa.paged_attention(qf, kf, vf, qsl, lens, tables, scale, sliding_window=window)
     ref_abs = pa.paged_attention(qf, kf, np.abs(vf), qsl, lens, tables, scale, sliding_window=window)
-    rows = np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in range(len(lens)) if qsl[i + 1] - qsl[i] > 1])
+    rows = np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in range(len(lens))
+                           if every_row or qsl[i + 1] - qsl[i] > 1])
     err = np.abs(got[rows].astype(np.float64) - ref[rows])
     bound = 2 * UNIT_ROUNDOFF[kind] * (ref_abs[rows] + np.abs(ref[rows])) + 1e-6
     assert np.all(err <= bound), f"{what}: worst {err.max():.3g}, {(err / bound).max():.2f} x the bound"
@@ -594,3 +596,21 @@ def test_prefill_attention_rejects_bad_input_on_host(emulated):
         call(_dev(q), _dev(k), _dev(v), qsl, lens, tables, 0.1, out=_dev(q[:-1]))
     with pytest.raises(ValueError, match="sliding_window"):
         call(_dev(q), _dev(k), _dev(v), qsl, lens, tables, 0.1, sliding_window=-3)
+
+
+@pytest.mark.parametrize("dim,group,window", [(64, 4, None), (128, 2, 37)])
+def test_paged_attention_bf16_on_host(emulated, monkeypatch, dim, group, window):
+    """bfloat16 query and caches (uint16 bits) through paged_attention: split decodes, chunks and prompts against
+    numpy on the bf16 values; with PAGEDSERVE_TC_PREFILL=1 the decode rows are the same bits and the prefill rows
+    (tensor cores) within the bound."""
+    rng = np.random.default_rng(dim)
+    (q, k, v, qsl, lens, tables), floats = _prefill_case(rng, PREFILL_SPECS, "bf16", 2, group, dim, 16)
+    got = cuda.paged_attention(_dev(q), _dev(k), _dev(v), qsl, lens, tables, 0.125, sliding_window=window).get()
+    assert got.dtype == np.uint16
+    _check_prefill(_values(got, "bf16"), floats, qsl, lens, tables, 0.125, "bf16", window, "bf16", every_row=True)
+    monkeypatch.setattr(cuda_attention, "_compute_capability", lambda: 80)
+    monkeypatch.setenv(cuda_attention.TC_PREFILL_ENV, "1")
+    tc = cuda.paged_attention(_dev(q), _dev(k), _dev(v), qsl, lens, tables, 0.125, sliding_window=window).get()
+    rows = _check_prefill(_values(tc, "bf16"), floats, qsl, lens, tables, 0.125, "bf16", window, "bf16/tc")
+    decodes = np.setdiff1d(np.arange(len(q)), rows)
+    np.testing.assert_array_equal(tc[decodes], got[decodes])
