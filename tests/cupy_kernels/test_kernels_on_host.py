@@ -614,3 +614,29 @@ def test_paged_attention_bf16_on_host(emulated, monkeypatch, dim, group, window)
     rows = _check_prefill(_values(tc, "bf16"), floats, qsl, lens, tables, 0.125, "bf16", window, "bf16/tc")
     decodes = np.setdiff1d(np.arange(len(q)), rows)
     np.testing.assert_array_equal(tc[decodes], got[decodes])
+
+
+def test_gpu_attention_bench_prefill_case_on_host(emulated, monkeypatch):
+    """bench/gpu_attention.py's prefill case on the emulation (a stand-in for CuPy's random, events and reductions):
+    both paths run, its bf16 conversion and the flag switching hold, the two paths agree, the flag is restored."""
+    import runpy
+
+    bench = runpy.run_path(str(Path(__file__).parents[2] / "bench" / "gpu_attention.py"), run_name="not_main")
+    cp = sys.modules["cupy"]
+    rng = np.random.default_rng(0)
+    cp.uint16, cp.uint32 = np.uint16, np.uint32
+    cp.random = types.SimpleNamespace(standard_normal=lambda shape, dtype: _dev(rng.standard_normal(shape), dtype))
+    cp.isfinite = lambda a: np.isfinite(np.asarray(a))
+    cp.abs = lambda a: np.abs(np.asarray(a))
+    event = types.SimpleNamespace(record=lambda: None, synchronize=lambda: None)
+    cp.cuda.Event = lambda: event
+    cp.cuda.get_elapsed_time = lambda a, b: 1.0
+    monkeypatch.setattr(cuda_attention, "_compute_capability", lambda: 90)
+    monkeypatch.delenv(cuda_attention.TC_PREFILL_ENV, raising=False)
+    row = bench["_prefill_case"](cp, 70, 64, "bf16", 16, 1, True)
+    assert row["paged"]["finite"] and row["tensor_cores"]["finite"], row
+    assert 0 < row["max_abs_diff_tc_vs_paged"] < 0.05, row  # bf16 P in the tensor-core path; fp32 P in the paged one
+    assert cuda_attention.TC_PREFILL_ENV not in os.environ
+    row = bench["_prefill_case"](cp, 40, 256, "fp16", 16, 1, True)
+    assert row["paged"] == {"skipped": "head dim not supported"} and row["tensor_cores"]["finite"]
+    assert row["tensor_cores"]["entry"] == "prefill_attention"
