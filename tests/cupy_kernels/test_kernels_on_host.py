@@ -28,6 +28,7 @@ import pytest
 
 import gpu_helpers
 from gpu_helpers import build_cache, cuda
+from prefill_checks import PREFILL_SPECS, as_float32, check_prefill, prefill_case
 from pagedserve.cupy_kernels.cuda import attention as cuda_attention, launch as cuda_launch, modules as cuda_modules
 from pagedserve.cupy_kernels.cuda import ops as cuda_ops
 from pagedserve.cupy_kernels.reference import paged_attention as pa
@@ -429,54 +430,6 @@ def test_attention_over_sequence_ranges_is_bitwise_the_same_on_host(emulated, mo
 # Tensor-core prefill attention (prefill_attention.cu: mma.sync m16n8k16 through the emulator's fragment model)
 # ---------------------------------------------------------------------------------------------
 
-# Prefill chunks: fresh prompts over one and several 64-row tiles (ragged ends), chunks deep in a context, and two
-# decodes whose rows the prefill kernel must leave alone.
-PREFILL_SPECS = [(150, 150), (20, 1), (70, 70), (300, 45), (2, 2), (129, 129), (600, 1)]
-UNIT_ROUNDOFF = {"f16": 2.0 ** -11, "bf16": 2.0 ** -8}
-
-
-def _bf16_bits(x) -> np.ndarray:
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even (no NaN here)
-
-
-def _as_kind(x, kind):
-    """(storage array, its float32 values): float16, or bfloat16 bits in uint16."""
-    if kind == "f16":
-        stored = np.asarray(x, np.float32).astype(np.float16)
-        return stored, stored.astype(np.float32)
-    bits = _bf16_bits(x)
-    return bits, (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def _values(stored, kind):
-    return stored.astype(np.float32) if kind == "f16" else (stored.astype(np.uint32) << 16).view(np.float32)
-
-
-def _prefill_case(rng, specs, kind, num_kv, group, dim, block_size):
-    k, v, qsl, lens, tables = build_cache(rng, specs, num_kv, dim, block_size)
-    k, kf = _as_kind(k.astype(np.float32), kind)
-    v, vf = _as_kind(v.astype(np.float32), kind)
-    q, qf = _as_kind(rng.standard_normal((int(qsl[-1]), num_kv * group, dim)), kind)
-    return (q, k, v, qsl, lens, tables), (qf, kf, vf)
-
-
-def _check_prefill(got, floats, qsl, lens, tables, scale, kind, window=None, what="", every_row=False):
-    """Rows of sequences with 2+ new tokens (every row with every_row) against the numpy reference, with the error
-    bound of rounding P and the output to the storage type: |err| <= 2u (sum p|v| / l + |o|) (u: the type's unit
-    roundoff)."""
-    qf, kf, vf = floats
-    tables = np.where(tables == gpu_helpers.PAD_BLOCK, 0, tables)
-    ref = pa.paged_attention(qf, kf, vf, qsl, lens, tables, scale, sliding_window=window)
-    ref_abs = pa.paged_attention(qf, kf, np.abs(vf), qsl, lens, tables, scale, sliding_window=window)
-    rows = np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in range(len(lens))
-                           if every_row or qsl[i + 1] - qsl[i] > 1])
-    err = np.abs(got[rows].astype(np.float64) - ref[rows])
-    bound = 2 * UNIT_ROUNDOFF[kind] * (ref_abs[rows] + np.abs(ref[rows])) + 1e-6
-    assert np.all(err <= bound), f"{what}: worst {err.max():.3g}, {(err / bound).max():.2f} x the bound"
-    return rows
-
-
 @pytest.fixture
 def tc_prefill(emulated, monkeypatch):
     """The tensor-core prefill path switched on, on an sm_90 stand-in."""
@@ -490,12 +443,12 @@ def test_prefill_attention_tensor_cores_on_host(emulated, kind, dim, block_size,
     """Against numpy: several tiles, ragged ends, GQA, chunks after a context; decode rows never written."""
     rng = np.random.default_rng(dim + group)
     specs = PREFILL_SPECS if dim < 256 else [(150, 150), (20, 1), (300, 45), (2, 2)]
-    (q, k, v, qsl, lens, tables), floats = _prefill_case(rng, specs, kind, 2, group, dim, block_size)
+    (q, k, v, qsl, lens, tables), floats = prefill_case(rng, specs, kind, 2, group, dim, block_size)
     scale = dim ** -0.5
     out = _garbage(q.shape, q.dtype)  # NaN / all-ones bits: rows left unwritten stay so
     cuda_attention.prefill_attention(_dev(q), _dev(k), _dev(v), qsl, lens, tables, scale, out=out)
-    got = _values(out.get(), kind)
-    rows = _check_prefill(got, floats, qsl, lens, tables, scale, kind, what=f"{kind}/{dim}")
+    got = as_float32(out.get(), kind)
+    rows = check_prefill(got, floats, qsl, lens, tables, scale, kind, what=f"{kind}/{dim}")
     untouched = np.setdiff1d(np.arange(len(q)), rows)
     assert untouched.size and np.all(out.get()[untouched].view(np.uint16) == 0xFFFF)
 
@@ -507,10 +460,10 @@ def test_prefill_attention_tensor_cores_sliding_window_on_host(emulated, kind, w
     window poisoned with NaN (the walk starts at the window's tile; older keys are never read)."""
     rng = np.random.default_rng(window)
     specs = [(300, 45), (150, 150), (20, 1), (129, 129)]
-    (q, k, v, qsl, lens, tables), floats = _prefill_case(rng, specs, kind, 2, 2, 64, 16)
+    (q, k, v, qsl, lens, tables), floats = prefill_case(rng, specs, kind, 2, 2, 64, 16)
     got = cuda_attention.prefill_attention(_dev(q), _dev(k), _dev(v), qsl, lens, tables, 0.125,
                                            sliding_window=window).get()
-    rows = _check_prefill(_values(got, kind), floats, qsl, lens, tables, 0.125, kind, window, f"{kind}/window")
+    rows = check_prefill(as_float32(got, kind), floats, qsl, lens, tables, 0.125, kind, window, f"{kind}/window")
     nan = np.float16(np.nan) if kind == "f16" else np.uint16(0x7FC0)
     poisoned = 0
     for i, length in enumerate(lens):
@@ -528,7 +481,7 @@ def test_prefill_tensor_cores_chunked_or_alone_same_bits_on_host(emulated):
     """A 200-token prompt whole and in chunks of 31, 69 and 100 (each a CTA walk from another first row), and each
     sequence alone vs in a batch: the same bits (key tiles at fixed positions; skipped tiles are exact no-ops)."""
     rng = np.random.default_rng(12)
-    (q, k, v, qsl, lens, tables), _ = _prefill_case(rng, [(200, 200), (90, 70)], "bf16", 1, 4, 64, 16)
+    (q, k, v, qsl, lens, tables), _ = prefill_case(rng, [(200, 200), (90, 70)], "bf16", 1, 4, 64, 16)
     for window in (None, 45):
         whole = cuda_attention.prefill_attention(_dev(q), _dev(k), _dev(v), qsl, lens, tables, 0.125,
                                                  sliding_window=window).get()
@@ -547,14 +500,14 @@ def test_paged_attention_with_tensor_core_prefill_on_host(tc_prefill, monkeypatc
     kernel, which skips the prefill sequences); decode rows are bit for bit the flag-off ones; prefill rows within
     the bound; a decode-only batch is one launch; host and device metadata give the same bits."""
     rng = np.random.default_rng(21)
-    (q, k, v, qsl, lens, tables), floats = _prefill_case(rng, PREFILL_SPECS, "f16", 2, 4, 64, 16)
+    (q, k, v, qsl, lens, tables), floats = prefill_case(rng, PREFILL_SPECS, "f16", 2, 4, 64, 16)
     launched = []
     real_kernel = cuda_attention._kernel
     monkeypatch.setattr(cuda_attention, "_kernel",
                         lambda module, name: launched.append(name.split("<")[0]) or real_kernel(module, name))
     got = cuda.paged_attention(_dev(q), _dev(k), _dev(v), qsl, lens, tables, 0.125, sliding_window=70).get()
     assert launched == ["prefill_attention_kernel", "paged_attention_kernel", "paged_attention_reduce_kernel"]
-    rows = _check_prefill(got.astype(np.float32), floats, qsl, lens, tables, 0.125, "f16", 70, "mixed")
+    rows = check_prefill(got.astype(np.float32), floats, qsl, lens, tables, 0.125, "f16", 70, "mixed")
     device = cuda.paged_attention(_dev(q), _dev(k), _dev(v), _dev(qsl), _dev(lens), _dev(tables), 0.125,
                                   sliding_window=70).get()
     np.testing.assert_array_equal(device, got)
@@ -583,7 +536,7 @@ def test_tensor_core_prefill_flag(monkeypatch):
 
 def test_prefill_attention_rejects_bad_input_on_host(emulated):
     rng = np.random.default_rng(1)
-    (q, k, v, qsl, lens, tables), _ = _prefill_case(rng, [(40, 40)], "f16", 1, 2, 64, 16)
+    (q, k, v, qsl, lens, tables), _ = prefill_case(rng, [(40, 40)], "f16", 1, 2, 64, 16)
     call = cuda_attention.prefill_attention
     with pytest.raises(ValueError, match="dtype"):
         call(_dev(q.astype(np.float32)), _dev(k), _dev(v), qsl, lens, tables, 0.1)
@@ -604,14 +557,14 @@ def test_paged_attention_bf16_on_host(emulated, monkeypatch, dim, group, window)
     numpy on the bf16 values; with PAGEDSERVE_TC_PREFILL=1 the decode rows are the same bits and the prefill rows
     (tensor cores) within the bound."""
     rng = np.random.default_rng(dim)
-    (q, k, v, qsl, lens, tables), floats = _prefill_case(rng, PREFILL_SPECS, "bf16", 2, group, dim, 16)
+    (q, k, v, qsl, lens, tables), floats = prefill_case(rng, PREFILL_SPECS, "bf16", 2, group, dim, 16)
     got = cuda.paged_attention(_dev(q), _dev(k), _dev(v), qsl, lens, tables, 0.125, sliding_window=window).get()
     assert got.dtype == np.uint16
-    _check_prefill(_values(got, "bf16"), floats, qsl, lens, tables, 0.125, "bf16", window, "bf16", every_row=True)
+    check_prefill(as_float32(got, "bf16"), floats, qsl, lens, tables, 0.125, "bf16", window, "bf16", every_row=True)
     monkeypatch.setattr(cuda_attention, "_compute_capability", lambda: 80)
     monkeypatch.setenv(cuda_attention.TC_PREFILL_ENV, "1")
     tc = cuda.paged_attention(_dev(q), _dev(k), _dev(v), qsl, lens, tables, 0.125, sliding_window=window).get()
-    rows = _check_prefill(_values(tc, "bf16"), floats, qsl, lens, tables, 0.125, "bf16", window, "bf16/tc")
+    rows = check_prefill(as_float32(tc, "bf16"), floats, qsl, lens, tables, 0.125, "bf16", window, "bf16/tc")
     decodes = np.setdiff1d(np.arange(len(q)), rows)
     np.testing.assert_array_equal(tc[decodes], got[decodes])
 
