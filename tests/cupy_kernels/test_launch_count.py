@@ -178,7 +178,7 @@ class RecordingKernel:
 class RecordingGemm:
     def matmul(self, x, w, out=None):
         TALLY.launches["cublasGemmEx"] += 1
-        return _wrap(np.empty((x.shape[0], w.shape[1]), dtype=x.dtype)) if out is None else out
+        return _wrap(np.zeros((x.shape[0], w.shape[1]), dtype=x.dtype)) if out is None else out
 
 
 @pytest.fixture
@@ -192,27 +192,28 @@ def counting(monkeypatch):
     return TALLY
 
 
-def _model(num_layers: int):
+def _model(num_layers: int, attention_bias: bool = False):
     from pagedserve.cupy_kernels.backend import get_backend
     from pagedserve.models.config import ModelConfig
     from pagedserve.models.llama import LlamaForCausalLM, expected_shapes
 
     cfg = ModelConfig(architecture="llama", vocab_size=512, hidden_size=256, intermediate_size=512,
                       num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False)
+                      rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False,
+                      attention_bias=attention_bias)
     rng = np.random.default_rng(0)
     weights = {n: (rng.standard_normal(s) * 0.05 + (1.0 if n.endswith("norm.weight") else 0.0)).astype(np.float32)
                for n, s in expected_shapes(cfg).items()}
     return cfg, LlamaForCausalLM(cfg, weights, get_backend("cuda"))
 
 
-def _count_decode_step(num_layers: int, lens=(700, 37, 120, 5)) -> dict:
+def _count_decode_step(num_layers: int, lens=(700, 37, 120, 5), attention_bias: bool = False) -> dict:
     """Counts for one decode step of len(lens) sequences (one at 700 tokens: a split decode + its reduce)."""
     from pagedserve.models.batch import SeqChunk, build_forward_batch
     from pagedserve.models.kv_cache import allocate_kv_caches
     from pagedserve.cupy_kernels.backend import get_backend
 
-    cfg, model = _model(num_layers)
+    cfg, model = _model(num_layers, attention_bias)
     bs = 16
     tables, at = [], 0
     for n in lens:
@@ -227,8 +228,9 @@ def _count_decode_step(num_layers: int, lens=(700, 37, 120, 5)) -> dict:
             "uploads": TALLY.uploads, "allocations": TALLY.allocations}
 
 
-def per_layer_counts() -> dict:
-    one, two = _count_decode_step(1), _count_decode_step(2)
+def per_layer_counts(attention_bias: bool = False) -> dict:
+    one = _count_decode_step(1, attention_bias=attention_bias)
+    two = _count_decode_step(2, attention_bias=attention_bias)
     return {
         "launches": two["launches"] - one["launches"],
         "expressions": two["expressions"] - one["expressions"],
@@ -281,3 +283,11 @@ def test_a_decode_layer_runs_no_cupy_array_expression(counting):
 def test_a_decode_step_runs_no_cupy_array_expression(counting):
     step = _count_decode_step(2)
     assert sum(step["expressions"].values()) == 0, dict(step["expressions"])
+
+
+@pytest.mark.xfail(strict=True, reason="measured on this harness (2026-12-04): a layer with q/k/v bias (Qwen2) adds "
+                   "one CuPy expression, ops.linear's `out += bias`; a cuBLASLt bias epilogue or a bias-add kernel "
+                   "would remove it (cublas.py has no cuBLASLt route yet)")
+def test_a_biased_decode_layer_runs_no_cupy_array_expression(counting):
+    counts = per_layer_counts(attention_bias=True)
+    assert sum(counts["expressions"].values()) == 0, dict(counts["expressions"])
