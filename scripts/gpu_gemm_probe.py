@@ -3,8 +3,9 @@
 For each route of cupy_kernels/cuda/cublas_route.py (ctypes: our libcublas binding; nvmath: nvmath-python's
 bindings), with its own handle, stream and workspace: load it, multiply a float16 [8, 512] x [512, 384]
 (F-ordered weight, as a tied lm_head) eagerly, capture the same GEMM on a private stream, replay the graph
-onto new inputs, and check both against float64 on the host. Also CuPy's own matmul inside a capture (the
-refusal of 2026-12-04, kept as the control). `chosen` is what the run-time rule (`pick_route`) takes, and
+onto new inputs, and check both against float64 on the host; then the wall time per call of 200 eager
+GEMMs and of 200 launches of that one-GEMM graph. Also CuPy's own matmul inside a capture (the refusal of
+2026-12-04, kept as the control). `chosen` is what the run-time rule (`pick_route`) takes, and
 `linear_route` what the op table's `linear` actually chose in this process.
 
     python scripts/gpu_gemm_probe.py      # exit 0 when a capturable route exists, 1 when none, 2 without a GPU
@@ -51,7 +52,7 @@ def run() -> dict:
             raise RuntimeError("no CUDA device")
     except Exception as e:  # noqa: BLE001
         return {"probe": "gemm_capture", "error": f"no usable GPU: {type(e).__name__}: {e}", "chosen": None}
-    results = [cublas_route.probe_route(route, cp) for route in cublas_route.ROUTES]
+    results = [cublas_route.probe_route(route, cp, timing_calls=200) for route in cublas_route.ROUTES]
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())
     from pagedserve.cupy_kernels.cuda import ops
 

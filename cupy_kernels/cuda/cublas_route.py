@@ -52,9 +52,10 @@ def _close_enough(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> tuple[bool, 
     return bool(np.isfinite(got).all() and err.max() <= 2e-3), float(err.max())
 
 
-def probe_route(route: str, cupy: Any, m: int = 8, k: int = 512, n: int = 384) -> dict:
+def probe_route(route: str, cupy: Any, m: int = 8, k: int = 512, n: int = 384, timing_calls: int = 0) -> dict:
     """Load `route`, multiply once eagerly, capture one GEMM into a graph on a private stream, replay it onto
-    new inputs: a dict of what worked (and the first error). Never raises."""
+    new inputs: a dict of what worked (and the first error). Never raises. timing_calls > 0 (the probe script):
+    also the wall time per call of that many eager calls and of as many graph launches, host time included."""
     out: dict[str, Any] = {"route": route, "loaded": False, "eager_ok": False, "capture_ok": False,
                            "replay_ok": False, "error": None}
     g = None
@@ -89,6 +90,16 @@ def probe_route(route: str, cupy: Any, m: int = 8, k: int = 512, n: int = 384) -
         graph.launch(stream)
         stream.synchronize()
         out["replay_ok"], out["replay_rel_err"] = _close_enough(y.get(), xh2, wh)
+        if timing_calls:
+            with stream:
+                for label, call in (("eager_call_us", lambda: g.matmul(x, w, out=y)),
+                                    ("graph_launch_us", lambda: graph.launch(stream))):
+                    stream.synchronize()
+                    t1 = time.perf_counter()
+                    for _ in range(timing_calls):
+                        call()
+                    stream.synchronize()
+                    out[label] = round((time.perf_counter() - t1) / timing_calls * 1e6, 2)
     except Exception as e:  # noqa: BLE001 - a probe reports, the caller decides
         out["error"] = f"{type(e).__name__}: {e}"
     finally:

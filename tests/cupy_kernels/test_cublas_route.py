@@ -197,4 +197,5 @@ def test_the_probe_script_reports_the_routes_and_what_linear_chose(fake_libcubla
     result = runpy.run_path(str(script), run_name="gpu_gemm_probe_under_test")["run"]()
     routes = {r["route"]: r for r in result["routes"]}
     assert routes["ctypes"]["replay_ok"] and not routes["nvmath"]["loaded"] and "nvmath" in routes["nvmath"]["error"]
+    assert routes["ctypes"]["eager_call_us"] > 0 and routes["ctypes"]["graph_launch_us"] > 0
     assert result["chosen"] == "ctypes" and result["linear_route"] == "ctypes" and result["device"] == "Stand-in GPU"
