@@ -85,7 +85,7 @@ __global__ void argmax_rows_kernel(long long* __restrict__ out, const T* __restr
 //     id, c = floor((u * W - the kept mass above t*) / w(t*)) + 1.
 #define PS_SP 16  // pivots per pass
 #define PS_SAMPLE_THREADS 512  // the most threads a launch uses (the launcher's choice; registers allow no more)
-#define PS_CANDIDATES 2048  // a top-k set of at most this many tokens moves to shared memory (PS_CAND_MAX in ops)
+#define PS_CANDIDATES 2048  // a top-k set of at most this many tokens moves to shared memory
 
 __device__ __forceinline__ int ps_float_bits(float f) {
 #if defined(__CUDACC__)
