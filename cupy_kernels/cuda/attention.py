@@ -36,10 +36,17 @@ PARTITION_SCRATCH_BYTES = 64 << 20
 TC_PREFILL_ENV = "PAGEDSERVE_TC_PREFILL"
 
 
+_capabilities: dict[int, int] = {}
+
+
 def _compute_capability() -> int:
+    """The current device's compute capability as an int (90 for sm_90), looked up once per device."""
     import cupy
 
-    return int(cupy.cuda.Device().compute_capability)
+    device = cupy.cuda.runtime.getDevice()
+    if device not in _capabilities:
+        _capabilities[device] = int(cupy.cuda.Device(device).compute_capability)
+    return _capabilities[device]
 
 
 def tensor_core_prefill_enabled() -> bool:
