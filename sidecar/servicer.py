@@ -48,6 +48,8 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         kwargs["stop"] = list(msg.stop)
     if msg.stop_token_ids:
         kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    if msg.logit_bias:
+        kwargs["logit_bias"] = dict(msg.logit_bias)
     if msg.HasField("structured_outputs"):
         kwargs["structured_outputs"] = structured_outputs_from_proto(msg.structured_outputs)
     return SamplingParams(**kwargs)  # ValueError names the field

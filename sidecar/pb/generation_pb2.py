@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\"\xdf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"z\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x8c\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\t\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x0b \x01(\x05H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0c \x01(\x05H\x0b\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x05\x12\x17\n\nignore_eos\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12\x15\n\x08logprobs\x18\x10 \x01(\x05H\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08H\x0f\x88\x01\x01\x12<\n\x12structured_outputs\x18\x13 \x01(\x0b\x32 .pagedserve.v1.StructuredOutputsB\x04\n\x02_nB\n\n\x08_best_ofB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x1d\n\x1b_include_stop_str_in_output\"\xbc\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x15.pagedserve.v1.ChoiceH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x13\n\x06strict\x18\x06 \x01(\x08H\x01\x88\x01\x01\x42\x0c\n\nconstraintB\t\n\x07_strict\"\x19\n\x06\x43hoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"h\n\x10GenerateResponse\x12%\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x14.pagedserve.v1.ChunkH\x00\x12%\n\x05usage\x18\x02 \x01(\x0b\x32\x14.pagedserve.v1.UsageH\x00\x42\x06\n\x04kind\"\xe7\x01\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x12\n\x08stop_str\x18\x07 \x01(\tH\x00\x12\x10\n\x08warnings\x18\x08 \x03(\t\x12\x19\n\x11schema_violations\x18\t \x03(\tB\r\n\x0bstop_reason\"c\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x99\x01\n\x05Usage\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x14\n\x0cqueue_time_s\x18\x05 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x06 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x07 \x01(\x01\"\x8f\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"4\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xfa\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\x0f\n\x07kernels\x18\t \x01(\t\x12\x13\n\x0b\x62las_kernel\x18\n \x01(\t\x12\x14\n\x0c\x62las_threads\x18\x0b \x01(\r\x12\x17\n\x0fnumba_code_path\x18\x0c \x01(\t\"\x17\n\x15GetServerStatsRequest\"\xb3\x04\n\x0bServerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_utilization\x18\x05 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x06 \x01(\x01\x12\x1b\n\x13output_tokens_per_s\x18\x07 \x01(\x01\x12\x1a\n\x12total_tokens_per_s\x18\x08 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x10\n\x08uptime_s\x18\n \x01(\x01\x12\x16\n\x0ekv_blocks_sent\x18\x0b \x01(\x04\x12\x1a\n\x12kv_blocks_received\x18\x0c \x01(\x04\x12\x17\n\x0fremote_prefills\x18\r \x01(\x04\x12\x1f\n\x17local_prefill_fallbacks\x18\x0e \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\x0f \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\x10 \x01(\x04\x12\x15\n\rkv_transfer_s\x18\x11 \x01(\x01\x12\x13\n\x0bspec_method\x18\x12 \x01(\t\x12\x1d\n\x15spec_num_draft_tokens\x18\x13 \x01(\x04\x12 \n\x18spec_num_accepted_tokens\x18\x14 \x01(\x04\x12!\n\x19spec_mean_accepted_length\x18\x15 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xe1\x03\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponse\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12R\n\x0eGetServerStats\x12$.pagedserve.v1.GetServerStatsRequest\x1a\x1a.pagedserve.v1.ServerStats\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\"\xdf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"z\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x80\x07\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\t\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x0b \x01(\x05H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0c \x01(\x05H\x0b\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x05\x12\x17\n\nignore_eos\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12\x15\n\x08logprobs\x18\x10 \x01(\x05H\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08H\x0f\x88\x01\x01\x12<\n\x12structured_outputs\x18\x13 \x01(\x0b\x32 .pagedserve.v1.StructuredOutputs\x12@\n\nlogit_bias\x18\x14 \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_nB\n\n\x08_best_ofB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x1d\n\x1b_include_stop_str_in_output\"\xbc\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x15.pagedserve.v1.ChoiceH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x13\n\x06strict\x18\x06 \x01(\x08H\x01\x88\x01\x01\x42\x0c\n\nconstraintB\t\n\x07_strict\"\x19\n\x06\x43hoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"h\n\x10GenerateResponse\x12%\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x14.pagedserve.v1.ChunkH\x00\x12%\n\x05usage\x18\x02 \x01(\x0b\x32\x14.pagedserve.v1.UsageH\x00\x42\x06\n\x04kind\"\xe7\x01\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x12\n\x08stop_str\x18\x07 \x01(\tH\x00\x12\x10\n\x08warnings\x18\x08 \x03(\t\x12\x19\n\x11schema_violations\x18\t \x03(\tB\r\n\x0bstop_reason\"c\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x99\x01\n\x05Usage\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x14\n\x0cqueue_time_s\x18\x05 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x06 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x07 \x01(\x01\"\x8f\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"4\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xfa\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\x0f\n\x07kernels\x18\t \x01(\t\x12\x13\n\x0b\x62las_kernel\x18\n \x01(\t\x12\x14\n\x0c\x62las_threads\x18\x0b \x01(\r\x12\x17\n\x0fnumba_code_path\x18\x0c \x01(\t\"\x17\n\x15GetServerStatsRequest\"\xb3\x04\n\x0bServerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_utilization\x18\x05 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x06 \x01(\x01\x12\x1b\n\x13output_tokens_per_s\x18\x07 \x01(\x01\x12\x1a\n\x12total_tokens_per_s\x18\x08 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x10\n\x08uptime_s\x18\n \x01(\x01\x12\x16\n\x0ekv_blocks_sent\x18\x0b \x01(\x04\x12\x1a\n\x12kv_blocks_received\x18\x0c \x01(\x04\x12\x17\n\x0fremote_prefills\x18\r \x01(\x04\x12\x1f\n\x17local_prefill_fallbacks\x18\x0e \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\x0f \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\x10 \x01(\x04\x12\x15\n\rkv_transfer_s\x18\x11 \x01(\x01\x12\x13\n\x0bspec_method\x18\x12 \x01(\t\x12\x1d\n\x15spec_num_draft_tokens\x18\x13 \x01(\x04\x12 \n\x18spec_num_accepted_tokens\x18\x14 \x01(\x04\x12!\n\x19spec_mean_accepted_length\x18\x15 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xe1\x03\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponse\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12R\n\x0eGetServerStats\x12$.pagedserve.v1.GetServerStatsRequest\x1a\x1a.pagedserve.v1.ServerStats\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=50
   _globals['_GENERATEREQUEST']._serialized_end=273
   _globals['_TOKENIDS']._serialized_start=275
@@ -40,41 +42,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=346
   _globals['_CHATMESSAGES']._serialized_end=468
   _globals['_SAMPLINGPARAMS']._serialized_start=471
-  _globals['_SAMPLINGPARAMS']._serialized_end=1251
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1254
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1442
-  _globals['_CHOICE']._serialized_start=1444
-  _globals['_CHOICE']._serialized_end=1469
-  _globals['_GENERATERESPONSE']._serialized_start=1471
-  _globals['_GENERATERESPONSE']._serialized_end=1575
-  _globals['_CHUNK']._serialized_start=1578
-  _globals['_CHUNK']._serialized_end=1809
-  _globals['_TOKENLOGPROBS']._serialized_start=1811
-  _globals['_TOKENLOGPROBS']._serialized_end=1910
-  _globals['_TOPLOGPROB']._serialized_start=1912
-  _globals['_TOPLOGPROB']._serialized_end=1959
-  _globals['_USAGE']._serialized_start=1962
-  _globals['_USAGE']._serialized_end=2115
-  _globals['_TOKENIZEREQUEST']._serialized_start=2118
-  _globals['_TOKENIZEREQUEST']._serialized_end=2261
-  _globals['_TOKENIZERESPONSE']._serialized_start=2263
-  _globals['_TOKENIZERESPONSE']._serialized_end=2315
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2317
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2413
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2415
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2449
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2451
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2472
-  _globals['_MODELINFO']._serialized_start=2475
-  _globals['_MODELINFO']._serialized_end=2725
-  _globals['_GETSERVERSTATSREQUEST']._serialized_start=2727
-  _globals['_GETSERVERSTATSREQUEST']._serialized_end=2750
-  _globals['_SERVERSTATS']._serialized_start=2753
-  _globals['_SERVERSTATS']._serialized_end=3316
-  _globals['_ABORTREQUEST']._serialized_start=3318
-  _globals['_ABORTREQUEST']._serialized_end=3352
-  _globals['_ABORTRESPONSE']._serialized_start=3354
-  _globals['_ABORTRESPONSE']._serialized_end=3384
-  _globals['_GENERATION']._serialized_start=3387
-  _globals['_GENERATION']._serialized_end=3868
+  _globals['_SAMPLINGPARAMS']._serialized_end=1367
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1067
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1115
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1370
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1558
+  _globals['_CHOICE']._serialized_start=1560
+  _globals['_CHOICE']._serialized_end=1585
+  _globals['_GENERATERESPONSE']._serialized_start=1587
+  _globals['_GENERATERESPONSE']._serialized_end=1691
+  _globals['_CHUNK']._serialized_start=1694
+  _globals['_CHUNK']._serialized_end=1925
+  _globals['_TOKENLOGPROBS']._serialized_start=1927
+  _globals['_TOKENLOGPROBS']._serialized_end=2026
+  _globals['_TOPLOGPROB']._serialized_start=2028
+  _globals['_TOPLOGPROB']._serialized_end=2075
+  _globals['_USAGE']._serialized_start=2078
+  _globals['_USAGE']._serialized_end=2231
+  _globals['_TOKENIZEREQUEST']._serialized_start=2234
+  _globals['_TOKENIZEREQUEST']._serialized_end=2377
+  _globals['_TOKENIZERESPONSE']._serialized_start=2379
+  _globals['_TOKENIZERESPONSE']._serialized_end=2431
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2433
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2529
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2531
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2565
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2567
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2588
+  _globals['_MODELINFO']._serialized_start=2591
+  _globals['_MODELINFO']._serialized_end=2841
+  _globals['_GETSERVERSTATSREQUEST']._serialized_start=2843
+  _globals['_GETSERVERSTATSREQUEST']._serialized_end=2866
+  _globals['_SERVERSTATS']._serialized_start=2869
+  _globals['_SERVERSTATS']._serialized_end=3432
+  _globals['_ABORTREQUEST']._serialized_start=3434
+  _globals['_ABORTREQUEST']._serialized_end=3468
+  _globals['_ABORTRESPONSE']._serialized_start=3470
+  _globals['_ABORTRESPONSE']._serialized_end=3500
+  _globals['_GENERATION']._serialized_start=3503
+  _globals['_GENERATION']._serialized_end=3984
 # @@protoc_insertion_point(module_scope)

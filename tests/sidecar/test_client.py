@@ -223,6 +223,19 @@ def test_sampling_kwargs_keep_presence(client, server):
         assert not s.HasField(name), name
 
 
+def test_logit_bias_goes_over_the_wire_and_is_checked_by_the_server():
+    from pagedserve.sidecar.servicer import sampling_params_from_proto
+
+    msg = client_mod._sampling("generate", {"logit_bias": {77: 100, 3: -2.5}})[0]
+    assert dict(msg.logit_bias) == {77: 100.0, 3: -2.5}
+    assert sampling_params_from_proto(msg).logit_bias == {77: 100.0, 3: -2.5}
+    assert sampling_params_from_proto(pb.SamplingParams()).logit_bias is None  # unset: none
+    with pytest.raises(ValueError, match=r"logit_bias\[77\] must be in \[-100, 100\], got 101.0"):
+        sampling_params_from_proto(pb.SamplingParams(logit_bias={77: 101}))
+    with pytest.raises(ValueError, match="logit_bias keys must be non-negative token ids, got -1"):
+        sampling_params_from_proto(pb.SamplingParams(logit_bias={-1: 1}))
+
+
 def test_every_runtime_sampling_param_is_a_kwarg():
     from pagedserve.runtime.sampling_params import SamplingParams
 
