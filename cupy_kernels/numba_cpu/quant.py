@@ -39,6 +39,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from . import quant_int8
 from .gemm import AVX512, lane_sums, splat
 from .setup import JIT, apply_threads, numba
 from ..reference.quant import BLOCK, QuantWeight
@@ -191,7 +192,11 @@ def _matmul(x, qs, scales, mins, out):
 
 def linear(x: np.ndarray, w: QuantWeight, bias: np.ndarray | None = None) -> np.ndarray:
     """x [T, in] @ dequantize(w).T (+ bias) -> [T, out] float32, reading the blocks (quant.linear is the
-    reference). Any number of rows works; numba_ops.linear sends only up to QUANT_MAX_ROWS here."""
+    reference). Any number of rows works; numba_ops.linear sends only up to QUANT_MAX_ROWS here. With
+    PAGEDSERVE_CPU_ACT_QUANT=q8 (quant_int8.ACT_QUANT) the activations are quantized to 8 bits per block and
+    multiplied with integer dot products instead (quant_int8.py; opt-in: it changes results)."""
+    if quant_int8.ACT_QUANT == "q8":
+        return quant_int8.linear(x, w, bias)
     x = np.ascontiguousarray(x, dtype=np.float32)
     out_features, in_features = w.shape
     if x.ndim != 2 or x.shape[1] != in_features:
@@ -215,3 +220,5 @@ def warm_up() -> None:
     q8 = make_quant_weight("q8", np.zeros((2, BLOCK), np.int8), np.ones((2, 1), np.float32), None)
     linear(x, q4)
     linear(x, q8)
+    if quant_int8.ACT_QUANT:
+        quant_int8.warm_up()

@@ -259,3 +259,79 @@ def dequantize_kquant(qtype: str, raw: np.ndarray) -> np.ndarray:
     for start in range(0, blocks.shape[0], step):
         out[start:start + step] = _KQUANT_DEQUANT[qtype](blocks[start:start + step])
     return out.reshape(-1)
+
+
+# -- 8-bit activations and integer dot products (numba_cpu/quant_int8.py) ------------------------------------
+#
+# llama.cpp multiplies a Q4_0/Q4_1/Q8_0 weight by activations quantized per block of 32 to 8 bits (its block_q8_1,
+# or block_q8_0 for Q8_0 weights; ggml-quants.c quantize_row_q8_1_ref), with integer dot products per block:
+#
+#   activations  da = amax|x_b| / 127,  a_i = roundf(x_i / da) (half away from zero; 0 when da = 0),
+#                sa = da * sum_i a_i   (Q8_1's s: the block's sum, for the weight's minimum)
+#   Q4_1 x Q8_1  y += (dw da) * sum_i q_i a_i + m sa     (ggml_vec_dot_q4_1_q8_1)
+#   Q4_0 x Q8_0  y += (dw da) * sum_i (q_i - 8) a_i      (here as Q4_1 with m = -8 dw: the same in exact arithmetic)
+#   Q8_0 x Q8_0  y += (dw da) * sum_i q_i a_i
+#
+# Differences from llama.cpp, on purpose: da and sa stay float32 (llama.cpp rounds them to float16), and Q4_0
+# takes the Q4_1 form. The integer sums sum_i q_i a_i are exact and the same in every kernel; the float32 result
+# then differs from the float32-activation reference by the rounding of x to da a: at most da / 2 per value, so
+# |y_q8 - y_f32| <= sum_b (da_b / 2) sum_{i in b} |w_i| (act_quant_bound), plus float32 rounding.
+
+ACT_QMAX = 127
+
+
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [T, in] float32 (in a multiple of 32) -> (a int8 [T, in], da float32 [T, in / 32], sa float32 [T, in / 32])
+    as above; every operation in float32, as the numba kernel does it (the two agree bit for bit)."""
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] % BLOCK:
+        raise ValueError(f"activations must be [T, k * {BLOCK}], got shape {x.shape}")
+    rows, k = x.shape
+    xb = x.reshape(rows, k // BLOCK, BLOCK)
+    amax = np.abs(xb).max(axis=2, initial=np.float32(0.0))
+    da = (amax / np.float32(ACT_QMAX)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(da != 0, np.float32(1.0) / da, np.float32(0.0)).astype(np.float32)
+    v = xb * inv[:, :, None]
+    t = np.trunc(v)
+    q = t + np.where(np.abs(v - t) >= np.float32(0.5), np.sign(v), np.float32(0.0))  # roundf: half away from 0
+    a = np.clip(q, -ACT_QMAX, ACT_QMAX).astype(np.int8)
+    sa = (a.astype(np.int32).sum(axis=2).astype(np.float32) * da).astype(np.float32)
+    return a.reshape(rows, k), da, sa
+
+
+def weight_quants(w: QuantWeight) -> np.ndarray:
+    """The integer quants of w [out, in] in weight order (Q4: 0-15, the minimum kept apart in mins; Q8: -127-127)."""
+    out, blocks = w.scales.shape
+    if w.kind == "q8":
+        return w.qs.astype(np.int32)
+    packed = w.qs.reshape(out, blocks, BLOCK // 2)
+    return np.concatenate([packed & 15, packed >> 4], axis=2).reshape(out, -1).astype(np.int32)
+
+
+def block_int_sums(a: np.ndarray, w: QuantWeight) -> np.ndarray:
+    """sum_i q_i a_i per block: int32 [T, out, blocks] (exact; what the kernel's integer dot products add)."""
+    out, blocks = w.scales.shape
+    q = weight_quants(w).reshape(out, blocks, BLOCK)
+    return np.einsum("tbi,obi->tob", a.reshape(a.shape[0], blocks, BLOCK).astype(np.int64), q.astype(np.int64)
+                     ).astype(np.int32)
+
+
+def linear_q8(x: np.ndarray, w: QuantWeight) -> np.ndarray:
+    """The reference of the 8-bit-activation matmul: x quantized (quantize_activations), then
+    y[t, n] = sum_b (dw[n, b] da[t, b]) isum[t, n, b] + m[n, b] sa[t, b], summed in float64 -> float32."""
+    a, da, sa = quantize_activations(x)
+    isum = block_int_sums(a, w).astype(np.float64)
+    scale = w.scales.astype(np.float32)[None, :, :] * da[:, None, :]  # float32 products, as the kernel rounds them
+    y = (scale.astype(np.float64) * isum).sum(axis=2)
+    if w.mins is not None:
+        y += sa.astype(np.float64) @ w.mins.astype(np.float64).T
+    return y.astype(np.float32)
+
+
+def act_quant_bound(x: np.ndarray, w: QuantWeight) -> np.ndarray:
+    """[T, out]: sum_b (da_b / 2) sum_{i in b} |w_i|, the most rounding x to 8 bits can move an output."""
+    _, da, _ = quantize_activations(x)
+    out, blocks = w.scales.shape
+    l1 = np.abs(dequantize(w)).reshape(out, blocks, BLOCK).sum(axis=2, dtype=np.float64)
+    return (da.astype(np.float64) / 2) @ l1.T
