@@ -65,6 +65,7 @@ BUDGET_S=350
 TESTS_S=260
 PER_TEST_S=60
 ATTENTION_S=45
+ATTENTION_PREFILL_S=60  # tensor-core prefill vs paged, 2k-8k x head dims 64/128/256 x bf16/fp16 (NVRTC cold: larger modules)
 DECODE_S=75
 SAMPLER_S=30
 GEMM_PROBE_S=20    # one small capture per cuBLAS route, ~10 s with CuPy's start (not yet run on a device)
@@ -373,10 +374,12 @@ log "tests: exit $TESTS_RC after $((SECONDS - t0)) s"
 # -- 5. benchmarks: stdout must be one JSON object (logs go to stderr) -------------------------------------------
 # the whole engine (Llama-3.1-8B's 32 layers, random weights drawn on the device): the issue's headline figures
 run_bench throughput "$THROUGHPUT_S" "$ROOT/bench/gpu_throughput.py"
-run_bench attention "$ATTENTION_S" "$ROOT/bench/gpu_attention.py" --iters 20
+run_bench attention "$ATTENTION_S" "$ROOT/bench/gpu_attention.py" --cases decode --iters 20
 # 16 layers of Llama-3.1-8B's shape: the per-layer figures of the full model in half the build time.
 run_bench decode "$DECODE_S" "$ROOT/bench/gpu_decode.py" --layers 16 --steps 5
 run_bench sampler "$SAMPLER_S" "$ROOT/bench/gpu_sampler.py" --iters 5
+# last: whatever of the budget is left (PAGEDSERVE_TC_PREFILL's evidence; the kernel is off by default until it)
+run_bench attention_prefill "$ATTENTION_PREFILL_S" "$ROOT/bench/gpu_attention.py" --cases prefill --iters 20
 
 # -- 6. tensor parallelism (NCCL) -----------------------------------------------------------------------------
 NGPU="$("$PY" -c 'import cupy; print(cupy.cuda.runtime.getDeviceCount())' 2>/dev/null || echo 0)"

@@ -734,7 +734,7 @@ def results(work: Path, out_dir: Path, meta: dict) -> int:
         elif st["tests"]["exit_code"] not in (0, 124, 137) and not (tests["failed"] or tests["errors"]):
             fail(1, f"pytest exited {st['tests']['exit_code']}: " + " / ".join(_tail(work / "tests.log", 3)))
         result["kernel_errors"] = kernel_errors(work / "errors.jsonl")
-    for name in ("gemm_probe", "throughput", "attention", "decode", "sampler"):
+    for name in ("gemm_probe", "throughput", "attention", "decode", "sampler", "attention_prefill"):
         if "tests" in st:  # past the preflight: every benchmark is due, run or not
             value = bench_result(work, name)
             result[name] = value
