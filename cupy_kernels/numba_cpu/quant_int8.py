@@ -2,21 +2,28 @@
 
 numba_quant.py dequantizes each weight block to float32 in registers and multiplies float32 activations. Here
 the activations are quantized first, per block of 32 values, to int8 with a float32 scale (and, for a Q4 weight's
-minimum, the block's sum): reference/quant.py's quantize_activations, bit for bit. Then per weight block and
-activation row one integer dot product of 32 quants (Q4: the 4-bit values 0-15, unsigned; Q8: int8) with 32
-int8 activations gives 8 int32 partial sums, converted to float32 and added with one FMA into the row's
-8-lane accumulator, times the block's scale dw da; a Q4 block adds m sa (scalar) apart:
+minimum, the block's sum): reference/quant.py's quantize_activations, bit for bit. Then, two weight blocks at a
+time, per activation row one integer dot product of 64 quants (Q4: the 4-bit values 0-15, unsigned; Q8: int8)
+with 64 int8 activations gives 16 int32 partial sums (8 a block), converted to float32 and added with one FMA
+into the row's 16-lane accumulator (lanes 0-7 even blocks, 8-15 odd ones) times the blocks' scales dw da; a Q4
+block's m sa goes to a 2-lane accumulator beside it:
 
     y[r, n] = sum_b (dw[n, b] da[r, b]) sum_i q[n, b, i] a[r, b, i]  +  sum_b m[n, b] sa[r, b]
 
 The integer dot product, by code path (numba_setup.CODE_PATH and the features numba compiles for):
-  AVX-512 VNNI   vpdpbusd (u8 x s8, four products a lane into int32), one instruction per block and row
-  AVX2           vpmaddubsw (u8 x s8 pairs into int16) then vpmaddwd by ones (pairs into int32)
-  otherwise      widened integer multiplies and adds, LLVM's choice of instructions
-Q8 weights are signed: as llama.cpp, |q| is the unsigned operand and the activations take q's sign (vpsignb).
+  AVX-512 VNNI   vpdpbusd zmm (u8 x s8, four products a lane into int32): one instruction per two blocks and row
+  AVX2           vpmaddubsw (u8 x s8 pairs into int16) then vpmaddwd by ones (pairs into int32), per block
+  otherwise      widened integer multiplies and adds, LLVM's choice of instructions (SSE2: pmaddwd)
+Q8 weights are signed: as llama.cpp, |q| is the unsigned operand and the activations take q's sign (vpsignb on
+AVX2; a masked negation on AVX-512, which has no 512-bit vpsignb).
 No int16 sum saturates: |q| <= 128 (Q4: 15) and |a| <= 127, so a pair is at most 2 * 128 * 127 < 32767.
 Every path adds the same four products into each lane, so the integer sums, and with them the float32 results,
 are the same bits on every path; a row's result never depends on the other rows of the call.
+
+SmolLM2-135M's 30 layers' four matmuls (Q4_1), one thread, medians of 9 interleaved rounds against
+numba_quant.py's float32-activation kernel (AMD AVX-512 VNNI VM, load ~5 on 2 cores): 1 row 15.9 -> 12.4 ms,
+4 rows 34.8 -> 23.5; the Q8_0 lm_head 2.2 -> 1.5 ms at 1 row (a first version, one block at a time
+with 8-lane vpdpbusd: 15.3 ms at 1 row, 29.8 at 4).
 
 What it costs in accuracy: rounding x to 8 bits moves each value by at most da / 2 (reference/quant.py,
 act_quant_bound); the float32-activation kernel's results are exact-weight float32 sums. Opt-in, with
@@ -32,7 +39,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from .gemm import lane_sums, splat
+from .gemm import lane_sums
 from .setup import CODE_PATH, JIT, JIT_EXACT, apply_threads, numba
 from ..reference.quant import ACT_QMAX, BLOCK, QuantWeight
 
@@ -97,42 +104,53 @@ def _quantize_rows(x, a, da, sa):
 
 
 def _int_dot(builder, w, a, signed_w: bool):
-    """LLVM IR: 32 weight quants w (<32 x i8>; unsigned 0-15 unless signed_w) times 32 int8 activations a ->
-    <8 x i32>, lane l = the sum of products 4 l .. 4 l + 3."""
-    i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
-    v32i8, v16i16, v8i32 = ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, 8)
+    """LLVM IR: 64 weight quants w (<64 x i8>: two blocks; unsigned 0-15 unless signed_w) times 64 int8
+    activations a -> <16 x i32>, lane l = the sum of products 4 l .. 4 l + 3 (lanes 0-7: the first block)."""
+    i1, i8, i16, i32 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32)
     module = builder.module
-    if signed_w and DOT_PATH != "generic":  # |w| unsigned, a with w's sign: the same products
-        absf = cgutils.get_or_insert_function(module, ir.FunctionType(v32i8, [v32i8, ir.IntType(1)]), "llvm.abs.v32i8")
-        sign = cgutils.get_or_insert_function(module, ir.FunctionType(v32i8, [v32i8, v32i8]), "llvm.x86.avx2.psign.b")
-        a = builder.call(sign, [a, w])
-        w = builder.call(absf, [w, ir.Constant(ir.IntType(1), 0)])
+
+    def vec(t, n):
+        return ir.VectorType(t, n)
+
+    def fn(name, ret, args):
+        return cgutils.get_or_insert_function(module, ir.FunctionType(ret, args), name)
+
+    def idx(values):
+        return ir.Constant(vec(i32, len(values)), list(values))
+
     if DOT_PATH == "vnni":
-        fn = cgutils.get_or_insert_function(module, ir.FunctionType(v8i32, [v8i32] * 3), "llvm.x86.avx512.vpdpbusd.256")
-        zero = ir.Constant(v8i32, [0] * 8)
-        return builder.call(fn, [zero, builder.bitcast(w, v8i32), builder.bitcast(a, v8i32)])
+        if signed_w:  # |w| unsigned, a with w's sign: the same products (AVX-512 has no 512-bit vpsignb)
+            negative = builder.icmp_signed("<", w, ir.Constant(vec(i8, 64), [0] * 64))
+            a = builder.select(negative, builder.sub(ir.Constant(vec(i8, 64), [0] * 64), a), a)
+            w = builder.call(fn("llvm.abs.v64i8", vec(i8, 64), [vec(i8, 64), i1]), [w, ir.Constant(i1, 0)])
+        dp = fn("llvm.x86.avx512.vpdpbusd.512", vec(i32, 16), [vec(i32, 16)] * 3)
+        return builder.call(dp, [ir.Constant(vec(i32, 16), [0] * 16), builder.bitcast(w, vec(i32, 16)),
+                                 builder.bitcast(a, vec(i32, 16))])
     if DOT_PATH == "avx2":
-        maddubs = cgutils.get_or_insert_function(module, ir.FunctionType(v16i16, [v32i8, v32i8]),
-                                                 "llvm.x86.avx2.pmadd.ub.sw")
-        maddwd = cgutils.get_or_insert_function(module, ir.FunctionType(v8i32, [v16i16, v16i16]),
-                                                "llvm.x86.avx2.pmadd.wd")
-        return builder.call(maddwd, [builder.call(maddubs, [w, a]), ir.Constant(v16i16, [1] * 16)])
-    v32i32 = ir.VectorType(i32, 32)
-    wide_w = builder.sext(w, v32i32) if signed_w else builder.zext(w, v32i32)
-    p = builder.mul(wide_w, builder.sext(a, v32i32))
-    for lanes in (16, 8):  # add neighbours: pairs, then pairs of pairs (vpmaddubsw's, then vpmaddwd's order)
-        ty = ir.VectorType(i32, lanes)
-        even = builder.shuffle_vector(p, p, ir.Constant(ir.VectorType(i32, lanes), list(range(0, 2 * lanes, 2))))
-        odd = builder.shuffle_vector(p, p, ir.Constant(ir.VectorType(i32, lanes), list(range(1, 2 * lanes, 2))))
-        p = builder.add(even, odd)
-        assert p.type == ty
+        halves = []
+        for h in range(2):
+            wh = builder.shuffle_vector(w, w, idx(range(32 * h, 32 * h + 32)))
+            ah = builder.shuffle_vector(a, a, idx(range(32 * h, 32 * h + 32)))
+            if signed_w:
+                ah = builder.call(fn("llvm.x86.avx2.psign.b", vec(i8, 32), [vec(i8, 32)] * 2), [ah, wh])
+                wh = builder.call(fn("llvm.abs.v32i8", vec(i8, 32), [vec(i8, 32), i1]), [wh, ir.Constant(i1, 0)])
+            pairs = builder.call(fn("llvm.x86.avx2.pmadd.ub.sw", vec(i16, 16), [vec(i8, 32)] * 2), [wh, ah])
+            halves.append(builder.call(fn("llvm.x86.avx2.pmadd.wd", vec(i32, 8), [vec(i16, 16)] * 2),
+                                       [pairs, ir.Constant(vec(i16, 16), [1] * 16)]))
+        return builder.shuffle_vector(halves[0], halves[1], idx(range(16)))
+    wide_w = builder.sext(w, vec(i32, 64)) if signed_w else builder.zext(w, vec(i32, 64))
+    p = builder.mul(wide_w, builder.sext(a, vec(i32, 64)))
+    for lanes in (32, 16):  # add neighbours: pairs, then pairs of pairs (vpmaddubsw's, then vpmaddwd's order)
+        p = builder.add(builder.shuffle_vector(p, p, idx(range(0, 2 * lanes, 2))),
+                        builder.shuffle_vector(p, p, idx(range(1, 2 * lanes, 2))))
     return p
 
 
 def _block_dot(rows: int):
     """An intrinsic dot(qs, scales, mins, n, a, da, sa, r0) -> UniTuple(float32, rows): weight row n against
     activation rows r0 .. r0 + rows - 1 of a (int8 [T, k]) with scales da and sums sa ([T, k / 32]). qs uint8
-    (Q4: mins read) or int8 (Q8: mins not read); every array 2-D C-contiguous."""
+    (Q4: mins read) or int8 (Q8: mins not read); every array 2-D C-contiguous. Blocks go two at a time (a lone
+    last block with zeros beside it): one 16-lane accumulator a row, lanes 0-7 for even blocks, 8-15 for odd."""
 
     @intrinsic
     def dot(typingctx, qs, scales, mins, n, a, da, sa, r0):
@@ -168,11 +186,17 @@ def _block_dot(rows: int):
             daptr, _ = row_ptr(5, r0_v)
             saptr, _ = row_ptr(6, r0_v)
 
-            i8, i32 = ir.IntType(8), ir.IntType(32)
-            f32 = ir.FloatType()
-            v16i8, v32i8, v8f = ir.VectorType(i8, 16), ir.VectorType(i8, 32), ir.VectorType(f32, 8)
-            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8f, [v8f] * 3), "llvm.fma.v8f32")
-            fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32] * 3), "llvm.fma.f32")
+            i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+
+            def vec(t, count):
+                return ir.VectorType(t, count)
+
+            def idx(values):
+                return ir.Constant(vec(i32, len(values)), list(values))
+
+            v16f, v8f, v2f = vec(f32, 16), vec(f32, 8), vec(f32, 2)
+            fma16 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f] * 3), "llvm.fma.v16f32")
+            fma2 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v2f, [v2f] * 3), "llvm.fma.v2f32")
             byte_ptr = i8.as_pointer()
             prefetch = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr] + [i32] * 3), "llvm.prefetch.p0i8")
@@ -185,34 +209,69 @@ def _block_dot(rows: int):
                                        intp=intp) as line:
                     builder.call(prefetch, [builder.gep(ahead, [builder.mul(line.index, const(64))])] + read_keep)
 
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8)) for _ in range(rows)]
-            mins_acc = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(rows)]
-            with cgutils.for_range(builder, blocks, intp=intp) as loop:
-                b = loop.index
-                dw = builder.load(builder.gep(dptr, [b]))
-                if q4:  # 16 bytes: weights 0-15 in the low nibbles, 16-31 in the high ones
-                    packed = builder.load(builder.bitcast(builder.gep(qptr, [builder.mul(b, const(BLOCK // 2))]),
-                                                          v16i8.as_pointer()), align=1)
-                    low = builder.and_(packed, ir.Constant(v16i8, [15] * 16))
-                    high = builder.lshr(packed, ir.Constant(v16i8, [4] * 16))
-                    w = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(i32, 32), list(range(32))))
-                    m = builder.load(builder.gep(mptr, [b]))
+            def load(ptr, offset, ty):
+                return builder.load(builder.bitcast(builder.gep(ptr, [offset]), ty.as_pointer()), align=1)
+
+            def widen(v, count):  # a vector of `count` lanes, zeros in the lanes past v's
+                zero = ir.Constant(v.type, [0] * v.type.count) if isinstance(v.type.element, ir.IntType) \
+                    else ir.Constant(v.type, [0.0] * v.type.count)
+                return builder.shuffle_vector(v, zero, idx(range(count)))
+
+            def floats(ptr, at, pair):  # blocks at, at + 1 of a float row (or block at and 0.0)
+                if pair:
+                    return load(ptr, at, v2f)
+                return builder.insert_element(ir.Constant(v2f, [0.0, 0.0]), builder.load(builder.gep(ptr, [at])),
+                                              ir.Constant(i32, 0))
+
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(rows)]
+            mins_acc = [cgutils.alloca_once_value(builder, ir.Constant(v2f, [0.0] * 2)) for _ in range(rows)]
+
+            def blocks_at(b, pair: bool):
+                """Add blocks b and b + 1 (pair) or block b alone to every row's accumulators."""
+                if q4:  # 16 bytes a block: weights 0-15 in the low nibbles, 16-31 in the high ones
+                    nbytes = 32 if pair else 16
+                    packed = load(qptr, builder.mul(b, const(BLOCK // 2)), vec(i8, nbytes))
+                    low = builder.and_(packed, ir.Constant(vec(i8, nbytes), [15] * nbytes))
+                    high = builder.lshr(packed, ir.Constant(vec(i8, nbytes), [4] * nbytes))
+                    if pair:
+                        order = list(range(16)) + list(range(32, 48)) + list(range(16, 32)) + list(range(48, 64))
+                        w = builder.shuffle_vector(low, high, idx(order))
+                    else:
+                        w = widen(builder.shuffle_vector(low, high, idx(range(32))), 64)
                 else:
-                    w = builder.load(builder.bitcast(builder.gep(qptr, [builder.mul(b, const(BLOCK))]),
-                                                     v32i8.as_pointer()), align=1)
+                    w = load(qptr, builder.mul(b, const(BLOCK)), vec(i8, 64 if pair else 32))
+                    w = w if pair else widen(w, 64)
+                dw = floats(dptr, b, pair)
+                m = floats(mptr, b, pair) if q4 else None
                 for j in range(rows):
                     row_b = builder.add(builder.mul(blocks, const(j)), b)  # block b of activation row r0 + j
                     at = builder.add(builder.mul(k_v, const(j)), builder.mul(b, const(BLOCK)))
-                    av = builder.load(builder.bitcast(builder.gep(aptr, [at]), v32i8.as_pointer()), align=1)
-                    isum = builder.sitofp(_int_dot(builder, w, av, not q4), v8f)
-                    scale = builder.fmul(dw, builder.load(builder.gep(daptr, [row_b])))
-                    builder.store(builder.call(fma, [isum, splat(builder, scale, v8f), builder.load(accs[j])]), accs[j])
+                    av = load(aptr, at, vec(i8, 64 if pair else 32))
+                    av = av if pair else widen(av, 64)
+                    isum = builder.sitofp(_int_dot(builder, w, av, not q4), v16f)
+                    scale = builder.shuffle_vector(builder.fmul(dw, floats(daptr, row_b, pair)), ir.Constant(v2f, None),
+                                                   idx([0] * 8 + [1] * 8))
+                    builder.store(builder.call(fma16, [isum, scale, builder.load(accs[j])]), accs[j])
                     if q4:
-                        s = builder.load(builder.gep(saptr, [row_b]))
-                        builder.store(builder.call(fma1, [m, s, builder.load(mins_acc[j])]), mins_acc[j])
-            first = ir.Constant(i32, 0)
-            sums = [builder.fadd(builder.extract_element(lane_sums(builder, [builder.load(acc)]), first),
-                                 builder.load(macc)) for acc, macc in zip(accs, mins_acc)]
+                        s = floats(saptr, row_b, pair)
+                        builder.store(builder.call(fma2, [m, s, builder.load(mins_acc[j])]), mins_acc[j])
+
+            with cgutils.for_range(builder, builder.sdiv(blocks, const(2)), intp=intp) as loop:
+                blocks_at(builder.mul(loop.index, const(2)), True)
+            odd = builder.icmp_signed("!=", builder.srem(blocks, const(2)), const(0))
+            with builder.if_then(odd, likely=False):
+                blocks_at(builder.sub(blocks, const(1)), False)
+            first, second = ir.Constant(i32, 0), ir.Constant(i32, 1)
+            sums = []
+            for acc, macc in zip(accs, mins_acc):
+                total = builder.load(acc)
+                even_odd = builder.fadd(builder.shuffle_vector(total, total, idx(range(8))),
+                                        builder.shuffle_vector(total, total, idx(range(8, 16))))
+                mv = builder.load(macc)
+                sums.append(builder.fadd(builder.extract_element(lane_sums(builder, [even_odd]), first),
+                                         builder.fadd(builder.extract_element(mv, first),
+                                                      builder.extract_element(mv, second))))
+            assert even_odd.type == v8f
             return context.make_tuple(builder, signature.return_type, sums)
 
         return sig, codegen
