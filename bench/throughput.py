@@ -1,4 +1,4 @@
-"""Offline throughput on the embedded model: N requests x (128 prompt tokens, 128 output tokens).
+"""Offline throughput on the embedded model (or --model): N requests x (128 prompt tokens, 128 output tokens).
 
 Prints one JSON line per run: output and total tokens/s, model-FLOPs utilisation against the sgemm rate
 measured in the same run, and mean KV token-slot utilisation. With --breakdown it also says where the
@@ -6,6 +6,7 @@ seconds went (matmuls, paged attention, the rest of the forward pass, the engine
 the output rate would be if the matmuls were the only cost. Usage:
 
     .venv/bin/python bench/throughput.py [--requests 64 256] [--prompt-len 128] [--output-len 128] [--breakdown]
+        [--model gemma3-270m | PATH]
 """
 
 from __future__ import annotations
@@ -128,6 +129,9 @@ def decode_weight_bytes(loaded, kernels: str) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None,
+                    help="what `pagedserve serve --model` takes: a packaged alias (gemma3-270m), a GGUF file or an HF "
+                         "directory (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--requests", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
@@ -141,7 +145,7 @@ def main() -> None:
                     help="thread counts (or auto) to run, one after the other for each N and kernel set")
     args = ap.parse_args()
     configure_logging(level="warning", stream=sys.stderr)
-    loaded = load_model(None)
+    loaded = load_model(args.model)
     gflops = sgemm_gflops()
     bandwidth = read_gbps()
     started_threads = blas_threads()
@@ -149,6 +153,7 @@ def main() -> None:
         for kernels, threads in [(k, t) for k in args.cpu_kernels for t in args.cpu_threads]:
             result = run(loaded, n, args.prompt_len, args.output_len, args.max_num_batched_tokens, args.breakdown,
                          kernels, threads, args.kv_cache_gib)
+            result["model"] = loaded.name
             result["kv_cache_gib"] = args.kv_cache_gib
             reset_cpu_threads(started_threads)  # each setting starts from the same state
             # MFU against the better of the sgemm rates measured before and after the run: on a VM whose
