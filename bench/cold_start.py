@@ -5,11 +5,14 @@ restart costs. Each case starts a fresh server process on a unix socket and poll
 
     numpy kernels, warm caches         the default set; the GGUF -> float32 weight cache already built
     numba kernels, warm numba cache    compiled kernels loaded from <cache dir>/numba
-    numba kernels, empty numba cache   every kernel compiled during start-up (NUMBA_CACHE_DIR = a new folder)
+    numba kernels, empty caches        a first start: every kernel compiled and the GGUF converted
+                                       (PAGEDSERVE_CACHE_DIR and NUMBA_CACHE_DIR = a new folder)
     numpy kernels, empty cache dir     the GGUF is converted again (PAGEDSERVE_CACHE_DIR = a new folder)
 
-(#12's targets: <= 3 s with a warm numba cache, <= 15 s with an empty one.) The warm cases run after the
-others have filled the caches. Usage:
+Targets (#37): <= 3 s with warm caches, < 10 s with empty ones, on 2 cores. Beside the seconds, each start
+reports the CPU seconds its server (and the compile child it waits for) used up to SERVING, plus whatever it
+did until stopped: on a shared host the wall time follows the load, the CPU time much less. The warm cases
+run after the others have filled the caches. Usage:
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/cold_start.py [--repeats 3]
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -32,8 +36,16 @@ from common import loadavg, machine, sgemm_gflops  # noqa: E402
 from pagedserve.sidecar.client import PagedServeClient, PagedServeError  # noqa: E402
 
 
+def _children_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)  # every waited-for descendant, the server's own included
+    return r.ru_utime + r.ru_stime
+
+
 def time_to_serving(args: list[str], env: dict[str, str], timeout: float = 300.0) -> dict:
-    """Start a server, return seconds to its socket and to SERVING; the server is stopped after."""
+    """Start a server, return seconds to its socket and to SERVING, and the CPU seconds the server used (until
+    it was stopped, right after SERVING; a conversion cache write it had left for later is cut short)."""
+    cpu0 = _children_cpu_s()
+    result: dict = {}
     with tempfile.TemporaryDirectory() as d:
         sock, log = os.path.join(d, "s.sock"), os.path.join(d, "log")
         t0 = time.monotonic()
@@ -57,16 +69,21 @@ def time_to_serving(args: list[str], env: dict[str, str], timeout: float = 300.0
                     if proc.poll() is not None or time.monotonic() - t0 > timeout:
                         raise RuntimeError(f"never SERVING:\n{Path(log).read_text(errors='replace')}")
                     time.sleep(0.01)
-            return {"socket_s": round(socket_s, 3), "serving_s": round(time.monotonic() - t0, 3)}
+            result = {"socket_s": round(socket_s, 3), "serving_s": round(time.monotonic() - t0, 3)}
         finally:
             proc.terminate()
             proc.wait(60)
+        return {**result, "cpu_s": round(_children_cpu_s() - cpu0, 2), "loadavg_1min": round(os.getloadavg()[0], 2)}
+
+
+def _empty_caches(folder: str) -> dict[str, str]:
+    return {"PAGEDSERVE_CACHE_DIR": folder, "NUMBA_CACHE_DIR": os.path.join(folder, "numba")}
 
 
 def cases(scratch: str) -> list[tuple[str, list[str], dict[str, str]]]:
     new = lambda name: tempfile.mkdtemp(prefix=name, dir=scratch)  # noqa: E731  (a fresh, empty folder per run)
     return [
-        ("numba kernels, empty numba cache", ["--cpu-kernels", "numba"], {"NUMBA_CACHE_DIR": new("numba")}),
+        ("numba kernels, empty caches", ["--cpu-kernels", "numba"], _empty_caches(new("first"))),
         ("numpy kernels, empty cache dir", ["--cpu-kernels", "numpy"], {"PAGEDSERVE_CACHE_DIR": new("cache")}),
         ("numba kernels, warm numba cache", ["--cpu-kernels", "numba"], {}),
         ("numpy kernels, warm caches", ["--cpu-kernels", "numpy"], {}),
@@ -87,17 +104,19 @@ def main() -> None:
         for _ in range(args.repeats):
             for name, cli, extra in cases(scratch):
                 r = time_to_serving([*cli, *model], extra)
-                print(f"{name}: socket {r['socket_s']:.2f} s, SERVING {r['serving_s']:.2f} s", file=sys.stderr)
+                print(f"{name}: socket {r['socket_s']:.2f} s, SERVING {r['serving_s']:.2f} s, CPU {r['cpu_s']:.1f} s, "
+                      f"load {r['loadavg_1min']}", file=sys.stderr)
                 results.append({"case": name, **r})
     names = dict.fromkeys(r["case"] for r in results)
     summary = {name: round(statistics.median(r["serving_s"] for r in results if r["case"] == name), 2)
                for name in names}
+    cpu = {name: round(statistics.median(r["cpu_s"] for r in results if r["case"] == name), 1) for name in names}
     print(json.dumps({"benchmark": "cold_start", "environment": {**env, "loadavg_end": loadavg()},
                       "model": args.model or "embedded SmolLM2-135M-Instruct",
-                      "claim": "SERVING <= 3 s with a warm numba cache, <= 15 s with an empty one",
-                      "results": results, "summary_median_serving_s": summary,
+                      "claim": "SERVING <= 3 s with warm caches, < 10 s with empty ones (#37)",
+                      "results": results, "summary_median_serving_s": summary, "summary_median_cpu_s": cpu,
                       "claim_reproduced": summary["numba kernels, warm numba cache"] <= 3.0
-                      and summary["numba kernels, empty numba cache"] <= 15.0}, indent=1))
+                      and summary["numba kernels, empty caches"] < 10.0}, indent=1))
 
 
 if __name__ == "__main__":

@@ -80,35 +80,64 @@ def numpy_kernels() -> KernelSet:
 
 _finish_lock = threading.Lock()
 _compile_child: list = []  # the child compiling the attention and long-prefill kernels, while it runs
+_compile_thread: list = []  # the thread compiling the GEMM, GGUF-block and elementwise kernels, while it runs
 _finished = threading.Event()
+
+
+class _CompileThread(threading.Thread):
+    """Runs `target` once; join() re-raises what it raised (a compile error is the caller's, as before)."""
+
+    def __init__(self, target: Callable[[], None]) -> None:
+        super().__init__(name="pagedserve-numba-warm-up", daemon=True)
+        self._work, self._error = target, None
+
+    def run(self) -> None:
+        try:
+            self._work()
+        except BaseException as e:  # noqa: BLE001  (handed to the joining thread)
+            self._error = e
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 @functools.lru_cache(maxsize=None)
 def _numba_started() -> KernelSet:
-    """The first half of numba_kernels(): the GEMM, GGUF-block and elementwise kernels compiled (or loaded from
-    the on-disk cache) here, the attention and long-prefill ones handed to a child process when the cache is
-    empty (numba_setup.compile_aside: ~half of the compile time each side, on the other core). The set is
-    whole, but its attention kernels are not ready until finish_numba_warm_up()."""
-    # Imports (and configures) numba: only when asked for.
+    """The first half of numba_kernels(): the compiles started, none waited for. The attention and long-prefill
+    kernels go to a child process when the cache is empty (numba_setup.compile_aside), the GEMM, GGUF-block and
+    elementwise ones to a thread of this process, so that the caller loads the model meanwhile: numba holds the
+    GIL for its typing passes but not in LLVM (ctypes calls), ~half of a compile, and a model's load is numpy
+    and file reads. The set is whole, but none of its kernels is ready until finish_numba_warm_up()."""
+    # Imports (and configures) numba: only when asked for. Every kernel module is imported here, before the
+    # thread starts, so that no import in one thread waits on numba's compiler lock held by the other.
     from .numba_cpu import (attention as numba_attention, gemm as numba_gemm, ops as numba_ops,
                             prefill as numba_prefill, quant as numba_quant)
     from .numba_cpu.setup import compile_aside
 
-    # The GEMM first here: the child's prefill warm-up adds a signature to the same module's cache index,
-    # seconds later.
+    # The child first: the GEMM's warm-up here adds a signature to the same module's cache index as the
+    # child's prefill warm-up, seconds apart.
     child = compile_aside(numba_attention._ATTENTION, numba_prefill._GATHER)
-    numba_gemm.warm_up()
-    numba_quant.warm_up()
-    numba_ops.warm_up()
     _compile_child.append(child)
+
+    def compile_first_half() -> None:
+        numba_gemm.warm_up()
+        numba_quant.warm_up()
+        numba_ops.warm_up()
+
+    thread = _CompileThread(compile_first_half)
+    thread.start()
+    _compile_thread.append(thread)
     return _from_modules("numba", numba_ops, numba_attention, ops, paged_attention)
 
 
 def finish_numba_warm_up() -> None:
-    """The second half: wait for the compile child, then load (or compile) the attention and long-prefill
-    kernels, so that no request pays for a compile. Idempotent. A caller with work that needs no attention
-    (the worker: loading the model and packing its weights) does it between the halves, while the child
-    still compiles: ~0.8 s off a start with an empty cache."""
+    """The second half: wait for the compile thread and child, then load (or compile) the attention and
+    long-prefill kernels, so that no request pays for a compile. Idempotent. A caller with work that needs no
+    kernel (the worker: loading the model and packing its weights) does it between the halves, while the
+    compiles run: with empty caches the load then uses the core the compiles leave idle."""
     from .numba_cpu import attention as numba_attention, prefill as numba_prefill
     from .numba_cpu.setup import finish_aside
 
@@ -118,6 +147,8 @@ def finish_numba_warm_up() -> None:
     with _finish_lock:
         if _finished.is_set():
             return
+        while _compile_thread:  # a compile error is raised here, to the caller that waits for the kernels
+            _compile_thread.pop().join()
         while _compile_child:  # one child, or (first halves raced in two threads) one each
             finish_aside(_compile_child.pop())
         numba_prefill.warm_up()

@@ -111,11 +111,8 @@ def _load_gguf(path: Path, use_cache: bool, shard: TPShard, digest: str | None =
     config, weights = load_gguf_weights(path, reader)
     tokenizer = load_gguf_tokenizer(path, reader)
     check_weights(config, weights, str(path))
-    if use_cache:
-        try:
-            weight_cache.save_entry(root, digest, config, weights, _tokenizer_files(tokenizer))
-        except OSError:
-            pass  # an unwritable cache only costs time on the next start
+    if use_cache:  # written in the background (an unwritable cache only costs time on the next start)
+        weight_cache.save_entry_later(root, digest, config, dict(weights), _tokenizer_files(tokenizer))
     if shard.is_sharded:
         check_tensor_parallel(config, shard.world_size)
         weights = {k: np.ascontiguousarray(v) for k, v in shard_weights(config, weights, shard).items()}
