@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from pagedserve.cupy_kernels.reference.quant import (
-    KQUANT_TYPES, QUANT_TYPES, QuantWeight, dequantize_kquant, kind_of, make_quant_weight, split_blocks,
+    KQUANT_TYPES, QUANT_TYPES, QuantWeight, dequantize, dequantize_kquant, kind_of, make_quant_weight, split_blocks,
 )
 
 from .. import registry
@@ -168,7 +168,6 @@ def load_gguf_weights(path: str | Path, reader: GGUFFile | None = None) -> tuple
             hf_name = f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
         else:
             raise ValueError(f"{path}: unexpected tensor {name!r} for a {entry.name} model")
-        w = dequantize_tensor(tensor, path)
 
         def rows_fix(a):
             if not entry.gguf_qk_permuted:
@@ -179,8 +178,13 @@ def load_gguf_weights(path: str | Path, reader: GGUFFile | None = None) -> tuple
                 return unpermute_qk(a, config.num_key_value_heads)
             return a
 
-        weights[hf_name] = np.ascontiguousarray(rows_fix(w))
-        weights.update(_quant_arrays(tensor, hf_name, rows_fix))
+        blocks = _quant_arrays(tensor, hf_name, rows_fix)
+        if tensor.tensor_type.name in ("Q8_0", "Q4_1") and blocks:
+            # From the blocks kept anyway: bit-identical to gguf.quants (the same expression), ~2x faster (#37)
+            weights[hf_name] = dequantize(quant_weight(blocks, hf_name))
+        else:
+            weights[hf_name] = np.ascontiguousarray(rows_fix(dequantize_tensor(tensor, path)))
+        weights.update(blocks)
     if entry.load_transform is not None:  # the family's reshaping of its checkpoint (registry.py)
         entry.load_transform(config, weights, "gguf")
     return config, weights
