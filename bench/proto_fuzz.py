@@ -117,6 +117,12 @@ def _scalar(f: FieldDescriptor, shape: FuzzShape, depth: int, mild: bool) -> st.
 
 
 def _field(f: FieldDescriptor, shape: FuzzShape, depth: int, mild: bool) -> st.SearchStrategy[Any]:
+    if _is_map(f):  # map<K, V>: a dict of fuzzed keys and values (and, not mild, one with a key per vocab id)
+        key, value = (_scalar(f.message_type.fields_by_name[n], shape, depth, mild) for n in ("key", "value"))
+        small = st.dictionaries(key, value, max_size=4 if mild else 6)
+        if mild:
+            return small
+        return st.one_of(small, small, value.map(lambda v: dict.fromkeys(range(2 * shape.vocab_size), v)))
     one = _scalar(f, shape, depth, mild)
     if not _repeated(f):
         return one
@@ -156,7 +162,9 @@ def message_strategy(desc: Descriptor, shape: FuzzShape, depth: int = 0, mild: b
             v = values[f.name]
             if v is None or f.name in skip:
                 continue
-            if _repeated(f):
+            if _is_map(f):
+                getattr(msg, f.name).update(v)
+            elif _repeated(f):
                 target = getattr(msg, f.name)
                 if f.type == FieldDescriptor.TYPE_MESSAGE:
                     for item in v:
@@ -178,6 +186,10 @@ def _repeated(f: FieldDescriptor) -> bool:
     if hasattr(f, "is_repeated"):  # protobuf >= 5.29: `label` is deprecated, then gone
         return f.is_repeated
     return f.label == FieldDescriptor.LABEL_REPEATED
+
+
+def _is_map(f: FieldDescriptor) -> bool:
+    return f.type == FieldDescriptor.TYPE_MESSAGE and f.message_type.GetOptions().map_entry
 
 
 def _has_presence(f: FieldDescriptor) -> bool:
