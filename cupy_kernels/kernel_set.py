@@ -85,10 +85,12 @@ _finished = threading.Event()
 
 
 class _CompileThread(threading.Thread):
-    """Runs `target` once; join() re-raises what it raised (a compile error is the caller's, as before)."""
+    """Runs `target` once; join() re-raises what it raised (a compile error is the caller's, as before). Not a
+    daemon: a process that fails before it waits for the kernels (a bad model path) exits after the compile,
+    never with LLVM torn down under it."""
 
     def __init__(self, target: Callable[[], None]) -> None:
-        super().__init__(name="pagedserve-numba-warm-up", daemon=True)
+        super().__init__(name="pagedserve-numba-warm-up", daemon=False)
         self._work, self._error = target, None
 
     def run(self) -> None:
