@@ -23,7 +23,9 @@ are the same bits on every path; a row's result never depends on the other rows 
 SmolLM2-135M's 30 layers' four matmuls (Q4_1), one thread, medians of 9 interleaved rounds against
 numba_quant.py's float32-activation kernel (AMD AVX-512 VNNI VM, load ~5 on 2 cores): 1 row 15.9 -> 12.4 ms,
 4 rows 34.8 -> 23.5; the Q8_0 lm_head 2.2 -> 1.5 ms at 1 row (a first version, one block at a time
-with 8-lane vpdpbusd: 15.3 ms at 1 row, 29.8 at 4).
+with 8-lane vpdpbusd: 15.3 ms at 1 row, 29.8 at 4). End to end, one request 32 -> 128 on one thread, the same
+loaded VM: 17.2 -> 12.8 ms per output token (medians of 10 alternating runs); AVX2 code 13.4 -> 9.8
+(docs/notes/kernels.md).
 
 What it costs in accuracy: rounding x to 8 bits moves each value by at most da / 2 (reference/quant.py,
 act_quant_bound); the float32-activation kernel's results are exact-weight float32 sums. Opt-in, with
