@@ -210,34 +210,41 @@ def test_integer_instructions_and_the_same_bits_on_avx2(tmp_path):
     assert bits == host_bits
 
 
-def _greedy(model, prompt, num_tokens, block=16):
-    """Prefill, then one token at a time (as tests/models/test_goldens.py's greedy_paged, in order blocks)."""
+def _forced_margins(model, prompt, forced, block=16):
+    """Fed the golden's greedy tokens one at a time (prefill, then few-row decodes, where the 8-bit kernel runs):
+    at each step, the largest logit minus the golden token's (0 where the golden token is still the argmax)."""
     from pagedserve.models.batch import SeqChunk, build_forward_batch
     from pagedserve.models.kv_cache import allocate_kv_caches
 
-    table = list(range(-(-(len(prompt) + num_tokens) // block)))
+    table = list(range(-(-(len(prompt) + len(forced)) // block)))
     kv = allocate_kv_caches(model.config, len(table), block, model.backend)
     tokens, out = list(prompt), []
     batch = build_forward_batch([SeqChunk(tokens, 0, table)], block)
-    for _ in range(num_tokens):
-        nxt = int(np.argmax(model.forward(batch, kv)[-1]))
-        out.append(nxt)
-        batch = build_forward_batch([SeqChunk([nxt], len(tokens), table)], block)
-        tokens.append(nxt)
-    return out
+    for tok in forced:
+        logits = model.forward(batch, kv)[-1]
+        out.append(float(logits.max() - logits[tok]))
+        batch = build_forward_batch([SeqChunk([tok], len(tokens), table)], block)
+        tokens.append(tok)
+    return np.array(out)
+
+
+# The most a golden greedy token may trail the argmax with 8-bit activations (logits of SmolLM2, whose
+# top-1/top-2 gaps on the goldens go down to 0.02): at most 0.135 seen with AVX-512 VNNI code and 0.063 with
+# AVX2 code forced on the same host; the rest is room for other CPUs' float32 rounding elsewhere in the model.
+Q8_MARGIN = 0.5
 
 
 @pytest.mark.slow
-def test_smollm2_goldens_greedy_with_q8_activations(monkeypatch, smollm2_model, data_dir):
-    """Greedy tokens on the SmolLM2 goldens with 8-bit activations in the few-row matmuls: they are NOT all equal
-    (2 of 5 prompts diverge: prompt 0 at its first token, whose golden top-2 logits are 0.08 apart, prompt 2 at
-    token 17), so the setting stays an opt-in. This pins that statement: if it starts to hold, say so and
-    reconsider the default (docs/notes/kernels.md)."""
+def test_smollm2_goldens_stay_near_top_with_q8_activations(monkeypatch, smollm2_model, data_dir):
+    """Teacher-forced on the SmolLM2 goldens, every golden greedy token stays within Q8_MARGIN of the top logit
+    with 8-bit activations. Greedy decoding itself is not kept token for token (a golden step whose top-2 are
+    0.08 apart flips, and the rest of that continuation follows), so the setting stays an opt-in
+    (docs/notes/kernels.md); a margin, unlike a count of equal continuations, does not depend on which CPU
+    rounds the float32 parts of the model."""
     monkeypatch.setattr(quant_int8, "ACT_QUANT", "q8")
     g = np.load(data_dir / "goldens" / "smollm2.npz")
-    equal = []
-    for i in range(int(g["num_prompts"])):
-        expected = g[f"greedy_ids_{i}"].tolist()
-        equal.append(_greedy(smollm2_model, g[f"prompt_ids_{i}"].tolist(), len(expected)) == expected)
-    assert sum(equal) >= 3, equal  # the other three prompts' 32 tokens stay equal
-    assert not all(equal), "greedy tokens now all equal the goldens with q8 activations: propose it as the default"
+    margins = [_forced_margins(smollm2_model, g[f"prompt_ids_{i}"].tolist(), g[f"greedy_ids_{i}"].tolist())
+               for i in range(int(g["num_prompts"]))]
+    worst = max(float(m.max()) for m in margins)
+    assert worst <= Q8_MARGIN, [np.round(m, 3).tolist() for m in margins]
+    assert sum(int((m == 0).sum()) for m in margins) >= 0.9 * sum(m.size for m in margins)  # mostly the argmax
