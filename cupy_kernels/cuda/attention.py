@@ -74,6 +74,25 @@ class AttentionLaunch:
     num_tiles: int  # grid.x: an upper bound on the query tiles, from T and B only
 
 
+
+def _check_inputs(name: str, query, k_cache, v_cache, head_dims: tuple[int, ...]) -> str:
+    """The checks both attention kernels make of their arrays; the storage kind (_storage_kind)."""
+    _check_cache_pair(k_cache, v_cache, name)
+    _, block_size, _, dim = k_cache.shape
+    if query.ndim != 3 or query.shape[2] != dim:
+        raise ValueError(f"{name}: query must be [T, H, {dim}], got {tuple(query.shape)}")
+    if query.dtype != k_cache.dtype:
+        raise ValueError(f"{name}: query dtype {query.dtype} and cache dtype {k_cache.dtype} differ")
+    kind = _storage_kind(query.dtype, name)
+    if dim not in head_dims:
+        raise ValueError(f"{name}: head_dim {dim} is not supported on the GPU ({head_dims})")
+    if block_size not in ATTN_BLOCK_SIZES:
+        raise ValueError(f"{name}: block_size {block_size} is not supported on the GPU ({ATTN_BLOCK_SIZES})")
+    if k_cache.data.ptr % 16 or v_cache.data.ptr % 16:
+        raise ValueError(f"{name}: KV caches must be 16-byte aligned")
+    return kind
+
+
 def attention_launch(num_heads: int, num_kv_heads: int, num_tokens: int, num_seqs: int) -> AttentionLaunch:
     """Tile shape for a batch. Decode-only batches (T == B) use the smallest row tile that holds a
     query-head group; anything with a prefill chunk uses 16+ rows. Which one is picked never changes
@@ -124,19 +143,8 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     import cupy
 
     window = check_sliding_window(sliding_window)
-    _check_cache_pair(k_cache, v_cache, "paged_attention")
+    kind = _check_inputs("paged_attention", query, k_cache, v_cache, ATTN_HEAD_DIMS)
     num_blocks, block_size, num_kv, dim = k_cache.shape
-    if query.ndim != 3 or query.shape[2] != dim:
-        raise ValueError(f"paged_attention: query must be [T, H, {dim}], got {tuple(query.shape)}")
-    if query.dtype != k_cache.dtype:
-        raise ValueError(f"paged_attention: query dtype {query.dtype} and cache dtype {k_cache.dtype} differ")
-    kind = _storage_kind(query.dtype, "paged_attention")
-    if dim not in ATTN_HEAD_DIMS:
-        raise ValueError(f"paged_attention: head_dim {dim} is not supported on the GPU ({ATTN_HEAD_DIMS})")
-    if block_size not in ATTN_BLOCK_SIZES:
-        raise ValueError(f"paged_attention: block_size {block_size} is not supported on the GPU ({ATTN_BLOCK_SIZES})")
-    if k_cache.data.ptr % 16 or v_cache.data.ptr % 16:
-        raise ValueError("paged_attention: KV caches must be 16-byte aligned")
     num_tokens, num_heads, _ = query.shape
     num_seqs = int(seq_lens.shape[0])
     launch = attention_launch(num_heads, num_kv, num_tokens, num_seqs)
@@ -205,19 +213,8 @@ def prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_
     import cupy
 
     window = check_sliding_window(sliding_window)
-    _check_cache_pair(k_cache, v_cache, "prefill_attention")
+    kind = _check_inputs("prefill_attention", query, k_cache, v_cache, PREFILL_HEAD_DIMS)
     num_blocks, block_size, num_kv, dim = k_cache.shape
-    if query.ndim != 3 or query.shape[2] != dim:
-        raise ValueError(f"prefill_attention: query must be [T, H, {dim}], got {tuple(query.shape)}")
-    if query.dtype != k_cache.dtype:
-        raise ValueError(f"prefill_attention: query dtype {query.dtype} and cache dtype {k_cache.dtype} differ")
-    kind = _storage_kind(query.dtype, "prefill_attention")
-    if dim not in PREFILL_HEAD_DIMS:
-        raise ValueError(f"prefill_attention: head_dim {dim} is not supported ({PREFILL_HEAD_DIMS})")
-    if block_size not in ATTN_BLOCK_SIZES:
-        raise ValueError(f"prefill_attention: block_size {block_size} is not supported ({ATTN_BLOCK_SIZES})")
-    if k_cache.data.ptr % 16 or v_cache.data.ptr % 16:
-        raise ValueError("prefill_attention: KV caches must be 16-byte aligned")
     num_tokens, num_heads, _ = query.shape
     if num_heads % num_kv:
         raise ValueError(f"prefill_attention: {num_heads} query heads is not a multiple of {num_kv} kv heads")

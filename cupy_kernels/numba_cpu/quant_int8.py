@@ -42,7 +42,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from .gemm import lane_sums
-from .setup import CODE_PATH, JIT, JIT_EXACT, apply_threads, numba
+from .setup import CODE_PATH, JIT, JIT_EXACT, numba
 from ..reference.quant import ACT_QMAX, BLOCK, QuantWeight
 
 ACT_QUANT_CHOICES = ("", "q8")
@@ -322,17 +322,9 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
 def linear(x: np.ndarray, w: QuantWeight, bias: np.ndarray | None = None) -> np.ndarray:
     """x [T, in] @ w.T (+ bias) -> [T, out] float32 with x quantized to 8 bits per block (reference/quant.py's
     linear_q8 is the reference)."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    out_features, in_features = w.shape
-    if x.ndim != 2 or x.shape[1] != in_features:
-        raise ValueError(f"quantized linear: input of shape {x.shape} for a weight of [out, in] = {w.shape}")
-    out = np.empty((x.shape[0], out_features), dtype=np.float32)
-    if x.shape[0]:
-        apply_threads(parallel=True)
-        _matmul(x, w.qs, w.scales, w.scales if w.mins is None else w.mins, out)
-    if bias is not None:
-        out += bias
-    return out
+    from .quant import blocks_linear  # quant.py imports this module
+
+    return blocks_linear(_matmul, x, w, bias)
 
 
 def warm_up() -> None:
