@@ -105,3 +105,17 @@ def emit_json(run) -> None:
         os.dup2(saved, 1)
         os.close(saved)
     print(json.dumps(result, indent=2), flush=True)
+
+
+def gpu_seconds(cp, fn, iters: int, warmup: int = 2):
+    """Seconds per call of `fn()` on the current CUDA stream (CUDA events around `iters` calls, after `warmup`
+    calls), and the last call's result."""
+    for _ in range(warmup):
+        out = fn()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    for _ in range(iters):
+        out = fn()
+    stop.record()
+    stop.synchronize()
+    return cp.cuda.get_elapsed_time(start, stop) / 1e3 / iters, out

@@ -8,8 +8,8 @@ copies inside the timed loop), block tables are shuffled over the pool. Imports 
 pagedserve's CUDA op layer.
 
 Prefill cases ("prefill" list): one fresh causal prompt of 2k, 4k and 8k tokens at head dims 64, 128 (32 query /
-8 kv heads) and 256 (16 / 8, Gemma 3's), bf16 and fp16, each through the paged kernel (PAGEDSERVE_TC_PREFILL=0;
-head dims 64 and 128 only) and the tensor-core prefill kernel (PAGEDSERVE_TC_PREFILL=1; sm_80+), with causal
+8 kv heads) and 256 (16 / 8, Gemma 3's), bf16 and fp16, each through the paged kernel (PAGEDSERVE_TC_PREFILL=0)
+and the tensor-core prefill kernel (PAGEDSERVE_TC_PREFILL=1; sm_80+), with causal
 TFLOP/s (4 H D x visible keys) and the largest difference between the two paths' outputs.
 
     python bench/gpu_attention.py [--peak-tbps 4.8] [--iters 50] [--cases all|decode|prefill]
@@ -29,7 +29,7 @@ import pagedserve.cupy_kernels  # noqa: F401  (sets OpenBLAS's environment befor
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit_json  # noqa: E402
+from common import emit_json, gpu_seconds  # noqa: E402
 
 try:  # run from a checkout without installing: the repository's folders are pagedserve's subpackages
     import pagedserve.cupy_kernels  # noqa: F401
@@ -66,15 +66,7 @@ def _case(cp, name: str, specs: list[tuple[int, int]], block_size: int, iters: i
     q = cp.random.standard_normal((num_tokens, HEADS, HEAD_DIM), dtype=cp.float32).astype(cp.float16)
     meta = [cp.asarray(qsl), cp.asarray(lens), cp.asarray(tables)]
     scale = HEAD_DIM ** -0.5
-    for _ in range(3):
-        out = paged_attention(q, k, v, *meta, scale)
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    for _ in range(iters):
-        out = paged_attention(q, k, v, *meta, scale)
-    stop.record()
-    stop.synchronize()
-    seconds = cp.cuda.get_elapsed_time(start, stop) / 1e3 / iters
+    seconds, out = gpu_seconds(cp, lambda: paged_attention(q, k, v, *meta, scale), iters, warmup=3)
     assert bool(cp.isfinite(out).all())
     kv_bytes = 2 * int(lens.sum()) * KV_HEADS * HEAD_DIM * 2
     qo_bytes = 2 * num_tokens * HEADS * HEAD_DIM * 2
@@ -134,15 +126,7 @@ def _prefill_case(cp, length: int, dim: int, dtype: str, block_size: int, iters:
             os.environ[cuda_attention.TC_PREFILL_ENV] = flag
             # the op with the flag where it takes the head dim; prefill_attention itself (the same kernel) for 256
             fn = paged_attention if dim in cuda_ops.ATTN_HEAD_DIMS else cuda_attention.prefill_attention
-            for _ in range(2):
-                out = fn(q, k, v, *meta, scale)
-            start, stop = cp.cuda.Event(), cp.cuda.Event()
-            start.record()
-            for _ in range(iters):
-                out = fn(q, k, v, *meta, scale)
-            stop.record()
-            stop.synchronize()
-            seconds = cp.cuda.get_elapsed_time(start, stop) / 1e3 / iters
+            seconds, out = gpu_seconds(cp, lambda: fn(q, k, v, *meta, scale), iters)
             outs[path] = _to_float32(cp, out)
             row[path] = {"time_us": round(seconds * 1e6, 2), "tflops": round(flops / seconds / 1e12, 2),
                          "finite": bool(cp.isfinite(outs[path]).all()),

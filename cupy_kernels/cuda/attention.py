@@ -25,7 +25,7 @@ from ..reference.paged_attention import check_sliding_window
 from .launch import _check_cache_pair, _dummy, _elements, _i32, _i64, _inner_contiguous, _next_pow2, is_cupy_array
 from .modules import (ATTN_BLOCK_SIZES, ATTN_HEAD_DIMS, ATTN_THREADS, LOG2E, MAX_QUERIES_PER_KV, PARTITION_SIZE,
                       PREFILL_BLOCK_Q, PREFILL_HEAD_DIMS, PREFILL_THREADS, _kernel, attention_kernel_name,
-                      attention_reduce_name, prefill_kernel_name)
+                      attention_reduce_name, attention_shared_bytes, prefill_kernel_name)
 
 # Most bytes of float32 partials (acc + max/sum) one attention launch may use. A batch whose split
 # decodes would need more runs in several launches over ranges of sequences (each with this much at
@@ -174,6 +174,7 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
         _launch_prefill(out, query, k_cache, v_cache, qsl, lens, tables, scale, window, kind)
     attend = _kernel("paged_attention", attention_kernel_name(dim, block_size, launch.block_m, kind))
     reduce = _kernel("paged_attention", attention_reduce_name(dim, kind)) if max_parts > 1 else None
+    shared = attention_shared_bytes(dim, launch.block_m)  # the tiles' dynamic shared memory (the loader opted in)
     for begin in range(0, num_seqs, chunk):  # one range, unless the partials would exceed the cap
         end = min(num_seqs, begin + chunk)
         attend(
@@ -183,6 +184,7 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
              _i64(tables.shape[1]), _i32(num_seqs), _i32(num_heads), _i32(num_kv), _i32(launch.block_q),
              _i32(max_parts), np.float32(scale * LOG2E), _i32(begin), _i32(end), _i32(window),
              _i32(prefill_elsewhere)),
+            shared_mem=shared,
         )
         if reduce is not None:
             reduce((end - begin, num_heads), (dim,),

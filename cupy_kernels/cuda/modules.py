@@ -38,10 +38,12 @@ CUPY_IMPLICIT_OPTIONS: tuple[str, ...] = ("-ftz=true",)
 ATTN_THREADS = 128  # 4 warps per CTA
 ATTN_TILE_N = 32  # keys per shared-memory tile: one lane per key in the softmax
 PARTITION_SIZE = 512  # keys per partition of a split decode
-ATTN_HEAD_DIMS = (64, 128)
+ATTN_HEAD_DIMS = (64, 128, 256)  # 256: Gemma 3 (dynamic shared memory above 48 KB, attention_shared_bytes)
 ATTN_BLOCK_SIZES = (16, 32)
 ATTN_BLOCK_MS = (4, 8, 16, 32)  # rows (query tokens x heads of one group) per CTA
 MAX_QUERIES_PER_KV = max(ATTN_BLOCK_MS)
+# Shared memory (static + dynamic) a CTA may use without opting in (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES).
+DEFAULT_SHARED_LIMIT = 48 * 1024
 LOG2E = 1.4426950408889634
 
 # Tensor-core prefill attention (prefill_attention.cu): 64 query rows per CTA (4 warps x 16), keys per tile.
@@ -72,6 +74,28 @@ def attention_reduce_name(head_dim: int, dtype: str = "f16") -> str:
     return f"paged_attention_reduce_kernel<{head_dim}{suffix}>"
 
 
+def attention_shared_bytes(head_dim: int, block_m: int) -> int:
+    """Dynamic shared memory of one paged_attention_kernel CTA, what its launch passes (AttentionSmem in
+    paged_attention.cu; either 2-byte storage type): queries in float32, a K and a V tile of ATTN_TILE_N keys (rows
+    padded by 8 elements), the scores. Head dim 256: 38,416 / 43,040 / 52,288 / 70,784 bytes at block_m 4 / 8 / 16
+    / 32."""
+    return block_m * head_dim * 4 + 2 * ATTN_TILE_N * (head_dim + 8) * 2 + block_m * (ATTN_TILE_N + 1) * 4
+
+
+def attention_static_shared_bytes(block_m: int) -> int:
+    """The kernel's static shared memory: five per-row words (alpha, m, l, pos, lo). ptxas reports it (the nvcc
+    test holds the two equal); with the dynamic part above DEFAULT_SHARED_LIMIT the kernel is opted in (_kernel)."""
+    return 5 * block_m * 4
+
+
+def _large_attention_shared() -> tuple[tuple[str, int], ...]:
+    """(name expression, dynamic bytes) of the paged attention instantiations whose shared memory, dynamic and static,
+    passes DEFAULT_SHARED_LIMIT: head dim 256 at block_m 16 and 32."""
+    return tuple((attention_kernel_name(d, bs, m, t), attention_shared_bytes(d, m))
+                 for t in ATTN_TYPES for d in ATTN_HEAD_DIMS for bs in ATTN_BLOCK_SIZES for m in ATTN_BLOCK_MS
+                 if attention_shared_bytes(d, m) + attention_static_shared_bytes(m) > DEFAULT_SHARED_LIMIT)
+
+
 def _typed(name: str) -> tuple[str, ...]:
     return tuple(f"{name}<{t}>" for t in STORAGE_TYPES.values())
 
@@ -85,6 +109,9 @@ class KernelModule:
     defines: tuple[tuple[str, int], ...]
     name_expressions: tuple[str, ...]
     preludes: tuple[str, ...] = ()  # helper files (.cuh) placed between common.cu and the family's file
+    # (name expression, bytes of dynamic shared memory its launches use) where that and the static shared memory
+    # pass DEFAULT_SHARED_LIMIT: _kernel opts those functions in to that much
+    large_shared: tuple[tuple[str, int], ...] = ()
 
     def source(self) -> str:
         """The exact string compiled, by CuPy on a GPU machine and by nvcc in the compile test."""
@@ -105,6 +132,7 @@ MODULES: dict[str, KernelModule] = {
                   for bs in ATTN_BLOCK_SIZES for m in ATTN_BLOCK_MS)
             + tuple(attention_reduce_name(d, t) for t in ATTN_TYPES for d in ATTN_HEAD_DIMS),
             preludes=("tensor_core.cuh",),
+            large_shared=_large_attention_shared(),
         ),
         KernelModule(
             "prefill_attention",
@@ -170,15 +198,39 @@ def _load_module(spec: KernelModule):
     return cupy.RawModule(code=code, options=NVRTC_OPTIONS, name_expressions=spec.name_expressions)
 
 
+def _allow_shared(fn, nbytes: int, device: int) -> None:
+    """Let `fn` launch with `nbytes` of dynamic shared memory, past DEFAULT_SHARED_LIMIT (a CTA may opt in to 163 KB
+    on sm_80, 99 KB on sm_86/89, 227 KB on sm_90). fn: a cupy.RawKernel (RawModule.get_function) or, from the
+    kernel cache, a cupy.cuda.function.Function."""
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    limit = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device)
+    if nbytes > limit:
+        raise ValueError(f"kernel needs {nbytes} bytes of shared memory a CTA; device {device} allows {limit}")
+    if isinstance(fn, cupy.RawKernel):
+        fn.max_dynamic_shared_size_bytes = nbytes
+    else:
+        driver = cupy.cuda.driver
+        driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+
+
 def _kernel(module: str, name: str):
+    """The function of one name expression, loaded once per device; opted in to its dynamic shared memory
+    (KernelModule.large_shared) when that is above DEFAULT_SHARED_LIMIT."""
     import cupy
 
     device = cupy.cuda.runtime.getDevice()
     key = (module, name, device)
     fn = _functions.get(key)
     if fn is None:
+        spec = MODULES[module]
         mod = _modules.get((module, device))
         if mod is None:
-            mod = _modules[(module, device)] = _load_module(MODULES[module])
-        fn = _functions[key] = mod.get_function(name)
+            mod = _modules[(module, device)] = _load_module(spec)
+        fn = mod.get_function(name)
+        shared = dict(spec.large_shared).get(name, 0)
+        if shared:
+            _allow_shared(fn, shared, device)
+        _functions[key] = fn
     return fn

@@ -91,6 +91,33 @@ __device__ __forceinline__ void load_kv_tile(T (*dst)[HEAD_DIM + 8], const T* __
     }
 }
 
+// Shared memory of one CTA. The tiles are dynamic (extern __shared__): the host launches with
+// attention_shared_bytes(HEAD_DIM, BLOCK_M) bytes (modules.py, the same sum) and opts the kernel in where they and
+// the static per-row arrays pass the 48 KB a launch gets without (head dim 256 at BLOCK_M 16: 52,288 + 320).
+// Byte offsets, each a multiple of 16:
+//   Q     float [BLOCK_M][HEAD_DIM]         the tile's queries, scale * log2(e) folded in
+//   K, V  T [PS_TILE_N][HEAD_DIM + 8]       one key tile each (+8 halves: conflict-free 16-byte reads)
+//   P     float [BLOCK_M][PS_TILE_N + 1]    scores, then probabilities
+// The five per-row arrays (5 x BLOCK_M x 4 bytes) stay static: in the dynamic buffer the compiler cannot tell
+// them from the tiles, and BLOCK_M 32 at head dim 128 spilled 40 / 36 bytes (stores / loads) on sm_90, not 28 / 28.
+template <int HEAD_DIM, int BLOCK_M>
+struct AttentionSmem {
+    static constexpr int Q = 0;
+    static constexpr int K = Q + BLOCK_M * HEAD_DIM * 4;
+    static constexpr int V = K + PS_TILE_N * (HEAD_DIM + 8) * 2;
+    static constexpr int P = V + PS_TILE_N * (HEAD_DIM + 8) * 2;
+    static constexpr int BYTES = P + BLOCK_M * (PS_TILE_N + 1) * 4;
+    static_assert(K % 16 == 0 && V % 16 == 0 && P % 16 == 0, "16-byte aligned tiles");
+};
+
+#ifndef PS_HOST_EMULATION  // the host emulation brings its own: a per-launch buffer that checks `bytes`
+// The launch's dynamic shared memory; `bytes` is what the kernel's layout needs (the host launched with as much).
+__device__ __forceinline__ unsigned char* dynamic_shared_memory(int /*bytes*/) {
+    extern __shared__ __align__(16) unsigned char ps_dynamic_smem[];
+    return ps_dynamic_smem;
+}
+#endif
+
 template <int HEAD_DIM, int BLOCK_SIZE, int BLOCK_M, typename T = f16>
 __global__ void __launch_bounds__(PS_ATTN_THREADS, PS_ATTN_MIN_BLOCKS)
 paged_attention_kernel(T* __restrict__ out,                 // [T, H, D]
@@ -103,6 +130,7 @@ paged_attention_kernel(T* __restrict__ out,                 // [T, H, D]
                        int num_heads, int num_kv_heads, int block_q, int max_parts, float scale_log2,
                        int seq_begin, int seq_end, int sliding_window, int prefill_elsewhere) {
     static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM <= 2 * PS_ATTN_THREADS, "unsupported head dim");
+    static_assert(sizeof(T) == 2, "AttentionSmem (and the host's attention_shared_bytes) assume 2-byte storage");
     static_assert(BLOCK_M % PS_ATTN_WARPS == 0, "rows must split evenly over warps");
     constexpr int ROWS_PER_WARP = BLOCK_M / PS_ATTN_WARPS;           // softmax / score rows per warp
     constexpr int PAIRS = HEAD_DIM / 2;                              // output dims handled as pairs
@@ -110,10 +138,12 @@ paged_attention_kernel(T* __restrict__ out,                 // [T, H, D]
     static_assert(BLOCK_M % ROW_GROUPS == 0, "rows must split evenly over P.V row groups");
     constexpr int ROWS_PER_THREAD = BLOCK_M / ROW_GROUPS;
 
-    __shared__ __align__(16) float q_s[BLOCK_M][HEAD_DIM];
-    __shared__ __align__(16) T k_s[PS_TILE_N][HEAD_DIM + 8];  // +8 halves: conflict-free 16-byte reads
-    __shared__ __align__(16) T v_s[PS_TILE_N][HEAD_DIM + 8];
-    __shared__ float p_s[BLOCK_M][PS_TILE_N + 1];
+    using Smem = AttentionSmem<HEAD_DIM, BLOCK_M>;
+    unsigned char* smem = dynamic_shared_memory(Smem::BYTES);
+    float (*q_s)[HEAD_DIM] = reinterpret_cast<float (*)[HEAD_DIM]>(smem + Smem::Q);
+    T (*k_s)[HEAD_DIM + 8] = reinterpret_cast<T (*)[HEAD_DIM + 8]>(smem + Smem::K);
+    T (*v_s)[HEAD_DIM + 8] = reinterpret_cast<T (*)[HEAD_DIM + 8]>(smem + Smem::V);
+    float (*p_s)[PS_TILE_N + 1] = reinterpret_cast<float (*)[PS_TILE_N + 1]>(smem + Smem::P);
     __shared__ float alpha_s[BLOCK_M];
     __shared__ float m_s[BLOCK_M];
     __shared__ float l_s[BLOCK_M];
@@ -135,6 +165,7 @@ paged_attention_kernel(T* __restrict__ out,                 // [T, H, D]
     if (prefill_elsewhere && num_q > 1) return;  // prefill_attention_kernel (tensor cores) does these rows
     const int q0 = (tile - ((q_begin - seq) / block_q + seq)) * block_q;  // first local query
     if (q0 >= num_q) return;
+    const int token0 = q_begin + q0;  // the tile's first token (one value live to the epilogue, not two)
     const int seq_len = seq_lens[seq];
     const int tile_q = min(block_q, num_q - q0);
     const int first_pos = seq_len - num_q + q0;
@@ -170,7 +201,7 @@ paged_attention_kernel(T* __restrict__ out,                 // [T, H, D]
         const int qi = r / group;
         float value = 0.f;
         if (qi < tile_q) {
-            const long long token = q_begin + q0 + qi;
+            const long long token = token0 + qi;
             const long long head = (long long)kv_head * group + r % group;
             value = to_float(query[token * q_stride_token + head * q_stride_head + d]) * scale_log2;
         }
@@ -301,7 +332,7 @@ paged_attention_kernel(T* __restrict__ out,                 // [T, H, D]
         if (pos_s[r] < 0) continue;
         const long long head = (long long)kv_head * group + r % group;
         if (!split) {
-            const long long token = q_begin + q0 + r / group;
+            const long long token = token0 + r / group;
             const float l = l_s[r];
             const float inv = l > 0.f ? 1.f / l : 0.f;
             unsigned int* dst = reinterpret_cast<unsigned int*>(out + (token * num_heads + head) * HEAD_DIM + 2 * pair);

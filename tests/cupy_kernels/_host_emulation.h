@@ -6,7 +6,8 @@
 // are barriers that switch fibers, so the kernels' real control flow, indexing and synchronisation
 // run, CTA after CTA (a fiber is entered once with setcontext, then switched with _setjmp/_longjmp,
 // which skip the signal-mask system calls of swapcontext). A barrier that can never complete (a divergent __syncthreads) aborts with a
-// message. cp.async copies happen at once; the wait/commit calls are no-ops.
+// message. cp.async copies happen at once; the wait/commit calls are no-ops. Dynamic shared memory
+// (dynamic_shared_memory below) is a buffer of exactly the launch's shared_mem bytes.
 //
 // Not emulated: timing, memory-model races between CTAs, fast-math approximations (exp2f is libm's).
 #pragma once
@@ -65,6 +66,33 @@ static std::vector<PsBarrier> ps_warp_barriers;
 static std::vector<unsigned long long> ps_warp_slots;  // 32 per warp
 static std::vector<unsigned> ps_mma_slots;              // 32 lanes x 10 words per warp: a[4], b[2], c[4]
 static std::function<void()> ps_body;
+
+// Dynamic shared memory (extern __shared__ on the GPU; a kernel reaches it through dynamic_shared_memory(bytes),
+// `bytes` being what its layout needs). One buffer of the launch's shared_mem bytes plus a guard, refilled with
+// 0xFF (NaN) before each CTA; a layout size other than the launch's, or a write into the guard, aborts.
+static std::vector<uint4> ps_dynamic_buf;
+static int ps_dynamic_bytes = 0;
+constexpr int PS_DYNAMIC_GUARD = 64;
+inline unsigned char* dynamic_shared_memory(int bytes) {
+    if (bytes != ps_dynamic_bytes) {
+        std::fprintf(stderr, "host emulation: the kernel's layout needs %d bytes of dynamic shared memory, the launch "
+                             "brought %d\n", bytes, ps_dynamic_bytes);
+        std::abort();
+    }
+    return reinterpret_cast<unsigned char*>(ps_dynamic_buf.data());
+}
+static void ps_dynamic_reset() {
+    std::memset(ps_dynamic_buf.data(), 0xFF, (std::size_t)ps_dynamic_bytes + PS_DYNAMIC_GUARD);
+}
+static void ps_dynamic_check_guard() {
+    const unsigned char* guard = reinterpret_cast<const unsigned char*>(ps_dynamic_buf.data()) + ps_dynamic_bytes;
+    for (int i = 0; i < PS_DYNAMIC_GUARD; ++i)
+        if (guard[i] != 0xFF) {
+            std::fprintf(stderr, "host emulation: a CTA wrote past its %d bytes of dynamic shared memory\n",
+                         ps_dynamic_bytes);
+            std::abort();
+        }
+}
 
 #define threadIdx (ps_fibers[ps_cur].tid)
 #define blockIdx ps_block_idx
@@ -193,12 +221,16 @@ static void ps_launch_impl(void (*kernel)(P...), void** args, std::index_sequenc
                 ps_block_idx.x = ps_reverse_grid ? ps_grid_dim.x - 1 - x : x;
                 ps_block_idx.y = ps_reverse_grid ? ps_grid_dim.y - 1 - y : y;
                 ps_block_idx.z = ps_reverse_grid ? ps_grid_dim.z - 1 - z : z;
+                ps_dynamic_reset();
                 ps_run_cta([&] { kernel(*static_cast<P*>(args[I])...); });
+                ps_dynamic_check_guard();
             }
 }
 
+// dynamic_bytes: the launch's dynamic shared memory (CuPy's shared_mem).
 template <typename... P>
-static int ps_launch(void (*kernel)(P...), const unsigned* dims, void** args, int nargs, const int* sizes) {
+static int ps_launch(void (*kernel)(P...), const unsigned* dims, void** args, int nargs, const int* sizes,
+                     int dynamic_bytes = 0) {
     const int expected_sizes[] = {(int)sizeof(P)..., 0};
     if (nargs != (int)sizeof...(P)) {
         std::fprintf(stderr, "host emulation: kernel takes %d arguments, launch passed %d\n", (int)sizeof...(P), nargs);
@@ -210,8 +242,14 @@ static int ps_launch(void (*kernel)(P...), const unsigned* dims, void** args, in
                          expected_sizes[i]);
             return 2;
         }
+    if (dynamic_bytes < 0) {
+        std::fprintf(stderr, "host emulation: %d bytes of dynamic shared memory\n", dynamic_bytes);
+        return 3;
+    }
     ps_grid_dim = ps_dim3{dims[0], dims[1], dims[2]};
     ps_block_dim = ps_dim3{dims[3], dims[4], dims[5]};
+    ps_dynamic_bytes = dynamic_bytes;
+    ps_dynamic_buf.assign(((std::size_t)dynamic_bytes + PS_DYNAMIC_GUARD + 15) / 16, uint4{});
     ps_launch_impl(kernel, args, std::index_sequence_for<P...>{});
     return 0;
 }

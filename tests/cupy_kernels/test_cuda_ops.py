@@ -57,6 +57,34 @@ def test_paged_attention_matches_reference(head_dim, block_size, group):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("group,block_size", [(4, 16), (16, 32), (24, 16)])
+def test_paged_attention_head_dim_256(group, block_size):
+    """Head dim 256 (Gemma 3), BLOCK_M 4 to 32: the chunks' tiles (BLOCK_M 16 and 32) take dynamic shared memory past
+    48 KB, the kernel opted in. Group 4 is Gemma 3 270M's (4 query heads, 1 kv head); 24 pads BLOCK_M 32."""
+    rng = np.random.default_rng(group + block_size)
+    gpu_helpers.check_paged_attention(rng, (("mixed", MIXED), ("decode", DECODES)), 1, 256, block_size, group,
+                                      "paged_attention")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [37, 512, 1000])
+def test_sliding_window_head_dim_256(window):
+    """Gemma 3's shape (4 query heads, 1 kv head, head dim 256; window 512) against numpy with the same window:
+    split decodes whose window spans partitions, chunks deep in a context."""
+    from pagedserve.cupy_kernels.reference import paged_attention as pa
+
+    cp = _cp()
+    rng = np.random.default_rng(window)
+    k, v, qsl, lens, tables = gpu_helpers.build_cache(rng, MIXED, 1, 256, 16)
+    query = rng.standard_normal((int(qsl[-1]), 4, 256)).astype(f16)
+    ref = pa.paged_attention(query.astype(np.float32), k.astype(np.float32), v.astype(np.float32), qsl, lens,
+                             np.where(tables == gpu_helpers.PAD_BLOCK, 0, tables), 1 / 16, sliding_window=window)
+    got = to_host(cuda.paged_attention(cp.asarray(query), cp.asarray(k), cp.asarray(v), qsl, lens, tables, 1 / 16,
+                                       sliding_window=window))
+    gpu_helpers.check_attention(got, ref, f"paged_attention/d256/window{window}")
+
+
+@pytest.mark.gpu
 def test_paged_attention_strided_query_view():
     gpu_helpers.check_paged_attention_strided_query_view()
 
@@ -67,7 +95,7 @@ def test_never_written_slots_are_never_read():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_batch_invariance(head_dim):
     """A sequence alone, in a mixed batch, or in a decode-only batch: bitwise the same output.
     A = long split decode, B = prefill chunk, C = short decode, D = a long fresh prefill, E = another
@@ -231,13 +259,14 @@ def test_ops_return_device_arrays():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-llama32", "random-smollm2"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-llama32", "tiny-gemma3",
+                                  "random-smollm2"])
 def test_model_logits_match_numpy(name):
     gpu_helpers.check_model_logits_match_numpy(name)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-llama32"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-llama32", "tiny-gemma3"])
 def test_tiny_model_prompt_top1_matches_transformers_goldens(name):
     """Independent check: top-1 of the GPU logits against Hugging Face's (committed goldens), on every
     position where the golden top-1/top-2 gap is clear (> 0.05)."""

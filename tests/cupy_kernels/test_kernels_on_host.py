@@ -15,6 +15,7 @@ Skipped when g++ is absent.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import shutil
 import subprocess
@@ -61,14 +62,23 @@ def _garbage(shape, dtype) -> EmulatedArray:
     return a.view(EmulatedArray)
 
 
+# What the stand-in device allows a CTA once opted in (sm_90's cudaDevAttrMaxSharedMemoryPerBlockOptin).
+EMULATED_OPTIN_LIMIT = 232448
+
+
 class EmulatedKernel:
+    """A RawModule function: launches run the kernel on the emulation with `shared_mem` bytes of dynamic shared
+    memory, which (as on the GPU) may pass 48 KB only after max_dynamic_shared_size_bytes was raised."""
+
     def __init__(self, lib, index: int, name: str):
         self.fn = getattr(lib, f"ps_launch_{index}")
         self.fn.restype = ctypes.c_int
         self.name = name
+        self.max_dynamic_shared_size_bytes = cuda_modules.DEFAULT_SHARED_LIMIT
 
     def __call__(self, grid, block, args, shared_mem=0):
-        assert shared_mem == 0
+        assert 0 <= shared_mem <= self.max_dynamic_shared_size_bytes, \
+            f"{self.name}: {shared_mem} bytes of dynamic shared memory, {self.max_dynamic_shared_size_bytes} allowed"
         dims = [int(v) for v in grid] + [1] * (3 - len(grid)) + [int(v) for v in block] + [1] * (3 - len(block))
         buffers, sizes = [], []
         for a in args:
@@ -84,7 +94,8 @@ class EmulatedKernel:
             else:
                 raise TypeError(f"{self.name}: argument of type {type(a).__name__}; pass numpy scalars or arrays")
         argv = (ctypes.c_void_p * len(args))(*[ctypes.addressof(b) for b in buffers])
-        rc = self.fn((ctypes.c_uint * 6)(*dims), argv, len(args), (ctypes.c_int * len(args))(*sizes))
+        rc = self.fn((ctypes.c_uint * 6)(*dims), argv, len(args), (ctypes.c_int * len(args))(*sizes),
+                     ctypes.c_int(int(shared_mem)))
         assert rc == 0, f"{self.name}: launch rejected (see stderr)"
 
 
@@ -116,7 +127,12 @@ def fake_cupy(libs) -> types.ModuleType:
     cp.take = lambda a, ids, axis=None: np.take(a.view(np.ndarray), np.asarray(ids), axis=axis).view(EmulatedArray)
     cp.cos = lambda x: np.cos(np.asarray(x)).view(EmulatedArray)
     cp.sin = lambda x: np.sin(np.asarray(x)).view(EmulatedArray)
-    cp.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1))
+    optin = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+    runtime = types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1,
+                                    cudaDevAttrMaxSharedMemoryPerBlockOptin=optin,
+                                    deviceGetAttribute=lambda attr, dev: {optin: EMULATED_OPTIN_LIMIT}[attr])
+    cp.cuda = types.SimpleNamespace(runtime=runtime)
+    cp.RawKernel = EmulatedKernel
     cp.RawModule = lambda code, options=(), name_expressions=(): EmulatedModule(libs, code, options, name_expressions)
     return cp
 
@@ -132,8 +148,8 @@ def _build(module: cuda_ops.KernelModule, workdir: Path) -> Path:
         source = source.replace(text, "")
     lines = [source, ""]
     for i, expr in enumerate(module.name_expressions):
-        lines.append(f'extern "C" int ps_launch_{i}(const unsigned* dims, void** args, int nargs, const int* sizes) '
-                     f"{{ return ps_launch(&{expr}, dims, args, nargs, sizes); }}")
+        lines.append(f'extern "C" int ps_launch_{i}(const unsigned* dims, void** args, int nargs, const int* sizes, '
+                     f"int shared) {{ return ps_launch(&{expr}, dims, args, nargs, sizes, shared); }}")
     src = workdir / f"{module.name}.cpp"
     src.write_text("\n".join(lines) + "\n")
     lib = workdir / f"lib{module.name}.so"
@@ -196,31 +212,116 @@ def test_never_written_slots_are_never_read_on_host(emulated):
 WINDOW_SPECS = [(1100, 1), (1500, 1), (513, 1), (700, 45), (100, 33), (40, 40), (17, 1), (530, 3)]
 
 
-@pytest.mark.parametrize("window", [1, 5, 16, 37, 600, 2000])
-def test_sliding_window_attention_on_host(emulated, window):
-    """Against the numpy reference with the same window; host and device metadata the same bits; NaN in
-    every block wholly older than a sequence's window (blocks the KV manager may have given away): the same
-    bits again."""
-    rng = np.random.default_rng(window)
-    k, v, qsl, lens, tables = build_cache(rng, WINDOW_SPECS, 2, 64, 16)
-    query = rng.standard_normal((int(qsl[-1]), 6, 64)).astype(np.float16)
+def _check_sliding_window(rng, specs, num_kv, num_heads, dim, block_size, window):
+    """Against the numpy reference with the same window; host and device metadata the same bits; NaN in every block
+    wholly older than a sequence's window (blocks the KV manager may have given away): the same bits again."""
+    k, v, qsl, lens, tables = build_cache(rng, specs, num_kv, dim, block_size)
+    query = rng.standard_normal((int(qsl[-1]), num_heads, dim)).astype(np.float16)
+    scale = dim ** -0.5
     ref = pa.paged_attention(query.astype(np.float32), k.astype(np.float32), v.astype(np.float32), qsl, lens,
-                             np.where(tables == gpu_helpers.PAD_BLOCK, 0, tables), 0.125, sliding_window=window)
-    got = cuda.paged_attention(_dev(query), _dev(k), _dev(v), qsl, lens, tables, 0.125, sliding_window=window).get()
-    gpu_helpers.check_attention(got, ref, f"host/sliding_window/{window}")
-    device = cuda.paged_attention(_dev(query), _dev(k), _dev(v), _dev(qsl), _dev(lens), _dev(tables), 0.125,
+                             np.where(tables == gpu_helpers.PAD_BLOCK, 0, tables), scale, sliding_window=window)
+    got = cuda.paged_attention(_dev(query), _dev(k), _dev(v), qsl, lens, tables, scale, sliding_window=window).get()
+    gpu_helpers.check_attention(got, ref, f"host/sliding_window/d{dim}/{window}")
+    device = cuda.paged_attention(_dev(query), _dev(k), _dev(v), _dev(qsl), _dev(lens), _dev(tables), scale,
                                   sliding_window=window).get()
     np.testing.assert_array_equal(device, got)
     old = 0
     for i, length in enumerate(lens):
         oldest = max(0, int(length) - int(qsl[i + 1] - qsl[i]) - window + 1)
-        for b in range(oldest // 16):
+        for b in range(oldest // block_size):
             k[tables[i, b]] = v[tables[i, b]] = np.nan
             old += 1
-    assert old or window == 2000
-    poisoned = cuda.paged_attention(_dev(query), _dev(k), _dev(v), qsl, lens, tables, 0.125,
+    poisoned = cuda.paged_attention(_dev(query), _dev(k), _dev(v), qsl, lens, tables, scale,
                                     sliding_window=window).get()
     np.testing.assert_array_equal(poisoned, got)
+    return old
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 600, 2000])
+def test_sliding_window_attention_on_host(emulated, window):
+    old = _check_sliding_window(np.random.default_rng(window), WINDOW_SPECS, 2, 6, 64, 16, window)
+    assert old or window == 2000
+
+
+# Head dim 256 (Gemma 3: 4 query heads, 1 kv head in the 270M model; sliding window 512). Cut down: a 1,100-token
+# decode (three partitions and the reduce), a 600-token one (two), a 45-token chunk deep in a context and a short
+# prompt (BLOCK_M 16: 52,288 bytes of dynamic shared memory, past 48 KB), a plain decode.
+D256_SPECS = [(1100, 1), (600, 1), (300, 45), (20, 20), (17, 1)]
+
+
+@pytest.mark.parametrize("group,block_size", [(4, 16), (24, 32)])
+def test_paged_attention_head_dim_256_on_host(emulated, monkeypatch, group, block_size):
+    """Against numpy, host and device metadata the same bits. Group 4: decodes at BLOCK_M 4, the chunks at 16 (opted
+    in past 48 KB); group 24: BLOCK_M 32 (70,784 bytes), its last 8 rows padding. The launches pass
+    attention_shared_bytes, and the emulation aborts unless that is the kernel's own layout size."""
+    launches = []
+    real_kernel = cuda_attention._kernel
+    monkeypatch.setattr(cuda_attention, "_kernel", lambda module, name: launches.append(real_kernel(module, name))
+                        or launches[-1])
+    rng = np.random.default_rng(group)
+    gpu_helpers.check_paged_attention(rng, (("mixed", D256_SPECS),), 1, 256, block_size, group, "host")
+    attend = {k.name: k.max_dynamic_shared_size_bytes for k in launches if k.name.startswith("paged_attention_kernel")}
+    block_m = 16 if group == 4 else 32
+    assert attend[cuda_modules.attention_kernel_name(256, block_size, block_m)] == \
+        cuda_modules.attention_shared_bytes(256, block_m) > cuda_modules.DEFAULT_SHARED_LIMIT
+    assert any(k.name.startswith("paged_attention_reduce_kernel<256") for k in launches)
+
+
+@pytest.mark.parametrize("window", [37, 512])
+def test_sliding_window_head_dim_256_on_host(emulated, window):
+    assert _check_sliding_window(np.random.default_rng(window), D256_SPECS, 1, 4, 256, 16, window)
+
+
+def test_shared_memory_opt_in(monkeypatch):
+    """_kernel opts a function in to its dynamic shared memory past 48 KB only (KernelModule.large_shared), through
+    RawKernel's attribute or, for the kernel cache's cupy.cuda.function.Function, cuFuncSetAttribute; a device
+    that allows less is refused with a ValueError."""
+    calls = []
+    driver = types.SimpleNamespace(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES=8,
+                                   funcSetAttribute=lambda ptr, attr, value: calls.append((ptr, attr, value)))
+    limit = {"optin": 232448}
+    runtime = types.SimpleNamespace(getDevice=lambda: 0, cudaDevAttrMaxSharedMemoryPerBlockOptin=97,
+                                    deviceGetAttribute=lambda attr, dev: limit["optin"] if attr == 97 else -1)
+
+    class RawKernel:
+        max_dynamic_shared_size_bytes = 0
+
+    class Function:
+        ptr = 1234
+
+    class Module:
+        def __init__(self, make):
+            self.make = make
+
+        def get_function(self, name):
+            return self.make()
+
+    cp = types.ModuleType("cupy")
+    cp.RawKernel = RawKernel
+    cp.cuda = types.SimpleNamespace(runtime=runtime, driver=driver)
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setattr(cuda_modules, "_functions", {})
+    big, small = cuda_modules.attention_kernel_name(256, 16, 16), cuda_modules.attention_kernel_name(128, 16, 32)
+    monkeypatch.setattr(cuda_modules, "_modules", {("paged_attention", 0): Module(RawKernel)})
+    assert cuda_modules._kernel("paged_attention", big).max_dynamic_shared_size_bytes == 52288
+    assert cuda_modules._kernel("paged_attention", small).max_dynamic_shared_size_bytes == 0
+    monkeypatch.setattr(cuda_modules, "_functions", {})
+    monkeypatch.setattr(cuda_modules, "_modules", {("paged_attention", 0): Module(Function)})
+    cuda_modules._kernel("paged_attention", big)
+    cuda_modules._kernel("paged_attention", small)
+    assert calls == [(1234, 8, 52288)]
+    monkeypatch.setattr(cuda_modules, "_functions", {})
+    limit["optin"] = 50000
+    with pytest.raises(ValueError, match="needs 52288 bytes of shared memory a CTA; device 0 allows 50000"):
+        cuda_modules._kernel("paged_attention", big)
+    large = dict(cuda_modules.MODULES["paged_attention"].large_shared)
+    m = cuda_modules
+    shapes = itertools.product(m.ATTN_TYPES, m.ATTN_HEAD_DIMS, m.ATTN_BLOCK_SIZES, m.ATTN_BLOCK_MS)
+    for kind, dim, bs, block_m in shapes:
+        name, dynamic = m.attention_kernel_name(dim, bs, block_m, kind), m.attention_shared_bytes(dim, block_m)
+        opted_in = dynamic + m.attention_static_shared_bytes(block_m) > m.DEFAULT_SHARED_LIMIT
+        assert large.get(name, dynamic if opted_in else None) == (dynamic if opted_in else None), name
+        assert opted_in == (dim == 256 and block_m >= 16), name
 
 
 def test_sliding_window_batch_invariance_on_host(emulated):
@@ -304,9 +405,13 @@ def test_embedding_and_validation_on_host(emulated):
     gpu_helpers.check_paged_attention_strided_query_view()
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-gemma3"])
 def test_model_forward_on_host(emulated, name):
-    """The Llama forward with get_backend("cuda") (float16, every op through cuda_ops) vs numpy float32."""
+    """The forward with get_backend("cuda") (float16, every op through cuda_ops) vs numpy float32. tiny-gemma3: head
+    dim 256, a sliding layer (window 8) and a full one; its GELU-tanh gate is CuPy array code (models/layers.py), here
+    numpy's functions on the stand-in arrays."""
+    if name == "tiny-gemma3":
+        sys.modules["cupy"].__getattr__ = lambda attr: getattr(np, attr)
     gpu_helpers.check_model_logits_match_numpy(name)
 
 
@@ -590,6 +695,6 @@ def test_gpu_attention_bench_prefill_case_on_host(emulated, monkeypatch):
     assert row["paged"]["finite"] and row["tensor_cores"]["finite"], row
     assert 0 < row["max_abs_diff_tc_vs_paged"] < 0.05, row  # bf16 P in the tensor-core path; fp32 P in the paged one
     assert cuda_attention.TC_PREFILL_ENV not in os.environ
-    row = bench["_prefill_case"](cp, 20, 256, "fp16", 16, 1, True)
-    assert row["paged"] == {"skipped": "head dim not supported"} and row["tensor_cores"]["finite"]
-    assert row["tensor_cores"]["entry"] == "prefill_attention"
+    row = bench["_prefill_case"](cp, 20, 256, "fp16", 16, 1, True)  # head dim 256: the paged kernel too (#35)
+    assert row["paged"]["finite"] and row["tensor_cores"]["finite"], row
+    assert 0 < row["max_abs_diff_tc_vs_paged"] < 0.05, row

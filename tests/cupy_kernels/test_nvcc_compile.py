@@ -18,14 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.cupy_kernels.cuda import ops as cuda_ops
+from pagedserve.cupy_kernels.cuda import modules as mods, ops as cuda_ops
 
 ARCHS = ("sm_80", "sm_90")
-# Static shared memory a CTA may use without an opt-in (the kernels never opt in).
+# Static shared memory a CTA may use (more can only be dynamic, opted in: paged attention at head dim 256).
 STATIC_SMEM_LIMIT = 48 * 1024
+# The smallest shared memory a CTA may opt in to on the sm_80+ devices the kernels run on (sm_86 and sm_89; sm_80
+# allows 166,912 bytes, sm_90 232,448).
+OPTIN_SMEM_LIMIT = 101376
 # The attention kernel is capped at 128 registers (__launch_bounds__(128, 4)); its largest tile
-# (BLOCK_M = 32, only for > 16 query heads per kv head, head dim 128) spills 8-20 bytes under that
-# cap, reloaded once in the epilogue. A real register shortage spills far more than this.
+# (BLOCK_M = 32, only for > 16 query heads per kv head) spills 12-28 bytes under that cap at head dims
+# 128 and 256 (CUDA 13.0), a few words reloaded once per key tile. A real register shortage spills far more.
 MAX_SPILL_BYTES = 32
 
 
@@ -89,6 +92,38 @@ def test_no_real_spills_and_static_shared_memory_fits(compiled, arch):
             assert int(spill) <= MAX_SPILL_BYTES, f"{module} ({arch}) spills {spill} bytes:\n{log}"
         for smem in re.findall(r"(\d+) bytes smem", log):
             assert int(smem) <= STATIC_SMEM_LIMIT, f"{module} ({arch}) uses {smem} bytes of shared memory"
+
+
+def _paged_attention_smem(log: str) -> dict[tuple[int, int], int]:
+    """(head dim, BLOCK_M) -> the static shared memory ptxas reports for paged_attention_kernel (one storage type)."""
+    found, entry = {}, None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '_Z22paged_attention_kernelILi(\d+)ELi\d+ELi(\d+)E", line)
+        if "Compiling entry function" in line:
+            entry = (int(m.group(1)), int(m.group(2))) if m else None
+        elif entry and "Used" in line:
+            smem = re.search(r"(\d+) bytes smem", line)
+            found[entry] = int(smem.group(1)) if smem else 0
+    return found
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_paged_attention_shared_memory_is_what_the_host_launches(compiled, arch):
+    """Static shared memory: attention_static_shared_bytes (the per-row arrays); with the dynamic part the host
+    launches (attention_shared_bytes) within what every sm_80+ device lets a CTA opt in to, and the instantiations
+    past 48 KB are those the loader opts in (KernelModule.large_shared)."""
+    rc, log = compiled[("paged_attention", arch)]
+    assert rc == 0
+    found = _paged_attention_smem(log)
+    assert {d for d, _ in found} == set(mods.ATTN_HEAD_DIMS) and {m for _, m in found} == set(mods.ATTN_BLOCK_MS)
+    large = {name for name, _ in mods.MODULES["paged_attention"].large_shared}
+    for (dim, block_m), static in found.items():
+        assert static == mods.attention_static_shared_bytes(block_m), (dim, block_m, static)
+        total = static + mods.attention_shared_bytes(dim, block_m)
+        assert total <= OPTIN_SMEM_LIMIT, (dim, block_m, total)
+        names = {mods.attention_kernel_name(dim, bs, block_m, t) for bs in mods.ATTN_BLOCK_SIZES
+                 for t in mods.ATTN_TYPES}
+        assert (names <= large) == (total > STATIC_SMEM_LIMIT) and (names & large in (set(), names)), (dim, block_m)
 
 
 def test_every_cu_file_is_compiled():

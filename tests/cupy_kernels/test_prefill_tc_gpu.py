@@ -43,12 +43,14 @@ def test_prefill_attention_tensor_cores_gpu(kind, dim, block_size, group, window
 
 
 @pytest.mark.parametrize("kind", ["f16", "bf16"])
-def test_paged_attention_with_tensor_core_prefill_gpu(kind, monkeypatch):
-    """The flag off: every row within the bound (bf16 through the paged kernel); on: decode rows the same bits,
-    prefill rows within the bound, device metadata the same bits."""
+@pytest.mark.parametrize("dim", [128, 256])
+def test_paged_attention_with_tensor_core_prefill_gpu(kind, dim, monkeypatch):
+    """The flag off: every row within the bound (bf16 through the paged kernel; at head dim 256 its chunks take
+    dynamic shared memory past 48 KB); on: decode rows the same bits, prefill rows within the bound, device
+    metadata the same bits."""
     cp = import_cupy()
     rng = np.random.default_rng(5)
-    (q, k, v, qsl, lens, tables), floats = prefill_case(rng, PREFILL_SPECS, kind, 2, 4, 128, 16)
+    (q, k, v, qsl, lens, tables), floats = prefill_case(rng, PREFILL_SPECS, kind, 2, 4, dim, 16)
     args = (cp.asarray(q), cp.asarray(k), cp.asarray(v))
     monkeypatch.setenv(cuda_attention.TC_PREFILL_ENV, "0")
     off = to_host(cuda.paged_attention(*args, qsl, lens, tables, 0.1, sliding_window=300))

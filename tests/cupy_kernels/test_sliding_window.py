@@ -85,6 +85,18 @@ def test_reference_matches_the_dense_oracle(window, block_size):
                                atol=tolerance(q, v, lens))
 
 
+@pytest.mark.parametrize("window", [37, 512])
+def test_reference_matches_the_dense_oracle_at_head_dim_256(window):
+    """Gemma 3 270M's shape (4 query heads on 1 kv head, head dim 256; window 512): contexts past the window, a
+    chunk deep in one. The reference the CUDA kernel's head-dim-256 checks compare with (test_kernels_on_host.py)."""
+    rng = np.random.default_rng(window)
+    q, k, v, qsl, lens, tables = make_batch(rng, [(1100, 1), (600, 1), (300, 45), (20, 20)], num_kv=1, group=4,
+                                            head_dim=256, block_size=16)
+    got = pa.paged_attention(q, k, v, qsl, lens, tables, 1 / 16, sliding_window=window)
+    np.testing.assert_allclose(got, dense_attention(q, k, v, qsl, lens, tables, 1 / 16, window), rtol=0,
+                               atol=tolerance(q, v, lens))
+
+
 def test_the_window_changes_the_result_and_a_window_past_the_context_does_not():
     """A window as long as the longest context is no window (the same bits); a shorter one is not."""
     rng = np.random.default_rng(1)
