@@ -16,7 +16,10 @@ with num_logits = 0):
     input_ids       = [a0 a1 a2 | b7 d1 d2 | c4 c5]
     logits_indices  = [2, 3, 4, 5]     a's last row, then b's three rows; c has none
 
-KV cache groups (a model with sliding-window layers; runtime/core/kv_cache_manager.py): every group after
+prompt_lens (optional): each sequence's prompt length, which LongRoPE picks its factors by (models/rope.py);
+None where no chunk names one, and a chunk without one counts its seq_len.
+
+KV cache groups (a model with sliding-window layers; runtime/core/kv_cache_groups.py): every group after
 the first has its own block tables and slot mapping (group_block_tables, group_slot_mappings), and
 layer_group says which group each layer reads and writes; `kv_tables(layer)` gives a layer its pair. A
 batch without groups leaves all three empty: every layer uses block_tables and slot_mapping.
@@ -42,6 +45,7 @@ class ForwardBatch:
     group_block_tables: tuple[Any, ...] = ()  # groups 1..G-1: [B, max_blocks] int32 each
     group_slot_mappings: tuple[Any, ...] = ()  # groups 1..G-1: [T] int64 each
     layer_group: tuple[int, ...] = ()  # per layer, its group (empty: group 0 for every layer)
+    prompt_lens: Any = None  # [B] int32: each sequence's prompt length (LongRoPE's factors); None: seq_lens
 
     def group_of(self, layer: int) -> int:
         """The KV cache group `layer` reads and writes."""
@@ -83,6 +87,7 @@ class SeqChunk:
     # short of the prompt's end, 1 + k = a speculative verify step with k draft tokens).
     num_logits: int = 1
     group_block_tables: Sequence[Sequence[int]] = ()  # the tables of KV cache groups 1.. (none: one group)
+    prompt_len: int | None = None  # the sequence's prompt length (LongRoPE's factors); None: its seq_len
 
 
 def _tables_and_slots(tables: Sequence[Sequence[int]], seq_lens: np.ndarray, seq_index: np.ndarray,
@@ -133,5 +138,12 @@ def build_forward_batch(chunks: Sequence[SeqChunk], block_size: int,
     offsets = np.arange(int(num_logits.sum()), dtype=np.int64) - np.repeat(np.cumsum(num_logits) - num_logits,
                                                                           num_logits)
     logits_indices = ends - np.repeat(num_logits, num_logits) + offsets
+    prompt_lens = None
+    if any(c.prompt_len is not None for c in chunks):
+        prompt_lens = np.array([n if c.prompt_len is None else c.prompt_len for c, n in zip(chunks, seq_lens)],
+                               dtype=np.int32)
+        if (prompt_lens < 1).any():
+            raise ValueError("a sequence's prompt_len must be at least 1")
     return ForwardBatch(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
-                        logits_indices, tuple(t for t, _ in extra), tuple(s for _, s in extra), tuple(layer_group))
+                        logits_indices, tuple(t for t, _ in extra), tuple(s for _, s in extra), tuple(layer_group),
+                        prompt_lens)

@@ -5,9 +5,11 @@ layer checks and uploads it at every call: slot_mapping and the three attention 
 and cos/sin (computed on the host from numpy positions) twice per layer. `to_device` does that work
 once per step:
 
-    host ForwardBatch --check_batch--> trim block_tables --pack--> int64 [3T + N] + int32 [2B + 1 + B*W]
+    host ForwardBatch --check_batch--> trim block_tables --pack--> int64 [3T + N] + int32 [2B + 1 + B*W (+ B)]
                                                                         | two host->device copies
     device ForwardBatch <----------------- unpack: views into the two device buffers
+
+The int32 buffer ends with the prompt lengths (LongRoPE's factor choice) when the batch carries them.
 
 The check runs on the host because, given device metadata, the kernels trust it (a block id out of
 range would be an illegal address that kills the CUDA context, not an exception naming the field).
@@ -55,6 +57,7 @@ class PackedLayout:
     num_seqs: int  # B
     num_logits: int  # N
     max_blocks: int  # W, block table columns
+    prompt_lens: bool = False  # B more int32 after the tables: ForwardBatch.prompt_lens
 
     @property
     def i64_size(self) -> int:
@@ -62,7 +65,7 @@ class PackedLayout:
 
     @property
     def i32_size(self) -> int:
-        return 2 * self.num_seqs + 1 + self.num_seqs * self.max_blocks
+        return (2 + self.max_blocks + int(self.prompt_lens)) * self.num_seqs + 1
 
 
 def blocks_needed(seq_lens: np.ndarray, block_size: int) -> int:
@@ -82,6 +85,9 @@ def check_batch(batch: ForwardBatch, block_size: int, num_blocks: int, vocab_siz
     check_metadata(batch.query_start_loc, batch.seq_lens, batch.block_tables, t, block_size, num_blocks,
                    "ForwardBatch")
     check_slot_mapping(np.asarray(batch.slot_mapping), num_blocks * block_size, "ForwardBatch", only_minus_one=True)
+    if batch.prompt_lens is not None and np.shape(batch.prompt_lens) != (batch.num_seqs,):
+        raise ValueError(f"ForwardBatch.prompt_lens has shape {np.shape(batch.prompt_lens)}, "
+                         f"expected ({batch.num_seqs},)")
     ids = np.asarray(batch.input_ids)
     if vocab_size is not None and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise IndexError(f"ForwardBatch.input_ids holds a token id outside [0, {vocab_size})")
@@ -94,7 +100,7 @@ def pack_batch(batch: ForwardBatch, max_blocks: int) -> tuple[np.ndarray, np.nda
     """The batch's metadata as one int64 and one int32 host buffer; block tables cut or zero-padded
     to `max_blocks` columns (zeros: block 0, a valid id the kernels never read past seq_len)."""
     layout = PackedLayout(batch.num_tokens, batch.num_seqs, int(np.asarray(batch.logits_indices).shape[0]),
-                          max_blocks)
+                          max_blocks, batch.prompt_lens is not None)
     i64 = np.empty(layout.i64_size, dtype=np.int64)
     t = layout.num_tokens
     i64[:t] = batch.input_ids
@@ -107,21 +113,26 @@ def pack_batch(batch: ForwardBatch, max_blocks: int) -> tuple[np.ndarray, np.nda
     i32[b + 1 : 2 * b + 1] = batch.seq_lens
     tables = np.asarray(batch.block_tables)
     width = min(max_blocks, tables.shape[1])
-    i32[2 * b + 1 :].reshape(b, max_blocks)[:, :width] = tables[:, :width]
+    end = 2 * b + 1 + b * max_blocks
+    i32[2 * b + 1 : end].reshape(b, max_blocks)[:, :width] = tables[:, :width]
+    if layout.prompt_lens:
+        i32[end:] = batch.prompt_lens
     return i64, i32, layout
 
 
 def unpack_batch(i64: Any, i32: Any, layout: PackedLayout) -> ForwardBatch:
     """A ForwardBatch of views into the packed buffers (numpy or CuPy)."""
     t, b = layout.num_tokens, layout.num_seqs
+    end = 2 * b + 1 + b * layout.max_blocks
     return ForwardBatch(
         input_ids=i64[:t],
         positions=i64[t : 2 * t],
         slot_mapping=i64[2 * t : 3 * t],
         query_start_loc=i32[: b + 1],
         seq_lens=i32[b + 1 : 2 * b + 1],
-        block_tables=i32[2 * b + 1 :].reshape(b, layout.max_blocks),
+        block_tables=i32[2 * b + 1 : end].reshape(b, layout.max_blocks),
         logits_indices=i64[3 * t :],
+        prompt_lens=i32[end:] if layout.prompt_lens else None,
     )
 
 
@@ -199,7 +210,8 @@ def to_device(batch: ForwardBatch, backend: Backend, block_size: int, num_blocks
     if not batch.group_block_tables:
         dev_i64, dev_i32 = _upload(backend.xp, i64, i32)
         return unpack_batch(dev_i64, dev_i32, layout)
-    groups = [replace(batch, block_tables=t, slot_mapping=s, group_block_tables=(), group_slot_mappings=())
+    groups = [replace(batch, block_tables=t, slot_mapping=s, group_block_tables=(), group_slot_mappings=(),
+                      prompt_lens=None)
               for t, s in zip(batch.group_block_tables, batch.group_slot_mappings)]
     for group in groups:
         check_batch(group, block_size, num_blocks)

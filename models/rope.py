@@ -6,16 +6,21 @@
     longrope  Phi-3: inv_freq / short_factor[i] for a sequence of at most original_max_position_embeddings
               tokens, / long_factor[i] past it; cos and sin times attention_factor
 
-LongRoPE picks its factors by sequence length, as transformers does (the length is the largest position
-+ 1 of the forward): here the length is each sequence's own context length this step (`seq_lens`), so a
-sequence's choice never depends on the rest of the batch. A whole prompt past the pretraining length is
-rotated with the long factors, as transformers' one forward over it; a sequence that crosses the length
-while decoding keeps its earlier keys as they were rotated, as transformers' KV-cached generation does.
+LongRoPE picks its factors by sequence length, as transformers does (the length of a forward is its largest
+position + 1). Here a token at position p of a sequence whose prompt has P tokens takes the long factors iff
+max(P, p + 1) > original_max_position_embeddings (M): every token of a prompt past M, in one chunk or many (as
+transformers' one forward over the prompt), and every token generated at a position >= M (as its cached
+generation, one forward of length p + 1 per token). The choice depends on the sequence alone, never on the rest
+of the batch or on how the scheduler cut it: a chunked prompt, a recompute after preemption and a speculative
+verify step rotate each token as the plain run does. The batch carries P (`ForwardBatch.prompt_lens`; without
+it seq_len stands in, the same for decodes: CUDA decode graphs carry none) and the choice is made on the device.
 
-Not yet right (the batch carries no prompt lengths, the prefix cache no factor choice): a long prompt cut
-into chunks rotates its chunks that end within the pretraining length with the short factors, and a
-prefix-cache hit may hand a short prompt keys a long one rotated with the long factors (or the reverse).
-Both need a prompt longer than original_max_position_embeddings (4,096 in Phi-3-128k).
+A cached block's keys thus depend on P > M besides its tokens: for a LongRoPE model (`longrope_threshold`) the
+prefix cache roots its block hashes in that flag too (runtime/core/prefix_caching.py, `prefix_key`).
+
+Where transformers differs: a sequence whose prompt fits in M and whose generation crosses it keeps its first M
+keys as they were rotated (short), while transformers' Phi-3 generate drops its cache at the crossing and
+prefills the whole sequence again with the long factors. vLLM picks one set for all sequences, by max_model_len.
 """
 
 from __future__ import annotations
@@ -26,6 +31,15 @@ from typing import Any
 import numpy as np
 
 from .config import ModelConfig
+
+
+def longrope_threshold(config: ModelConfig) -> int | None:
+    """original_max_position_embeddings of a LongRoPE model: past it a prompt takes the long factors (None:
+    the model's rope does not depend on the prompt's length)."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling.get("rope_type") != "longrope":
+        return None
+    return int(scaling["original_max_position_embeddings"])
 
 
 def plain_inv_freq(theta: float, dim: int) -> np.ndarray:
@@ -79,9 +93,9 @@ def _factors(scaling: dict[str, Any], key: str, dim: int) -> np.ndarray:
 class RotaryEmbedding:
     """One rope of a model (Gemma 3 has two: its global and its local layers'), on the backend's device.
 
-    `cos_sin(batch)` gives the step's cos and sin [T, D/2]; for LongRoPE each token's row comes from its
-    sequence's factors (short or long), chosen on the device from the batch's metadata: no read-back, so the
-    step stays capturable in a CUDA graph.
+    `cos_sin(batch)` gives the step's cos and sin [T, D/2]; for LongRoPE each token's row comes from the short
+    or the long factors, chosen on the device from the batch's metadata (the module docstring's rule): no
+    read-back, so the step stays capturable in a CUDA graph.
     """
 
     def __init__(self, config: ModelConfig, backend: Any, freq_factors: np.ndarray | None = None,
@@ -112,6 +126,8 @@ class RotaryEmbedding:
         # each token's sequence: the number of sequence starts at or before it, minus one
         qsl = batch.query_start_loc
         seq = xp.searchsorted(qsl[1:], xp.arange(batch.num_tokens, dtype=qsl.dtype), side="right")
-        long = (batch.seq_lens > self.original_max)[seq][:, None]
+        # long iff max(prompt length, position + 1) > M; seq_len stands in for a batch without prompt lengths
+        lens = batch.seq_lens if batch.prompt_lens is None else batch.prompt_lens
+        long = ((lens > self.original_max)[seq] | (batch.positions >= self.original_max))[:, None]
         f = np.float32(self.attention_factor)
         return xp.where(long, cos_l, cos) * f, xp.where(long, sin_l, sin) * f

@@ -5,6 +5,7 @@
 - drain(engine, max_steps=...): step until nothing is unfinished; fails (not hangs) past max_steps; checks the block
   pool's integrity after every step and, at the end, that no KV block is still held (the draft model's pool too).
 - wait_until(predicate, timeout_s, what): poll a condition against a deadline; fails with `what` when it never holds.
+- InlineConnector(prefill, fault=None): disaggregated prefill in one process (the prefill engine runs in start_load).
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
+
+from pagedserve.runtime.kv_transfer.kv_connector import KVConnector, KVExport, KVLoadResult
+from pagedserve.runtime.sampling_params import SamplingParams
 
 DATA = Path(__file__).parent / "data"
 
@@ -102,3 +107,40 @@ def wait_until(predicate: Callable[[], object], timeout_s: float, what: str, int
         if time.monotonic() >= deadline:
             pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(interval_s)
+
+
+class InlineConnector(KVConnector):
+    """A KV connector (disaggregated prefill) that runs the prefill engine to completion inside start_load and
+    delivers what it exported; `fault`: "down" or "corrupt" instead."""
+
+    transport_name = "inline"
+
+    def __init__(self, prefill, fault: str | None = None) -> None:
+        super().__init__()
+        self.prefill = prefill
+        self.fault = fault
+        self.specs = []
+
+    def start_load(self, spec) -> None:
+        self.specs.append(spec)
+        if self.fault == "down":
+            self._deliver(KVLoadResult(spec.request_id, error="UNAVAILABLE: connection refused"))
+            return
+        shape = (len(spec.dst_block_ids), *self.prefill.kv_transfer_spec("prefill").block_shape)
+
+        def sink(io, block_ids):
+            out = np.empty(shape, np.float32)
+            io.read_into(block_ids, out)
+            return out
+
+        export = KVExport(spec.first_block, sink)
+        group = self.prefill.make_request("p-" + spec.request_id, spec.token_ids,
+                                          SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                                          cache_salt=spec.cache_salt)
+        group.seqs[0].kv_export = export
+        self.prefill.add_prepared(group)
+        drain(self.prefill, max_steps=100, leaks=False)  # a prompt of at most a few chunks
+        if self.fault == "corrupt":
+            self._deliver(KVLoadResult(spec.request_id, error="transfer broken: checksum mismatch", broken=True))
+            return
+        self._deliver(KVLoadResult(spec.request_id, data=export.result, num_bytes=export.result.nbytes))

@@ -23,14 +23,11 @@ write into a shared block replaces it, in the writer's table only, by a fresh on
 The pending copies are handed to the model runner with ``take_pending_copies`` and must be
 applied on the device *before* the step's forward writes any new K/V.
 
-KV cache groups (sliding-window models; vLLM's hybrid KV cache manager is the model). A group is a set of
-layers that read one block table; every group draws block ids from the one pool. A model with only global
-layers is one group (everything above). Gemma 3 has global layers and sliding-window layers (window W):
-their layers are cut into groups of equal size (kv_cache_groups), each with a table per sequence, so one
-block id means a block of every one of the `num_tensors` K/V array pairs, used by the layer of the group it
-was handed to. A sliding group's table keeps only the blocks a future query can read; those wholly older
-than the window of the next position are released (to the prefix cache's free queue, hash kept) and
-replaced by the manager's null block, which no kernel reads::
+KV cache groups (sliding-window models; vLLM's hybrid KV cache manager is the model; how layers are grouped:
+kv_cache_groups.py): every group has a table per sequence and draws block ids from the one pool. A sliding
+group's table keeps only the blocks a future query can read; those wholly older than the window of the next
+position are released (to the prefix cache's free queue, hash kept) and replaced by the manager's null block,
+which no kernel reads::
 
     block_size 4, W = 6, 14 tokens computed: the next query (p = 14) sees keys 9..14
     full group     [7, 2, 9, 5]
@@ -43,9 +40,11 @@ covers (find_cached_prefix); the hit is the longest prefix that every group can 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .block_pool import BlockPool, BlockPoolIntegrityError
+from .kv_cache_groups import KVCacheGroups, check_window, kv_cache_groups  # noqa: F401  (imported from here too)
+from .prefix_caching import CachedPrefix, PrefixCaching  # noqa: F401  (imported from here too)
 
 
 @dataclass(frozen=True)
@@ -77,83 +76,23 @@ class _SlotPlan:
         return self.num_new_table_blocks + len(self.cow_indices)
 
 
-@dataclass(frozen=True)
-class KVCacheGroups:
-    """How a model's layers share the block pool: the groups' windows (None: global attention) and, per layer,
-    its group and the K/V array pair (tensor) that holds it. One block id is a block of every tensor; a
-    layer writes and reads it only when the block belongs to its group's table."""
-
-    windows: tuple[int | None, ...]
-    layer_group: tuple[int, ...]
-    layer_tensor: tuple[int, ...]
-    num_tensors: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "num_tensors", max(self.layer_tensor, default=-1) + 1)
-
-
-def kv_cache_groups(layer_windows: Sequence[int | None]) -> KVCacheGroups:
-    """Groups for layers with these windows (None: global). All layers alike: one group, a tensor per layer
-    (the layout without groups). Else, as vLLM does, each kind's layers are cut in order into groups of the
-    smallest kind's count (the largest's, when that is within 25% of it): Gemma 3 270M's 3 global and 15
-    local layers make 1 + 5 groups of 3 layers over 3 tensors, so a block id costs 3 layers' K/V, not 18::
-
-        layer    0  1  2  3  4  5 |  6 ... 11 | 12 ... 17       (5, 11, 17 global; W = 512 elsewhere)
-        group    1  1  1  2  2  0 |  2 3 3 3 4 0 | ...
-        tensor   0  1  2  0  1  0 |  ...
-    """
-    windows = [None if w is None else _check_window(w) for w in layer_windows]
-    if not windows:
-        raise ValueError("kv_cache_groups: a model has at least one layer")
-    kinds = list(dict.fromkeys(windows))  # in order of first appearance
-    if len(kinds) == 1:
-        return KVCacheGroups((kinds[0],), (0,) * len(windows), tuple(range(len(windows))))
-    counts = [windows.count(k) for k in kinds]
-    size = max(counts) if max(counts) < 1.25 * min(counts) else min(counts)
-    group_windows: list[int | None] = []
-    first_group = {}
-    for kind, count in zip(kinds, counts):
-        first_group[kind] = len(group_windows)
-        group_windows += [kind] * -(-count // size)
-    seen = dict.fromkeys(kinds, 0)
-    layer_group, layer_tensor = [], []
-    for w in windows:
-        i = seen[w]
-        seen[w] += 1
-        layer_group.append(first_group[w] + i // size)
-        layer_tensor.append(i % size)
-    return KVCacheGroups(tuple(group_windows), tuple(layer_group), tuple(layer_tensor))
-
-
-def _check_window(window: object) -> int:
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        raise ValueError(f"sliding_window must be None or a positive int, got {window!r}")
-    return window
-
-
-class CachedPrefix(list):
-    """find_cached_prefix's answer: the hit's blocks of group 0 (the list itself: its length is the hit in
-    blocks) and `group_blocks`, the hit's blocks of every group (a sliding group's entries that its window
-    does not need are the null block)."""
-
-    group_blocks: tuple[list[int], ...] = ()
-
-
 def _check_count(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
 
 
-class KVCacheManager:
+class KVCacheManager(PrefixCaching):
     """Owns a BlockPool and the block tables of every live sequence (keyed by a str id), one per KV cache
     group. `group_windows`: each group's sliding window, None for global attention (the default: one global
     group, the layout of a model without sliding windows)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 group_windows: Sequence[int | None] = (None,)) -> None:
+                 group_windows: Sequence[int | None] = (None,), long_prompt_threshold: int | None = None) -> None:
         self.pool = BlockPool(num_blocks, block_size)
         self.enable_prefix_caching = enable_prefix_caching
-        self.group_windows = tuple(None if w is None else _check_window(w) for w in group_windows)
+        # LongRoPE's original_max_position_embeddings (models/rope.py), None for every other rope: see prefix_key.
+        self.long_prompt_threshold = long_prompt_threshold
+        self.group_windows = tuple(None if w is None else check_window(w) for w in group_windows)
         if not self.group_windows:
             raise ValueError("group_windows: at least one KV cache group")
         # The block a sliding group's released entries point at: held here for good, never read by a kernel.
@@ -263,137 +202,6 @@ class KVCacheManager:
                 self.pool.free([old_block])
             table.extend(fresh[len(plan.cow_indices):])
         return True
-
-    # -- prefix caching --------------------------------------------------------------------------
-    #
-    # Every full block gets a hash chained from its parent's: block i's hash covers all tokens
-    # 0 .. (i+1)*block_size - 1 plus an extra key (a per-tenant cache_salt), so equal hashes mean
-    # equal prefixes; a hit is still checked token for token against the block (collisions).
-    #
-    #   tokens  [The cat sat on | the mat and | then it sl]   block_size 4 (say)
-    #   hashes   h0 = H(root, b0)  h1 = H(h0, b1)  (partial: not hashed)
-
-    @staticmethod
-    def _root_hash(extra_key: object, group: int = 0) -> int:
-        # Each group chains from its own root: equal tokens in two groups are two blocks (other layers' K/V).
-        if group == 0:
-            return hash(("pagedserve-prefix-root", extra_key))
-        return hash(("pagedserve-prefix-root", extra_key, group))
-
-    def _first_needed(self, group: int, num_blocks: int) -> int:
-        """The first of a hit's `num_blocks` blocks that group needs: all for a global group; for a sliding
-        one those holding the window of the first uncomputed position (num_blocks * block_size)."""
-        window = self.group_windows[group]
-        if window is None:
-            return 0
-        return max(0, num_blocks * self.pool.block_size - window + 1) // self.pool.block_size
-
-    def find_cached_prefix(self, token_ids: Sequence[int], extra_key: object = None) -> CachedPrefix:
-        """Blocks of the longest cached prefix of full blocks of `token_ids` that every group can serve: a
-        global group needs all of the prefix's blocks cached, a sliding group only those its window needs
-        (vLLM's hybrid rule); a block some group misses inside what it needs cuts the hit back to it.
-
-        Capped so at least the last token is left to compute: its logits are needed to sample.
-        """
-        hit = CachedPrefix()
-        hit.group_blocks = tuple([] for _ in self.group_windows)
-        if not self.enable_prefix_caching:
-            return hit
-        block_size = self.pool.block_size
-        limit = (len(token_ids) - 1) // block_size
-        hashes, parents = [], []  # per group: the chain's hash of each block and its parent's
-        for g in range(self.num_groups):
-            parent, chain, links = self._root_hash(extra_key, g), [], []
-            for i in range(limit):
-                links.append(parent)
-                parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
-                chain.append(parent)
-            hashes.append(chain)
-            parents.append(links)
-
-        def lookup(g: int, i: int) -> int | None:
-            return self.pool.lookup(hashes[g][i], parents[g][i],
-                                    tuple(token_ids[i * block_size : (i + 1) * block_size]))
-
-        found: list[dict[int, int]] = [{} for _ in self.group_windows]
-        n = limit
-        for g, window in enumerate(self.group_windows):  # global groups: the longest prefix, left to right
-            if window is None:
-                for i in range(n):
-                    block = lookup(g, i)
-                    if block is None:
-                        n = i
-                        break
-                    found[g][i] = block
-        settled = False
-        while n > 0 and not settled:  # sliding groups: cut back until each holds its window of the hit
-            settled = True
-            for g, window in enumerate(self.group_windows):
-                if window is None:
-                    continue
-                for i in range(n - 1, self._first_needed(g, n) - 1, -1):
-                    block = found[g].get(i)
-                    if block is None:
-                        block = lookup(g, i)
-                    if block is None:
-                        n, settled = i, False
-                        break
-                    found[g][i] = block
-                if not settled:
-                    break
-        null = self.null_block
-        hit.group_blocks = tuple(
-            [found[g][i] if i >= self._first_needed(g, n) else null for i in range(n)]  # type: ignore[misc]
-            for g in range(self.num_groups))
-        hit.extend(hit.group_blocks[0])
-        return hit
-
-    def allocate_with_prefix(self, seq_id: str, cached_blocks: Sequence[int], num_new_tokens: int) -> bool:
-        """Start a sequence on cached blocks (find_cached_prefix's answer; a plain list of blocks with one
-        global group), then make room for `num_new_tokens` after them.
-
-        All-or-nothing like allocate_slots: on failure the cached blocks are released again.
-        """
-        self._check_seq_id(seq_id)
-        if any(self._tables.get(seq_id, ())):
-            raise ValueError(f"sequence {seq_id!r} already has blocks; prefix hits apply to new sequences")
-        if not cached_blocks:
-            return self.allocate_slots(seq_id, 0, num_new_tokens)
-        groups = getattr(cached_blocks, "group_blocks", ())
-        if not groups:
-            if self.num_groups != 1:
-                raise ValueError("allocate_with_prefix: give find_cached_prefix's answer (blocks of every group)")
-            groups = (list(cached_blocks),)
-        if len(groups) != self.num_groups or any(len(t) != len(cached_blocks) for t in groups):
-            raise ValueError("allocate_with_prefix: the cached blocks do not match this manager's groups")
-        for table in groups:
-            self.pool.touch(self._live(table))
-        self._tables[seq_id] = [list(t) for t in groups]
-        if self.allocate_slots(seq_id, len(cached_blocks) * self.pool.block_size, num_new_tokens):
-            return True
-        self.free(seq_id)
-        return False
-
-    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int,
-                          extra_key: object = None) -> None:
-        """Hash the sequence's blocks that became full (all their tokens computed) since the last call; a
-        sliding group's released entries are chained over but not cached (their block is gone)."""
-        if not self.enable_prefix_caching:
-            return
-        tables = self._tables.get(seq_id)
-        if tables is None:
-            return
-        block_size = self.pool.block_size
-        chains = self._hashes.setdefault(seq_id, [[] for _ in tables])
-        for g, (table, chain) in enumerate(zip(tables, chains)):
-            parent = chain[-1] if chain else self._root_hash(extra_key, g)
-            for i in range(len(chain), min(num_computed_tokens // block_size, len(table))):
-                tokens = tuple(token_ids[i * block_size : (i + 1) * block_size])
-                block_hash = hash((parent, tokens))
-                if table[i] != self.null_block:
-                    self.pool.cache(table[i], block_hash, parent, tokens)
-                chain.append(block_hash)
-                parent = block_hash
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give ``child_id`` the parent's blocks, shared (each ref_cnt + 1); nothing is copied.

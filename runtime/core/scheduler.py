@@ -191,7 +191,7 @@ class Scheduler:
         full blocks to the prefix cache."""
         request.num_computed_tokens += num_tokens
         self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens,
-                                  request.cache_salt)
+                                  self._prefix_key(request))
         # A sliding-window group's blocks that no future query reads go back to the pool now (hashed above).
         self.kv.release_outside_window(request.request_id, request.num_computed_tokens)
 
@@ -203,7 +203,7 @@ class Scheduler:
         request.num_computed_tokens += num_accepted
         self.kv.truncate(request.request_id, request.num_computed_tokens)
         self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens,
-                                  request.cache_salt)
+                                  self._prefix_key(request))
         self.kv.release_outside_window(request.request_id, request.num_computed_tokens)
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -218,7 +218,7 @@ class Scheduler:
         prompt blocks. Its cached prefix is shared, the rest allocated now; returns (first block to fetch,
         destination block ids), or why it is to be queued as usual instead: "cached" (nothing is missing)
         or "no free blocks for the transfer"."""
-        cached = self.kv.find_cached_prefix(request.prompt_token_ids, request.cache_salt)
+        cached = self.kv.find_cached_prefix(request.prompt_token_ids, self._prefix_key(request))
         if len(cached) >= num_blocks:
             return "cached"
         if not self.kv.allocate_with_prefix(request.request_id, cached,
@@ -228,6 +228,9 @@ class Scheduler:
         request.timings.first_scheduled = time.monotonic()
         self.add_waiting_for_kv(request)
         return len(cached), self.kv.block_table(request.request_id)[len(cached):]
+
+    def _prefix_key(self, request: Request) -> object:  # its cache_salt; LongRoPE: and its prompt's factor set
+        return self.kv.prefix_key(request.cache_salt, request.num_prompt_tokens)
 
     def remote_kv_landed(self, request: Request, num_blocks: int) -> None:
         """Its first `num_blocks` blocks arrived: count them computed, cache them, schedule the rest."""
@@ -360,7 +363,7 @@ class Scheduler:
             return False
         planned: list[tuple[Request, int, int]] = []  # (request, cached tokens, new tokens)
         for k, request in enumerate(unit):
-            cached = self.kv.find_cached_prefix(request.all_token_ids, request.cache_salt)
+            cached = self.kv.find_cached_prefix(request.all_token_ids, self._prefix_key(request))
             num_cached = len(cached) * self.kv.block_size
             remaining = request.num_tokens - num_cached
             share = self._budget(out) // (len(unit) - k)  # split the budget across a beam group

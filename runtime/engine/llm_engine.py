@@ -14,6 +14,7 @@ from pagedserve.cupy_kernels import OPENBLAS_ENV_APPLIED
 from pagedserve.cupy_kernels.host.blas_threads import STARTED_BLAS_THREADS, blas_info, set_cpu_threads
 from pagedserve.cupy_kernels.kernel_set import numba_code_path
 from pagedserve.models.loading.loader import LoadedModel, load_model
+from pagedserve.models.rope import longrope_threshold
 
 from ..config import EngineConfig
 from .cpu_threads_tuner import CpuThreadsTuner
@@ -87,7 +88,8 @@ class LLMEngine:
         # GPU: decode CUDA graphs are captured now, against these very KV caches.
         self.executor.initialize_cache(num_blocks, self.max_model_len)
         self.kv_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching,
-                                         self.executor.driver_worker.kv_groups.windows)
+                                         self.executor.driver_worker.kv_groups.windows,
+                                         longrope_threshold(self.model_config))  # a factor set per prompt length
         # Guided decoding: grammars compile in a worker thread; costs nothing until a request has one.
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
         self.runner = ModelRunner(self.executor, self.kv_manager, Sampler(config.seed, self.backend.ops.logsumexp_rows),

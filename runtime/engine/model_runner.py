@@ -96,7 +96,7 @@ class ModelRunner:
             try:
                 tables = self.kv.block_tables(r.request_id)  # one per KV cache group
                 chunk = SeqChunk(r.all_token_ids[start : start + num_real] + s.spec_token_ids, start, tables[0],
-                                 num_logits=num_logits, group_block_tables=tables[1:])
+                                 num_logits=num_logits, group_block_tables=tables[1:], prompt_len=r.num_prompt_tokens)
             except Exception as e:  # this sequence alone leaves the batch
                 results[i] = StepResult(error=e, error_stage="prepare")
                 continue

@@ -49,6 +49,11 @@ class RemotePrefill:
         its KV, or for a local prefill if the transport could not start); False: queue it as usual."""
         bs = self.block_size
         n = (request.num_prompt_tokens - 1) // bs  # every full block but the one holding the last token
+        kv = self.scheduler.kv
+        if n and kv.prefix_key(None, n * bs) != kv.prefix_key(None, request.num_prompt_tokens):
+            # LongRoPE: the prefill instance's prompt (these blocks alone) would take the other factor set
+            self._fell_back(request, "its remote blocks alone would be rotated with other LongRoPE factors")
+            return False
         started = self.scheduler.start_remote_kv(request, n)  # admission: the scheduler's
         if isinstance(started, str):
             if started != "cached":  # "cached": everything but the tail is here already, nothing to fetch

@@ -115,7 +115,8 @@ class DraftProposer:
                     r = requests[i]
                     position = r.num_tokens + step - 1
                     self._seqs[r.request_id].fed.append(tokens[row])
-                    chunks.append(SeqChunk([tokens[row]], position, self.kv.block_table(r.request_id)))
+                    chunks.append(SeqChunk([tokens[row]], position, self.kv.block_table(r.request_id),
+                                          prompt_len=r.num_prompt_tokens))
                     next_live.append(i)
             live = next_live
         for i in drafts:
@@ -146,7 +147,8 @@ class DraftProposer:
         if not self.kv.allocate_slots(r.request_id, state.computed, n - state.computed + k - 1):
             self.free(r.request_id)  # the draft pool is full: no proposal this step
             return None
-        return SeqChunk(tokens[state.computed:], state.computed, self.kv.block_table(r.request_id))
+        return SeqChunk(tokens[state.computed:], state.computed, self.kv.block_table(r.request_id),
+                        prompt_len=r.num_prompt_tokens)  # a LongRoPE draft rotates as the target does
 
     def _draw(self, logits: Any, requests: list[Any], probs: dict[int, list[Any]], live: list[int]) -> list[int]:
         xp = self.xp

@@ -25,7 +25,7 @@ Capture itself (a private stream, the graphs' memory arena, pinned uploads) is b
 cuda_graphs.CupyGraphCapturer on a GPU, a fake in the unit tests. cuda_graphs.py also says what capture needs
 and how it is met.
 
-KV cache groups (a model with sliding-window layers, runtime/core/kv_cache_manager.py): the tables and slots of
+KV cache groups (a model with sliding-window layers, runtime/core/kv_cache_groups.py): the tables and slots of
 every group after the first go up too, into static buffers of their own (padding rows: slot -1, block 0), and
 the captured batch's layers read their group's views of them (ForwardBatch.kv_tables).
 

@@ -14,52 +14,15 @@ import numpy as np
 import pytest
 
 import engine_helpers
-from engine_helpers import drain
-from pagedserve.runtime.engine.llm_engine import LLMEngine
-from pagedserve.runtime.kv_transfer.kv_connector import (KVConnector, KVExport, KVHandshakeError, KVLoadResult,
-                                                         KVTransferError, check_compatible, chunk_checksums)
+from engine_helpers import InlineConnector, drain
+from pagedserve.runtime.kv_transfer.kv_connector import (KVConnector, KVHandshakeError, KVTransferError,
+                                                         check_compatible, chunk_checksums)
 from pagedserve.runtime.kv_transfer.kv_shm import ShmSegment
 from pagedserve.runtime.core.request import RequestStatus
 from pagedserve.runtime.sampling_params import SamplingParams
 
 
 make_engine = functools.partial(engine_helpers.make_engine, num_kv_blocks=256, block_size=8)
-
-
-class InlineConnector(KVConnector):
-    """Runs the prefill engine to completion inside start_load; delivers what it exported."""
-
-    transport_name = "inline"
-
-    def __init__(self, prefill: LLMEngine, fault: str | None = None) -> None:
-        super().__init__()
-        self.prefill = prefill
-        self.fault = fault
-        self.specs = []
-
-    def start_load(self, spec) -> None:
-        self.specs.append(spec)
-        if self.fault == "down":
-            self._deliver(KVLoadResult(spec.request_id, error="UNAVAILABLE: connection refused"))
-            return
-        shape = (len(spec.dst_block_ids), *self.prefill.kv_transfer_spec("prefill").block_shape)
-
-        def sink(io, block_ids):
-            out = np.empty(shape, np.float32)
-            io.read_into(block_ids, out)
-            return out
-
-        export = KVExport(spec.first_block, sink)
-        group = self.prefill.make_request("p-" + spec.request_id, spec.token_ids,
-                                          SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
-                                          cache_salt=spec.cache_salt)
-        group.seqs[0].kv_export = export
-        self.prefill.add_prepared(group)
-        drain(self.prefill, max_steps=100, leaks=False)  # a prompt of at most a few chunks
-        if self.fault == "corrupt":
-            self._deliver(KVLoadResult(spec.request_id, error="transfer broken: checksum mismatch", broken=True))
-            return
-        self._deliver(KVLoadResult(spec.request_id, data=export.result, num_bytes=export.result.nbytes))
 
 
 def run(engine, requests):
