@@ -404,6 +404,26 @@ def test_core_check_can_fail(broken_tree):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# File size: no module of the four packages over MAX_LINES (tests, bench, scripts and generated stubs aside).
+
+MAX_LINES = 400
+
+
+def find_long_files(root: Path, max_lines: int = MAX_LINES) -> list[str]:
+    return [f"{path.relative_to(root).as_posix()}: {n} lines" for path in module_files(root).values()
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > max_lines]
+
+
+def test_no_module_over_the_line_limit():
+    assert find_long_files(REPO) == [], f"split these by concern (the house's limit is {MAX_LINES} lines)"
+
+
+def test_line_limit_check_can_fail(broken_tree):
+    (broken_tree / "runtime" / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    assert find_long_files(broken_tree) == [f"runtime/long.py: {MAX_LINES + 1} lines"]
+
+
+# ---------------------------------------------------------------------------------------------------------
 # ruff, with the configuration of pyproject.toml ([tool.ruff]: line length 120, E, F and W).
 
 

@@ -44,6 +44,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from ..loading.gguf_metadata import GGUFFile, read_gguf_metadata
+from .pre_split import SPLIT_BY_PRE
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -55,43 +56,6 @@ TOKEN_TYPE_USER_DEFINED = 4
 # Metadata the tokenizer needs; the rest of a GGUF's metadata is about the model.
 _TOKENIZER_PREFIX = "tokenizer."
 _ARCHITECTURE_KEY = "general.architecture"
-
-# -- pre-tokenizer regexes ------------------------------------------------------------------------------
-# transformers splits byte-level text with these for the `tokenizer.ggml.pre` names it knows (the regexes
-# of the original tokenizers); any other name gets GPT-2's regex from the ByteLevel pre-tokenizer.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN35_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT4O_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_SPLIT_BY_PRE: dict[str, str] = {
-    **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-         "jina-v5-nano", "dbrx", "smaug-bpe"),
-        _LLAMA3_SPLIT,
-    ),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
-    "qwen35": _QWEN35_SPLIT,
-    "tekken": _TEKKEN_SPLIT,
-    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
-}  # fmt: skip
 
 # Architectures whose "llama" (SentencePiece) vocabulary is Gemma's (see `_gemma_backend`).
 _GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
@@ -205,7 +169,7 @@ def _byte_level_backend(metadata: Mapping[str, Any], source: str) -> tuple[token
         fuse_unk=False,
     )
     backend = tokenizers.Tokenizer(bpe)
-    split = _SPLIT_BY_PRE.get(metadata.get("tokenizer.ggml.pre", ""))
+    split = SPLIT_BY_PRE.get(metadata.get("tokenizer.ggml.pre", ""))
     if split is None:
         # GPT-2's regex, no prefix space: what transformers' GPT2Tokenizer does for an unknown `pre`,
         # whatever `tokenizer.ggml.add_space_prefix` says.
