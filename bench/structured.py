@@ -222,6 +222,7 @@ def run_corpus(args: argparse.Namespace) -> dict:
     from pagedserve.runtime.config import EngineConfig
     from pagedserve.runtime.engine.llm_engine import LLMEngine
     from pagedserve.runtime.sampling_params import SamplingParams
+    from pagedserve.runtime.structured_output import schema_share
     from pagedserve.runtime.structured_outputs_params import StructuredOutputsParams
 
     env = plots.environment(args.quick)
@@ -253,6 +254,7 @@ def run_corpus(args: argparse.Namespace) -> dict:
                 strict_ok += 1
             except ValueError:
                 pass
+            schema_share.clear_cache()  # the validation timed is a first sight of the schema
             t = time.perf_counter()
             try:
                 params = StructuredOutputsParams(json=text)

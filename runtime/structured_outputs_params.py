@@ -46,6 +46,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from .structured_output.schema_share import shared_schema_text
+
 # Longest constraint text accepted (schema, regex, grammar, or all choices together), in characters.
 MAX_CONSTRAINT_CHARS = 256 * 1024
 # llguidance's error messages can quote a whole grammar; this much is enough to find the mistake.
@@ -149,15 +151,21 @@ class StructuredOutputsParams:
                 raise ValueError(f"{fname} must be a JSON Schema (an object), got {type(schema).__name__}")
             text = json.dumps(schema)
             self._check_size(fname, text)
-            try:
-                if self.strict:
-                    grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_COMPILE_DEFAULTS,
-                                                                     overrides=JSON_STRICT_OVERRIDES)
-                else:
-                    grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_LENIENT)
-            except ValueError as e:
-                raise ValueError(f"{fname} is not a valid JSON Schema: {_quote(str(e))}") from None
-            is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, None)
+            shared = shared_schema_text(schema, text)  # exact, and a smaller grammar (schema_share.py)
+            for source in ([shared] if shared else []) + [text]:
+                try:
+                    if self.strict:
+                        grammar = llg.LLMatcher.grammar_from_json_schema(source, defaults=JSON_COMPILE_DEFAULTS,
+                                                                         overrides=JSON_STRICT_OVERRIDES)
+                    else:
+                        grammar = llg.LLMatcher.grammar_from_json_schema(source, defaults=JSON_LENIENT)
+                except ValueError as e:
+                    if source is not text:  # the shared form refused: the schema as written decides
+                        continue
+                    raise ValueError(f"{fname} is not a valid JSON Schema: {_quote(str(e))}") from None
+                is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, None)
+                if not is_error:  # else the schema as written (its own error, or it compiles after all)
+                    break
             if is_error and any(m in messages[0] for m in RECURSIVE_INTERSECTION):
                 grammar, is_error, messages = self._recompile_circular(schema, grammar, messages)
             if is_error:
