@@ -12,14 +12,16 @@ from the first step of the window to its end are pooled into p50 / p90 / p99 / m
                one per step, each step still carrying the 16 decodes. The engine's default cost-aware
                chunking sizes them by cost: a token attending to k keys counts 1 + k / K of the N - 16
                tokens the decodes leave (K = the model's matmul FLOPs per token over its attention FLOPs
-               per key, 3,072 for SmolLM2-135M), so chunks shrink as the prompt's context grows.
+               per key, 3,072 for SmolLM2-135M, over the kernel set's attention cost: 1,336 with numba),
+               so chunks shrink as the prompt's context grows.
   budget N by count (budget_N_by_count, --by-count-budgets): cost_aware_chunking=False, chunks of
                N - 16 tokens wherever they are in the prompt (the scheduler before cost-aware chunking).
 
 Each configuration also reports the model FLOPs of its heaviest step while the long prompt prefills
 (`heaviest_step_gflop`: its costliest chunk, with the streams' decodes; common.model_flops_per_token) and
 that step's time at the sgemm rate measured at the start (`heaviest_step_floor_s`): every stream waits for
-that step, so no kernel brings the p99 ITL below it on this machine, whatever the code.
+that step, so no kernel brings the p99 ITL below it on this machine, whatever the code. The KV pool's
+pages are touched before the clock starts, as a long-running server's are (`--cold-pool`: not).
 
 Usage:
 
@@ -29,6 +31,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -48,6 +51,7 @@ LONG_ID = "long"
 
 def run_config(loaded, args: argparse.Namespace, budget: int | None, cost_aware: bool = True) -> dict:
     from pagedserve.runtime.config import EngineConfig
+    from pagedserve.runtime.engine.gc_heap import freeze_startup_heap
     from pagedserve.runtime.engine.llm_engine import LLMEngine
     from pagedserve.runtime.sampling_params import SamplingParams
 
@@ -56,6 +60,13 @@ def run_config(loaded, args: argparse.Namespace, budget: int | None, cost_aware:
                                     max_num_batched_tokens=budget or max_model_len,
                                     enable_chunked_prefill=budget is not None, max_num_seqs=args.streams + 1,
                                     cost_aware_chunking=cost_aware, seed=0), loaded=loaded)
+    if args.touch_pool and not args.quick:  # --quick (the smoke test): seconds, not a figure
+        # As bench/throughput.py: every page of the KV pool touched before the clock starts, as a long-running
+        # server's are (first-touch page faults cost ~2.4 s per GiB on the test VM: the long prompt's 184 MB of
+        # fresh blocks would add ~10 ms to each of its steps, a cost a warm server does not pay).
+        for k, v in engine.runner.kv_caches:
+            k.fill(0)
+            v.fill(0)
     vocab = loaded.config.vocab_size
     low = min(100, vocab // 4)
     rng = np.random.default_rng(args.seed)
@@ -65,6 +76,8 @@ def run_config(loaded, args: argparse.Namespace, budget: int | None, cost_aware:
                            SamplingParams(temperature=0.0, max_tokens=max_model_len - args.stream_prompt_len,
                                           ignore_eos=True))
     token_times: dict[str, list[float]] = {rid: [] for rid in [*stream_ids, LONG_ID]}
+    frozen = freeze_startup_heap()  # as the server does after its warm-up (runtime/engine/gc_heap.py)
+    full_collections = gc.get_stats()[2]["collections"]
     step_times: list[tuple[float, float, int]] = []  # (start, end, tokens batched)
     chunks: list[int] = []  # the long prompt's tokens computed in each step of its prefill
 
@@ -95,6 +108,8 @@ def run_config(loaded, args: argparse.Namespace, budget: int | None, cost_aware:
     for _ in range(args.steps_after):
         step()
     engine.abort_request(stream_ids)
+    full_collections = gc.get_stats()[2]["collections"] - full_collections
+    gc.unfreeze()  # this engine's objects become collectable again once the next config replaces it
     itls, per_stream = [], {}
     for rid in stream_ids:
         times = [t for t in token_times[rid] if t >= window_start]
@@ -106,23 +121,25 @@ def run_config(loaded, args: argparse.Namespace, budget: int | None, cost_aware:
     trace = [(round(t - arrival, 4), round(1000 * (t - p), 2)) for p, t in zip(s0, s0[1:]) if t >= window_start]
     return {"budget": budget, "enable_chunked_prefill": budget is not None,
             "cost_aware_chunking": cost_aware and budget is not None, "max_model_len": max_model_len,
+            "keys_per_token": engine.scheduler.keys_per_token if budget is not None else None,
             "itl_ms": stats, "num_itl_samples": len(itls),
             "long_prompt_ttft_s": round(token_times[LONG_ID][0] - arrival, 3),
             "long_prompt_prefill_steps": prefill_steps, "long_prompt_chunks": chunks,
             "slowest_step_s": round(max(e - s for s, e, _ in step_times[first_step:]), 3),
             "backend": engine.backend.name, "cpu_kernels": engine.backend.ops.name,
+            "gc_frozen_objects": frozen, "gc_full_collections": full_collections,
             "stream0_itl_trace": {"t_since_arrival_s": [t for t, _ in trace], "itl_ms": [v for _, v in trace]}}
 
 
 def heaviest_step_gflop(cfg, streams: int, stream_context: float, long_len: int, budget: int | None,
-                        cost_aware: bool = True) -> float:
+                        keys_per_token: float | None) -> float:
     """Model GFLOPs of the costliest step while the long prompt prefills: its costliest chunk (cut as the
     scheduler cuts it from the budget - streams tokens the streams' decodes leave; the whole prompt when off),
     the logits of the prompt's last position in its last chunk, and the streams' decodes at about
     `stream_context`."""
-    from pagedserve.runtime.core.scheduler import chunk_within, keys_per_token
+    from pagedserve.runtime.core.scheduler import chunk_within
 
-    keys = keys_per_token(cfg) if cost_aware else float("inf")
+    keys = keys_per_token or float("inf")  # the engine's scheduler's (None: chunks by count)
     heaviest, start = 0.0, 0
     while start < long_len:
         n = long_len if budget is None else chunk_within(max(1, budget - streams), start, long_len - start, keys)
@@ -156,7 +173,7 @@ def run(args: argparse.Namespace) -> dict:
         results[key] = r = run_config(loaded, args, b, cost_aware)
         context = args.stream_prompt_len + args.steps_before + r["long_prompt_prefill_steps"]
         r["heaviest_step_gflop"] = round(heaviest_step_gflop(loaded.config, args.streams, context,
-                                                             args.long_prompt_len, b, cost_aware), 3)
+                                                             args.long_prompt_len, b, r["keys_per_token"]), 3)
         r["heaviest_step_floor_s"] = round(r["heaviest_step_gflop"] / env["sgemm_gflops"], 4)
         plots.progress(f"jitter: {key} took {time.perf_counter() - t:.1f} s")
     off = results["off"]["itl_ms"]["p99"]
@@ -215,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--long-prompt-len", type=int, default=None, help="default 4000 (200 with --quick)")
     ap.add_argument("--budgets", type=int, nargs="+", default=None,
                     help="max_num_batched_tokens with chunked prefill (default 256 512 1024; 32 64 with --quick)")
+    ap.add_argument("--cold-pool", dest="touch_pool", action="store_false",
+                    help="leave the KV pool's pages untouched until written (a server just started; default: touched "
+                         "first, as a long-running server's are)")
     ap.add_argument("--by-count-budgets", type=int, nargs="*", default=None,
                     help="budgets also run with cost_aware_chunking=False (default 256; 32 with --quick)")
     ap.add_argument("--steps-before", type=int, default=None, help="default 16 (4 with --quick)")

@@ -52,16 +52,22 @@ class KernelSet:
     plan_attention: Callable[..., Any] = _op()  # a step's metadata checked once for every layer's paged_attention
     paged_attention: Callable[..., Any] = _op(0)
     logsumexp_rows: Callable[..., Any] = _op(0)  # the sampler's (runtime/sample/sampler.py)
+    # What one FLOP of paged attention costs in time against one FLOP of the weight matmuls with this set
+    # (cost-aware chunking weighs a chunk's keys by it: runtime/core/scheduler.py). 1.0: by FLOPs alone.
+    attention_cost: float = 1.0
 
 
 # The op names every kernel set provides, in the order of a forward pass.
-OP_NAMES = tuple(f.name for f in fields(KernelSet) if f.name != "name")
+OP_NAMES = tuple(f.name for f in fields(KernelSet) if f.name not in ("name", "attention_cost"))
+# numba's attention runs at ~0.44x its matmuls' FLOP rate deep in a prompt (SmolLM2, 2 threads, AVX-512: 88
+# against 200 GFLOP/s at 1,000-3,600 keys; docs/benchmarks.md "jitter").
+NUMBA_ATTENTION_COST = 2.3
 # Which argument must be a device array for each CUDA op (the data, not the host metadata).
 _DEVICE_ARG = {f.name: f.metadata["device_arg"] for f in fields(KernelSet)
                if f.metadata.get("device_arg") is not None}
 
 
-def _from_modules(name: str, *modules: Any) -> KernelSet:
+def _from_modules(name: str, *modules: Any, attention_cost: float = 1.0) -> KernelSet:
     """Each op from the first module that defines it."""
     def pick(op: str) -> Callable[..., Any]:
         for m in modules:
@@ -70,7 +76,7 @@ def _from_modules(name: str, *modules: Any) -> KernelSet:
                 return fn
         raise AssertionError(f"kernel set {name}: no module defines {op}")
 
-    return KernelSet(name, **{op: pick(op) for op in OP_NAMES})
+    return KernelSet(name, **{op: pick(op) for op in OP_NAMES}, attention_cost=attention_cost)
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,7 +138,7 @@ def _numba_started() -> KernelSet:
     thread = _CompileThread(compile_first_half)
     thread.start()
     _compile_thread.append(thread)
-    return _from_modules("numba", numba_ops, numba_attention, ops, paged_attention)
+    return _from_modules("numba", numba_ops, numba_attention, ops, paged_attention, attention_cost=NUMBA_ATTENTION_COST)
 
 
 def finish_numba_warm_up() -> None:

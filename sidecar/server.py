@@ -25,6 +25,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from pagedserve.runtime.engine.async_engine import AsyncEngine
+from pagedserve.runtime.engine.gc_heap import freeze_startup_heap
 from pagedserve.runtime.engine.llm_engine import LLMEngine
 from pagedserve.runtime.kv_transfer.kv_connector import KVTransferSpec
 from pagedserve.runtime.sampling_params import SamplingParams
@@ -166,9 +167,10 @@ class SidecarServer:
         self.model_name = engine.model_name
         await anyio.to_thread.run_sync(self._setup_disaggregation, engine)
         self.engine = AsyncEngine(engine, self.settings.max_waiting_requests)
+        frozen = freeze_startup_heap()  # full collections no longer walk start-up's objects (gc_heap.py)
         log.info("server.model_loaded", model=engine.model_name, seconds=round(time.monotonic() - t0, 2),
                  num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size, backend=engine.backend.name,
-                 tensor_parallel_size=engine.executor.world_size)
+                 tensor_parallel_size=engine.executor.world_size, gc_frozen_objects=frozen)
 
     def _setup_disaggregation(self, engine: LLMEngine) -> None:
         """Every role answers handshakes; a decode instance connects to its prefill target (may raise)."""

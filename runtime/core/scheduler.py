@@ -11,7 +11,8 @@ it, so a chunk deep in a long prompt costs more than one at its start. While the
 whose streams wait for it, a prefill chunk is sized by cost, not count: a token attending to k keys counts
 1 + k / keys_per_token against the budget, keys_per_token being how many keys cost one token's weight
 matmuls (the model's matmul FLOPs per token over its attention FLOPs per key: 3,072 for SmolLM2-135M,
-26,624 for Llama-3-8B). Every such step then costs about what a budget of tokens costs at the start of a
+26,624 for Llama-3-8B; over the kernels' attention cost: numba's attention FLOP costs 2.3 matmul FLOPs, so
+1,336 for SmolLM2 there). Every such step then costs about what a budget of tokens costs at the start of a
 prompt. Decodes still count 1 each; the chunks after the first see what the earlier ones' cost left (a
 chunk that cannot fit one token waits); a step without decodes takes whole budget-sized chunks.
 
@@ -82,10 +83,11 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-def keys_per_token(model_config) -> float:
+def keys_per_token(model_config, attention_cost: float = 1.0) -> float:
     """How many keys one token's attention must cover to cost what its weight matmuls do: the model's matmul
-    FLOPs per token over its attention FLOPs per key (cost-aware chunking's K)."""
-    return model_config.matmul_flops_per_token / model_config.attention_flops_per_key
+    FLOPs per token over its attention FLOPs per key (cost-aware chunking's K), over what an attention FLOP
+    costs against a matmul FLOP with the kernels that run them (KernelSet.attention_cost)."""
+    return model_config.matmul_flops_per_token / model_config.attention_flops_per_key / attention_cost
 
 
 def attention_cost(n: int, context: int, keys_per_token: float) -> float:

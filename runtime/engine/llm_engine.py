@@ -96,7 +96,8 @@ class LLMEngine:
                                   self.structured)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_chunked_prefill,
-                                   keys_per_token(self.model_config) if config.cost_aware_chunking else None)
+                                   keys_per_token(self.model_config, self.backend.ops.attention_cost)
+                                   if config.cost_aware_chunking else None)
         # Speculative decoding (None = off): proposes drafts after each step; a draft model brings its own pool.
         # A self-draft needs the target's whole weights, which the workers do not keep: loaded again (cached).
         self.spec = build_spec_decoder(

@@ -80,7 +80,7 @@ def test_decodes_get_a_token_every_step_during_a_long_chunked_prefill(tiny):
 def _long_prompt_beside_decodes(e):
     """Four streams decode while a 2,000-token prompt prefills: (the steps its prefill took, every token)."""
     for i in range(4):
-        e.add_request(f"d{i}", [5 + i, 6, 7], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+        e.add_request(f"d{i}", [5 + i, 6, 7], SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
     e.step()
     e.add_request("long", list(np.random.default_rng(3).integers(3, 512, size=2000)),
                   SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
@@ -98,9 +98,13 @@ def _long_prompt_beside_decodes(e):
 
 def test_cost_aware_chunks_shrink_deep_in_a_prompt_and_change_no_token(tiny):
     cfg = tiny.config
-    keys_per_token = cfg.matmul_flops_per_token / cfg.attention_flops_per_key
+    engine = make_engine(tiny, max_num_batched_tokens=128)
+    keys_per_token = engine.scheduler.keys_per_token
+    # the model's FLOP ratio over the kernel set's attention cost (KernelSet.attention_cost)
+    flops_ratio = cfg.matmul_flops_per_token / cfg.attention_flops_per_key
+    assert keys_per_token == flops_ratio / engine.backend.ops.attention_cost
     assert keys_per_token < 1000  # the tiny model's attention outweighs its matmuls within the prompt
-    by_cost, tokens = _long_prompt_beside_decodes(make_engine(tiny, max_num_batched_tokens=128))
+    by_cost, tokens = _long_prompt_beside_decodes(engine)
     by_count, tokens_by_count = _long_prompt_beside_decodes(
         make_engine(tiny, max_num_batched_tokens=128, cost_aware_chunking=False))
     assert by_count == -(-2000 // 124)  # 124 prompt tokens a step beside the 4 decodes
@@ -112,7 +116,8 @@ def test_cost_aware_chunks_shrink_deep_in_a_prompt_and_change_no_token(tiny):
         assert chunk >= 1, f"chunk_within gave {chunk} tokens at {done}"
         done += chunk
         expected += 1
-    assert by_cost == expected == 45  # chunks from 112 tokens down to ~28
+    # the streams decode through the whole prefill (120 tokens each), so every chunk was sized by cost
+    assert by_cost == expected > by_count, (by_cost, expected, by_count)
     assert tokens == tokens_by_count and len(tokens) == 5
 
 
