@@ -58,7 +58,7 @@ class KernelSet:
 
 
 # The op names every kernel set provides, in the order of a forward pass.
-OP_NAMES = tuple(f.name for f in fields(KernelSet) if f.name not in ("name", "attention_cost"))
+OP_NAMES = tuple(f.name for f in fields(KernelSet) if "device_arg" in f.metadata)  # the _op fields
 # numba's attention runs at ~0.44x its matmuls' FLOP rate deep in a prompt (SmolLM2, 2 threads, AVX-512: 88
 # against 200 GFLOP/s at 1,000-3,600 keys; docs/benchmarks.md "jitter").
 NUMBA_ATTENTION_COST = 2.3
