@@ -29,7 +29,7 @@ import pagedserve.cupy_kernels  # noqa: F401  (sets OpenBLAS's environment befor
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit_json  # noqa: E402
+from common import emit_json, gpu_seconds  # noqa: E402
 
 try:
     import pagedserve.models.llama  # noqa: F401
@@ -92,17 +92,9 @@ def decode_batch(xp, batch: int, context: int, block_size: int, vocab: int) -> F
 
 def time_steps(cp, step, batch, steps: int) -> float:
     """Mean ms of `step(batch)` (a forward, or a graph run) between events on the current stream."""
-    for _ in range(2):
-        step(batch)
-    cp.cuda.Device().synchronize()
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    for _ in range(steps):
-        logits = step(batch)
-    stop.record()
-    stop.synchronize()
+    seconds, logits = gpu_seconds(cp, lambda: step(batch), steps)
     assert logits.shape[0] == batch.num_seqs
-    return cp.cuda.get_elapsed_time(start, stop) / steps
+    return seconds * 1e3
 
 
 def capture_graphs(model, kv, batches, max_blocks: int) -> DecodeGraphs:
