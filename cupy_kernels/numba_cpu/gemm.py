@@ -223,19 +223,20 @@ def lane_sums(builder, vectors):
 
 
 def _tile_kernel(rows: int):
-    """An intrinsic tile(a, a_at, lda, b, b_at, k, c, c_at, ldc): C[rows, 32] = A[rows, :k] @ panel, with
-    A's row r at a[a_at + r lda], the panel at b[b_at:] ([k, 32]), C's row r at c[c_at + r ldc]; 1-D C
-    float32 arrays."""
+    """An intrinsic tile(a, a_at, lda, b, b_at, k, c, c_at, ldc, pf_at, pf_rate): C[rows, 32] = A[rows, :k] @
+    panel, with A's row r at a[a_at + r lda], the panel at b[b_at:] ([k, 32]), C's row r at c[c_at + r ldc];
+    1-D C float32 arrays. Step kk also prefetches b[pf_at + (kk pf_rate >> 8)] (the tile's share of the next
+    panel: _panel_rows)."""
 
     @intrinsic
-    def tile(typingctx, a, a_at, lda, b, b_at, k, c, c_at, ldc):
+    def tile(typingctx, a, a_at, lda, b, b_at, k, c, c_at, ldc, pf_at, pf_rate):
         for arr in (a, b, c):
             if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.layout == "C"
                     and arr.dtype == types.float32):
                 return None
-        if not all(isinstance(v, types.Integer) for v in (a_at, lda, b_at, k, c_at, ldc)):
+        if not all(isinstance(v, types.Integer) for v in (a_at, lda, b_at, k, c_at, ldc, pf_at, pf_rate)):
             return None
-        sig = types.void(a, a_at, lda, b, b_at, k, c, c_at, ldc)
+        sig = types.void(a, a_at, lda, b, b_at, k, c, c_at, ldc, pf_at, pf_rate)
 
         def codegen(context, builder, signature, args):
             def data(i):
@@ -245,7 +246,7 @@ def _tile_kernel(rows: int):
                 return context.cast(builder, args[i], signature.args[i], types.intp)
 
             a_ptr, b_ptr, c_ptr = data(0), data(3), data(6)
-            a_at, lda, b_at, k_v, c_at, ldc = (index(i) for i in (1, 2, 4, 5, 7, 8))
+            a_at, lda, b_at, k_v, c_at, ldc, pf_at, pf_rate = (index(i) for i in (1, 2, 4, 5, 7, 8, 9, 10))
             intp = a_at.type
             vf = ir.VectorType(ir.FloatType(), _LANES)
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
@@ -271,6 +272,8 @@ def _tile_kernel(rows: int):
                 for line in range(0, PANEL, 16):  # 16 floats per 64-byte line; past the end a prefetch is a no-op
                     ahead = builder.gep(b_ptr, [builder.add(at, const(_PREFETCH_K * PANEL + line))])
                     builder.call(prefetch, [builder.bitcast(ahead, ir.IntType(8).as_pointer()), read, keep, data_cache])
+                share = builder.gep(b_ptr, [builder.add(pf_at, builder.ashr(builder.mul(kk, pf_rate), const(8)))])
+                builder.call(prefetch, [builder.bitcast(share, ir.IntType(8).as_pointer()), read, keep, data_cache])
                 panel = [builder.load(vec_at(b_ptr, builder.add(at, const(h * _LANES))), align=4)
                          for h in range(halves)]
                 for r in range(rows):
@@ -294,22 +297,40 @@ _TILE_BIG, _TILE8, _TILE4, _TILE2, _TILE1 = (_tile_kernel(r) for r in (_BIG_ROWS
 
 def _panel_rows(a, a_at, lda, m, b, b_at, k, c, c_at, ldc):
     """C rows 0 .. m - 1 (row r: PANEL floats at c[c_at + r ldc]) = A rows (row r: k floats at a[a_at + r lda])
-    @ the panel at b[b_at:] ([k, PANEL]): tiles of _BIG_ROWS rows, then 8 (AVX-512), 4, 2 and 1 for the rest."""
+    @ the panel at b[b_at:] ([k, PANEL]): tiles of _BIG_ROWS rows, then 8 (AVX-512), 4, 2 and 1 for the rest.
+    Each tile also prefetches its share of the next panel (b[b_at + k PANEL:], the next one a thread takes in
+    matmul_into), spread over its k steps: only a thread's first panel comes from memory while its tiles wait.
+    (Until then a panel's first tile read it from memory at a line per 6 cycles of FMAs, twice what a core
+    streams, and the other tiles found it in L2.)"""
+    tiles = m // _BIG_ROWS
+    rest = m - tiles * _BIG_ROWS
+    if AVX512 and rest >= 8:
+        tiles += 1
+        rest -= 8
+    tiles += (rest >= 4) + (rest % 4 >= 2) + (rest % 2)
+    nxt = b_at + k * PANEL  # the next panel
+    share = k * PANEL // max(tiles, 1)  # floats of it per tile
+    rate = min(256 * PANEL // max(tiles, 1), 256 * 16)  # floats per k step, x 256; at most a line a step
+    t = 0
     r = 0
     while r + _BIG_ROWS <= m:
-        _TILE_BIG(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc)
+        _TILE_BIG(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc, nxt + t * share, rate)
         r += _BIG_ROWS
+        t += 1
     if r + 8 <= m:  # AVX-512 only: AVX2's 6-row tiles leave at most 5
-        _TILE8(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc)
+        _TILE8(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc, nxt + t * share, rate)
         r += 8
+        t += 1
     if r + 4 <= m:
-        _TILE4(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc)
+        _TILE4(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc, nxt + t * share, rate)
         r += 4
+        t += 1
     if r + 2 <= m:
-        _TILE2(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc)
+        _TILE2(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc, nxt + t * share, rate)
         r += 2
+        t += 1
     if r < m:
-        _TILE1(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc)
+        _TILE1(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc, nxt + t * share, rate)
 
 
 _PANEL_ROWS_INLINE = numba.njit(inline="always", **JIT)(_panel_rows)
