@@ -57,7 +57,7 @@ from ..reference import paged_attention as reference
 # The plan, and names tests and benchmarks read from here.
 from .attention_plan import (Q_TILE, AttentionPlan, _check_shapes, _cut_work, _scan, _work_items,  # noqa: F401
                              plan_attention)
-from .numerics import fast_exp, row_max
+from .numerics import exp_sum, fast_exp, row_max
 from .setup import JIT, apply_threads, call_compiled, native_address, numba
 
 K_SEGMENT = 512  # keys whose scores are held at once; softmax is exact within a segment, rescaled across
@@ -218,11 +218,7 @@ def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, bloc
                     if lo == seen:  # none of the segment is in the row's window
                         continue
                 m_new = max(m[r], row_max(s[r, lo:], seen - lo))  # exact: the same bits as a scalar max
-                total = np.float32(0.0)
-                for j in range(lo, seen):
-                    p = fast_exp(s[r, j] - m_new)
-                    s[r, j] = p
-                    total += p
+                total = exp_sum(s[r, lo:seen], seen - lo, m_new)
                 if m[r] > -np.inf:  # not the first segment: rescale (contexts > K_SEGMENT only)
                     corr = fast_exp(m[r] - m_new)
                     den[r] *= corr

@@ -1,7 +1,8 @@
 """The float32 numerics the numba kernels share: fast_exp and fast_exp2 (polynomial exponentials in plain
-arithmetic, so LLVM vectorises them: numba's np.exp is a scalar libm call) and row_max (a vector max, which
-numba's loops do not vectorise). Used by the elementwise kernels (ops.py), the attention loop nest
-(attention.py) and the prefill tiles (prefill.py)."""
+arithmetic, so LLVM vectorises them: numba's np.exp is a scalar libm call), row_max (a vector max, which
+numba's loops do not vectorise) and exp_sum / exp2_sum (a softmax row's exponentials and their sum, in vector
+lanes). Used by the elementwise kernels (ops.py), the attention loop nest (attention.py) and the prefill
+tiles (prefill.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from .gemm import lane_sums, splat
 from .setup import JIT_EXACT, numba
 
 
@@ -111,3 +113,109 @@ def row_max(typingctx, row, n):
         return builder.load(result)
 
     return types.float32(row, n), codegen
+
+
+_EXP_LANES = 16  # floats per vector in exp_sum (one AVX-512 register; two AVX2 ones: the same bits)
+
+
+def _ir_consts(ty):
+    """A maker of constants of float type `ty`, or of its vector type (every lane)."""
+    lanes = ty.count if isinstance(ty, ir.VectorType) else 0
+    return lambda v: ir.Constant(ty, [v] * lanes) if lanes else ir.Constant(ty, v)
+
+
+def _ir_floor(builder, x):
+    ty = x.type
+    name = f"llvm.floor.v{ty.count}f32" if isinstance(ty, ir.VectorType) else "llvm.floor.f32"
+    return builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty]), name), [x])
+
+
+def _ir_scale_by_pow2(builder, p, n):
+    """p * 2^n for float (or float vector) n holding whole numbers in the normal exponent range."""
+    i32 = ir.VectorType(ir.IntType(32), p.type.count) if isinstance(p.type, ir.VectorType) else ir.IntType(32)
+    c = _ir_consts(i32)
+    return builder.fmul(p, builder.bitcast(builder.shl(builder.add(builder.fptosi(n, i32), c(127)), c(23)), p.type))
+
+
+def _ir_clamp_below(builder, x, low):
+    c = _ir_consts(x.type)
+    return builder.select(builder.fcmp_ordered(">", x, c(low)), x, c(low))
+
+
+def _exp_ir(builder, x):
+    """LLVM IR of fast_exp on a float or a vector of floats: the same operations in the same order (no
+    contraction into FMAs, as the scalar's JIT_EXACT code), so each lane has fast_exp's bits."""
+    c = _ir_consts(x.type)
+    x = _ir_clamp_below(builder, x, -87.0)
+    x = builder.select(builder.fcmp_ordered("<", x, c(88.0)), x, c(88.0))
+    n = _ir_floor(builder, builder.fadd(builder.fmul(x, c(1.4426950408889634)), c(0.5)))
+    r = builder.fsub(builder.fsub(x, builder.fmul(n, c(0.693359375))), builder.fmul(n, c(-2.12194440e-4)))
+    p = c(1.9875691500e-4)
+    for coef in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = builder.fadd(builder.fmul(p, r), c(coef))
+    p = builder.fadd(builder.fadd(builder.fmul(builder.fmul(p, r), r), r), c(1.0))
+    return _ir_scale_by_pow2(builder, p, n)
+
+
+def _exp2_ir(builder, x):
+    """LLVM IR of fast_exp2, as _exp_ir of fast_exp: each lane has fast_exp2's bits."""
+    c = _ir_consts(x.type)
+    x = _ir_clamp_below(builder, x, -126.0)
+    n = _ir_floor(builder, builder.fadd(x, c(0.5)))
+    f = builder.fsub(x, n)
+    p = c(1.535336188319500e-4)
+    for coef in (1.339887440266574e-3, 9.618437357674640e-3, 5.550332471162809e-2, 2.402264791363012e-1,
+                 6.931472028550421e-1, 1.0):
+        p = builder.fadd(builder.fmul(p, f), c(coef))
+    return _ir_scale_by_pow2(builder, p, n)
+
+
+def _exp_sum_intrinsic(exp_ir, name: str, doc: str):
+    def exp_sum(typingctx, row, n, shift):
+        if not (isinstance(row, types.Array) and row.ndim == 1 and row.layout == "C"
+                and row.dtype == types.float32 and isinstance(n, types.Integer) and isinstance(shift, types.Float)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            count = context.cast(builder, args[1], signature.args[1], types.intp)
+            m = context.cast(builder, args[2], signature.args[2], types.float32)
+            intp = count.type
+            vec_t = ir.VectorType(ir.FloatType(), _EXP_LANES)
+            m_vec = splat(builder, m, vec_t)
+
+            def const(value):
+                return ir.Constant(intp, value)
+
+            acc = cgutils.alloca_once_value(builder, ir.Constant(vec_t, [0.0] * _EXP_LANES))
+            n_vec = builder.mul(builder.sdiv(count, const(_EXP_LANES)), const(_EXP_LANES))
+            with cgutils.for_range_slice(builder, const(0), n_vec, const(_EXP_LANES), intp=intp) as (i, _):
+                ptr = builder.bitcast(builder.gep(data, [i]), vec_t.as_pointer())
+                p = exp_ir(builder, builder.fsub(builder.load(ptr, align=4), m_vec))
+                builder.store(p, ptr, align=4)
+                builder.store(builder.fadd(builder.load(acc), p), acc)
+            first = builder.extract_element(lane_sums(builder, [builder.load(acc)]), ir.Constant(ir.IntType(32), 0))
+            total = cgutils.alloca_once_value(builder, first)
+            with cgutils.for_range_slice(builder, n_vec, count, const(1), intp=intp) as (i, _):
+                ptr = builder.gep(data, [i])
+                p = exp_ir(builder, builder.fsub(builder.load(ptr), m))
+                builder.store(p, ptr)
+                builder.store(builder.fadd(builder.load(total), p), total)
+            return builder.load(total)
+
+        return types.float32(row, n, shift), codegen
+
+    exp_sum.__name__ = exp_sum.__qualname__ = name
+    exp_sum.__doc__ = doc
+    return intrinsic(exp_sum)
+
+
+exp_sum = _exp_sum_intrinsic(_exp_ir, "exp_sum", """exp_sum(row, n, shift): row[:n] = fast_exp(row[:n] - shift) in
+place, returning their sum (a softmax's numerators and denominator: attention.py). In vector lanes: numba's
+loop of fast_exp with a running sum stayed scalar (a float sum is not reassociated). Each value has fast_exp's
+bits; the sum is 16 lane sums in index order, added pairwise (gemm.lane_sums), then the last n % 16 values in
+order: a fixed order for a given n, whatever the row's batch, its place in memory or the code path (AVX2 splits
+each 16-lane operation in two).""")
+
+exp2_sum = _exp_sum_intrinsic(_exp2_ir, "exp2_sum", "exp2_sum(row, n, shift): exp_sum with fast_exp2 "
+                              "(prefill.py's scores are in log2 units).")

@@ -39,7 +39,7 @@ import threading
 import numpy as np
 
 from .gemm import PANEL, PANEL_ROWS
-from .ops import fast_exp2, row_max
+from .numerics import exp2_sum, row_max
 from .setup import JIT, JIT_EXACT, apply_threads, call_compiled, native_address, numba
 
 # A sequence's chunk takes this path when it has at least MIN_TOKENS new tokens and the loop nest would cost
@@ -179,11 +179,7 @@ def _prefill_item(w, panel_rows, query, start, n, first_pos, window, kp, vp, q_s
         for j in range(p0 * PANEL, lo):
             row[j] = 0.0
         m = row_max(row[lo:], seen - lo)
-        total = np.float32(0.0)
-        for j in range(lo, seen):
-            x = fast_exp2(row[j] - m)
-            row[j] = x
-            total += x
+        total = exp2_sum(row[lo:seen], seen - lo, m)
         for j in range(seen, keys):
             row[j] = 0.0
         den[r] = np.float32(1.0) / total

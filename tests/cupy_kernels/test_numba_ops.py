@@ -233,3 +233,55 @@ def test_reshape_and_cache(block_size, rows):
             nb.reshape_and_cache(key, value, got_k, got_v, np.full(rows, num_blocks * block_size))
 
 
+
+
+@pytest.mark.parametrize("name", ["exp_sum", "exp2_sum"])
+def test_exp_sum_has_fast_exps_bits_and_a_sum_fixed_by_the_row_alone(name):
+    """numerics.exp_sum and exp2_sum (the softmaxes' vector exponentials: attention.py, prefill.py): each
+    value equals the scalar fast_exp's (fast_exp2's) bits, at every length around its 16 lanes and at rows
+    starting off a vector boundary; the sum is within float32 rounding of numpy's and the same bits wherever
+    the row lies in its buffer."""
+    from pagedserve.cupy_kernels.numba_cpu import numerics
+    from pagedserve.cupy_kernels.numba_cpu.setup import numba
+
+    vector, scalar = (numerics.exp_sum, numerics.fast_exp) if name == "exp_sum" else (numerics.exp2_sum,
+                                                                                      numerics.fast_exp2)
+
+    @numba.njit
+    def exps(s, offset, n, shift, out):
+        for r in range(s.shape[0]):
+            out[r] = vector(s[r, offset:offset + n], n, shift)
+
+    @numba.njit
+    def scalar_exps(x, shift, out):
+        for i in range(x.shape[0]):
+            out[i] = scalar(x[i] - shift)
+
+    rng = np.random.default_rng(5)
+    shift = np.float32(3.25)
+    base = (shift - np.abs(rng.standard_normal((8, 300))) * 30).astype(np.float32)  # scores <= their max
+    base[0, :40] = [-np.inf, -200.0, -87.5, 0.0, shift] * 8  # clamped below, and exp(-inf) = tiny
+    if name == "exp_sum":
+        base[0, 3] = 95.0  # clamped above, once (a sum of several would overflow float32)
+    want = np.empty_like(base)
+    scalar_exps(base.reshape(-1), shift, want.reshape(-1))
+    sums = {}
+    for offset in (0, 1, 5, 16):
+        for n in (1, 2, 15, 16, 17, 31, 32, 33, 200, 300 - offset):
+            s = base.copy()
+            out = np.empty(8, dtype=np.float32)
+            exps(s, offset, n, shift, out)
+            np.testing.assert_array_equal(s[:, offset:offset + n], want[:, offset:offset + n],
+                                          err_msg=f"{offset=} {n=}")
+            np.testing.assert_array_equal(s[:, :offset], base[:, :offset])  # nothing outside the row is touched
+            np.testing.assert_array_equal(s[:, offset + n:], base[:, offset + n:])
+            exact = want[:, offset:offset + n].astype(np.float64).sum(axis=1)
+            np.testing.assert_allclose(out, exact, rtol=n * 2e-7, err_msg=f"{offset=} {n=}")
+            # The same values at another place in the buffer: the same sum, bit for bit.
+            moved = np.zeros((8, 320), dtype=np.float32)
+            moved[:, 3:3 + n] = base[:, offset:offset + n]
+            again = np.empty(8, dtype=np.float32)
+            exps(moved, 3, n, shift, again)
+            np.testing.assert_array_equal(again, out, err_msg=f"{offset=} {n=}")
+            sums[offset, n] = out
+    assert len(sums) == 40
