@@ -158,3 +158,22 @@ def test_engine_config_checks_the_switch():
     with pytest.raises(ValueError, match="cost_aware_chunking must be a bool, got 'no'"):
         EngineConfig(cost_aware_chunking="no")
 
+
+
+def test_num_batched_tokens_follows_appends_and_replaced_lists():
+    """SchedulerOutput counts its tokens incrementally (the scheduler asks after every request): appends, a list
+    replaced by a shorter one (a preemption or rollback un-scheduling) and then grown again all give the sum."""
+    from pagedserve.runtime.core.scheduler import ScheduledRequest, SchedulerOutput
+
+    reqs = [Request(str(i), [1, 2, 3], SamplingParams(), 0.0) for i in range(5)]
+    out = SchedulerOutput()
+    assert out.num_batched_tokens == 0
+    for i, r in enumerate(reqs):
+        out.scheduled.append(ScheduledRequest(r, i + 1))
+        assert out.num_batched_tokens == sum(range(1, i + 2))
+    out.scheduled = [s for s in out.scheduled if s.request is not reqs[1]]  # un-scheduled: 2 tokens go
+    assert out.num_batched_tokens == 15 - 2
+    out.scheduled.append(ScheduledRequest(reqs[1], 7))
+    assert out.num_batched_tokens == 15 - 2 + 7
+    out.scheduled = [ScheduledRequest(reqs[0], 4)] * 6  # a longer new list than the one counted
+    assert out.num_batched_tokens == 24
