@@ -9,8 +9,9 @@ that panel format from the start, once:
 
 so a panel (32 output columns, every k) is one contiguous stream. The kernel keeps a 12-row x 32-column
 tile of the output in twenty-four 16-lane registers and walks k: two vector loads of the panel, one
-broadcast of each of the 12 activation rows, 24 FMAs, and a prefetch of the panel 64 rows of k ahead
-(without AVX-512: 16-column panels and 6-row tiles in 8-lane registers). The figures below were measured
+broadcast of each of the 12 activation rows, 24 FMAs, a prefetch of the panel 64 rows of k ahead and one of
+the tile's share of the next panel (_panel_rows; without AVX-512: 16-column panels and 6-row tiles in 8-lane
+registers). The figures below were measured
 with 8-row tiles (_BIG_ROWS has the 12-row ones'). Panels are shared out over the threads
 (prange); a panel (73 KB for in = 576) stays in L2 while every tile of a block of activation rows (about
 half the L2's worth: row_passes) passes over it, and the block itself stays in L2 while the thread's panels
