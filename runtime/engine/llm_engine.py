@@ -34,7 +34,8 @@ from .stats import Throughput, engine_stats
 from .request_limits import RequestLimits, ServerShape
 from ..sample.sampler import Sampler
 from ..sampling_params import SamplingParams
-from ..core.scheduler import Scheduler, SchedulerOutput, keys_per_token
+from ..core.chunking import keys_per_token
+from ..core.scheduler import Scheduler, SchedulerOutput
 from ..structured_output.manager import StructuredOutputManager
 from ..spec_decode.decoder import build_spec_decoder
 from ..core.sequence_group import SequenceGroup, completion, group_output

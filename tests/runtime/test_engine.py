@@ -7,7 +7,7 @@ import pytest
 
 from engine_helpers import drain, make_engine
 from pagedserve.runtime.sampling_params import SamplingParams
-from pagedserve.runtime.core.scheduler import chunk_within
+from pagedserve.runtime.core.chunking import chunk_within
 
 
 def workload(n=32, seed=0, vocab=512):

@@ -9,7 +9,8 @@ from pagedserve.runtime.config import EngineConfig
 from pagedserve.runtime.core.kv_cache_manager import KVCacheManager
 from pagedserve.runtime.core.request import Request
 from pagedserve.runtime.sampling_params import SamplingParams
-from pagedserve.runtime.core.scheduler import Scheduler, chunk_within, keys_per_token
+from pagedserve.runtime.core.chunking import chunk_within, keys_per_token
+from pagedserve.runtime.core.scheduler import Scheduler
 
 SMOLLM2 = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 1e4, 8192)
 K = SMOLLM2.matmul_flops_per_token / SMOLLM2.attention_flops_per_key
