@@ -1,65 +1,16 @@
-"""The float32 numerics the numba kernels share: fast_exp and fast_exp2 (polynomial exponentials in plain
-arithmetic, so LLVM vectorises them: numba's np.exp is a scalar libm call), row_max (a vector max, which
-numba's loops do not vectorise) and exp_sum / exp2_sum (a softmax row's exponentials and their sum, in vector
-lanes). Used by the elementwise kernels (ops.py), the attention loop nest (attention.py) and the prefill
+"""The float32 numerics the numba kernels share: fast_exp and fast_exp2 (polynomial exponentials, each written
+once as LLVM IR that also serves the vector exp_sum / exp2_sum; loops around the scalars vectorise, where
+numba's np.exp is a scalar libm call), row_max (a vector max, which numba's loops do not vectorise) and exp_sum /
+exp2_sum (a softmax row's exponentials and their sum, in vector lanes). Used by the elementwise kernels (ops.py), the attention loop nest (attention.py) and the prefill
 tiles (prefill.py)."""
 
 from __future__ import annotations
 
-import numpy as np
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from .gemm import lane_sums, splat
-from .setup import JIT_EXACT, numba
-
-
-@intrinsic
-def _f32_from_bits(typingctx, bits):
-    """Reinterpret an int32's bits as a float32 (2^n from its exponent field, for fast_exp)."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.int32), codegen
-
-
-@numba.njit(inline="always", **JIT_EXACT)
-def fast_exp(x):
-    """exp(x) in float32 within 2 ulp (Cephes expf: exp(x) = 2^n * exp(r), |r| <= ln2/2, degree-7
-    polynomial), in plain arithmetic so LLVM vectorises it. Inputs are clamped to [-87, 88]: below, the
-    true value is < 2e-38 and this returns about that instead of 0 or a denormal; above, float32 overflows
-    anyway and callers here never go there with a meaningful value (SiLU: g / (1 + huge) = -0 either way)."""
-    x = x if x > np.float32(-87.0) else np.float32(-87.0)
-    x = x if x < np.float32(88.0) else np.float32(88.0)
-    n = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
-    r = x - n * np.float32(0.693359375) - n * np.float32(-2.12194440e-4)  # ln2 split in two: r exact
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
-    p = p * r * r + r + np.float32(1.0)
-    return p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
-
-
-@numba.njit(inline="always", **JIT_EXACT)
-def fast_exp2(x):
-    """2^x in float32 within about 1 ulp (Cephes exp2f: 2^x = 2^n * 2^f, |f| <= 1/2, degree-6 polynomial),
-    for x <= 0 (softmax over scores in log2 units: numba_prefill). Five fewer operations than fast_exp,
-    whose reduction by ln2 this does not need: 0.13 ns per value on the test machine. Inputs are clamped
-    below at -126 (the true value is then < 1.2e-38, and this returns about that)."""
-    x = x if x > np.float32(-126.0) else np.float32(-126.0)
-    n = np.floor(x + np.float32(0.5))
-    f = x - n
-    p = np.float32(1.535336188319500e-4)
-    p = p * f + np.float32(1.339887440266574e-3)
-    p = p * f + np.float32(9.618437357674640e-3)
-    p = p * f + np.float32(5.550332471162809e-2)
-    p = p * f + np.float32(2.402264791363012e-1)
-    p = p * f + np.float32(6.931472028550421e-1)
-    p = p * f + np.float32(1.0)
-    return p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
 _MAX_LANES = 16  # floats per vector in row_max (one AVX-512 register; two AVX2 ones)
@@ -143,8 +94,8 @@ def _ir_clamp_below(builder, x, low):
 
 
 def _exp_ir(builder, x):
-    """LLVM IR of fast_exp on a float or a vector of floats: the same operations in the same order (no
-    contraction into FMAs, as the scalar's JIT_EXACT code), so each lane has fast_exp's bits."""
+    """LLVM IR of exp(x) (fast_exp's) on a float or a vector of floats, without contraction into FMAs: each
+    lane has the scalar's bits."""
     c = _ir_consts(x.type)
     x = _ir_clamp_below(builder, x, -87.0)
     x = builder.select(builder.fcmp_ordered("<", x, c(88.0)), x, c(88.0))
@@ -158,7 +109,7 @@ def _exp_ir(builder, x):
 
 
 def _exp2_ir(builder, x):
-    """LLVM IR of fast_exp2, as _exp_ir of fast_exp: each lane has fast_exp2's bits."""
+    """LLVM IR of 2^x (fast_exp2's), as _exp_ir."""
     c = _ir_consts(x.type)
     x = _ir_clamp_below(builder, x, -126.0)
     n = _ir_floor(builder, builder.fadd(x, c(0.5)))
@@ -168,6 +119,35 @@ def _exp2_ir(builder, x):
                  6.931472028550421e-1, 1.0):
         p = builder.fadd(builder.fmul(p, f), c(coef))
     return _ir_scale_by_pow2(builder, p, n)
+
+
+def _scalar_intrinsic(exp_ir, name: str, doc: str):
+    """A float32 -> float32 intrinsic of exp_ir (its IR inlined where it is called: LLVM vectorises the caller's
+    loop around it, e.g. ops.py's SiLU)."""
+    def scalar(typingctx, x):
+        if not isinstance(x, types.Float):
+            return None
+
+        def codegen(context, builder, signature, args):
+            return exp_ir(builder, context.cast(builder, args[0], signature.args[0], types.float32))
+
+        return types.float32(x), codegen
+
+    scalar.__name__ = scalar.__qualname__ = name
+    scalar.__doc__ = doc
+    return intrinsic(scalar)
+
+
+fast_exp = _scalar_intrinsic(_exp_ir, "fast_exp", """fast_exp(x): exp(x) in float32 within 2 ulp (Cephes expf:
+exp(x) = 2^n * exp(r), |r| <= ln2/2, degree-7 polynomial), in plain IR so LLVM vectorises loops around it
+(numba's np.exp is a scalar libm call). Inputs are clamped to [-87, 88]: below, the true value is < 2e-38 and
+this returns about that instead of 0 or a denormal; above, float32 overflows anyway and callers here never go
+there with a meaningful value (SiLU: g / (1 + huge) = -0 either way).""")
+fast_exp2 = _scalar_intrinsic(_exp2_ir, "fast_exp2", """fast_exp2(x): 2^x in float32 within about 1 ulp (Cephes
+exp2f: 2^x = 2^n * 2^f, |f| <= 1/2, degree-6 polynomial), for x <= 0 (softmax over scores in log2 units:
+prefill.py). Five fewer operations than fast_exp, whose reduction by ln2 this does not need: 0.13 ns per
+value on the test machine. Inputs are clamped below at -126 (the true value is then < 1.2e-38, and this
+returns about that).""")
 
 
 def _exp_sum_intrinsic(exp_ir, name: str, doc: str):
