@@ -1,8 +1,8 @@
 """The float32 numerics the numba kernels share: fast_exp and fast_exp2 (polynomial exponentials, each written
 once as LLVM IR that also serves the vector exp_sum / exp2_sum; loops around the scalars vectorise, where
-numba's np.exp is a scalar libm call), row_max (a vector max, which numba's loops do not vectorise) and exp_sum /
-exp2_sum (a softmax row's exponentials and their sum, in vector lanes). Used by the elementwise kernels (ops.py), the attention loop nest (attention.py) and the prefill
-tiles (prefill.py)."""
+numba's np.exp is a scalar libm call), row_max (a vector max, which numba's loops do not vectorise) and
+exp_sum / exp2_sum (a softmax row's exponentials and their sum, in vector lanes). Used by the elementwise
+kernels (ops.py), the attention loop nest (attention.py) and the prefill tiles (prefill.py)."""
 
 from __future__ import annotations
 
