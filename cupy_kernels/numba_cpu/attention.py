@@ -21,11 +21,11 @@ instead of once per key (both runs are LLVM vector IR: numba_attention_ir.py); k
 run go one at a time. A decode step reads every sequence's whole context from a pool far larger than the L3
 cache, and blocks lie anywhere in it: the rows of the block one ahead in the chunk's reads (the next K block,
 the segment's first V block after the last K block, the next item's first K block after the last V block) are
-prefetched while a run is computed, a few hints per query head's share of the run. Inner loops index the
-arrays directly: a row view (`k_cache[b, j, h]`) costs a reference-count call each time it is made. A
-64-sequence, 192-token decode step over 30 layers takes 29 ms on one thread (1-thread rates matter: in the
-engine, OpenBLAS's threads spin after each matmul and hold the second core; the loop nest's history:
-docs/notes/kernels.md).
+prefetched while a run is computed, a few hints per query head's share of the run, a block's pages at once
+(attention_prefetch.py). Inner loops index the arrays directly: a row view (`k_cache[b, j, h]`) costs a
+reference-count call each time it is made. A 64-sequence, 192-token decode step over 30 layers takes 29 ms on
+one thread (1-thread rates matter: in the engine, OpenBLAS's threads spin after each matmul and hold the second
+core; the loop nest's history: docs/notes/kernels.md).
 
 Sliding window (sliding_window=W: a row at p sees keys p - W < k <= p): an item's walk starts at the block of
 the oldest key its first row sees, within the segment that holds it (segments keep their fixed positions);
@@ -47,11 +47,9 @@ was chunked (a chunk of one token included), or the thread that ran it.
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba.core import cgutils, types
-from numba.extending import intrinsic
 
 from . import attention_ir as ir_loops
+from . import attention_prefetch as hints
 from . import prefill
 from ..reference import paged_attention as reference
 # The plan, and names tests and benchmarks read from here.
@@ -64,40 +62,6 @@ K_SEGMENT = 512  # keys whose scores are held at once; softmax is exact within a
 RUN = ir_loops.RUN  # keys per run in _scores and _accumulate (written out for 8, the fastest of 4, 8 and 16)
 PREFETCH_BLOCKS = 1  # blocks ahead of the one being read whose rows are prefetched (more were no faster)
 _F32 = np.dtype(np.float32)
-
-
-@intrinsic
-def _prefetch(typingctx, address, index):
-    """Ask the CPU to start loading the cache line of float32 element `index` of the array at `address`
-    (numba_attention_ir.address; a hint: never faults, changes no value). The hardware prefetcher follows a
-    stream within a block, but blocks lie anywhere in the pool; fetching the next block while this one is
-    computed doubled the decode rate on pools larger than the L3 cache."""
-    if not (isinstance(address, types.Integer) and isinstance(index, types.Integer)):
-        return None
-
-    def codegen(context, builder, signature, args):
-        at = [context.cast(builder, v, t, types.intp) for v, t in zip(args, signature.args)]
-        data = builder.inttoptr(at[0], ir.FloatType().as_pointer())
-        ptr = builder.bitcast(builder.gep(data, [at[1]]), ir.IntType(8).as_pointer())
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]),
-                                            "llvm.prefetch.p0i8")
-        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, keep, data
-        return context.get_dummy_value()
-    return types.none(address, index), codegen
-
-
-@numba.njit(inline="always", **JIT)
-def _prefetch_part(cache_address, block, row, row_floats, block_size, part, part_floats):
-    """Prefetch part `part` (part_floats floats, a multiple of 16) of token rows row .. row + RUN - 1 of
-    `block` (each row: all kv heads, row_floats contiguous floats), one hint per 64-byte line. The hints
-    are spread over the run's work, one part per query head's share of it: issued as one burst per run,
-    the same hints were twice as slow, probably because a burst fills the core's queue of outstanding
-    misses and the hints behind it are dropped."""
-    base = (block * block_size + row) * row_floats
-    end = min(RUN, block_size - row) * row_floats
-    for off in range(part * part_floats, min((part + 1) * part_floats, end), 16):
-        _prefetch(cache_address, base + off)
 
 
 @numba.njit(inline="always", **JIT)
@@ -148,6 +112,8 @@ def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, bloc
     k_address, v_address = ir_loops.address(k_cache), ir_loops.address(v_cache)  # for the prefetch hints
     # A run's prefetch hints are issued in num_heads parts (one per query head's work), whole lines each.
     part_floats = (RUN * row_floats + 16 * num_heads - 1) // (16 * num_heads) * 16
+    order, page_floats = hints.line_order(block_size * row_floats)  # the lines of a block, its pages at once
+    streams = block_size * row_floats // page_floats
     # Scratch for the whole chunk, allocated once: rows are (token, query head) of one item.
     max_rows = 0
     for w in range(bounds[c], bounds[c + 1]):
@@ -201,9 +167,14 @@ def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, bloc
                             nv = min(n, first_pos + t + 1 - k0 - off)  # keys of the block token t sees
                             r0 = (t - t0) * num_heads + h * group
                             for r in range(r0, r0 + group):
-                                if t == t1 - 1 and ahead >= 0:  # the last token sees the whole run
-                                    _prefetch_part(ahead_address, ahead, j, row_floats, block_size,
-                                                   r - r0 + h * group, part_floats)
+                                if t == t1 - 1:  # the last token sees the whole run
+                                    part = r - r0 + h * group
+                                    if ahead >= 0:
+                                        hints.prefetch_part(ahead_address, ahead, j, row_floats, block_size, part,
+                                                            part_floats, order)
+                                    if j == 0 and part < streams:  # the first line of each page of the block's V
+                                        hints.prefetch(v_address, (block * block_size * row_floats
+                                                                   + part * page_floats))
                                 _scores(q, s, k_cache, r, block, h, off, j, nv, head_dim)
             # Softmax over the segment, rescaling what earlier segments summed (online softmax).
             for r in range(rows):
@@ -244,8 +215,8 @@ def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, bloc
                             r0 = (t - t0) * num_heads + h * group
                             for r in range(r0, r0 + group):
                                 if t == t1 - 1 and ahead >= 0:
-                                    _prefetch_part(ahead_address, ahead, j, row_floats, block_size,
-                                                   r - r0 + h * group, part_floats)
+                                    hints.prefetch_part(ahead_address, ahead, j, row_floats, block_size,
+                                                        r - r0 + h * group, part_floats, order)
                                 _accumulate(s, acc, v_cache, r, block, h, off, j, nv, head_dim)
         for r in range(rows):
             inv = np.float32(1.0) / den[r]

@@ -74,6 +74,24 @@ def test_a_cache_that_is_not_c_contiguous_takes_the_reference():
     np.testing.assert_array_equal(got, pa.paged_attention(q, k, v, qsl, lens, tables, 0.125))
 
 
+@pytest.mark.parametrize("block_floats, pages", [(16 * 3 * 64, 3), (16 * 8 * 128, 16), (16 * 1 * 40, 0)])
+def test_prefetch_line_order_takes_a_blocks_pages_at_once(block_floats, pages):
+    """The hints ask for every line of a block once; a block of whole 4 KB pages line k of each page before
+    line k + 1 of any (each page's lines in order); any other block in order."""
+    from pagedserve.cupy_kernels.numba_cpu import attention_prefetch
+
+    order, page_floats = attention_prefetch.line_order(block_floats)
+    assert sorted(order.tolist()) == list(range(0, block_floats, 16))
+    if not pages:
+        assert order.tolist() == list(range(0, block_floats, 16)) and page_floats == block_floats
+        return
+    assert page_floats == 1024
+    assert order[:pages].tolist() == [p * 1024 for p in range(pages)]
+    for p in range(pages):
+        in_page = order[(order >= p * 1024) & (order < (p + 1) * 1024)]
+        assert in_page.tolist() == list(range(p * 1024, (p + 1) * 1024, 16))
+
+
 AVX2_CHECK = """
 import numpy as np
 from paged_batches import make_batch
