@@ -22,7 +22,7 @@ run go one at a time. A decode step reads every sequence's whole context from a 
 cache, and blocks lie anywhere in it: the rows of the block one ahead in the chunk's reads (the next K block,
 the segment's first V block after the last K block, the next item's first K block after the last V block) are
 prefetched while a run is computed, a few hints per query head's share of the run, a block's pages at once
-(attention_prefetch.py). Inner loops index the arrays directly: a row view (`k_cache[b, j, h]`) costs a
+(prefetch.py). Inner loops index the arrays directly: a row view (`k_cache[b, j, h]`) costs a
 reference-count call each time it is made. A 64-sequence, 192-token decode step over 30 layers takes 29 ms on
 one thread (1-thread rates matter: in the engine, OpenBLAS's threads spin after each matmul and hold the second
 core; the loop nest's history: docs/notes/kernels.md).
@@ -49,7 +49,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import attention_ir as ir_loops
-from . import attention_prefetch as hints
+from . import prefetch as hints
 from . import prefill
 from ..reference import paged_attention as reference
 # The plan, and names tests and benchmarks read from here.

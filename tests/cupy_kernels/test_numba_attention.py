@@ -78,9 +78,9 @@ def test_a_cache_that_is_not_c_contiguous_takes_the_reference():
 def test_prefetch_line_order_takes_a_blocks_pages_at_once(block_floats, pages):
     """The hints ask for every line of a block once; a block of whole 4 KB pages line k of each page before
     line k + 1 of any (each page's lines in order); any other block in order."""
-    from pagedserve.cupy_kernels.numba_cpu import attention_prefetch
+    from pagedserve.cupy_kernels.numba_cpu import prefetch
 
-    order, page_floats = attention_prefetch.line_order(block_floats)
+    order, page_floats = prefetch.line_order(block_floats)
     assert sorted(order.tolist()) == list(range(0, block_floats, 16))
     if not pages:
         assert order.tolist() == list(range(0, block_floats, 16)) and page_floats == block_floats

@@ -1,6 +1,9 @@
-"""The attention loop nest's memory hints (attention.py): a decode step reads every sequence's whole context from
-a pool far larger than the caches, in 16-token blocks that lie anywhere in it, so the loop nest asks for the
-block one ahead in its reads while it computes on the current one.
+"""Memory hints for the numba kernels: the cache-line prefetch, and the order the attention loop nest
+(attention.py) asks for a block's lines in.
+
+A decode step reads every sequence's whole context from a pool far larger than the caches, in 16-token blocks
+that lie anywhere in it, so the loop nest asks for the block one ahead in its reads while it computes on the
+current one.
 
 A core has about 16 misses to memory in flight of its own (its line fill buffers): with hints alone, a
 256-sequence decode step read its KV at ~17 GB/s on the 2-core test VM, whose cores stream 32 GB/s. The L2's
