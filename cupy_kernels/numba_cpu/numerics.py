@@ -199,3 +199,49 @@ each 16-lane operation in two).""")
 
 exp2_sum = _exp_sum_intrinsic(_exp2_ir, "exp2_sum", "exp2_sum(row, n, shift): exp_sum with fast_exp2 "
                               "(prefill.py's scores are in log2 units).")
+
+
+_ROT_LANES = 16  # floats per vector in rotate (one AVX-512 register; two AVX2 ones: the same bits)
+
+
+@intrinsic
+def rotate(typingctx, src, src_at, cos, sin, cs_at, dst, dst_at, half):
+    """rotate(src, src_at, cos, sin, cs_at, dst, dst_at, half): one head rotated ("neox" rotate-half), arrays as
+    addresses (attention_ir.address) and float offsets: with x1 = src[src_at + i], x2 = src[src_at + half + i],
+    c = cos[cs_at + i], s = sin[cs_at + i] for i < half, dst[dst_at + i] = x1 c - x2 s and
+    dst[dst_at + half + i] = x2 c + x1 s: each product and sum rounded (no FMA), ops.apply_rotary's arithmetic,
+    in vector lanes (numba's loop over one head's 32 pairs spent more in run-time alias checks than in the
+    products), the rest of half one at a time. dst may be src's own row only where it does not overlap."""
+    if not all(isinstance(v, types.Integer) for v in (src, src_at, cos, sin, cs_at, dst, dst_at, half)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = [context.cast(builder, a, t, types.intp) for a, t in zip(args, signature.args)]
+        intp = v[0].type
+        f32p = ir.FloatType().as_pointer()
+        src_p, cos_p, sin_p, dst_p = (builder.gep(builder.inttoptr(v[i], f32p), [v[j]])
+                                      for i, j in ((0, 1), (2, 4), (3, 4), (5, 6)))
+        half_v = v[7]
+
+        def rot(ty, at, load, store):
+            x1, x2 = load(src_p, at, ty), load(src_p, builder.add(at, half_v), ty)
+            c, s = load(cos_p, at, ty), load(sin_p, at, ty)
+            store(builder.fsub(builder.fmul(x1, c), builder.fmul(x2, s)), dst_p, at, ty)
+            store(builder.fadd(builder.fmul(x2, c), builder.fmul(x1, s)), dst_p, builder.add(at, half_v), ty)
+
+        def load(ptr, at, ty):
+            return builder.load(builder.bitcast(builder.gep(ptr, [at]), ty.as_pointer()), align=4)
+
+        def store(value, ptr, at, ty):
+            builder.store(value, builder.bitcast(builder.gep(ptr, [at]), ty.as_pointer()), align=4)
+
+        vec_t = ir.VectorType(ir.FloatType(), _ROT_LANES)
+        step = ir.Constant(intp, _ROT_LANES)
+        n_vec = builder.mul(builder.sdiv(half_v, step), step)
+        with cgutils.for_range_slice(builder, ir.Constant(intp, 0), n_vec, step, intp=intp) as (i, _):
+            rot(vec_t, i, load, store)
+        with cgutils.for_range_slice(builder, n_vec, half_v, ir.Constant(intp, 1), intp=intp) as (i, _):
+            rot(ir.FloatType(), i, load, store)
+        return context.get_dummy_value()
+
+    return types.none(src, src_at, cos, sin, cs_at, dst, dst_at, half), codegen

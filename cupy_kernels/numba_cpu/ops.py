@@ -23,7 +23,8 @@ import numpy as np
 from . import gemm as numba_gemm, quant as numba_quant, setup as numba_setup
 from ..batch_checks import check_slot_mapping
 from ..reference import ops
-from .numerics import fast_exp, fast_exp2, row_max  # noqa: F401 - fast_exp2, row_max: read from here too
+from .attention_ir import address
+from .numerics import fast_exp, fast_exp2, rotate, row_max  # noqa: F401 - fast_exp2, row_max: read from here too
 from .setup import JIT, JIT_EXACT, apply_threads, numba
 
 # Rows from which the elementwise kernels use numba's thread pool (prange). SiLU-and-mul does ~3 ns of work
@@ -207,27 +208,33 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
 def _rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping, out):
     """Serial: a step's rotations are ~12 x head_dim products a token (microseconds even for a 256-token
     chunk, against its matmuls' hundreds of ms), and a parallel kernel of this compiles several times as long
-    and costs more a call on one thread. qkv is read as the C-contiguous 2-D array it is: views of its heads
-    (strided for more than one row) kept LLVM from vectorising (docs/notes/kernels.md)."""
+    and costs more a call on one thread. Each head is rotated by numerics.rotate (vector IR) straight from the
+    C-contiguous qkv: the query into `out`, the key into a scratch row copied to its cache slot with the
+    value (numba's loop over a head's 32 pairs spent more in run-time alias checks than in the products: a
+    256-token decode step's 30 layers 52 -> 29 us a layer without the cache writes, 175-200 -> 146-156 with
+    them, into slots all over a 4 GiB pool)."""
     head_dim = k_cache.shape[3]
+    half = head_dim // 2
     k_start = num_heads * head_dim
     v_start = k_start + num_kv_heads * head_dim
     block_size = k_cache.shape[1]
+    src, cs, sn = address(qkv), address(cos), address(sin)
+    key = np.empty(head_dim, dtype=np.float32)  # a rotated key, then copied to its slot (a cache of any layout)
+    q_out, k_out = address(out), address(key)
+    width, cs_width = qkv.shape[1], cos.shape[1]
     for t in range(qkv.shape[0]):
-        c, s = cos[t], sin[t]
         for h in range(num_heads):
-            _rotate_head(qkv[t, h * head_dim : (h + 1) * head_dim], c, s, out[t, h])
+            rotate(src, t * width + h * head_dim, cs, sn, t * cs_width, q_out, (t * num_heads + h) * head_dim, half)
         slot = slot_mapping[t]
         if slot < 0:
             continue
         b, r = slot // block_size, slot % block_size
-        for h in range(num_kv_heads):  # the rotated key straight into its slot, then the value
-            a = k_start + h * head_dim
-            _rotate_head(qkv[t, a : a + head_dim], c, s, k_cache[b, r, h])
+        for h in range(num_kv_heads):  # the rotated key into its slot, then the value
+            rotate(src, t * width + k_start + h * head_dim, cs, sn, t * cs_width, k_out, 0, half)
             a = v_start + h * head_dim
-            x, o = qkv[t, a : a + head_dim], v_cache[b, r, h]
             for d in range(head_dim):
-                o[d] = x[d]
+                k_cache[b, r, h, d] = key[d]
+                v_cache[b, r, h, d] = qkv[t, a + d]
 
 
 def rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping) -> np.ndarray:

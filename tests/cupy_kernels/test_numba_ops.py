@@ -96,6 +96,28 @@ def test_rotary_and_cache_matches_the_two_ops(rows):
         np.testing.assert_array_equal(again_k, ref_k)
 
 
+@pytest.mark.parametrize("head_dim", [8, 40, 96])
+def test_rotary_and_cache_vector_and_scalar_pairs(head_dim):
+    """Head dims whose half is below, between and at multiples of the rotation's 16 lanes: the same bits as the
+    reference; caches that are not C-contiguous (every other block of a larger pool) are written in place."""
+    rng = np.random.default_rng(head_dim)
+    rows, kv, heads = 11, 2, 4
+    qkv = rng.standard_normal((rows, (heads + 2 * kv) * head_dim)).astype(np.float32)
+    cos, sin = ops.rope_cos_sin(1.0 / (10000.0 ** (np.arange(0, head_dim, 2) / head_dim)), rng.integers(0, 9999, rows))
+    slots = rng.permutation(6 * 16)[:rows].astype(np.int64)
+    k0, v0 = (rng.standard_normal((6, 16, kv, head_dim)).astype(np.float32) for _ in range(2))
+    ref_k, ref_v, got_k, got_v = k0.copy(), v0.copy(), k0.copy(), v0.copy()
+    ref_q = pa.rotary_and_cache(qkv, heads, kv, cos, sin, ref_k, ref_v, slots)
+    np.testing.assert_array_equal(nb.rotary_and_cache(qkv, heads, kv, cos, sin, got_k, got_v, slots), ref_q)
+    np.testing.assert_array_equal(got_k, ref_k)
+    np.testing.assert_array_equal(got_v, ref_v)
+    wide_k, wide_v = np.zeros((12, 16, kv, head_dim), np.float32), np.zeros((12, 16, kv, head_dim), np.float32)
+    wide_k[::2], wide_v[::2] = k0, v0
+    np.testing.assert_array_equal(nb.rotary_and_cache(qkv, heads, kv, cos, sin, wide_k[::2], wide_v[::2], slots), ref_q)
+    np.testing.assert_array_equal(wide_k[::2], ref_k)
+    np.testing.assert_array_equal(wide_v[::2], ref_v)
+
+
 def test_rotary_and_cache_refuses_what_its_loop_would_overrun():
     qkv, cos, sin, (k0, v0), slots = _rotary_and_cache_case(7)
     before = k0.copy()
