@@ -55,6 +55,9 @@ class KernelSet:
     # What one FLOP of paged attention costs in time against one FLOP of the weight matmuls with this set
     # (cost-aware chunking weighs a chunk's keys by it: runtime/core/scheduler.py). 1.0: by FLOPs alone.
     attention_cost: float = 1.0
+    # np.argmax(logits, axis=1) for the sampler's greedy rows, where this set has a faster one (numba: the rows
+    # over the threads, in vector lanes); None: the sampler's array module's argmax.
+    argmax_rows: Callable[..., Any] | None = None
 
 
 # The op names every kernel set provides, in the order of a forward pass.
@@ -67,7 +70,7 @@ _DEVICE_ARG = {f.name: f.metadata["device_arg"] for f in fields(KernelSet)
                if f.metadata.get("device_arg") is not None}
 
 
-def _from_modules(name: str, *modules: Any, attention_cost: float = 1.0) -> KernelSet:
+def _from_modules(name: str, *modules: Any, attention_cost: float = 1.0, argmax_rows: Any = None) -> KernelSet:
     """Each op from the first module that defines it."""
     def pick(op: str) -> Callable[..., Any]:
         for m in modules:
@@ -76,7 +79,7 @@ def _from_modules(name: str, *modules: Any, attention_cost: float = 1.0) -> Kern
                 return fn
         raise AssertionError(f"kernel set {name}: no module defines {op}")
 
-    return KernelSet(name, **{op: pick(op) for op in OP_NAMES}, attention_cost=attention_cost)
+    return KernelSet(name, **{op: pick(op) for op in OP_NAMES}, attention_cost=attention_cost, argmax_rows=argmax_rows)
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,7 +141,8 @@ def _numba_started() -> KernelSet:
     thread = _CompileThread(compile_first_half)
     thread.start()
     _compile_thread.append(thread)
-    return _from_modules("numba", numba_ops, numba_attention, ops, paged_attention, attention_cost=NUMBA_ATTENTION_COST)
+    return _from_modules("numba", numba_ops, numba_attention, ops, paged_attention, attention_cost=NUMBA_ATTENTION_COST,
+                         argmax_rows=numba_ops.argmax_rows)
 
 
 def finish_numba_warm_up() -> None:

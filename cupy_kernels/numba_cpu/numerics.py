@@ -245,3 +245,63 @@ def rotate(typingctx, src, src_at, cos, sin, cs_at, dst, dst_at, half):
         return context.get_dummy_value()
 
     return types.none(src, src_at, cos, sin, cs_at, dst, dst_at, half), codegen
+
+
+_ARGMAX_LANES = 16
+
+
+@intrinsic
+def row_argmax(typingctx, row, n):
+    """numpy's argmax of a C-contiguous float32 row[:n], n >= 1: the first NaN's index if there is one, else the
+    first index of the largest value; in one pass of vector lanes (each lane keeps its best value and index,
+    replaced only by a larger value or by the first NaN, so the earliest index wins a tie), then the lanes and
+    the last n % 16 values in index order by the same rule. numpy's own argmax runs on one thread."""
+    if not (isinstance(row, types.Array) and row.ndim == 1 and row.layout == "C" and row.dtype == types.float32
+            and isinstance(n, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        count = context.cast(builder, args[1], signature.args[1], types.intp)
+        intp = count.type
+        lanes = _ARGMAX_LANES
+        vf, vi = ir.VectorType(ir.FloatType(), lanes), ir.VectorType(intp, lanes)
+
+        def better(x, best):  # x replaces best: larger, or the first NaN (i1 or a vector of them)
+            first_nan = builder.and_(builder.fcmp_unordered("uno", x, x), builder.fcmp_ordered("ord", best, best))
+            return builder.or_(builder.fcmp_ordered(">", x, best), first_nan)
+
+        best_v = cgutils.alloca_once_value(builder, ir.Constant(vf, [float("-inf")] * lanes))
+        best_i = cgutils.alloca_once_value(builder, ir.Constant(vi, [0] * lanes))
+        step = ir.Constant(intp, lanes)
+        n_vec = builder.mul(builder.sdiv(count, step), step)
+        with cgutils.for_range_slice(builder, ir.Constant(intp, 0), n_vec, step, intp=intp) as (i, _):
+            x = builder.load(builder.bitcast(builder.gep(data, [i]), vf.as_pointer()), align=4)
+            idx = builder.add(splat(builder, i, vi), ir.Constant(vi, list(range(lanes))))
+            take = better(x, builder.load(best_v))
+            builder.store(builder.select(take, x, builder.load(best_v)), best_v)
+            builder.store(builder.select(take, idx, builder.load(best_i)), best_i)
+        # Lanes in index order: lane k's best index is k mod 16 plus a multiple of 16, so the earliest of equal
+        # bests is found by taking lanes by (value, then index): a lane replaces the pick if it is better, or
+        # equal (or both NaN) with a smaller index.
+        def lane(vec, k):
+            return builder.extract_element(builder.load(vec), ir.Constant(ir.IntType(32), k))
+
+        pick_v = cgutils.alloca_once_value(builder, lane(best_v, 0))
+        pick_i = cgutils.alloca_once_value(builder, lane(best_i, 0))
+        for k in range(1, lanes):
+            v, j = lane(best_v, k), lane(best_i, k)
+            pv, pi = builder.load(pick_v), builder.load(pick_i)
+            same = builder.or_(builder.fcmp_ordered("==", v, pv),
+                               builder.and_(builder.fcmp_unordered("uno", v, v), builder.fcmp_unordered("uno", pv, pv)))
+            take = builder.or_(better(v, pv), builder.and_(same, builder.icmp_signed("<", j, pi)))
+            builder.store(builder.select(take, v, pv), pick_v)
+            builder.store(builder.select(take, j, pi), pick_i)
+        with cgutils.for_range_slice(builder, n_vec, count, ir.Constant(intp, 1), intp=intp) as (i, _):
+            x = builder.load(builder.gep(data, [i]))
+            take = better(x, builder.load(pick_v))
+            builder.store(builder.select(take, x, builder.load(pick_v)), pick_v)
+            builder.store(builder.select(take, i, builder.load(pick_i)), pick_i)
+        return builder.load(pick_i)
+
+    return types.intp(row, n), codegen

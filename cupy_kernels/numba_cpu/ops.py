@@ -24,7 +24,7 @@ from . import gemm as numba_gemm, quant as numba_quant, setup as numba_setup
 from ..batch_checks import check_slot_mapping
 from ..reference import ops
 from .attention_ir import address
-from .numerics import fast_exp, fast_exp2, rotate, row_max  # noqa: F401 - fast_exp2, row_max: read from here too
+from .numerics import fast_exp, fast_exp2, rotate, row_argmax, row_max  # noqa: F401 - fast_exp2, row_max: read from here too
 from .setup import JIT, JIT_EXACT, apply_threads, numba
 
 # Rows from which the elementwise kernels use numba's thread pool (prange). SiLU-and-mul does ~3 ns of work
@@ -297,6 +297,28 @@ def logsumexp_rows(x: np.ndarray, row_max: np.ndarray | None = None) -> np.ndarr
     return out
 
 
+def _argmax_rows(x, out):
+    for b in numba.prange(x.shape[0]):
+        out[b] = row_argmax(x[b], x.shape[1])
+
+
+_ARGMAX_ROWS = _kernel(_argmax_rows, JIT_EXACT)  # (NaN tests: no fast-math)
+
+
+def argmax_rows(x: np.ndarray, axis: int = 1) -> np.ndarray:
+    """np.argmax(x, axis=1) of a [B, V] float32 array (the first NaN, else the first largest value), rows shared
+    over the threads, each in vector lanes (numerics.row_argmax): the sampler's greedy rows. A 256-row decode
+    step's logits (V = 49,152): 1.25 ms against numpy's 1.95 on one thread (cache-resident)."""
+    if axis != 1 or x.dtype != _F32 or x.ndim != 2 or x.shape[1] == 0:
+        return np.argmax(x, axis=axis)
+    x = np.ascontiguousarray(x)
+    out = np.empty(x.shape[0], dtype=np.int64)
+    if x.shape[0]:
+        apply_threads(parallel=x.size >= LOGSUMEXP_PARALLEL_MIN and x.shape[0] > 1)
+        _ARGMAX_ROWS(x, out)
+    return out
+
+
 def warm_up() -> None:
     """Compile (or load from the cache) the kernels the model calls, for the types it passes (C-contiguous
     arrays, read-only weights). A type seen first during a request would compile then
@@ -311,5 +333,6 @@ def warm_up() -> None:
     _SILU_AND_MUL(f32(2, 8), f32(2, 4))
     logsumexp_rows(f32(2, 8))
     logsumexp_rows(f32(2, 8), f32(2))
+    argmax_rows(f32(2, 8))
     cache = np.zeros((2, 4, 2, 4), dtype=_F32)
     rotary_and_cache(f32(2, 32), 4, 2, f32(2, 2), f32(2, 2), cache, cache.copy(), np.zeros(2, dtype=np.int64))

@@ -93,7 +93,8 @@ class LLMEngine:
                                          longrope_threshold(self.model_config))  # a factor set per prompt length
         # Guided decoding: grammars compile in a worker thread; costs nothing until a request has one.
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
-        self.runner = ModelRunner(self.executor, self.kv_manager, Sampler(config.seed, self.backend.ops.logsumexp_rows),
+        self.runner = ModelRunner(self.executor, self.kv_manager, Sampler(config.seed, self.backend.ops.logsumexp_rows,
+                                                                        self.backend.ops.argmax_rows),
                                   self.structured)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_chunked_prefill,

@@ -64,12 +64,14 @@ class SamplerOutput:
 class Sampler:
     """Turns a [B, V] batch of logits into one token per row; see the module docstring."""
 
-    def __init__(self, seed: int | None = None, logsumexp_rows: Any = None) -> None:
+    def __init__(self, seed: int | None = None, logsumexp_rows: Any = None, argmax_rows: Any = None) -> None:
         # Shared by every row that has no generator of its own (unseeded requests).
         self.generator = np.random.default_rng(seed)
         # The backend's kernel for the chosen tokens' log-normaliser (backend.ops.logsumexp_rows: one
         # compiled pass per row with the numba set); None: ops.logsumexp_rows for whatever xp is passed.
         self.logsumexp_rows = logsumexp_rows
+        # The backend's argmax over rows of host logits (backend.ops.argmax_rows; None: xp.argmax).
+        self.argmax_rows = argmax_rows
 
     def __call__(
         self,
@@ -114,7 +116,8 @@ class Sampler:
         tokens = xp.empty(num_rows, dtype=xp.int64)
         if greedy_rows:
             if len(greedy_rows) == num_rows:
-                tokens[:] = xp.argmax(processed, axis=1)
+                argmax = self.argmax_rows if self.argmax_rows is not None and xp is np else xp.argmax
+                tokens[:] = argmax(processed, axis=1)
             else:
                 g = xp.asarray(np.asarray(greedy_rows, dtype=np.int64))
                 tokens[g] = xp.argmax(processed[g], axis=1)

@@ -206,6 +206,26 @@ def test_logsumexp_rows(rows, vocab, given_max):
         nb.logsumexp_rows(np.ones((2, 3), np.float32), np.ones(3, np.float32))
 
 
+@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 33, 100, 4 * nb.LOGSUMEXP_PARALLEL_MIN // 5 + 7])
+def test_argmax_rows_is_numpys(vocab):
+    """The greedy rows' argmax: numpy's rule, the first largest value, or the first NaN where there is one;
+    rows of ties, of -inf alone, with +inf, on both sides of the 16 lanes (and of the parallel threshold)."""
+    rng = np.random.default_rng(vocab)
+    for trial in range(12):
+        x = rng.integers(-3, 3, size=(6, vocab)).astype(np.float32)  # many ties
+        if trial % 4 == 1:
+            x[rng.random(x.shape) < 0.1] = np.nan
+        elif trial % 4 == 2:
+            x[rng.random(x.shape) < 0.2] = np.inf
+        elif trial % 4 == 3:
+            x[rng.random(x.shape) < 0.7] = -np.inf
+            x[0] = -np.inf
+        got = nb.argmax_rows(x)
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(got, np.argmax(x, axis=1))
+    np.testing.assert_array_equal(nb.argmax_rows(np.zeros((0, 4), np.float32)), np.zeros(0, np.int64))
+
+
 def test_fast_exp_within_two_ulp():
     from pagedserve.cupy_kernels.numba_cpu.setup import numba
 

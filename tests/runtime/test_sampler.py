@@ -59,10 +59,18 @@ _CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.3
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
-def test_greedy_is_argmax(vocab: int) -> None:
+@pytest.mark.parametrize("kernel", ["numpy", "numba"])
+def test_greedy_is_argmax(vocab: int, kernel: str) -> None:
+    """Also with the numba set's argmax_rows (the engine passes backend.ops.argmax_rows), ties included."""
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((8, vocab)).astype(np.float32) * 4
-    out = _run(Sampler(0), logits, [SamplingParams.greedy()] * 8)
+    logits[1, -1] = logits[1].max()  # a tie: the first index wins
+    argmax_rows = None
+    if kernel == "numba":
+        from pagedserve.cupy_kernels.numba_cpu import ops as numba_ops
+
+        argmax_rows = numba_ops.argmax_rows
+    out = _run(Sampler(0, argmax_rows=argmax_rows), logits, [SamplingParams.greedy()] * 8)
     assert out.token_ids.dtype == np.int64 and out.token_ids.shape == (8,)
     np.testing.assert_array_equal(out.token_ids, logits.argmax(axis=1))
 
