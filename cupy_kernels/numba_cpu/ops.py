@@ -24,7 +24,8 @@ from . import gemm as numba_gemm, quant as numba_quant, setup as numba_setup
 from ..batch_checks import check_slot_mapping
 from ..reference import ops
 from .attention_ir import address
-from .numerics import fast_exp, fast_exp2, rotate, row_argmax, row_max  # noqa: F401 - fast_exp2, row_max: read from here too
+# fast_exp2 and row_max: read from here too
+from .numerics import fast_exp, fast_exp2, rotate, row_argmax, row_max, silu_mul  # noqa: F401
 from .setup import JIT, JIT_EXACT, apply_threads, numba
 
 # Rows from which the elementwise kernels use numba's thread pool (prange). SiLU-and-mul does ~3 ns of work
@@ -154,12 +155,9 @@ def apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 def _silu_and_mul_rows(x, out):
     inter = out.shape[1]
+    xa, oa = address(x), address(out)  # byte addresses: row t's gate at xa + 4 (2 inter t), its up after it
     for t in numba.prange(x.shape[0]):
-        xr, o = x[t], out[t]
-        gate, up = xr[:inter], xr[inter:]
-        for i in range(inter):
-            g = gate[i]
-            o[i] = g / (np.float32(1.0) + fast_exp(-g)) * up[i]
+        silu_mul(xa + 4 * t * 2 * inter, xa + 4 * (t * 2 * inter + inter), oa + 4 * t * inter, inter)
 
 
 _SILU_AND_MUL = _kernel(_silu_and_mul_rows, JIT_EXACT)
@@ -169,6 +167,7 @@ def silu_and_mul(x: np.ndarray) -> np.ndarray:
     """ops.silu_and_mul: x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I], in one pass."""
     if x.dtype != _F32 or x.ndim != 2:
         return ops.silu_and_mul(x)
+    x = np.ascontiguousarray(x)  # (the kernel reads it by address)
     out = np.empty((x.shape[0], x.shape[1] // 2), dtype=_F32)
     _threads_for(_SILU_AND_MUL, x.shape[0], SILU_PARALLEL_MIN_ROWS)(x, out)
     return out

@@ -158,6 +158,27 @@ def test_silu_and_mul(rows):
     ref = ops.silu_and_mul(x)
     got = nb.silu_and_mul(x)
     np.testing.assert_allclose(got, ref, rtol=8 * EPS, atol=1e-30)
+    # the 16-lane vectors and the last 700 % 16 one at a time: the bits of the scalar formula compiled by numba
+    np.testing.assert_array_equal(_scalar_silu_and_mul(x), got)
+    if rows:  # a strided input (a column slice of a wider array) gives the same
+        wide = np.concatenate([x, np.ones((rows, 5), np.float32)], axis=1)[:, : x.shape[1]]
+        np.testing.assert_array_equal(nb.silu_and_mul(wide), got)
+
+
+def _scalar_silu_and_mul(x):
+    from pagedserve.cupy_kernels.numba_cpu.setup import JIT_EXACT, numba
+
+    @numba.njit(**{**JIT_EXACT, "cache": False})
+    def run(x, out):
+        inter = out.shape[1]
+        for t in range(x.shape[0]):
+            for i in range(inter):
+                g = x[t, i]
+                out[t, i] = g / (np.float32(1.0) + nb.fast_exp(-g)) * x[t, inter + i]
+
+    out = np.empty((x.shape[0], x.shape[1] // 2), np.float32)
+    run(x, out)
+    return out
 
 
 def test_silu_and_mul_is_the_same_bits_on_one_thread_or_all(monkeypatch):
