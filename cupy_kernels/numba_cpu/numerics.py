@@ -340,3 +340,41 @@ def silu_mul(typingctx, gate, up, out, n):
         return context.get_dummy_value()
 
     return types.none(gate, up, out, n), codegen
+
+
+
+@intrinsic
+def stream_copy(typingctx, src, dst, n):
+    """stream_copy(src, dst, n): dst[:n] = src[:n] (addresses, attention_ir.address), dst 64-byte aligned and n a
+    multiple of 16: 64-byte vector stores marked non-temporal (x86 movntps: the lines go to memory without being
+    read first). For KV cache rows written to slots all over a pool far larger than the caches, where a
+    regular store waits for its line to be read from memory; callers end the writes with store_fence."""
+    if not all(isinstance(v, types.Integer) for v in (src, dst, n)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = [context.cast(builder, a, t, types.intp) for a, t in zip(args, signature.args)]
+        intp = v[0].type
+        f32p = ir.FloatType().as_pointer()
+        s_p, d_p = builder.inttoptr(v[0], f32p), builder.inttoptr(v[1], f32p)
+        vec_t = ir.VectorType(ir.FloatType(), 16)
+        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+        step = ir.Constant(intp, 16)
+        with cgutils.for_range_slice(builder, ir.Constant(intp, 0), v[2], step, intp=intp) as (i, _):
+            x = builder.load(builder.bitcast(builder.gep(s_p, [i]), vec_t.as_pointer()), align=4)
+            store = builder.store(x, builder.bitcast(builder.gep(d_p, [i]), vec_t.as_pointer()), align=64)
+            store.set_metadata("nontemporal", nontemporal)
+        return context.get_dummy_value()
+
+    return types.none(src, dst, n), codegen
+
+
+@intrinsic
+def store_fence(typingctx):
+    """A full memory fence (x86 mfence): stream_copy's stores are weakly ordered; after it, every thread sees
+    them before anything this thread does next."""
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.none(), codegen

@@ -118,6 +118,27 @@ def test_rotary_and_cache_vector_and_scalar_pairs(head_dim):
     np.testing.assert_array_equal(wide_v[::2], ref_v)
 
 
+@pytest.mark.parametrize("aligned", [True, False])
+def test_rotary_and_cache_streams_rows_into_a_page_aligned_pool(aligned):
+    """A pool on a 64-byte boundary (models.kv_cache.host_zeros maps its own pages) takes the non-temporal row
+    copies, one 16 bytes off a boundary the element loop: both write what the reference writes, nothing else."""
+    from pagedserve.models.kv_cache import host_zeros
+
+    qkv, cos, sin, (k0, v0), slots = _rotary_and_cache_case(37)
+    ref_k, ref_v = k0.copy(), v0.copy()
+    ref_q = pa.rotary_and_cache(qkv, HEADS, KV_HEADS, cos, sin, ref_k, ref_v, slots)
+    caches = []
+    for src in (k0, v0):
+        flat = host_zeros((src.size + 4,), np.float32)
+        cache = (flat[: src.size] if aligned else flat[4:]).reshape(src.shape)
+        cache[...] = src
+        assert (cache.ctypes.data % 64 == 0) == aligned
+        caches.append(cache)
+    np.testing.assert_array_equal(nb.rotary_and_cache(qkv, HEADS, KV_HEADS, cos, sin, *caches, slots), ref_q)
+    np.testing.assert_array_equal(caches[0], ref_k)
+    np.testing.assert_array_equal(caches[1], ref_v)
+
+
 def test_rotary_and_cache_refuses_what_its_loop_would_overrun():
     qkv, cos, sin, (k0, v0), slots = _rotary_and_cache_case(7)
     before = k0.copy()
