@@ -14,9 +14,19 @@ from pagedserve.runtime.config import EngineConfig
 
 
 def test_every_set_has_every_op():
+    """The fields: the set's name, every op in forward order, then the settings that are not ops."""
     for ks in (kernel_set.numpy_kernels(), kernel_set.cuda_kernels()):
-        assert [f.name for f in dataclasses.fields(ks)][1:-1] == list(kernel_set.OP_NAMES)
+        names = [f.name for f in dataclasses.fields(ks)]
+        ops = len(kernel_set.OP_NAMES)
+        assert names[0] == "name" and names[1:1 + ops] == list(kernel_set.OP_NAMES)
+        assert names[1 + ops:] == ["attention_cost", "argmax_rows"]
         assert all(callable(getattr(ks, op)) for op in kernel_set.OP_NAMES)
+        assert ks.argmax_rows is None  # the sampler's array module's argmax
+
+
+def test_the_numba_set_has_its_own_argmax_rows():
+    logits = np.array([[0.0, 2.0, 2.0, -1.0], [np.nan, 1.0, np.nan, 0.0]], np.float32)
+    np.testing.assert_array_equal(kernel_set.numba_kernels().argmax_rows(logits), [1, 0])
 
 
 def test_pack_weight_takes_a_host_weight_at_load_in_every_set():
