@@ -70,7 +70,8 @@ class Sampler:
         # The backend's kernel for the chosen tokens' log-normaliser (backend.ops.logsumexp_rows: one
         # compiled pass per row with the numba set); None: ops.logsumexp_rows for whatever xp is passed.
         self.logsumexp_rows = logsumexp_rows
-        # The backend's argmax over rows of host logits (backend.ops.argmax_rows; None: xp.argmax).
+        # The backend's argmax over rows of host logits (backend.ops.argmax_rows(x, axis, lse_out): with lse_out
+        # also the rows' log-sum-exp, as logsumexp_rows gives it); None: xp.argmax.
         self.argmax_rows = argmax_rows
 
     def __call__(
@@ -114,24 +115,28 @@ class Sampler:
         greedy_rows = [b for b, p in enumerate(params) if p.sampling_type == SamplingType.GREEDY]
         random_rows = [b for b, p in enumerate(params) if p.sampling_type != SamplingType.GREEDY]
         tokens = xp.empty(num_rows, dtype=xp.int64)
+        lse = None
         if greedy_rows:
-            if len(greedy_rows) == num_rows:
-                argmax = self.argmax_rows if self.argmax_rows is not None and xp is np else xp.argmax
-                tokens[:] = argmax(processed, axis=1)
+            if len(greedy_rows) == num_rows and self.argmax_rows is not None and xp is np:
+                # The backend's argmax; on untouched logits also their log-normaliser, from the same read.
+                lse = np.empty(num_rows, np.float32) if processed is logits else None
+                tokens[:] = self.argmax_rows(processed, axis=1, lse_out=lse)
+            elif len(greedy_rows) == num_rows:
+                tokens[:] = xp.argmax(processed, axis=1)
             else:
                 g = xp.asarray(np.asarray(greedy_rows, dtype=np.int64))
                 tokens[g] = xp.argmax(processed[g], axis=1)
         if random_rows:
             self._sample_random(processed, params, generators, random_rows, tokens, xp)
 
-        # All-greedy on untouched logits (the common case): the argmax already located the max.
-        row_max = None
-        if not random_rows and processed is logits:
-            row_max = logits[xp.arange(num_rows), tokens]
-        if self.logsumexp_rows is not None:
-            lse = self.logsumexp_rows(logits, row_max)
-        else:
-            lse = _logsumexp_rows(logits, xp, row_max)
+        # All-greedy on untouched logits (the common case): the argmax already located the max (and the
+        # backend's argmax_rows summed the log-normaliser on the way, where it has one).
+        if lse is None:
+            row_max = logits[xp.arange(num_rows), tokens] if not random_rows and processed is logits else None
+            if self.logsumexp_rows is not None:
+                lse = self.logsumexp_rows(logits, row_max)
+            else:
+                lse = _logsumexp_rows(logits, xp, row_max)
         chosen = logits[xp.arange(num_rows), tokens] - lse
         groups = self._top_logprob_arrays(logits, lse, params, xp)
         # One transfer for everything the host needs (on a device: the step's only sync).

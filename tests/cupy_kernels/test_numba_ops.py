@@ -268,6 +268,18 @@ def test_argmax_rows_is_numpys(vocab):
     np.testing.assert_array_equal(nb.argmax_rows(np.zeros((0, 4), np.float32)), np.zeros(0, np.int64))
 
 
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (3, 1000), (7, 49152), (2, 4 * nb.LOGSUMEXP_PARALLEL_MIN // 2 + 3)])
+def test_argmax_rows_gives_logsumexp_rows_bits(rows, vocab):
+    """argmax_rows(x, lse_out=...): the row's log-sum-exp as logsumexp_rows(x, its max) computes it, bit for bit."""
+    x = (np.random.default_rng(vocab).standard_normal((rows, vocab)) * 8).astype(np.float32)
+    lse = np.full(rows, np.nan, np.float32)
+    tokens = nb.argmax_rows(x, lse_out=lse)
+    np.testing.assert_array_equal(tokens, np.argmax(x, axis=1))
+    np.testing.assert_array_equal(lse.view(np.uint32), nb.logsumexp_rows(x, x[np.arange(rows), tokens]).view(np.uint32))
+    with pytest.raises(ValueError, match="lse_out must be float32"):
+        nb.argmax_rows(x, lse_out=np.empty(rows + 1, np.float32))
+
+
 def test_fast_exp_within_two_ulp():
     from pagedserve.cupy_kernels.numba_cpu.setup import numba
 

@@ -73,6 +73,12 @@ def test_greedy_is_argmax(vocab: int, kernel: str) -> None:
     out = _run(Sampler(0, argmax_rows=argmax_rows), logits, [SamplingParams.greedy()] * 8)
     assert out.token_ids.dtype == np.int64 and out.token_ids.shape == (8,)
     np.testing.assert_array_equal(out.token_ids, logits.argmax(axis=1))
+    if kernel == "numba":  # its log-normaliser, summed on the argmax's read: the numba set's logsumexp_rows bits
+        from pagedserve.cupy_kernels.numba_cpu import ops as numba_ops
+
+        both = _run(Sampler(0, numba_ops.logsumexp_rows), logits, [SamplingParams.greedy()] * 8)
+        fused = _run(Sampler(0, numba_ops.logsumexp_rows, numba_ops.argmax_rows), logits, [SamplingParams.greedy()] * 8)
+        np.testing.assert_array_equal(fused.logprobs, both.logprobs)
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
