@@ -13,6 +13,18 @@ from numba.extending import intrinsic
 from .gemm import lane_sums, splat
 
 
+def _is_row(row, n) -> bool:
+    """The (row, n) arguments of the row intrinsics here: a C-contiguous float32 1-D array and an integer."""
+    return (isinstance(row, types.Array) and row.ndim == 1 and row.layout == "C" and row.dtype == types.float32
+            and isinstance(n, types.Integer))
+
+
+def _row_data(context, builder, signature, args):
+    """LLVM values of a row intrinsic's first two arguments: (a pointer to row[0], n as intp)."""
+    data = context.make_array(signature.args[0])(context, builder, args[0]).data
+    return data, context.cast(builder, args[1], signature.args[1], types.intp)
+
+
 _MAX_LANES = 16  # floats per vector in row_max (one AVX-512 register; two AVX2 ones)
 _MAX_CHAINS = 4  # independent vector maxima, so the loop is not bound by one compare's latency
 
@@ -23,13 +35,11 @@ def row_max(typingctx, row, n):
     a float max (LLVM only does for functions marked free of NaNs); _MAX_CHAINS vector maxima take 0.04 ns
     per element on the test machine, a quarter of scalar ones. The result is exact (a max does not round),
     the same whatever the lane split: compare-and-select, as x86's max does."""
-    if not (isinstance(row, types.Array) and row.ndim == 1 and row.layout == "C" and row.dtype == types.float32
-            and isinstance(n, types.Integer)):
+    if not _is_row(row, n):
         return None
 
     def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        count = context.cast(builder, args[1], signature.args[1], types.intp)
+        data, count = _row_data(context, builder, signature, args)
         intp = count.type
         vec_t = ir.VectorType(ir.FloatType(), _MAX_LANES)
 
@@ -152,13 +162,11 @@ returns about that).""")
 
 def _exp_sum_intrinsic(exp_ir, name: str, doc: str):
     def exp_sum(typingctx, row, n, shift):
-        if not (isinstance(row, types.Array) and row.ndim == 1 and row.layout == "C"
-                and row.dtype == types.float32 and isinstance(n, types.Integer) and isinstance(shift, types.Float)):
+        if not (_is_row(row, n) and isinstance(shift, types.Float)):
             return None
 
         def codegen(context, builder, signature, args):
-            data = context.make_array(signature.args[0])(context, builder, args[0]).data
-            count = context.cast(builder, args[1], signature.args[1], types.intp)
+            data, count = _row_data(context, builder, signature, args)
             m = context.cast(builder, args[2], signature.args[2], types.float32)
             intp = count.type
             vec_t = ir.VectorType(ir.FloatType(), _EXP_LANES)
@@ -256,13 +264,11 @@ def row_argmax(typingctx, row, n):
     first index of the largest value; in one pass of vector lanes (each lane keeps its best value and index,
     replaced only by a larger value or by the first NaN, so the earliest index wins a tie), then the lanes and
     the last n % 16 values in index order by the same rule. numpy's own argmax runs on one thread."""
-    if not (isinstance(row, types.Array) and row.ndim == 1 and row.layout == "C" and row.dtype == types.float32
-            and isinstance(n, types.Integer)):
+    if not _is_row(row, n):
         return None
 
     def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        count = context.cast(builder, args[1], signature.args[1], types.intp)
+        data, count = _row_data(context, builder, signature, args)
         intp = count.type
         lanes = _ARGMAX_LANES
         vf, vi = ir.VectorType(ir.FloatType(), lanes), ir.VectorType(intp, lanes)
