@@ -121,32 +121,25 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 # -- rotary ------------------------------------------------------------------------------------------
 
 
-@numba.njit(inline="always", **JIT_EXACT)
-def _rotate_head(x, c, s, o):
-    """o = x rotated ("neox" rotate-half) by cos c and sin s, the arithmetic of ops.apply_rotary: each product
-    and sum rounded (no FMA), so a value is the same bits in every kernel that rotates."""
-    half = x.shape[0] // 2
-    for i in range(half):
-        x1, x2 = x[i], x[i + half]
-        o[i] = x1 * c[i] - x2 * s[i]
-        o[i + half] = x2 * c[i] + x1 * s[i]
-
-
 def _rotary_rows(x, cos, sin, out):
+    heads, head_dim = x.shape[1], x.shape[2]
+    src, cs, sn, dst = address(x), address(cos), address(sin), address(out)
     for t in numba.prange(x.shape[0]):
-        c, s = cos[t], sin[t]
-        for h in range(x.shape[1]):
-            _rotate_head(x[t, h], c, s, out[t, h])
+        for h in range(heads):
+            at = (t * heads + h) * head_dim
+            rotate(src, at, cs, sn, t * cos.shape[1], dst, at, head_dim // 2)
 
 
-_ROTARY = _kernel(_rotary_rows, JIT_EXACT)  # q/k arrive C-contiguous or strided: no FMA
+_ROTARY = _kernel(_rotary_rows, JIT_EXACT)
 
 
 def apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """ops.apply_rotary ("neox" rotate-half) in one pass; x [T, heads, D] may be a strided view of qkv."""
+    """ops.apply_rotary ("neox" rotate-half) in one pass, each head by numerics.rotate (rotary_and_cache's
+    rotation); x [T, heads, D] may be a strided view of qkv (copied first: the model calls rotary_and_cache)."""
     if x.dtype != _F32:
         return ops.apply_rotary(x, cos, sin)
     out = np.empty(x.shape, dtype=_F32)
+    x, cos, sin = (np.ascontiguousarray(a, dtype=_F32) for a in (x, cos, sin))
     _threads_for(_ROTARY, x.shape[0])(x, cos, sin, out)
     return out
 
@@ -278,14 +271,20 @@ def rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, s
     return out
 
 
+@numba.njit(inline="always", **JIT)
+def _log_sum_exp(row, mb):
+    """log(sum(exp(row))) given the row's max mb: the one loop logsumexp_rows and argmax_rows (lse_out) share,
+    so both round alike."""
+    s = np.float32(0.0)
+    for j in range(row.shape[0]):
+        s += fast_exp(row[j] - mb)
+    return mb + np.log(s)
+
+
 def _logsumexp_rows(x, m, has_max, out):
     for b in numba.prange(x.shape[0]):
         row = x[b]
-        mb = m[b] if has_max else row_max(row, row.shape[0])
-        s = np.float32(0.0)
-        for j in range(row.shape[0]):
-            s += fast_exp(row[j] - mb)
-        out[b] = mb + np.log(s)
+        out[b] = _log_sum_exp(row, m[b] if has_max else row_max(row, row.shape[0]))
 
 
 _LOGSUMEXP_ROWS = _kernel(_logsumexp_rows)
@@ -316,12 +315,8 @@ def _argmax_rows(x, out, lse, with_lse):
         row = x[b]
         j = row_argmax(row, row.shape[0])
         out[b] = j
-        if with_lse:  # _logsumexp_rows's loop, given the row's max: the same bits
-            mb = row[j]
-            s = np.float32(0.0)
-            for i in range(row.shape[0]):
-                s += fast_exp(row[i] - mb)
-            lse[b] = mb + np.log(s)
+        if with_lse:
+            lse[b] = _log_sum_exp(row, row[j])
 
 
 # numerics.row_argmax's NaN rules are IR compares that fast-math flags do not touch; the sum is compiled with
