@@ -209,7 +209,27 @@ exp2_sum = _exp_sum_intrinsic(_exp2_ir, "exp2_sum", "exp2_sum(row, n, shift): ex
                               "(prefill.py's scores are in log2 units).")
 
 
-_ROT_LANES = 16  # floats per vector in rotate (one AVX-512 register; two AVX2 ones: the same bits)
+def _addresses_ok(*args) -> bool:
+    """The arguments of the address intrinsics here (rotate, silu_mul, stream_copy): integers (attention_ir.address
+    gives an array's; offsets and counts)."""
+    return all(isinstance(v, types.Integer) for v in args)
+
+
+def _intp_args(context, builder, signature, args) -> list:
+    """Every argument of an address intrinsic as an intp LLVM value."""
+    return [context.cast(builder, a, t, types.intp) for a, t in zip(args, signature.args)]
+
+
+def _lanes_then_rest(builder, count, emit, lanes: int = 16) -> None:
+    """emit(type, i) for i in 0, lanes, ... while a whole vector of `lanes` floats fits in count (type: the
+    vector), then for each remaining i one float at a time."""
+    intp = count.type
+    step = ir.Constant(intp, lanes)
+    n_vec = builder.mul(builder.sdiv(count, step), step)
+    with cgutils.for_range_slice(builder, ir.Constant(intp, 0), n_vec, step, intp=intp) as (i, _):
+        emit(ir.VectorType(ir.FloatType(), lanes), i)
+    with cgutils.for_range_slice(builder, n_vec, count, ir.Constant(intp, 1), intp=intp) as (i, _):
+        emit(ir.FloatType(), i)
 
 
 @intrinsic
@@ -220,22 +240,15 @@ def rotate(typingctx, src, src_at, cos, sin, cs_at, dst, dst_at, half):
     dst[dst_at + half + i] = x2 c + x1 s: each product and sum rounded (no FMA), ops.apply_rotary's arithmetic,
     in vector lanes (numba's loop over one head's 32 pairs spent more in run-time alias checks than in the
     products), the rest of half one at a time. dst may be src's own row only where it does not overlap."""
-    if not all(isinstance(v, types.Integer) for v in (src, src_at, cos, sin, cs_at, dst, dst_at, half)):
+    if not _addresses_ok(src, src_at, cos, sin, cs_at, dst, dst_at, half):
         return None
 
     def codegen(context, builder, signature, args):
-        v = [context.cast(builder, a, t, types.intp) for a, t in zip(args, signature.args)]
-        intp = v[0].type
+        v = _intp_args(context, builder, signature, args)
         f32p = ir.FloatType().as_pointer()
         src_p, cos_p, sin_p, dst_p = (builder.gep(builder.inttoptr(v[i], f32p), [v[j]])
                                       for i, j in ((0, 1), (2, 4), (3, 4), (5, 6)))
         half_v = v[7]
-
-        def rot(ty, at, load, store):
-            x1, x2 = load(src_p, at, ty), load(src_p, builder.add(at, half_v), ty)
-            c, s = load(cos_p, at, ty), load(sin_p, at, ty)
-            store(builder.fsub(builder.fmul(x1, c), builder.fmul(x2, s)), dst_p, at, ty)
-            store(builder.fadd(builder.fmul(x2, c), builder.fmul(x1, s)), dst_p, builder.add(at, half_v), ty)
 
         def load(ptr, at, ty):
             return builder.load(builder.bitcast(builder.gep(ptr, [at]), ty.as_pointer()), align=4)
@@ -243,13 +256,13 @@ def rotate(typingctx, src, src_at, cos, sin, cs_at, dst, dst_at, half):
         def store(value, ptr, at, ty):
             builder.store(value, builder.bitcast(builder.gep(ptr, [at]), ty.as_pointer()), align=4)
 
-        vec_t = ir.VectorType(ir.FloatType(), _ROT_LANES)
-        step = ir.Constant(intp, _ROT_LANES)
-        n_vec = builder.mul(builder.sdiv(half_v, step), step)
-        with cgutils.for_range_slice(builder, ir.Constant(intp, 0), n_vec, step, intp=intp) as (i, _):
-            rot(vec_t, i, load, store)
-        with cgutils.for_range_slice(builder, n_vec, half_v, ir.Constant(intp, 1), intp=intp) as (i, _):
-            rot(ir.FloatType(), i, load, store)
+        def rot(ty, at):
+            x1, x2 = load(src_p, at, ty), load(src_p, builder.add(at, half_v), ty)
+            c, s = load(cos_p, at, ty), load(sin_p, at, ty)
+            store(builder.fsub(builder.fmul(x1, c), builder.fmul(x2, s)), dst_p, at, ty)
+            store(builder.fadd(builder.fmul(x2, c), builder.fmul(x1, s)), dst_p, builder.add(at, half_v), ty)
+
+        _lanes_then_rest(builder, half_v, rot)
         return context.get_dummy_value()
 
     return types.none(src, src_at, cos, sin, cs_at, dst, dst_at, half), codegen
@@ -319,12 +332,11 @@ def silu_mul(typingctx, gate, up, out, n):
     each operation rounded as written (no FMA): ops.py's SiLU-and-mul in 16-lane vectors, the rest one at a time,
     the same bits as numba's loop of fast_exp, which LLVM left to run 1.3-1.4x as long (256 x 1,536: 137 -> 107
     us on 2 threads)."""
-    if not all(isinstance(v, types.Integer) for v in (gate, up, out, n)):
+    if not _addresses_ok(gate, up, out, n):
         return None
 
     def codegen(context, builder, signature, args):
-        v = [context.cast(builder, a, t, types.intp) for a, t in zip(args, signature.args)]
-        intp = v[0].type
+        v = _intp_args(context, builder, signature, args)
         f32p = ir.FloatType().as_pointer()
         g_p, u_p, o_p = (builder.inttoptr(v[i], f32p) for i in range(3))
 
@@ -337,16 +349,10 @@ def silu_mul(typingctx, gate, up, out, n):
             y = builder.fmul(builder.fdiv(g, builder.fadd(c(1.0), e)), builder.load(at(u_p), align=4))
             builder.store(y, at(o_p), align=4)
 
-        step = ir.Constant(intp, 16)
-        n_vec = builder.mul(builder.sdiv(v[3], step), step)
-        with cgutils.for_range_slice(builder, ir.Constant(intp, 0), n_vec, step, intp=intp) as (i, _):
-            one(ir.VectorType(ir.FloatType(), 16), i)
-        with cgutils.for_range_slice(builder, n_vec, v[3], ir.Constant(intp, 1), intp=intp) as (i, _):
-            one(ir.FloatType(), i)
+        _lanes_then_rest(builder, v[3], one)
         return context.get_dummy_value()
 
     return types.none(gate, up, out, n), codegen
-
 
 
 @intrinsic
@@ -355,11 +361,11 @@ def stream_copy(typingctx, src, dst, n):
     multiple of 16: 64-byte vector stores marked non-temporal (x86 movntps: the lines go to memory without being
     read first). For KV cache rows written to slots all over a pool far larger than the caches, where a
     regular store waits for its line to be read from memory; callers end the writes with store_fence."""
-    if not all(isinstance(v, types.Integer) for v in (src, dst, n)):
+    if not _addresses_ok(src, dst, n):
         return None
 
     def codegen(context, builder, signature, args):
-        v = [context.cast(builder, a, t, types.intp) for a, t in zip(args, signature.args)]
+        v = _intp_args(context, builder, signature, args)
         intp = v[0].type
         f32p = ir.FloatType().as_pointer()
         s_p, d_p = builder.inttoptr(v[0], f32p), builder.inttoptr(v[1], f32p)
