@@ -27,7 +27,7 @@ from . import activation_check
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .layers import QKNormLayerWeights, gelu_tanh_and_mul, qk_norm
-from .llama import LlamaForCausalLM
+from .llama import LlamaForCausalLM, rows_wanting_logits
 from .rope import RotaryEmbedding
 
 
@@ -80,14 +80,18 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         hidden = self._embed(batch.input_ids)
         residual = None
         check, peaks = self.check_activations, {}
+        keep = rows_wanting_logits(batch)
         for n, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
             if check:
                 activation_check.check_residual(residual, self.backend.xp, f"layer {n} input", peaks)
-            attn = ops.rms_norm(self._attention(n, layer, x, cos_sin[sliding[n]], kv, batch, plans), layer.post_norm,
-                                eps)
+            rows = keep if n == len(self.layers) - 1 else None
+            attn = ops.rms_norm(self._attention(n, layer, x, cos_sin[sliding[n]], kv, batch, plans, rows),
+                                layer.post_norm, eps)
+            if rows is not None:
+                residual = residual[rows]
             x, residual = ops.add_rms_norm(attn, residual, layer.pre_ff_norm, eps)
             if check:
                 activation_check.check_residual(residual, self.backend.xp, f"layer {n} after attention", peaks)
             hidden = ops.rms_norm(self._mlp(layer, x), layer.post_ff_norm, eps)
-        return self._final(hidden, residual, batch, peaks)
+        return self._final(hidden, residual, batch, peaks, selected=keep is not None)

@@ -21,3 +21,56 @@ def test_logits_rows_per_sequence_are_a_count():
 def test_num_logits_outside_the_chunk_is_refused(bad):
     with pytest.raises(ValueError, match="num_logits"):
         build_forward_batch([SeqChunk([1, 2], 0, [0], num_logits=bad)], 16)
+
+
+@pytest.mark.parametrize("kernels", ["numba", "numpy"])
+@pytest.mark.parametrize("family", ["llama", "tiny-qwen3", "tiny-gemma3"])
+def test_the_last_layer_computes_only_the_rows_that_want_logits(family, kernels, data_dir, monkeypatch):
+    """A prefill chunk's other rows feed later steps only through the KV cache: the last layer's o_proj (and
+    what follows) runs on the logits rows alone, with the logits and the KV cache of the full computation."""
+    from model_factory import random_model
+
+    from pagedserve.cupy_kernels.backend import get_backend
+    from pagedserve.models import llama, registry
+    from pagedserve.models.kv_cache import allocate_kv_caches
+    from pagedserve.models.loading.loader import load_model
+
+    if family == "llama":
+        cfg, weights = random_model("llama", seed=3, hidden=64, head_dim=16, heads=4, kv_heads=2)
+    else:
+        loaded = load_model(data_dir / family)
+        cfg, weights = loaded.config, loaded.weights
+    model = registry.for_config(cfg).model_class(cfg, weights, get_backend("cpu", kernels))
+    o_proj_rows = []
+    ops = model.backend.ops
+    last_o_proj = model.layers[-1].o_proj
+
+    def linear(x, w, *args, **kwargs):
+        if w is last_o_proj:
+            o_proj_rows.append(x.shape[0])
+        return ops.linear(x, w, *args, **kwargs)
+
+    from dataclasses import replace
+    model.backend = replace(model.backend, ops=replace(ops, linear=linear))
+    chunks = [SeqChunk(list(range(1, 20)), 0, [0, 1]), SeqChunk([5, 6, 7], 0, [2]),
+              SeqChunk(list(range(30, 42)), 0, [3], num_logits=0), SeqChunk([8, 9, 10, 11], 0, [4], num_logits=2)]
+    batch = build_forward_batch(chunks, 16)
+    results = {}
+    for pruned in (True, False):
+        if not pruned:
+            monkeypatch.setattr(llama, "rows_wanting_logits", lambda batch: None)
+            if family == "tiny-gemma3":
+                from pagedserve.models import gemma3
+                monkeypatch.setattr(gemma3, "rows_wanting_logits", lambda batch: None)
+        kv = allocate_kv_caches(cfg, 8, 16, model.backend)
+        o_proj_rows.clear()
+        results[pruned] = (model.forward(batch, kv), [np.array(k) for pair in kv for k in pair])
+        assert o_proj_rows == [4 if pruned else batch.num_tokens]
+    (pruned_logits, pruned_kv), (full_logits, full_kv) = results[True], results[False]
+    assert pruned_logits.shape == (4, cfg.vocab_size)
+    for a, b in zip(pruned_kv, full_kv):
+        np.testing.assert_array_equal(a, b)
+    if kernels == "numba":  # each row's arithmetic is independent of the other rows
+        np.testing.assert_array_equal(pruned_logits, full_logits)
+    else:  # numpy's BLAS may pick another kernel for 4 rows than for 38
+        np.testing.assert_allclose(pruned_logits, full_logits, rtol=1e-5, atol=1e-5 * np.abs(full_logits).max())
