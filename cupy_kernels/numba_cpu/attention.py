@@ -271,20 +271,10 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     out = np.empty(query.shape, dtype=_F32)
     if query.shape[0] == 0:
         return out
-    long_chunks = plan.long_chunks
-    if long_chunks is not None:
-        for i in np.flatnonzero(long_chunks):
-            prefill.prefill_sequence(query, k_cache, v_cache, int(query_start_loc[i]), int(query_start_loc[i + 1]),
-                                     int(seq_lens[i]), block_tables[i], scale, out, window)
-        rest = np.flatnonzero(~long_chunks)
-        if rest.size == 0:
-            return out
-        num_new = np.diff(query_start_loc)
-        rows = np.concatenate([np.arange(query_start_loc[i], query_start_loc[i + 1]) for i in rest])
-        sub_qsl = np.zeros(rest.size + 1, dtype=np.int64)
-        np.cumsum(num_new[rest], out=sub_qsl[1:])
-        out[rows] = _loop_nest(query[rows], k_cache, v_cache, sub_qsl, seq_lens[rest], block_tables[rest], scale,
-                               window)
+    if plan.long_chunks is not None:
+        prefill.prefill_batch(query, k_cache, v_cache, np.flatnonzero(plan.long_chunks), query_start_loc, seq_lens,
+                              block_tables, scale, out, window)
+    if plan.items is None:
         return out
     apply_threads(plan.parallel)
     _run(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window, plan.items, plan.bounds, out)
@@ -301,18 +291,6 @@ def _run(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale
     else:
         with numba.parallel_chunksize(1):
             _ATTENTION(address, *args)
-
-
-def _loop_nest(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window):
-    """The compiled kernel over a (checked) sub-batch: the sequences a step with long chunks leaves to it."""
-    num_tokens, num_heads, head_dim = query.shape
-    out = np.empty((num_tokens, num_heads, head_dim), dtype=_F32)
-    if num_tokens == 0:
-        return out
-    _, items, bounds = _cut_work(query_start_loc, seq_lens, int(np.dot(seq_lens, np.diff(query_start_loc))),
-                                 num_heads, head_dim)
-    _run(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window, items, bounds, out)
-    return out
 
 
 _CHUNK_ADDRESSES: dict = {}

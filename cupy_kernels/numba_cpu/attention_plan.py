@@ -113,7 +113,7 @@ class AttentionPlan:
     pool: tuple  # (num_blocks, block_size) of the caches it was checked against
     long_chunks: np.ndarray | None  # sequences numba_prefill's matmul path computes; None when none
     parallel: bool  # the loop nest on all threads (numba_setup.apply_threads)
-    items: np.ndarray | None  # the loop nest's work over the whole batch (None with long chunks)
+    items: np.ndarray | None  # the loop nest's work: every sequence but the long chunks (None: no work)
     bounds: np.ndarray | None
 
 
@@ -143,6 +143,13 @@ def plan_attention(query_shape, cache_shape, query_start_loc, seq_lens, block_ta
     parallel, items, bounds = False, None, None
     if long_chunks is None and num_tokens:
         parallel, items, bounds = _cut_work(qsl, lens, int(macs), num_heads, head_dim)
+    elif long_chunks is not None and not long_chunks.all():  # the loop nest's share: the other sequences
+        rest = np.flatnonzero(~long_chunks)
+        new = np.diff(qsl)[rest]
+        sub_qsl = np.zeros(rest.size + 1, dtype=np.int64)
+        np.cumsum(new, out=sub_qsl[1:])
+        parallel, items, bounds = _cut_work(sub_qsl, lens[rest], int(np.dot(lens[rest], new)), num_heads, head_dim)
+        items[:, 0] = rest[items[:, 0]]  # back to the batch's sequences (tokens count from a sequence's first row)
     return AttentionPlan(sources, qsl, lens, tables, tuple(query_shape), tuple(cache_shape[:2]), long_chunks,
                          parallel, items, bounds)
 

@@ -7,10 +7,13 @@ Why a second path: a chunk of n query tokens against L keys is two matmuls of n*
 (G query heads share a kv head). At n = 240, L = 4,000 (bench/jitter.py's last chunks) numba_attention's
 loop nest, built for decodes (one row per key, reading K/V in place), ran at ~40 GFLOP/s.
 
-The sequence's keys and values are first copied out of its blocks into the GEMM's panel layout (once per
-layer: ~1 ms at 4,000 keys). Then each work item (kv head h, a tile of TILE_TOKENS query tokens: its
-TILE_TOKENS x G rows) runs on one core, in a `prange` taken dynamically (head by head, each head's costliest
-tiles first):
+A group of sequences' keys and values (up to GROUP_KEYS keys: a step's 16 prompts of 128 tokens; a longer
+sequence alone) are first copied out of their blocks into the GEMM's panel layout (once per layer: ~1 ms at
+4,000 keys). Then each work item (a sequence's kv head h and tile of TILE_TOKENS query tokens: its
+TILE_TOKENS x G rows) runs on one core, in one `prange` over the group taken dynamically (the costliest
+sequence first; head by head, each head's costliest tiles first). One gather and one pass a group instead of
+one each a sequence: 16 prompts of 128 tokens 2.95-3.15 -> 2.71-2.83 ms a layer, beside 128 decodes
+4.50-4.59 -> 3.87-4.17 (2 threads, the test VM).
 
     S = Q_tile . K_h^T                      over the key panels the tile's last token sees (none past it)
     P = 2^(S - rowmax) on keys <= the row's position, 0 past it; l = row sum     (Q pre-scaled by
@@ -61,6 +64,9 @@ MATMUL_FIXED_PAIRS = 6_000  # this path's cost per sequence, in its pairs
 # 8,192 keys 25-34 against 30-36). A workspace per thread, TILE_TOKENS x G x L floats each: counted in
 # runtime/worker/memory_budget.py (PREFILL_TILE_TOKENS, which must equal this).
 TILE_TOKENS = 16
+# Keys (summed over a group's sequences) whose panels one gather holds: a step's 16 prompts of 128 tokens in one
+# group. A longer sequence is a group of its own. Counted in runtime/worker/memory_budget.py (PREFILL_GROUP_KEYS).
+GROUP_KEYS = 2048
 _F32 = np.dtype(np.float32)
 LOG2_E = 1.4426950408889634
 
@@ -101,11 +107,31 @@ def _gather_panel(c, k_cache, v_cache, block_table, key_start, context_len, kp, 
 # ~0.3 s for this and ~0.3 s for the prange over addresses.
 _GATHER_PANEL = numba.njit(**JIT_EXACT)(_gather_panel)
 
+# A call's sequences, one row each of the int64 table `meta` (_plan): the sequence, its first query row, new
+# tokens, the first query token's position less key_start, key_start, context length, key panels, where its
+# key and value panels start in the workspace, and the tile's query tokens.
+_SEQ, _START, _NEW, _FIRST, _KEY_START, _CONTEXT, _PANELS, _K_AT, _V_AT, _TILE = range(10)
 
-def _gather_panels(panel, k_cache, v_cache, block_table, key_start, context_len, kp, vp):
-    """All panels (_gather_panel), parallel over them."""
-    for c in numba.prange(kp.shape[1]):
-        call_compiled(panel, (np.int64(c), k_cache, v_cache, block_table, key_start, context_len, kp, vp))
+
+@numba.njit(inline="always", **JIT_EXACT)
+def _views(kv, meta, j, num_kv_heads, head_dim, value_panels):
+    """Sequence j's key and value panels in the flat workspace kv (the shapes _gather_panel fills)."""
+    panels = meta[j, _PANELS]
+    k_at, v_at = meta[j, _K_AT], meta[j, _V_AT]
+    kp = kv[k_at:k_at + num_kv_heads * panels * head_dim * PANEL].reshape((num_kv_heads, panels, head_dim, PANEL))
+    vp = kv[v_at:v_at + num_kv_heads * value_panels * panels * PANEL * PANEL].reshape(
+        (num_kv_heads, value_panels, panels * PANEL, PANEL))
+    return kp, vp
+
+
+def _gather_panels(panel, k_cache, v_cache, block_tables, meta, tasks, kv, value_panels):
+    """Every (sequence j, panel c) of `tasks` (_gather_panel), parallel over them."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    for x in numba.prange(tasks.shape[0]):
+        j = tasks[x, 0]
+        kp, vp = _views(kv, meta, j, num_kv_heads, head_dim, value_panels)
+        call_compiled(panel, (tasks[x, 1], k_cache, v_cache, block_tables[meta[j, _SEQ]], meta[j, _KEY_START],
+                              meta[j, _CONTEXT], kp, vp))
 
 
 _GATHER = numba.njit(parallel=True, **JIT_EXACT)(_gather_panels)
@@ -123,23 +149,17 @@ def _buffer(name: str, size: int) -> np.ndarray:
     return buf
 
 
-def _workspace(num_kv_heads: int, key_panels: int, value_panels: int, head_dim: int, rows: int, threads: int):
-    """Key and value panels, and each numba thread's rows: scaled queries [rows * head_dim], scores [rows, padded
-    context], P.V's output [rows * padded head dim] and row factors [rows]; views of buffers kept per (calling)
-    thread, with a slot for each of the `threads` the call runs on (numba.get_thread_id is below
-    numba.get_num_threads()), so a host running fewer threads than numba's pool holds no more. Fresh
-    multi-megabyte arrays each layer cost more than the copy itself: the allocator hands them out as new pages,
-    and first-touch page faults ran at ~2.5 s per GiB on the test VM (3 ms of a 12 ms layer at 4,000 keys)."""
-    padded = key_panels * PANEL
-    width = value_panels * PANEL
-    kv = num_kv_heads * key_panels * head_dim * PANEL
-    vv = num_kv_heads * value_panels * padded * PANEL
-    k_and_v = _buffer("kv", kv + vv)
-    scores = _buffer("scores", threads * rows * padded)
-    return (k_and_v[:kv].reshape(num_kv_heads, key_panels, head_dim, PANEL),
-            k_and_v[kv:kv + vv].reshape(num_kv_heads, value_panels, padded, PANEL),
+def _workspace(panel_floats: int, rows: int, padded: int, width: int, head_dim: int, threads: int):
+    """The key and value panels of a call's sequences (flat), and each numba thread's rows: scaled queries [rows *
+    head_dim], scores [rows * padded context], P.V's output [rows * padded head dim] and row factors [rows];
+    views of buffers kept per (calling) thread, with a slot for each of the `threads` the call runs on
+    (numba.get_thread_id is below numba.get_num_threads()), so a host running fewer threads than numba's pool
+    holds no more. Fresh multi-megabyte arrays each layer cost more than the copy itself: the allocator hands
+    them out as new pages, and first-touch page faults ran at ~2.5 s per GiB on the test VM (3 ms of a 12 ms
+    layer at 4,000 keys)."""
+    return (_buffer("kv", panel_floats)[:panel_floats],
             _buffer("queries", threads * rows * head_dim)[:threads * rows * head_dim].reshape(threads, rows * head_dim),
-            scores[:threads * rows * padded].reshape(threads, rows, padded),
+            _buffer("scores", threads * rows * padded)[:threads * rows * padded].reshape(threads, rows * padded),
             _buffer("outputs", threads * rows * width)[:threads * rows * width].reshape(threads, rows * width),
             _buffer("factors", threads * rows)[:threads * rows].reshape(threads, rows))
 
@@ -193,17 +213,21 @@ def _prefill_item(w, panel_rows, query, start, n, first_pos, window, kp, vp, q_s
             out[start + t0 + r // group, h * group + r % group, d] = pv[r * width + d] * inv
 
 
-# The item is its own (serial) function, called by address from the prange (numba_attention's loop nest does
-# the same, for the same reason: compile time).
 _ITEM = numba.njit(**JIT)(_prefill_item)
 
 
-def _prefill_items(item, panel_rows, query, start, n, first_pos, window, kp, vp, q_scale, tile_tokens, qs, ss, pvs,
+def _prefill_items(item, panel_rows, query, meta, work, window, kv, num_kv_heads, value_panels, q_scale, qs, ss, pvs,
                    dens, out):
-    for w in numba.prange(kp.shape[0] * ((n + tile_tokens - 1) // tile_tokens)):
+    """Every (sequence j, work item w) of `work` (_prefill_item), each on the thread that takes it."""
+    head_dim = query.shape[2]
+    for x in numba.prange(work.shape[0]):
+        j, w = work[x, 0], work[x, 1]
+        kp, vp = _views(kv, meta, j, num_kv_heads, head_dim, value_panels)
         t = numba.get_thread_id()
-        call_compiled(item, (np.int64(w), panel_rows, query, start, n, first_pos, window, kp, vp, q_scale,
-                             tile_tokens, qs[t], ss[t], pvs[t], dens[t], out))
+        rows, padded = meta[j, _TILE] * (query.shape[1] // num_kv_heads), meta[j, _PANELS] * PANEL
+        call_compiled(item, (w, panel_rows, query, meta[j, _START], meta[j, _NEW], meta[j, _FIRST], window, kp, vp,
+                             q_scale, meta[j, _TILE], qs[t], ss[t, :rows * padded].reshape((rows, padded)), pvs[t],
+                             dens[t], out))
 
 
 _ITEMS = numba.njit(parallel=True, **JIT)(_prefill_items)
@@ -215,58 +239,99 @@ def _flags(a: np.ndarray) -> tuple:
     return a.dtype, a.ndim, f.c_contiguous, f.f_contiguous, f.writeable, f.aligned
 
 
-def _addresses(k_cache, v_cache, block_table, args) -> tuple[int, int, int]:
+def _addresses(query, k_cache, v_cache, block_tables, kv, q_scale, qs, ss, pvs, dens, out) -> tuple[int, int, int]:
     """The machine code of the gather's panel, of the item (for these arguments' types) and of
     numba_gemm.PANEL_ROWS."""
     # Only the query's and the gather's inputs' numba types can vary (the panels are this module's workspace
     # views, the rest fixed types): their dtype, rank, layout, mutability and alignment, read from their flags
-    # (numba.typeof of the three arrays cost ~26 us a call, a quarter of a 16-token chunk's whole call).
-    query = args[0]
-    key = tuple(_flags(a) for a in (query, k_cache, v_cache, block_table))
+    # (numba.typeof of the arrays cost ~26 us a call).
+    key = tuple(_flags(a) for a in (query, k_cache, v_cache, block_tables))
     found = _ADDRESSES.get(key)
     if found is None:
-        query, kp, vp, q_scale, tile_tokens, qs, ss, pvs, dens, out = args
-        row = qs[0]
-        panel = native_address(_GATHER_PANEL, (np.int64(0), k_cache, v_cache, block_table, np.int64(0), np.int64(0),
-                                               kp, vp))
-        panel_rows = native_address(PANEL_ROWS, (row, np.int64(0), np.int64(0), np.int64(0), row, np.int64(0),
-                                                 np.int64(0), row, np.int64(0), np.int64(0)))
-        item = native_address(_ITEM, (np.int64(0), panel_rows, query, np.int64(0), np.int64(0), np.int64(0),
-                                      np.int64(0), kp, vp, q_scale, tile_tokens, qs[0], ss[0], pvs[0], dens[0], out))
+        kp = kv[:PANEL].reshape(1, 1, 1, PANEL)  # the types _views makes
+        zero, row = np.int64(0), qs[0]
+        panel = native_address(_GATHER_PANEL, (zero, k_cache, v_cache, block_tables[0], zero, zero, kp, kp))
+        panel_rows = native_address(PANEL_ROWS, (row, zero, zero, zero, row, zero, zero, row, zero, zero))
+        item = native_address(_ITEM, (zero, panel_rows, query, zero, zero, zero, zero, kp, kp, q_scale, zero, row,
+                                      ss[0, :1].reshape(1, 1), pvs[0], dens[0], out))
         found = _ADDRESSES[key] = (panel, item, panel_rows)
     return found
 
 
-def prefill_sequence(query, k_cache, v_cache, start: int, end: int, context_len: int, block_table, scale: float,
-                     out, window: int = 0) -> None:
-    """out[start:end] = attention of query rows start:end (the sequence's new tokens, the last of its
-    context_len positions) over its context, causal within the chunk; with a sliding window (window > 0),
-    over the keys from the oldest the chunk's first token sees (none before it is read)."""
-    n = end - start
+def _groups(seqs, query_start_loc, seq_lens, window: int):
+    """The sequences' metadata (numpy, each a row of _plan's table), costliest first, cut into groups of at most
+    GROUP_KEYS keys (or one sequence, if it has more): a call gathers one group's panels at once."""
+    start = query_start_loc[seqs]
+    new = query_start_loc[seqs + 1] - start
+    context = seq_lens[seqs]
+    key_start = np.maximum(0, context - new - window + 1) if window > 0 else np.zeros_like(context)
+    panels = -(-(context - key_start) // PANEL)
+    order = np.argsort(-(new * (context - (new - 1) / 2)), kind="stable")
+    groups, first, keys = [], 0, 0
+    for x, i in enumerate(order):
+        if x > first and keys + panels[i] * PANEL > GROUP_KEYS:
+            groups.append(order[first:x])
+            first, keys = x, 0
+        keys += panels[i] * PANEL
+    groups.append(order[first:])
+    return [(seqs[g], start[g], new[g], context[g], key_start[g], panels[g]) for g in groups]
+
+
+def _plan(group, num_kv_heads: int, head_dim: int, value_panels: int, tile_tokens: int):
+    """(meta, gather tasks, work items, panel floats) of one group (_groups)."""
+    seqs, start, new, context, key_start, panels = group
+    tile = np.clip(new, 1, tile_tokens)
+    k_size = num_kv_heads * panels * head_dim * PANEL
+    v_size = num_kv_heads * value_panels * panels * PANEL * PANEL
+    at = np.zeros(seqs.size + 1, dtype=np.int64)
+    np.cumsum(k_size + v_size, out=at[1:])
+    meta = np.stack([seqs, start, new, context - new - key_start, key_start, context, panels, at[:-1],
+                     at[:-1] + k_size, tile], axis=1).astype(np.int64)
+    tasks = _pairs(panels)
+    work = _pairs(num_kv_heads * -(-new // tile))
+    return meta, tasks, work, int(at[-1])
+
+
+def _pairs(counts):
+    """[(j, c) for j, n in enumerate(counts) for c in range(n)] as an int64 [sum(counts), 2] array."""
+    j = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+    ends = np.cumsum(counts)
+    return np.stack([j, np.arange(j.size, dtype=np.int64) - np.repeat(ends - counts, counts)], axis=1)
+
+
+def prefill_batch(query, k_cache, v_cache, seqs, query_start_loc, seq_lens, block_tables, scale: float, out,
+                  window: int = 0) -> None:
+    """out rows of sequences `seqs` (the batch's indices: checked metadata, int64) = attention of their new
+    tokens (the last of their seq_lens positions) over their contexts, causal within the chunk; with a sliding
+    window (window > 0), over the keys from the oldest the chunk's first token sees (none before it is read).
+    One parallel gather and one parallel pass over the work items per group of sequences (_groups): 16 prompts of
+    128 tokens, one call each, had cost two thread-pool wake-ups and the Python around them per sequence."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    group_size = num_heads // num_kv_heads
     apply_threads(parallel=True)
     threads = numba.get_num_threads()  # what get_thread_id ranges over, whoever set it
-    key_start = max(0, context_len - n - window + 1) if window > 0 else 0
-    key_panels = -(-(context_len - key_start) // PANEL)
     value_panels = -(-head_dim // PANEL)
-    tile_tokens = max(1, min(TILE_TOKENS, n))
-    kp, vp, qs, ss, pvs, dens = _workspace(num_kv_heads, key_panels, value_panels, head_dim, tile_tokens * group,
-                                            threads)
+    tile_tokens = TILE_TOKENS
     # Scores in log2 units, so the softmax takes 2^x (fast_exp2, cheaper than exp): the same weights.
-    q_scale, tiles = np.float32(scale * LOG2_E), np.int64(tile_tokens)
-    args = (query, kp, vp, q_scale, tiles, qs, ss, pvs, dens, out)
-    panel, item, panel_rows = _addresses(k_cache, v_cache, block_table, args)
-    _GATHER(panel, k_cache, v_cache, block_table, np.int64(key_start), np.int64(context_len), kp, vp)
-    with numba.parallel_chunksize(1):
-        _ITEMS(item, panel_rows, query, np.int64(start), np.int64(n), np.int64(context_len - n - key_start),
-               np.int64(window), kp, vp, q_scale, tiles, qs, ss, pvs, dens, out)
+    q_scale = np.float32(scale * LOG2_E)
+    for group in _groups(np.asarray(seqs, dtype=np.int64), query_start_loc, seq_lens, window):
+        meta, tasks, work, panel_floats = _plan(group, num_kv_heads, head_dim, value_panels, tile_tokens)
+        rows = int(meta[:, _TILE].max()) * group_size
+        kv, qs, ss, pvs, dens = _workspace(panel_floats, rows, int(meta[:, _PANELS].max()) * PANEL,
+                                           value_panels * PANEL, head_dim, threads)
+        panel, item, panel_rows = _addresses(query, k_cache, v_cache, block_tables, kv, q_scale, qs, ss, pvs, dens,
+                                             out)
+        _GATHER(panel, k_cache, v_cache, block_tables, meta, tasks, kv, np.int64(value_panels))
+        with numba.parallel_chunksize(1):
+            _ITEMS(item, panel_rows, query, meta, work, np.int64(window), kv, np.int64(num_kv_heads),
+                   np.int64(value_panels), q_scale, qs, ss, pvs, dens, out)
 
 
 def warm_up() -> None:
-    """Compile (or load from the cache) the gather, the work item, the GEMM's row tiles and the prange over the
-    items for the argument types prefill_sequence passes."""
+    """Compile (or load from the cache) the gather, the work item, the GEMM's row tiles and the pranges over them
+    for the argument types prefill_batch passes."""
     cache = np.ones((2, 4, 1, 4), dtype=_F32)
     query, out = np.ones((3, 2, 4), dtype=_F32), np.empty((3, 2, 4), dtype=_F32)
-    prefill_sequence(query, cache, cache, 0, 3, 5, np.zeros(2, dtype=np.int32), 0.5, out)
+    prefill_batch(query, cache, cache, np.zeros(1, dtype=np.int64), np.array([0, 3], dtype=np.int64),
+                  np.array([5], dtype=np.int64), np.zeros((1, 2), dtype=np.int32), 0.5, out)

@@ -12,7 +12,7 @@ refused at start with the numbers, rather than found out by the OOM killer under
 
 The activation figure is an estimate of the numpy path's largest temporaries, not a measurement:
     linear layers     T x (4 hidden + q + 2 kv + 3 intermediate) float32          T = max_num_batched_tokens
-    attention         max(prefill: heads x n x L scores + K/V of L tokens,        n = min(T, L), L = max_model_len
+    attention         max(prefill: heads x n x L scores + K/V of max(L, 2,048) tokens,  n = min(T, L), L = max_model_len
                                    (or, when more, the numba path's threads x 16 x G x L: each CPU thread's
                                    tile of 16 query tokens x G heads per kv head; cupy_kernels/numba_cpu/prefill.py)
                           decode: the K/V and scores of the whole pool's tokens in one layer)
@@ -37,6 +37,9 @@ PER_REQUEST_BYTES = 4 << 20
 # Query tokens per work item of the numba set's long-prefill path (cupy_kernels/numba_prefill.TILE_TOKENS,
 # not imported: that would load numba here; tests/runtime/test_memory_budget.py checks they agree).
 PREFILL_TILE_TOKENS = 16
+# Keys whose K/V panels that path gathers at once for a group of short chunks (numba_prefill.GROUP_KEYS, likewise
+# checked); a single longer chunk takes its own L.
+PREFILL_GROUP_KEYS = 2048
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ def activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs
     group = cfg.num_attention_heads // max(cfg.num_key_value_heads, 1)
     tiles = threads * PREFILL_TILE_TOKENS * group * max_model_len
     prefill = max(cfg.num_attention_heads * n * max_model_len + 2 * n * max_model_len, tiles) * f32 \
-        + 2 * max_model_len * cfg.kv_size * f32
+        + 2 * max(max_model_len, PREFILL_GROUP_KEYS) * cfg.kv_size * f32
     decode_tokens = min(kv_pool_tokens, max_num_seqs * max_model_len)
     decode = decode_tokens * (cfg.kv_size + cfg.num_attention_heads) * f32
     logits = 4 * min(max_num_seqs, t) * cfg.vocab_size * f32

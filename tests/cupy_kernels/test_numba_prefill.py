@@ -208,3 +208,23 @@ def test_the_route_weighs_the_loop_nests_pairs_against_this_paths():
     cases = loop_nest + matmuls
     routed = npf.takes_matmul_path(np.array([n for _, n in cases]), np.array([L for L, _ in cases]))
     assert routed.tolist() == [False] * len(loop_nest) + [True] * len(matmuls)
+
+
+def test_a_groups_rows_are_the_same_bits_however_the_sequences_are_grouped(monkeypatch):
+    """prefill_batch gathers the panels of a group of sequences at once (at most GROUP_KEYS keys; a longer one is
+    a group of its own): all in one group, one each, or in between, every row has the same bits."""
+    monkeypatch.setattr(npf, "LOOP_NEST_PAIR_COST", 100.0)
+    rng = np.random.default_rng(8)
+    seqs = [(128, 128), (300, 40), (50, 50), (700, 20), (40, 1), (90, 33)]
+    batch = make_batch(rng, seqs, num_kv=3, group=3, head_dim=64, block_size=16)
+    q, k, v, qsl, lens, tables = batch
+    chosen = np.flatnonzero(npf.takes_matmul_path(np.diff(qsl), lens))
+    assert chosen.tolist() == [0, 1, 2, 3, 5]
+    results = []
+    for keys, groups in ((1 << 20, 1), (0, 5), (320, 3)):  # 320: [700], [300], [128, 90, 50]
+        monkeypatch.setattr(npf, "GROUP_KEYS", keys)
+        assert len(npf._groups(chosen, qsl.astype(np.int64), lens.astype(np.int64), 0)) == groups
+        results.append(na.paged_attention(*batch, 0.125))
+    for got in results[1:]:
+        np.testing.assert_array_equal(got, results[0])
+    close_to_reference(batch, results[0])

@@ -37,6 +37,7 @@ def test_the_numba_prefill_tiles_of_every_thread_are_counted(tiny):
     from pagedserve.runtime.worker import memory_budget
 
     assert memory_budget.PREFILL_TILE_TOKENS == numba_prefill.TILE_TOKENS
+    assert memory_budget.PREFILL_GROUP_KEYS == numba_prefill.GROUP_KEYS
     cfg = tiny.config
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     one = activation_bytes(cfg, 32, 16, 4096, 4096, threads=1)
