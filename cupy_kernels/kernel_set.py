@@ -46,6 +46,7 @@ class KernelSet:
     rope_cos_sin: Callable[..., Any] = _op(1)
     apply_rotary: Callable[..., Any] = _op(0)
     silu_and_mul: Callable[..., Any] = _op(0)
+    linear_silu_and_mul: Callable[..., Any] = _op(0)  # silu_and_mul(linear(...)) on a gated gate_up weight
     reshape_and_cache: Callable[..., Any] = _op(0)
     rotary_and_cache: Callable[..., Any] = _op(0)  # apply_rotary on q and k + reshape_and_cache: one call a layer
     copy_blocks: Callable[..., Any] = _op(0)

@@ -38,6 +38,8 @@ class Gemma3LayerWeights(QKNormLayerWeights):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
+    silu_gated_mlp = False  # GELU-tanh: gate_up goes through ops.linear (_mlp)
+
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend: Any = None,
                  source: str = "weights", shard: Any = None, comm: Any = None) -> None:
         if not config.tie_word_embeddings:

@@ -58,6 +58,9 @@ class LlamaForCausalLM:
     # Each layer reads and writes through its KV cache group's block tables and slots (ForwardBatch.kv_tables),
     # so the worker may give sliding-window layers a group whose out-of-window blocks are released.
     reads_kv_cache_groups = True
+    # The MLP is SiLU-gated (_mlp: ops.linear_silu_and_mul), so gate_up is packed for that op (a family with
+    # another activation multiplies gate_up with ops.linear and sets this False).
+    silu_gated_mlp = True
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend: Backend | None = None,
                  source: str = "weights", shard: TPShard | None = None, comm: Any = None) -> None:
@@ -113,7 +116,8 @@ class LlamaForCausalLM:
             qkv_bias=bias,
             o_proj=put_t(weights[a + "o_proj.weight"]),
             post_norm=put(weights[p + "post_attention_layernorm.weight"]),
-            gate_up=put_t(weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]),
+            gate_up=put_t(weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"],
+                          gated=self.silu_gated_mlp),
             down=put_t(weights[p + "mlp.down_proj.weight"]),
         )
 
@@ -152,18 +156,19 @@ class LlamaForCausalLM:
             a.flags.writeable = False
         return a
 
-    def _packed(self, *parts: np.ndarray):
+    def _packed(self, *parts: np.ndarray, gated: bool = False):
         """The numba set's column panels of a float32 [out, in] weight, or of the rows of several parts in turn
-        (numba_gemm.py); None elsewhere."""
+        (numba_gemm.py), or of a gated [gate, up] pair; None elsewhere."""
         if self.backend.dtype != np.float32 or self.backend.is_gpu:
             return None
-        return self.backend.ops.pack_weight([np.asarray(w, dtype=np.float32) for w in parts])
+        return self.backend.ops.pack_weight([np.asarray(w, dtype=np.float32) for w in parts], gated=gated)
 
-    def _put_t(self, *parts: np.ndarray):
+    def _put_t(self, *parts: np.ndarray, gated: bool = False):
         """A matmul weight, [out, in] in the checkpoint (the rows of `parts` in turn: a fused qkv or gate_up),
         in the form the backend's linear takes: the numba set's panels (packed from the parts, no
-        concatenated copy first), or an [in, out] array for the others."""
-        packed = self._packed(*parts)
+        concatenated copy first), or an [in, out] array for the others. gated: a gate_up that only
+        ops.linear_silu_and_mul multiplies (the numba set's panels then hold gate and up side by side)."""
+        packed = self._packed(*parts, gated=gated)
         if packed is not None:
             return packed
         return self._put((parts[0] if len(parts) == 1 else np.concatenate(parts)).T)
@@ -221,7 +226,7 @@ class LlamaForCausalLM:
     def _mlp(self, layer: LayerWeights, x: Any) -> Any:
         """The gated MLP: down(silu(gate x) * up x), all-reduced (down is row-parallel)."""
         ops = self.backend.ops
-        up = ops.silu_and_mul(ops.linear(x, layer.gate_up, quant=layer.gate_up_q))
+        up = ops.linear_silu_and_mul(x, layer.gate_up, quant=layer.gate_up_q)
         return self.comm.all_reduce(ops.linear(up, layer.down, quant=layer.down_q))
 
     def _prepare(self, batch: ForwardBatch, kv_caches: list[tuple[Any, Any]]) -> tuple[ForwardBatch, dict[int, Any]]:

@@ -68,7 +68,7 @@ def linear(x, weight_t, bias=None, quant=None):
     return out
 
 
-def pack_weight(w) -> None:
+def pack_weight(w, gated: bool = False) -> None:
     """Matmul weights stay [in, out] arrays on the device (ops.pack_weight)."""
     return None
 
@@ -188,6 +188,11 @@ def silu_and_mul(x):
             (out, x, _i64(_elements(x.strides[0], x.itemsize, "x")), _i32(inter)),
         )
     return out
+
+
+def linear_silu_and_mul(x, weight_t, quant=None):
+    """ops.linear_silu_and_mul: the GEMM, then the SiLU-and-mul kernel."""
+    return silu_and_mul(linear(x, weight_t, quant=quant))
 
 
 def logsumexp_rows(x, row_max=None):

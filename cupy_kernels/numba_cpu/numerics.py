@@ -326,6 +326,11 @@ def row_argmax(typingctx, row, n):
     return types.intp(row, n), codegen
 
 
+def silu_mul_ir(builder, g, u):
+    """LLVM IR of g / (1 + fast_exp(-g)) * u on floats or float vectors, each operation rounded as written."""
+    return builder.fmul(builder.fdiv(g, builder.fadd(_ir_consts(g.type)(1.0), _exp_ir(builder, builder.fneg(g)))), u)
+
+
 @intrinsic
 def silu_mul(typingctx, gate, up, out, n):
     """out[i] = gate[i] / (1 + fast_exp(-gate[i])) * up[i] for i < n (arrays as addresses: attention_ir.address),
@@ -343,10 +348,7 @@ def silu_mul(typingctx, gate, up, out, n):
         def one(ty, i):
             def at(ptr):
                 return builder.bitcast(builder.gep(ptr, [i]), ty.as_pointer())
-            c = _ir_consts(ty)
-            g = builder.load(at(g_p), align=4)
-            e = _exp_ir(builder, builder.fneg(g))
-            y = builder.fmul(builder.fdiv(g, builder.fadd(c(1.0), e)), builder.load(at(u_p), align=4))
+            y = silu_mul_ir(builder, builder.load(at(g_p), align=4), builder.load(at(u_p), align=4))
             builder.store(y, at(o_p), align=4)
 
         _lanes_then_rest(builder, v[3], one)

@@ -63,14 +63,30 @@ def linear(x: np.ndarray, weight_t, bias: np.ndarray | None = None, quant=None) 
     return ops.linear(x, weight_t, bias)
 
 
-def pack_weight(w) -> numba_gemm.PackedWeight | None:
+def pack_weight(w, gated: bool = False) -> numba_gemm.PackedWeight | None:
     """The form this set's linear wants a float32 [out, in] matmul weight in: column panels
     (numba_gemm.py); a list of [out_i, in] parts is packed as their rows in turn, without concatenating them
-    first. None for another dtype (the caller then keeps the [in, out] array)."""
+    first. gated: [gate, up], for linear_silu_and_mul only (numba_gemm.pack_gated: the two side by side in each
+    panel). None for another dtype (the caller then keeps the [in, out] array)."""
     parts = list(w) if isinstance(w, (list, tuple)) else [w]
     if any(np.asarray(p).dtype != _F32 for p in parts):
         return None
+    if gated:
+        if len(parts) != 2:
+            raise ValueError(f"a gated weight is packed from [gate, up], got {len(parts)} parts")
+        return numba_gemm.pack_gated(*parts)
     return numba_gemm.pack_rows(parts)
+
+
+def linear_silu_and_mul(x: np.ndarray, weight_t, quant=None) -> np.ndarray:
+    """ops.linear_silu_and_mul: on a gated weight (pack_weight(..., gated=True)) the SiLU-and-mul runs in the
+    GEMM's tiles, before they store (numba_gemm.matmul_silu_and_mul: the same bits, and no [T, 2I] temporary
+    written and read again); few rows with GGUF blocks take the blocks, then silu_and_mul, as linear does."""
+    if isinstance(weight_t, numba_gemm.PackedWeight) and weight_t.gated:
+        if quant is not None and x.shape[0] <= numba_quant.QUANT_MAX_ROWS and not numba_setup.BATCH_INVARIANT:
+            return silu_and_mul(numba_quant.linear(x, quant))
+        return numba_gemm.matmul_silu_and_mul(x, weight_t)
+    return silu_and_mul(linear(x, weight_t, quant=quant))
 
 
 # -- add + RMSNorm ------------------------------------------------------------------------------------

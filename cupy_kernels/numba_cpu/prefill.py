@@ -191,7 +191,7 @@ def _prefill_item(w, panel_rows, query, start, n, first_pos, window, kp, vp, q_s
             q[r * head_dim + d] = query[start + t0 + r // group, h * group + r % group, d] * q_scale
     for p in range(p0, (keys + PANEL - 1) // PANEL):  # S = Q . K^T, a panel of PANEL keys at a time
         call_compiled(panel_rows, (q, zero, head_dim, rows, k_flat, (h * key_panels + p) * head_dim * PANEL, head_dim,
-                                   s_flat, p * PANEL, padded))
+                                   s_flat, p * PANEL, padded, zero))
     for r in range(rows):
         row = s[r]
         seen = first_pos + t0 + r // group + 1
@@ -206,7 +206,7 @@ def _prefill_item(w, panel_rows, query, start, n, first_pos, window, kp, vp, q_s
     for c in range(value_panels):  # P . V over the keys the tile sees, PANEL head dims at a time
         call_compiled(panel_rows, (s_flat, p0 * PANEL, padded, rows, v_flat,
                                    ((h * value_panels + c) * padded + p0 * PANEL) * PANEL, keys - p0 * PANEL, pv,
-                                   c * PANEL, width))
+                                   c * PANEL, width, zero))
     for r in range(rows):
         inv = den[r]
         for d in range(head_dim):
@@ -251,7 +251,7 @@ def _addresses(query, k_cache, v_cache, block_tables, kv, q_scale, qs, ss, pvs, 
         kp = kv[:PANEL].reshape(1, 1, 1, PANEL)  # the types _views makes
         zero, row = np.int64(0), qs[0]
         panel = native_address(_GATHER_PANEL, (zero, k_cache, v_cache, block_tables[0], zero, zero, kp, kp))
-        panel_rows = native_address(PANEL_ROWS, (row, zero, zero, zero, row, zero, zero, row, zero, zero))
+        panel_rows = native_address(PANEL_ROWS, (row, zero, zero, zero, row, zero, zero, row, zero, zero, zero))
         item = native_address(_ITEM, (zero, panel_rows, query, zero, zero, zero, zero, kp, kp, q_scale, zero, row,
                                       ss[0, :1].reshape(1, 1), pvs[0], dens[0], out))
         found = _ADDRESSES[key] = (panel, item, panel_rows)

@@ -189,3 +189,46 @@ def native_address(dispatcher: Any, args: tuple) -> int:
     dispatcher.compile(arg_types)
     result = dispatcher.overloads[arg_types]
     return result.library.get_pointer_to_function(result.fndesc.llvm_func_name)
+
+
+# -- the host's caches (numba_gemm sizes its row blocks by the L2) ------------------------------------
+
+
+def _size_bytes(text: str) -> int:
+    """A sysfs cache size ("2048K", "1M", "512") in bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip()
+    return int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)
+
+
+def _cpu_count(cpu_list: str) -> int:
+    """How many CPUs a sysfs CPU list ("0", "0-1", "0-3,8-11") names."""
+    count = 0
+    for part in cpu_list.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            count += int(last or first) - int(first) + 1
+    return count
+
+
+def l2_bytes() -> int:
+    """The L2 cache a core has to itself (Linux sysfs: cpu0's level-2 data or unified cache, divided among the
+    CPUs that share it); 0 where it cannot be read."""
+    import glob
+
+    for index in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
+        try:
+            with open(f"{index}/level") as f:
+                level = f.read().strip()
+            with open(f"{index}/type") as f:
+                kind = f.read().strip()
+            if level != "2" or kind == "Instruction":
+                continue
+            with open(f"{index}/size") as f:
+                size = _size_bytes(f.read())
+            with open(f"{index}/shared_cpu_list") as f:
+                sharing = _cpu_count(f.read())
+        except (OSError, ValueError):
+            return 0
+        return size // max(1, sharing)
+    return 0

@@ -33,10 +33,11 @@ def linear(x: np.ndarray, weight_t: np.ndarray, bias: np.ndarray | None = None, 
     return out
 
 
-def pack_weight(w) -> None:
+def pack_weight(w, gated: bool = False) -> None:
     """The form linear wants a [out, in] matmul weight (or a list of [out_i, in] parts, stacked by rows) in,
     when it is not the [in, out] array: None here (and in the CUDA set); the numba set packs column panels
-    (numba_gemm.py)."""
+    (numba_gemm.py). gated: the weight is a gate_up ([gate, up]) that only linear_silu_and_mul multiplies
+    (the numba set then interleaves the two)."""
     return None
 
 
@@ -105,6 +106,12 @@ def silu_and_mul(x: np.ndarray) -> np.ndarray:
     np.divide(gate, out, out=out)
     out *= up
     return out
+
+
+def linear_silu_and_mul(x: np.ndarray, weight_t, quant=None) -> np.ndarray:
+    """silu_and_mul(linear(x, weight_t)): a gated MLP's up projection, weight_t its fused [gate | up] weight
+    (pack_weight(..., gated=True)'s, where a set packs one; the numba set applies the SiLU in its GEMM)."""
+    return silu_and_mul(linear(x, weight_t, quant=quant))
 
 
 # Rows per chunk of logsumexp_rows's full-vocabulary temporaries on the CPU: a few rows of V float32 stay in L2.

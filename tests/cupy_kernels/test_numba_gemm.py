@@ -14,7 +14,7 @@ import pytest
 from code_paths import run_as_avx2
 from numerics import f32_tol
 
-from pagedserve.cupy_kernels.numba_cpu import gemm as numba_gemm, ops as numba_ops
+from pagedserve.cupy_kernels.numba_cpu import gemm as numba_gemm, ops as numba_ops, setup as numba_setup
 from pagedserve.cupy_kernels.reference import ops
 
 
@@ -73,7 +73,7 @@ def test_rows_are_batch_and_thread_invariant_bit_for_bit():
         numba.set_num_threads(1)
         one = numba_gemm.matmul_into  # the compiled kernel, on one thread
         out = np.empty((23, p.panels.shape[0] * p.panels.shape[2]), dtype=np.float32)  # whole panels (16/32 wide)
-        one(np.ascontiguousarray(x), p.panels, out, 1)
+        one(np.ascontiguousarray(x), p.panels, out, 1, 0)
     finally:
         numba.set_num_threads(threads)
     np.testing.assert_array_equal(out[:, :70], batch)
@@ -87,7 +87,7 @@ def test_rows_in_any_block_are_the_bits_of_a_lone_row(passes):
     m = 2 * numba_gemm.ROW_BLOCK + 7
     x = np.random.default_rng(6).standard_normal((m, 64)).astype(np.float32)
     out = np.empty((m, p.panels.shape[0] * p.panels.shape[2]), dtype=np.float32)
-    numba_gemm.matmul_into(x, p.panels, out, passes)
+    numba_gemm.matmul_into(x, p.panels, out, passes, 0)
     for r in (0, m // passes - 1, min(m // passes + 13, m - 1), m - 1):
         np.testing.assert_array_equal(numba_gemm.matmul(x[r : r + 1], p)[0], out[r, :40])
 
@@ -108,8 +108,8 @@ def test_row_passes_follow_the_l2(monkeypatch):
 
 
 def test_sysfs_cache_fields_parse():
-    assert [numba_gemm._size_bytes(t) for t in ("2048K\n", "1M", "512", "1G")] == [2 << 20, 1 << 20, 512, 1 << 30]
-    assert [numba_gemm._cpu_count(t) for t in ("0\n", "0-1", "0-3,8-11", "2,5")] == [1, 2, 8, 2]
+    assert [numba_setup._size_bytes(t) for t in ("2048K\n", "1M", "512", "1G")] == [2 << 20, 1 << 20, 512, 1 << 30]
+    assert [numba_setup._cpu_count(t) for t in ("0\n", "0-1", "0-3,8-11", "2,5")] == [1, 2, 8, 2]
 
 
 def _fake_cache(root, index, level, kind, size, shared):
@@ -132,15 +132,15 @@ def test_l2_bytes_reads_cpu0s_level_2_cache_per_sharing_cpu(tmp_path, monkeypatc
     _fake_cache(caches, 3, "3", "Unified", "32M", "0-15")
     real_glob = glob.glob
     monkeypatch.setattr(glob, "glob", lambda pattern: real_glob(str(caches / "index*")))
-    assert numba_gemm._l2_bytes() == 1 << 20  # 2 MB shared by 2 CPUs
+    assert numba_setup.l2_bytes() == 1 << 20  # 2 MB shared by 2 CPUs
     (caches / "index2" / "size").write_text("not a size\n")
-    assert numba_gemm._l2_bytes() == 0
+    assert numba_setup.l2_bytes() == 0
     empty = tmp_path / "empty"
     empty.mkdir()
     monkeypatch.setattr(glob, "glob", lambda pattern: real_glob(str(empty / "index*")))
-    assert numba_gemm._l2_bytes() == 0
+    assert numba_setup.l2_bytes() == 0
     monkeypatch.undo()
-    assert numba_gemm.L2_BYTES == numba_gemm._l2_bytes()  # the module's value is this machine's probe
+    assert numba_gemm.L2_BYTES == numba_setup.l2_bytes()  # the module's value is this machine's probe
 
 
 def test_bias_strided_input_and_bad_shapes():
@@ -188,3 +188,23 @@ def test_without_avx512_the_kernel_uses_16_column_panels_and_6_row_tiles(tmp_pat
     the smaller tile, and the results stay right (this machine runs AVX2 code too)."""
     proc = run_as_avx2(AVX2_CHECK, tmp_path)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("inter", [48, 40, 7])
+def test_gated_matmul_is_silu_and_mul_of_the_matmul_bit_for_bit(inter):
+    """pack_gated's panels hold gate and up columns side by side; the GEMM's tiles apply SiLU-and-mul before they
+    store: the bits of silu_and_mul on the plain GEMM's [gate | up] output, for every tile height and for an
+    intermediate size that does not fill the last panel."""
+    gate, up = weight(inter, 100, 11), weight(inter, 100, 12)
+    plain, gated = numba_gemm.pack_rows([gate, up]), numba_gemm.pack_gated(gate, up)
+    assert gated.gated and gated.shape == plain.shape == (100, 2 * inter)
+    np.testing.assert_array_equal(numba_gemm.unpack(gated), numba_gemm.unpack(plain))
+    x = np.random.default_rng(13).standard_normal((2 * numba_gemm.ROW_BLOCK + 23, 100)).astype(np.float32) * 3
+    for rows in (1, 2, 5, 8, 12, 13, 23, x.shape[0]):
+        got = numba_gemm.matmul_silu_and_mul(x[:rows], gated)
+        assert got.shape == (rows, inter)
+        np.testing.assert_array_equal(got, numba_ops.silu_and_mul(numba_gemm.matmul(x[:rows], plain)))
+    with pytest.raises(ValueError, match="gated"):
+        numba_gemm.matmul(x, gated)  # its columns are not [gate | up]
+    with pytest.raises(ValueError, match="not gated"):
+        numba_gemm.matmul_silu_and_mul(x, plain)

@@ -387,3 +387,20 @@ def test_exp_sum_has_fast_exps_bits_and_a_sum_fixed_by_the_row_alone(name):
             np.testing.assert_array_equal(again, out, err_msg=f"{offset=} {n=}")
             sums[offset, n] = out
     assert len(sums) == 40
+
+
+@pytest.mark.parametrize("rows", [1, 13, 130])
+def test_linear_silu_and_mul_on_a_gated_weight(rows):
+    """The numba set's gated gate_up (pack_weight(..., gated=True)): SiLU-and-mul in the GEMM, the bits of
+    silu_and_mul after linear on the plain panels; near the reference's composition on the [in, out] array."""
+    rng = np.random.default_rng(rows)
+    gate, up = (rng.standard_normal((2, 200, 64)) * 0.3).astype(np.float32)
+    x = rng.standard_normal((rows, 64)).astype(np.float32)
+    gated, plain = nb.pack_weight([gate, up], gated=True), nb.pack_weight([gate, up])
+    got = nb.linear_silu_and_mul(x, gated)
+    np.testing.assert_array_equal(got, nb.silu_and_mul(nb.linear(x, plain)))
+    np.testing.assert_array_equal(nb.linear_silu_and_mul(x, plain), got)  # plain panels: the composition
+    ref = ops.linear_silu_and_mul(x, np.concatenate([gate, up]).T)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
+    with pytest.raises(ValueError, match="gate, up"):
+        nb.pack_weight([gate], gated=True)
