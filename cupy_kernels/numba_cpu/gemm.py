@@ -167,16 +167,7 @@ def pack_gated(gate: np.ndarray, up: np.ndarray) -> PackedWeight:
 def matmul_silu_and_mul(x: np.ndarray, w: PackedWeight) -> np.ndarray:
     """silu(x @ gate.T) * (x @ up.T) for pack_gated's w, the SiLU in the GEMM's tiles (no [T, 2I] temporary):
     the same bits as ops.silu_and_mul(matmul(x, pack_rows([gate, up])))."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if not w.gated or x.ndim != 2 or x.shape[1] != w.in_features:
-        raise ValueError(f"gated linear: input of shape {x.shape} for a weight of [in, out] = {w.shape}"
-                         f"{'' if w.gated else ' (not gated)'}")
-    padded = w.panels.shape[0] * _LANES
-    out = np.empty((x.shape[0], padded), dtype=np.float32)
-    if x.shape[0]:
-        apply_threads(parallel=True)
-        matmul_into(x, w.panels, out, row_passes(x.shape[0], x.shape[1]), 1)
-    return out if padded == w.out_features // 2 else np.ascontiguousarray(out[:, : w.out_features // 2])
+    return _multiply(x, w, gated=True)
 
 
 def unpack(p: PackedWeight) -> np.ndarray:
@@ -372,20 +363,25 @@ def matmul_into(x, panels, out, passes, gated):
 
 def matmul(x: np.ndarray, w: PackedWeight, bias: np.ndarray | None = None) -> np.ndarray:
     """x [T, in] @ W.T (+ bias) -> [T, out] float32; ops.linear(x, unpack(w).T, bias) is the reference."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2 or x.shape[1] != w.in_features or w.gated:
-        raise ValueError(f"packed linear: input of shape {x.shape} for a weight of [in, out] = {w.shape}"
-                         f"{' (gated: matmul_silu_and_mul)' if w.gated else ''}")
-    padded = w.panels.shape[0] * PANEL
-    out = np.empty((x.shape[0], padded), dtype=np.float32)
-    if x.shape[0]:
-        apply_threads(parallel=True)
-        matmul_into(x, w.panels, out, row_passes(x.shape[0], x.shape[1]), 0)
-    if padded != w.out_features:
-        out = np.ascontiguousarray(out[:, : w.out_features])
+    out = _multiply(x, w, gated=False)
     if bias is not None:
         out += bias
     return out
+
+
+def _multiply(x: np.ndarray, w: PackedWeight, gated: bool) -> np.ndarray:
+    """matmul's output, or matmul_silu_and_mul's (gated: w must be pack_gated's, and only then)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != w.in_features or w.gated != gated:
+        raise ValueError(f"packed linear: input of shape {x.shape} for a weight of [in, out] = {w.shape}"
+                         + (" (gated: matmul_silu_and_mul)" if w.gated else " (not gated)" if gated else ""))
+    width = _LANES if gated else PANEL  # output columns per panel
+    out = np.empty((x.shape[0], w.panels.shape[0] * width), dtype=np.float32)
+    if x.shape[0]:
+        apply_threads(parallel=True)
+        matmul_into(x, w.panels, out, row_passes(x.shape[0], x.shape[1]), int(gated))
+    features = w.out_features // 2 if gated else w.out_features
+    return out if out.shape[1] == features else np.ascontiguousarray(out[:, :features])
 
 
 def warm_up() -> None:
