@@ -150,6 +150,8 @@ def plan_attention(query_shape, cache_shape, query_start_loc, seq_lens, block_ta
         np.cumsum(new, out=sub_qsl[1:])
         parallel, items, bounds = _cut_work(sub_qsl, lens[rest], int(np.dot(lens[rest], new)), num_heads, head_dim)
         items[:, 0] = rest[items[:, 0]]  # back to the batch's sequences (tokens count from a sequence's first row)
+        if items.shape[0] == 0:  # the others have no new tokens
+            parallel, items, bounds = False, None, None
     return AttentionPlan(sources, qsl, lens, tables, tuple(query_shape), tuple(cache_shape[:2]), long_chunks,
                          parallel, items, bounds)
 

@@ -213,6 +213,8 @@ def _prefill_item(w, panel_rows, query, start, n, first_pos, window, kp, vp, q_s
             out[start + t0 + r // group, h * group + r % group, d] = pv[r * width + d] * inv
 
 
+# The item is its own (serial) function, called by address from the prange (numba_attention's loop nest does
+# the same, for the same reason: compile time).
 _ITEM = numba.njit(**JIT)(_prefill_item)
 
 

@@ -228,3 +228,13 @@ def test_a_groups_rows_are_the_same_bits_however_the_sequences_are_grouped(monke
     for got in results[1:]:
         np.testing.assert_array_equal(got, results[0])
     close_to_reference(batch, results[0])
+
+
+def test_long_chunks_beside_sequences_without_new_tokens_leave_the_loop_nest_no_work():
+    """Only long chunks have rows: the plan gives the loop nest no work, and the result is the reference's."""
+    rng = np.random.default_rng(21)
+    batch = make_batch(rng, [(300, 0), (200, 200), (7, 0)], num_kv=3, group=3, head_dim=64, block_size=16)
+    q, k, v, qsl, lens, tables = batch
+    plan = na.plan_attention(q.shape, k.shape, qsl, lens, tables)
+    assert plan.long_chunks.tolist() == [False, True, False] and plan.items is None
+    close_to_reference(batch, na.paged_attention(q, k, v, qsl, lens, tables, 0.125, plan=plan))
