@@ -272,8 +272,8 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     if query.shape[0] == 0:
         return out
     if plan.long_chunks is not None:
-        prefill.prefill_batch(query, k_cache, v_cache, np.flatnonzero(plan.long_chunks), query_start_loc, seq_lens,
-                              block_tables, scale, out, window)
+        prefill.prefill_batch(query, k_cache, v_cache, plan.long_seqs, query_start_loc, seq_lens, block_tables, scale,
+                              out, window, plan.prefill_plans)
     if plan.items is None:
         return out
     apply_threads(plan.parallel)

@@ -13,7 +13,7 @@ consecutive items cut into CHUNKS_PER_THREAD chunks per thread of about equal co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -115,6 +115,9 @@ class AttentionPlan:
     parallel: bool  # the loop nest on all threads (numba_setup.apply_threads)
     items: np.ndarray | None  # the loop nest's work: every sequence but the long chunks (None: no work)
     bounds: np.ndarray | None
+    long_seqs: np.ndarray | None = None  # np.flatnonzero(long_chunks)
+    # numba_prefill's work for the long chunks, cut at the step's first layer (per window) for all of them
+    prefill_plans: dict = field(default_factory=dict, repr=False)
 
 
 def plan_attention(query_shape, cache_shape, query_start_loc, seq_lens, block_tables, *, copy: bool = True
@@ -153,7 +156,7 @@ def plan_attention(query_shape, cache_shape, query_start_loc, seq_lens, block_ta
         if items.shape[0] == 0:  # the others have no new tokens
             parallel, items, bounds = False, None, None
     return AttentionPlan(sources, qsl, lens, tables, tuple(query_shape), tuple(cache_shape[:2]), long_chunks,
-                         parallel, items, bounds)
+                         parallel, items, bounds, None if long_chunks is None else np.flatnonzero(long_chunks))
 
 
 def _cut_work(query_start_loc, seq_lens, context_macs: int, num_heads: int, head_dim: int):

@@ -302,12 +302,14 @@ def _pairs(counts):
 
 
 def prefill_batch(query, k_cache, v_cache, seqs, query_start_loc, seq_lens, block_tables, scale: float, out,
-                  window: int = 0) -> None:
+                  window: int = 0, plans: dict | None = None) -> None:
     """out rows of sequences `seqs` (the batch's indices: checked metadata, int64) = attention of their new
     tokens (the last of their seq_lens positions) over their contexts, causal within the chunk; with a sliding
     window (window > 0), over the keys from the oldest the chunk's first token sees (none before it is read).
     One parallel gather and one parallel pass over the work items per group of sequences (_groups): 16 prompts of
-    128 tokens, one call each, had cost two thread-pool wake-ups and the Python around them per sequence."""
+    128 tokens, one call each, had cost two thread-pool wake-ups and the Python around them per sequence.
+    plans: a dict the caller keeps for one step's metadata (AttentionPlan.prefill_plans), where the groups' work
+    is cut once for all of the step's layers instead of once a layer."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     group_size = num_heads // num_kv_heads
@@ -317,8 +319,14 @@ def prefill_batch(query, k_cache, v_cache, seqs, query_start_loc, seq_lens, bloc
     tile_tokens = TILE_TOKENS
     # Scores in log2 units, so the softmax takes 2^x (fast_exp2, cheaper than exp): the same weights.
     q_scale = np.float32(scale * LOG2_E)
-    for group in _groups(np.asarray(seqs, dtype=np.int64), query_start_loc, seq_lens, window):
-        meta, tasks, work, panel_floats = _plan(group, num_kv_heads, head_dim, value_panels, tile_tokens)
+    key = (window, num_kv_heads, head_dim, tile_tokens, GROUP_KEYS)
+    cut = None if plans is None else plans.get(key)
+    if cut is None:
+        cut = [_plan(group, num_kv_heads, head_dim, value_panels, tile_tokens)
+               for group in _groups(np.asarray(seqs, dtype=np.int64), query_start_loc, seq_lens, window)]
+        if plans is not None:
+            plans[key] = cut
+    for meta, tasks, work, panel_floats in cut:
         rows = int(meta[:, _TILE].max()) * group_size
         kv, qs, ss, pvs, dens = _workspace(panel_floats, rows, int(meta[:, _PANELS].max()) * PANEL,
                                            value_panels * PANEL, head_dim, threads)

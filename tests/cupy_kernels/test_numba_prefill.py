@@ -238,3 +238,19 @@ def test_long_chunks_beside_sequences_without_new_tokens_leave_the_loop_nest_no_
     plan = na.plan_attention(q.shape, k.shape, qsl, lens, tables)
     assert plan.long_chunks.tolist() == [False, True, False] and plan.items is None
     close_to_reference(batch, na.paged_attention(q, k, v, qsl, lens, tables, 0.125, plan=plan))
+
+
+def test_a_steps_plan_cuts_the_long_chunks_work_once_for_all_its_layers(monkeypatch):
+    """The long chunks' groups and work items are cut at the first layer and kept in the step's plan: later
+    layers (other caches, the same metadata) reuse them and get what a call without the plan gets."""
+    rng = np.random.default_rng(30)
+    batch = make_batch(rng, [(128, 128), (300, 40), (40, 1)], num_kv=3, group=3, head_dim=64, block_size=16)
+    q, k, v, qsl, lens, tables = batch
+    cuts = []
+    real = npf._groups
+    monkeypatch.setattr(npf, "_groups", lambda *a: cuts.append(1) or real(*a))
+    plan = na.plan_attention(q.shape, k.shape, qsl, lens, tables)
+    layers = [na.paged_attention(q, k * s, v * s, qsl, lens, tables, 0.125, plan=plan) for s in (1.0, 0.5, 2.0)]
+    assert len(cuts) == 1 and len(plan.prefill_plans) == 1
+    for s, got in zip((1.0, 0.5, 2.0), layers):
+        np.testing.assert_array_equal(got, na.paged_attention(q, k * s, v * s, qsl, lens, tables, 0.125))
