@@ -57,7 +57,7 @@ def linear(x: np.ndarray, weight_t, bias: np.ndarray | None = None, quant=None) 
     instead of 4; unless PAGEDSERVE_BATCH_INVARIANT), anything else by the packed GEMM (numba_gemm.py). A
     plain [in, out] array (a weight of another dtype) takes numpy's matmul."""
     if isinstance(weight_t, numba_gemm.PackedWeight):
-        if quant is not None and x.shape[0] <= numba_quant.QUANT_MAX_ROWS and not numba_setup.BATCH_INVARIANT:
+        if _reads_blocks(x, quant):
             return numba_quant.linear(x, quant, bias)
         return numba_gemm.matmul(x, weight_t, bias)
     return ops.linear(x, weight_t, bias)
@@ -82,11 +82,16 @@ def linear_silu_and_mul(x: np.ndarray, weight_t, quant=None) -> np.ndarray:
     """ops.linear_silu_and_mul: on a gated weight (pack_weight(..., gated=True)) the SiLU-and-mul runs in the
     GEMM's tiles, before they store (numba_gemm.matmul_silu_and_mul: the same bits, and no [T, 2I] temporary
     written and read again); few rows with GGUF blocks take the blocks, then silu_and_mul, as linear does."""
-    if isinstance(weight_t, numba_gemm.PackedWeight) and weight_t.gated:
-        if quant is not None and x.shape[0] <= numba_quant.QUANT_MAX_ROWS and not numba_setup.BATCH_INVARIANT:
-            return silu_and_mul(numba_quant.linear(x, quant))
-        return numba_gemm.matmul_silu_and_mul(x, weight_t)
-    return silu_and_mul(linear(x, weight_t, quant=quant))
+    if not (isinstance(weight_t, numba_gemm.PackedWeight) and weight_t.gated):
+        return silu_and_mul(linear(x, weight_t, quant=quant))
+    if _reads_blocks(x, quant):
+        return silu_and_mul(numba_quant.linear(x, quant))
+    return numba_gemm.matmul_silu_and_mul(x, weight_t)
+
+
+def _reads_blocks(x: np.ndarray, quant) -> bool:
+    """Whether a matmul of x reads the weight's GGUF blocks (numba_quant) rather than its panels."""
+    return quant is not None and x.shape[0] <= numba_quant.QUANT_MAX_ROWS and not numba_setup.BATCH_INVARIANT
 
 
 # -- add + RMSNorm ------------------------------------------------------------------------------------

@@ -28,6 +28,13 @@ def close_to_reference(batch, got):
     np.testing.assert_allclose(got, ref, rtol=0, atol=tol)
 
 
+def same_bits_near_the_reference(batch, results):
+    """Every result (one per setting tried) the first one's bits, and that one close to the reference."""
+    for got in results[1:]:
+        np.testing.assert_array_equal(got, results[0])
+    close_to_reference(batch, results[0])
+
+
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_long_chunks_match_the_reference(group, block_size, monkeypatch):
@@ -61,9 +68,7 @@ def test_a_rows_bits_do_not_depend_on_its_tile(seq, monkeypatch):
         monkeypatch.setattr(npf, "TILE_TOKENS", tile)
         assert npf.takes_matmul_path(np.array([seq[1]]), np.array([seq[0]])).all()
         results.append(na.paged_attention(*batch, 0.125))
-    for got in results[1:]:
-        np.testing.assert_array_equal(got, results[0])
-    close_to_reference(batch, results[0])
+    same_bits_near_the_reference(batch, results)
 
 
 def test_a_mixed_batch_routes_each_sequence_and_matches():
@@ -225,9 +230,7 @@ def test_a_groups_rows_are_the_same_bits_however_the_sequences_are_grouped(monke
         monkeypatch.setattr(npf, "GROUP_KEYS", keys)
         assert len(npf._groups(chosen, qsl.astype(np.int64), lens.astype(np.int64), 0)) == groups
         results.append(na.paged_attention(*batch, 0.125))
-    for got in results[1:]:
-        np.testing.assert_array_equal(got, results[0])
-    close_to_reference(batch, results[0])
+    same_bits_near_the_reference(batch, results)
 
 
 def test_long_chunks_beside_sequences_without_new_tokens_leave_the_loop_nest_no_work():
