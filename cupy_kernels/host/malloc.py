@@ -21,6 +21,8 @@ import ctypes
 import os
 import platform
 
+import numpy as np
+
 MMAP_THRESHOLD = 256 << 20  # bytes: allocations up to this size come from the heap
 TRIM_THRESHOLD = 1 << 30  # bytes free at a heap's top before glibc returns them to the kernel
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
@@ -44,3 +46,23 @@ def tune_malloc() -> dict:
               and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1)
         _result = {"malloc_tuned": ok, "malloc_reason": "mallopt" if ok else "mallopt refused"}
     return dict(_result)
+
+
+CACHE_LINE = 64  # bytes
+
+
+def aligned_empty(shape, dtype=np.float32, align: int = CACHE_LINE) -> np.ndarray:
+    """np.empty(shape, dtype) starting on an `align`-byte boundary (a cache line by default). malloc gives 16:
+    a packed GEMM's 64-byte panel loads and tile stores then straddle two cache lines each (numba_gemm.py)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    buf = np.empty(nbytes + align, dtype=np.uint8)
+    start = -buf.ctypes.data % align
+    return buf[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def aligned_zeros(shape, dtype=np.float32, align: int = CACHE_LINE) -> np.ndarray:
+    """aligned_empty, zeroed."""
+    out = aligned_empty(shape, dtype, align)
+    out.fill(0)
+    return out

@@ -42,6 +42,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from ..host.malloc import aligned_empty, aligned_zeros
 from .setup import CODE_PATH, JIT_EXACT, apply_threads, l2_bytes, numba
 
 # The tile must fit the vector registers: AVX-512 has 32 of 16 floats, an 8 x 32 tile takes 16 (+2 for the
@@ -134,7 +135,7 @@ def pack_rows(parts) -> PackedWeight:
     if any(w.shape[0] % PANEL for w in parts[:-1]):
         parts = [np.concatenate(parts)]
     out, k = sum(w.shape[0] for w in parts), parts[0].shape[1]
-    panels = np.zeros((-(-out // PANEL), k, PANEL), dtype=np.float32)
+    panels = aligned_zeros((-(-out // PANEL), k, PANEL))
     at = 0  # the part's first panel
     for w in parts:
         full = w.shape[0] // PANEL
@@ -155,7 +156,7 @@ def pack_gated(gate: np.ndarray, up: np.ndarray) -> PackedWeight:
         raise ValueError(f"a gated weight needs gate and up of one [out, in] shape, got {gate.shape}, {up.shape}")
     inter, k = gate.shape
     count = -(-inter // _LANES)
-    panels = np.zeros((count, k, PANEL), dtype=np.float32)
+    panels = aligned_zeros((count, k, PANEL))
     for half, w in enumerate((gate, up)):
         padded = np.zeros((count * _LANES, k), dtype=np.float32)
         padded[:inter] = w
@@ -376,7 +377,7 @@ def _multiply(x: np.ndarray, w: PackedWeight, gated: bool) -> np.ndarray:
         raise ValueError(f"packed linear: input of shape {x.shape} for a weight of [in, out] = {w.shape}"
                          + (" (gated: matmul_silu_and_mul)" if w.gated else " (not gated)" if gated else ""))
     width = _LANES if gated else PANEL  # output columns per panel
-    out = np.empty((x.shape[0], w.panels.shape[0] * width), dtype=np.float32)
+    out = aligned_empty((x.shape[0], w.panels.shape[0] * width))
     if x.shape[0]:
         apply_threads(parallel=True)
         matmul_into(x, w.panels, out, row_passes(x.shape[0], x.shape[1]), int(gated))

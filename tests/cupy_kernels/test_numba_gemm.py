@@ -14,6 +14,7 @@ import pytest
 from code_paths import run_as_avx2
 from numerics import f32_tol
 
+from pagedserve.cupy_kernels.host import malloc
 from pagedserve.cupy_kernels.numba_cpu import gemm as numba_gemm, ops as numba_ops, setup as numba_setup
 from pagedserve.cupy_kernels.reference import ops
 
@@ -29,6 +30,27 @@ def test_pack_round_trip_and_shape(out):
     assert p.shape == (24, out) and p.dtype == np.float32 and not p.panels.flags.writeable
     assert p.panels.shape == (-(-out // numba_gemm.PANEL), 24, numba_gemm.PANEL)
     np.testing.assert_array_equal(numba_gemm.unpack(p), w)
+
+
+def test_panels_and_outputs_start_on_a_cache_line():
+    """The kernel's 64-byte panel loads and tile stores each stay within one cache line: the panels (plain and
+    gated) and the output start on a 64-byte boundary, whatever malloc returned."""
+    rng = np.random.default_rng(3)
+    for out, inp, rows in ((40, 8, 11), (576, 576, 37), (960, 64, 1)):
+        w = numba_gemm.pack(rng.standard_normal((out, inp), dtype=np.float32))
+        gated = numba_gemm.pack_gated(*rng.standard_normal((2, out, inp), dtype=np.float32))
+        x = rng.standard_normal((rows, inp), dtype=np.float32)
+        for p in (w, gated):
+            assert p.panels.ctypes.data % 64 == 0 and p.panels.flags.c_contiguous
+        y = numba_gemm.matmul(x, w)
+        assert y.ctypes.data % 64 == 0 or out % numba_gemm.PANEL  # a sliced output is a copy of numpy's
+        ref = x @ numba_gemm.unpack(w).T
+        np.testing.assert_allclose(y, ref, rtol=0, atol=f32_tol(np.abs(x).max() * np.abs(w.panels).max() * inp, inp))
+    for shape, dtype in (((3, 5), np.float32), ((7,), np.int64), ((0, 4), np.float32)):
+        a = malloc.aligned_empty(shape, dtype)
+        z = malloc.aligned_zeros(shape, dtype)
+        assert a.shape == z.shape == shape and a.dtype == z.dtype == dtype and a.flags.c_contiguous
+        assert not z.any() and (a.size == 0 or (a.ctypes.data % 64 == 0 and z.ctypes.data % 64 == 0))
 
 
 @pytest.mark.parametrize("outs", [(64, 32, 32), (64, 40), (40, 64, 32), (7,), (96, 96, 5)])
