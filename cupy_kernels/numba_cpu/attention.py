@@ -101,6 +101,17 @@ def _accumulate(s, acc, v_cache, r, block, h, off, j, nv, head_dim):
                 acc[r, d] += p * v_cache[block, jj, h, d]
 
 
+@numba.njit(inline="always", **JIT)
+def _scratch(rows, cols):
+    """A float32 [rows, cols] scratch array starting on a cache line: numba's own arrays start on 32 bytes, and
+    then every 64-byte load and store of a query or acc row in the vector runs straddled two lines (a
+    256-sequence decode step over 30 layers' pools 94.7 / 96.1 -> 93.4 / 94.7 ms; from cache 36.0 / 48.6 ->
+    33.2 / 37.1 ms)."""
+    buf = np.empty(rows * cols + 16, dtype=np.float32)
+    at = (-ir_loops.address(buf) % 64) // 4
+    return buf[at:at + rows * cols].reshape((rows, cols))
+
+
 def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window, items,
                      bounds, out):
     """Chunk c of the work: its items one after the other. window: the sliding window (0: none)."""
@@ -118,11 +129,11 @@ def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, bloc
     max_rows = 0
     for w in range(bounds[c], bounds[c + 1]):
         max_rows = max(max_rows, (items[w, 2] - items[w, 1]) * num_heads)
-    q = np.empty((max_rows, head_dim), dtype=np.float32)
-    acc = np.empty((max_rows, head_dim), dtype=np.float32)
+    q = _scratch(max_rows, head_dim)
+    acc = _scratch(max_rows, head_dim)
     m = np.empty(max_rows, dtype=np.float32)
     den = np.empty(max_rows, dtype=np.float32)
-    s = np.empty((max_rows, K_SEGMENT), dtype=np.float32)
+    s = _scratch(max_rows, K_SEGMENT)
     for w in range(bounds[c], bounds[c + 1]):
         seq, t0, t1 = items[w, 0], items[w, 1], items[w, 2]
         start = query_start_loc[seq]
