@@ -1,8 +1,9 @@
-"""numba versions of the elementwise ops in ops.py (fused add+RMSNorm, rotary, SiLU-and-mul) and the KV
-cache write of paged_attention.py, and the CPU set's linear (weights packed at load: numba_gemm.py; a few
-rows by GGUF blocks: numba_quant.py). Same signatures and results as those numpy
-references, within float32 rounding; tests/cupy_kernels/test_numba_ops.py compares them. The numerics the
-kernels share (fast_exp, fast_exp2, row_max) are in numerics.py, and importable from here.
+"""numba versions of the elementwise ops in ops.py (fused add+RMSNorm, rotary, SiLU-and-mul), the KV
+cache writes of paged_attention.py (cache_write.py, importable from here), and the CPU set's linear
+(weights packed at load: numba_gemm.py; a few rows by GGUF blocks: numba_quant.py). Same signatures and
+results as those numpy references, within float32 rounding; tests/cupy_kernels/test_numba_ops.py compares
+them. The numerics the kernels share (fast_exp, fast_exp2, row_max) are in numerics.py, and importable from
+here.
 
 Why compile these at all: the numpy versions make several passes over [T, hidden] activations with a
 temporary each (add, square, sum, divide, multiply; negate, exp, add, divide, multiply) while one loop here
@@ -21,12 +22,12 @@ from __future__ import annotations
 import numpy as np
 
 from . import gemm as numba_gemm, quant as numba_quant, setup as numba_setup
-from ..batch_checks import check_slot_mapping
 from ..reference import ops
 from .attention_ir import address
+# The KV cache writes, a kernel set's ops like the others (cache_write.py)
+from .cache_write import reshape_and_cache, rotary_and_cache  # noqa: F401
 # fast_exp2 and row_max: read from here too
-from .numerics import (fast_exp, fast_exp2, rotate, row_argmax, row_max, silu_mul, store_fence,  # noqa: F401
-                       stream_copy)
+from .numerics import fast_exp, fast_exp2, rotate, row_argmax, row_max, silu_mul  # noqa: F401
 from .setup import JIT, JIT_EXACT, apply_threads, numba
 
 # Rows from which the elementwise kernels use numba's thread pool (prange). SiLU-and-mul does ~3 ns of work
@@ -185,110 +186,6 @@ def silu_and_mul(x: np.ndarray) -> np.ndarray:
     x = np.ascontiguousarray(x)  # (the kernel reads it by address)
     out = np.empty((x.shape[0], x.shape[1] // 2), dtype=_F32)
     _threads_for(_SILU_AND_MUL, x.shape[0], SILU_PARALLEL_MIN_ROWS)(x, out)
-    return out
-
-
-# -- KV cache write ----------------------------------------------------------------------------------
-
-
-@numba.njit(**JIT_EXACT)
-def _reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
-    block_size = k_cache.shape[1]
-    for t in range(key.shape[0]):
-        slot = slot_mapping[t]
-        if slot < 0:
-            continue
-        b, r = slot // block_size, slot % block_size
-        for h in range(key.shape[1]):  # element loops: numba's slice assignment costs ~0.5 us per call
-            kd, vd, ks, vs = k_cache[b, r, h], v_cache[b, r, h], key[t, h], value[t, h]
-            for d in range(key.shape[2]):
-                kd[d] = ks[d]
-                vd[d] = vs[d]
-
-
-def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """paged_attention.reshape_and_cache without the fancy-index temporaries: each new row is copied
-    straight from the qkv projection (key/value are strided views of it) into its slot."""
-    if key.dtype != k_cache.dtype or k_cache.dtype != _F32:
-        from ..reference import paged_attention
-
-        return paged_attention.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
-    slot_mapping = np.asarray(slot_mapping, dtype=np.int64)
-    check_slot_mapping(slot_mapping, k_cache.shape[0] * k_cache.shape[1], "reshape_and_cache")
-    _reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
-
-
-@numba.njit(**JIT_EXACT)
-def _rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping, out, stream):
-    """Serial: a step's rotations are ~12 x head_dim products a token (microseconds even for a 256-token
-    chunk, against its matmuls' hundreds of ms), and a parallel kernel of this compiles several times as long
-    and costs more a call on one thread. Each head is rotated by numerics.rotate (vector IR) straight from the
-    C-contiguous qkv: the query into `out`, the key into a scratch row copied to its cache slot with the
-    value (numba's loop over a head's 32 pairs spent more in run-time alias checks than in the products: a
-    256-token decode step's 30 layers 52 -> 29 us a layer without the cache writes). `stream`: the key and value
-    rows go to their slots as whole lines by non-temporal stores, which do not read the line from memory first:
-    a decode step writes to slots all over a pool far larger than the caches (256 tokens into SmolLM2's 4 GiB
-    pool: 149-175 -> 83-94 us a layer; a prefill of 16 prompts of 128 tokens 772-815 -> 668 us)."""
-    head_dim = k_cache.shape[3]
-    half = head_dim // 2
-    k_start = num_heads * head_dim
-    v_start = k_start + num_kv_heads * head_dim
-    block_size = k_cache.shape[1]
-    src, cs, sn = address(qkv), address(cos), address(sin)
-    key = np.empty(head_dim, dtype=np.float32)  # a rotated key, then copied to its slot (a cache of any layout)
-    q_out, k_out = address(out), address(key)
-    k_at, v_at = np.int64(k_cache.ctypes.data), np.int64(v_cache.ctypes.data)  # for stream_copy
-    width, cs_width = qkv.shape[1], cos.shape[1]
-    for t in range(qkv.shape[0]):
-        for h in range(num_heads):
-            rotate(src, t * width + h * head_dim, cs, sn, t * cs_width, q_out, (t * num_heads + h) * head_dim, half)
-        slot = slot_mapping[t]
-        if slot < 0:
-            continue
-        b, r = slot // block_size, slot % block_size
-        for h in range(num_kv_heads):  # the rotated key into its slot, then the value
-            rotate(src, t * width + k_start + h * head_dim, cs, sn, t * cs_width, k_out, 0, half)
-            a = v_start + h * head_dim
-            if stream:  # whole 64-byte lines, streamed to memory without reading them first
-                row = 4 * (slot * num_kv_heads * head_dim + h * head_dim)
-                stream_copy(k_out, k_at + row, head_dim)
-                stream_copy(src + 4 * (t * width + a), v_at + row, head_dim)
-            else:
-                for d in range(head_dim):
-                    k_cache[b, r, h, d] = key[d]
-                    v_cache[b, r, h, d] = qkv[t, a + d]
-    if stream:
-        store_fence()
-
-
-def rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping) -> np.ndarray:
-    """paged_attention.rotary_and_cache in one compiled pass over qkv (apply_rotary on the query and key
-    heads, reshape_and_cache of the rotated key and the value), with the same bits."""
-    if not (qkv.dtype == k_cache.dtype == v_cache.dtype == _F32):
-        from ..reference import paged_attention
-
-        return paged_attention.rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache,
-                                                slot_mapping)
-    # The loop trusts these shapes (no bounds checks): checked here.
-    if (qkv.ndim != 2 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2] != num_kv_heads
-            or num_heads < 1 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * k_cache.shape[3]
-            or k_cache.shape[3] % 2 or cos.shape != sin.shape or cos.ndim != 2 or cos.shape[0] < qkv.shape[0]
-            or cos.shape[1] < k_cache.shape[3] // 2):
-        raise ValueError(f"rotary_and_cache: qkv {qkv.shape} of {num_heads} query and {num_kv_heads} kv heads, cos "
-                         f"{cos.shape}, sin {sin.shape} and caches {k_cache.shape}, {v_cache.shape} do not fit")
-    t = qkv.shape[0]
-    slot_mapping = np.asarray(slot_mapping, dtype=np.int64)
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    if slot_mapping.shape != (t,):
-        raise ValueError(f"rotary_and_cache: slot_mapping {slot_mapping.shape} for {t} tokens")
-    check_slot_mapping(slot_mapping, num_slots, "rotary_and_cache")
-    out = np.empty((t, num_heads, k_cache.shape[3]), dtype=_F32)
-    # Rows of whole 64-byte lines in C-contiguous caches on a 64-byte boundary (the KV pool's: a page) are
-    # streamed (numerics.stream_copy); other caches are written element by element.
-    stream = bool(k_cache.shape[3] % 16 == 0 and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous
-                  and k_cache.ctypes.data % 64 == 0 and v_cache.ctypes.data % 64 == 0)
-    _rotary_and_cache(np.ascontiguousarray(qkv), num_heads, num_kv_heads, np.ascontiguousarray(cos),
-                      np.ascontiguousarray(sin), k_cache, v_cache, slot_mapping, out, stream)
     return out
 
 

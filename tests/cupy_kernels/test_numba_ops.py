@@ -96,6 +96,26 @@ def test_rotary_and_cache_matches_the_two_ops(rows):
         np.testing.assert_array_equal(again_k, ref_k)
 
 
+def test_rotary_and_cache_on_threads_writes_what_one_thread_does(monkeypatch):
+    """From PARALLEL_MIN_TOKENS tokens the step is shared out over the threads (token ranges): the same bits as
+    the reference, and as the same call on one thread."""
+    from pagedserve.cupy_kernels.numba_cpu import cache_write
+
+    rows = cache_write.PARALLEL_MIN_TOKENS + 5
+    qkv, cos, sin, (k0, v0), slots = _rotary_and_cache_case(rows, block_size=64)
+    ref_k, ref_v = k0.copy(), v0.copy()
+    ref_q = pa.rotary_and_cache(qkv, HEADS, KV_HEADS, cos, sin, ref_k, ref_v, slots)
+    results = []
+    for threshold in (cache_write.PARALLEL_MIN_TOKENS, rows + 1):  # shared out; one thread
+        monkeypatch.setattr(cache_write, "PARALLEL_MIN_TOKENS", threshold)
+        k, v = k0.copy(), v0.copy()
+        results.append((nb.rotary_and_cache(qkv, HEADS, KV_HEADS, cos, sin, k, v, slots), k, v))
+    for q, k, v in results:
+        np.testing.assert_array_equal(q, ref_q)
+        np.testing.assert_array_equal(k, ref_k)
+        np.testing.assert_array_equal(v, ref_v)
+
+
 @pytest.mark.parametrize("head_dim", [8, 40, 96])
 def test_rotary_and_cache_vector_and_scalar_pairs(head_dim):
     """Head dims whose half is below, between and at multiples of the rotation's 16 lanes: the same bits as the
