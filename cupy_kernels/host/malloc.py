@@ -18,6 +18,7 @@ start) keeps them, and on a C library other than glibc nothing changes.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import platform
 
@@ -53,9 +54,11 @@ CACHE_LINE = 64  # bytes
 
 def aligned_empty(shape, dtype=np.float32, align: int = CACHE_LINE) -> np.ndarray:
     """np.empty(shape, dtype) starting on an `align`-byte boundary (a cache line by default). malloc gives 16:
-    a packed GEMM's 64-byte panel loads and tile stores then straddle two cache lines each (numba_gemm.py)."""
+    a packed GEMM's 64-byte panel loads and tile stores then straddle two cache lines each (numba_gemm.py).
+    ~1.8 us a call against np.empty's 0.2 (reading the address costs most)."""
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    nbytes = math.prod(shape) * dtype.itemsize
     buf = np.empty(nbytes + align, dtype=np.uint8)
     start = -buf.ctypes.data % align
     return buf[start:start + nbytes].view(dtype).reshape(shape)
