@@ -59,6 +59,10 @@ class KernelSet:
     # np.argmax(logits, axis=1) for the sampler's greedy rows, where this set has a faster one (numba: the rows
     # over the threads, in vector lanes); None: the sampler's array module's argmax.
     argmax_rows: Callable[..., Any] | None = None
+    # residual += linear(x, weight_t) in place, where this set adds in its GEMM's tiles (numba: no [T, hidden]
+    # output written and read back by add_rms_norm); None: the model adds in add_rms_norm (ops.linear_add is the
+    # reference).
+    linear_add: Callable[..., Any] | None = None
 
 
 # The op names every kernel set provides, in the order of a forward pass.
@@ -71,7 +75,8 @@ _DEVICE_ARG = {f.name: f.metadata["device_arg"] for f in fields(KernelSet)
                if f.metadata.get("device_arg") is not None}
 
 
-def _from_modules(name: str, *modules: Any, attention_cost: float = 1.0, argmax_rows: Any = None) -> KernelSet:
+def _from_modules(name: str, *modules: Any, attention_cost: float = 1.0, argmax_rows: Any = None,
+                  linear_add: Any = None) -> KernelSet:
     """Each op from the first module that defines it."""
     def pick(op: str) -> Callable[..., Any]:
         for m in modules:
@@ -80,7 +85,8 @@ def _from_modules(name: str, *modules: Any, attention_cost: float = 1.0, argmax_
                 return fn
         raise AssertionError(f"kernel set {name}: no module defines {op}")
 
-    return KernelSet(name, **{op: pick(op) for op in OP_NAMES}, attention_cost=attention_cost, argmax_rows=argmax_rows)
+    return KernelSet(name, **{op: pick(op) for op in OP_NAMES}, attention_cost=attention_cost, argmax_rows=argmax_rows,
+                     linear_add=linear_add)
 
 
 @functools.lru_cache(maxsize=None)
@@ -143,7 +149,7 @@ def _numba_started() -> KernelSet:
     thread.start()
     _compile_thread.append(thread)
     return _from_modules("numba", numba_ops, numba_attention, ops, paged_attention, attention_cost=NUMBA_ATTENTION_COST,
-                         argmax_rows=numba_ops.argmax_rows)
+                         argmax_rows=numba_ops.argmax_rows, linear_add=numba_ops.linear_add)
 
 
 def finish_numba_warm_up() -> None:

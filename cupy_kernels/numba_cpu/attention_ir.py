@@ -30,7 +30,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from .gemm import AVX512, lane_sums, splat
+from .gemm import AVX512
+from .vector_ir import lane_sums, splat
 
 LANES = 16 if AVX512 else 8  # float32 lanes per vector piece of head_dim
 RUN = 8  # keys per call (numba_attention.RUN)

@@ -44,6 +44,8 @@ from numba.extending import intrinsic
 
 from ..host.malloc import aligned_empty, aligned_zeros
 from .setup import CODE_PATH, JIT_EXACT, apply_threads, l2_bytes, numba
+from .numerics import silu_mul_ir
+from .vector_ir import splat
 
 # The tile must fit the vector registers: AVX-512 has 32 of 16 floats, an 8 x 32 tile takes 16 (+2 for the
 # panel row, +1 broadcast), a 12 x 32 one 24 (_BIG_ROWS). AVX2 has 16 of 8 floats: a 6 x 16 tile (12 + 2
@@ -82,6 +84,9 @@ MAX_ROW_BLOCK = 480
 
 
 L2_BYTES = l2_bytes()
+# What a tile stores (the `mode` argument of the kernels): its products, silu(gate) * up of pack_gated's panels,
+# or its products added to what C holds.
+PLAIN, GATED, ADD = 0, 1, 2
 
 
 def row_passes(m: int, k: int) -> int:
@@ -168,7 +173,7 @@ def pack_gated(gate: np.ndarray, up: np.ndarray) -> PackedWeight:
 def matmul_silu_and_mul(x: np.ndarray, w: PackedWeight) -> np.ndarray:
     """silu(x @ gate.T) * (x @ up.T) for pack_gated's w, the SiLU in the GEMM's tiles (no [T, 2I] temporary):
     the same bits as ops.silu_and_mul(matmul(x, pack_rows([gate, up])))."""
-    return _multiply(x, w, gated=True)
+    return _multiply(x, w, GATED)
 
 
 def unpack(p: PackedWeight) -> np.ndarray:
@@ -180,42 +185,6 @@ def unpack(p: PackedWeight) -> np.ndarray:
     return np.ascontiguousarray(p.panels.transpose(0, 2, 1).reshape(count * PANEL, k)[: p.out_features])
 
 
-def splat(builder, value, vec_t):
-    """LLVM IR: a vector of vec_t with `value` in every lane (for the intrinsics here, in numba_quant and in
-    numba_attention_ir)."""
-    undef = ir.Constant(vec_t, ir.Undefined)
-    first = builder.insert_element(undef, value, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(first, undef, ir.Constant(ir.VectorType(ir.IntType(32), vec_t.count),
-                                                            [0] * vec_t.count))
-
-
-def lane_sums(builder, vectors):
-    """LLVM IR: the lane sums of len(vectors) (a power of two, at most their lane count) equal-width float
-    vectors, as one vector with vector k's sum in lane k; a fixed order of additions, so a fixed rounding
-    (numba_quant's row totals, numba_attention_ir's dot products). Each level pairs the vectors up and, per
-    pair, gathers the first half of every sum's lanes of both into one vector and the second halves into
-    another, and adds the two: the lanes per sum and the number of vectors halve. With one vector left, it
-    folds into itself until one lane per sum remains (for a single vector: pairwise halving)."""
-    i32, lanes = ir.IntType(32), vectors[0].type.count
-    sums, width, vecs = 1, lanes, list(vectors)  # each vector holds `sums` sums of `width` lanes, sum-major
-
-    def halves():
-        lo = [g * width + i for g in range(sums) for i in range(width // 2)]
-        return lo, [i + width // 2 for i in lo]
-
-    while len(vecs) > 1:
-        masks = [ir.Constant(ir.VectorType(i32, lanes), m + [lanes + i for i in m]) for m in halves()]
-        vecs = [builder.fadd(*(builder.shuffle_vector(a, b, m) for m in masks)) for a, b in zip(vecs[0::2], vecs[1::2])]
-        sums, width = sums * 2, width // 2
-    vec = vecs[0]
-    while width > 1:
-        vec = builder.fadd(*(builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(i32, len(m)), m))
-                             for m in halves()))
-        width //= 2
-    assert sums == len(vectors) == vec.type.count
-    return vec
-
-
 def _tile_kernel(rows: int):
     """An intrinsic tile(a, a_at, lda, b, b_at, k, c, c_at, ldc, pf_at, pf_rate): C[rows, 32] = A[rows, :k] @
     panel, with A's row r at a[a_at + r lda], the panel at b[b_at:] ([k, 32]), C's row r at c[c_at + r ldc];
@@ -223,18 +192,16 @@ def _tile_kernel(rows: int):
     panel: _panel_rows)."""
 
     @intrinsic
-    def tile(typingctx, a, a_at, lda, b, b_at, k, c, c_at, ldc, pf_at, pf_rate, gated):
+    def tile(typingctx, a, a_at, lda, b, b_at, k, c, c_at, ldc, pf_at, pf_rate, mode):
         for arr in (a, b, c):
             if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.layout == "C"
                     and arr.dtype == types.float32):
                 return None
-        if not all(isinstance(v, types.Integer) for v in (a_at, lda, b_at, k, c_at, ldc, pf_at, pf_rate, gated)):
+        if not all(isinstance(v, types.Integer) for v in (a_at, lda, b_at, k, c_at, ldc, pf_at, pf_rate, mode)):
             return None
-        sig = types.void(a, a_at, lda, b, b_at, k, c, c_at, ldc, pf_at, pf_rate, gated)
+        sig = types.void(a, a_at, lda, b, b_at, k, c, c_at, ldc, pf_at, pf_rate, mode)
 
         def codegen(context, builder, signature, args):
-            from .numerics import silu_mul_ir  # (numerics imports this module's IR helpers)
-
             def data(i):
                 return context.make_array(signature.args[i])(context, builder, args[i]).data
 
@@ -242,7 +209,7 @@ def _tile_kernel(rows: int):
                 return context.cast(builder, args[i], signature.args[i], types.intp)
 
             a_ptr, b_ptr, c_ptr = data(0), data(3), data(6)
-            a_at, lda, b_at, k_v, c_at, ldc, pf_at, pf_rate, gated = (index(i) for i in (1, 2, 4, 5, 7, 8, 9, 10, 11))
+            a_at, lda, b_at, k_v, c_at, ldc, pf_at, pf_rate, mode = (index(i) for i in (1, 2, 4, 5, 7, 8, 9, 10, 11))
             intp = a_at.type
             vf = ir.VectorType(ir.FloatType(), _LANES)
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
@@ -276,17 +243,23 @@ def _tile_kernel(rows: int):
                     x = splat(builder, builder.load(builder.gep(a_ptr, [builder.add(starts[r], kk)])), vf)
                     for h in range(halves):
                         builder.store(builder.call(fma, [x, panel[h], builder.load(accs[r][h])]), accs[r][h])
-            with builder.if_else(builder.icmp_signed("!=", gated, const(0))) as (fused, plain):
+            with builder.if_else(builder.icmp_signed("==", mode, const(GATED))) as (fused, other):
                 with fused:  # a gated panel: gate in the first vector, up in the second; C gets silu(gate) * up
                     for r in range(rows):
                         y = silu_mul_ir(builder, builder.load(accs[r][0]), builder.load(accs[r][1]))
                         builder.store(y, vec_at(c_ptr, builder.add(c_at, builder.mul(ldc, const(r)))), align=4)
-                with plain:
-                    for r in range(rows):
-                        row_at = builder.add(c_at, builder.mul(ldc, const(r)))
-                        for h in range(halves):
-                            builder.store(builder.load(accs[r][h]),
-                                          vec_at(c_ptr, builder.add(row_at, const(h * _LANES))), align=4)
+                with other:
+                    with builder.if_else(builder.icmp_signed("==", mode, const(ADD))) as (adding, plain):
+                        for branch, add in ((adding, True), (plain, False)):
+                            with branch:  # ADD: C = C + tile (the residual add's one rounding), else C = tile
+                                for r in range(rows):
+                                    row_at = builder.add(c_at, builder.mul(ldc, const(r)))
+                                    for h in range(halves):
+                                        at = vec_at(c_ptr, builder.add(row_at, const(h * _LANES)))
+                                        y = builder.load(accs[r][h])
+                                        if add:
+                                            y = builder.fadd(builder.load(at, align=4), y)
+                                        builder.store(y, at, align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -297,7 +270,7 @@ def _tile_kernel(rows: int):
 _TILE_BIG, _TILE8, _TILE4, _TILE2, _TILE1 = (_tile_kernel(r) for r in (_BIG_ROWS, 8, 4, 2, 1))
 
 
-def _panel_rows(a, a_at, lda, m, b, b_at, k, c, c_at, ldc, gated):
+def _panel_rows(a, a_at, lda, m, b, b_at, k, c, c_at, ldc, mode):
     """C rows 0 .. m - 1 (row r: PANEL floats at c[c_at + r ldc]) = A rows (row r: k floats at a[a_at + r lda])
     @ the panel at b[b_at:] ([k, PANEL]): tiles of _BIG_ROWS rows, then 8 (AVX-512), 4, 2 and 1 for the rest.
     Each tile also prefetches its share of the next panel (b[b_at + k PANEL:], the next one a thread takes in
@@ -316,23 +289,23 @@ def _panel_rows(a, a_at, lda, m, b, b_at, k, c, c_at, ldc, gated):
     t = 0
     r = 0
     while r + _BIG_ROWS <= m:
-        _TILE_BIG(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc, nxt + t * share, rate, gated)
+        _TILE_BIG(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc, nxt + t * share, rate, mode)
         r += _BIG_ROWS
         t += 1
     if r + 8 <= m:  # AVX-512 only: AVX2's 6-row tiles leave at most 5
-        _TILE8(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc, nxt + t * share, rate, gated)
+        _TILE8(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc, nxt + t * share, rate, mode)
         r += 8
         t += 1
     if r + 4 <= m:
-        _TILE4(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc, nxt + t * share, rate, gated)
+        _TILE4(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc, nxt + t * share, rate, mode)
         r += 4
         t += 1
     if r + 2 <= m:
-        _TILE2(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc, nxt + t * share, rate, gated)
+        _TILE2(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc, nxt + t * share, rate, mode)
         r += 2
         t += 1
     if r < m:
-        _TILE1(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc, nxt + t * share, rate, gated)
+        _TILE1(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc, nxt + t * share, rate, mode)
 
 
 _PANEL_ROWS_INLINE = numba.njit(inline="always", **JIT_EXACT)(_panel_rows)
@@ -342,13 +315,14 @@ PANEL_ROWS = numba.njit(**JIT_EXACT)(_panel_rows)
 
 
 @numba.njit(parallel=True, **JIT_EXACT)
-def matmul_into(x, panels, out, passes, gated):
-    """out [m, panels * PANEL] = x [m, k] @ the weight of `panels` [count, k, PANEL], the rows in `passes`
-    blocks of about equal size, each starting on a whole big tile (row_passes); all C-contiguous float32 (the
-    kernel itself: `matmul` checks, allocates and slices)."""
+def matmul_into(x, panels, out, passes, mode):
+    """out [m, panels * PANEL] = x [m, k] @ the weight of `panels` [count, k, PANEL] (mode ADD: out +=; GATED:
+    pack_gated's panels, out [m, panels * PANEL / 2]), the rows in `passes` blocks of about equal size, each
+    starting on a whole big tile (row_passes); all C-contiguous float32 (the kernel itself: `_multiply` checks,
+    allocates and slices)."""
     m, k = x.shape
     count = panels.shape[0]
-    width = _LANES if gated else PANEL  # output columns per panel
+    width = _LANES if mode == GATED else PANEL  # output columns per panel
     n = count * width
     a = x.reshape(m * k)
     b = panels.reshape(count * k * PANEL)
@@ -359,28 +333,42 @@ def matmul_into(x, panels, out, passes, gated):
         if m1 <= m0:
             continue
         for p in numba.prange(count):
-            _PANEL_ROWS_INLINE(a, m0 * k, k, m1 - m0, b, p * k * PANEL, k, c, m0 * n + p * width, n, gated)
+            _PANEL_ROWS_INLINE(a, m0 * k, k, m1 - m0, b, p * k * PANEL, k, c, m0 * n + p * width, n, mode)
 
 
 def matmul(x: np.ndarray, w: PackedWeight, bias: np.ndarray | None = None) -> np.ndarray:
     """x [T, in] @ W.T (+ bias) -> [T, out] float32; ops.linear(x, unpack(w).T, bias) is the reference."""
-    out = _multiply(x, w, gated=False)
+    out = _multiply(x, w, PLAIN)
     if bias is not None:
         out += bias
     return out
 
 
-def _multiply(x: np.ndarray, w: PackedWeight, gated: bool) -> np.ndarray:
-    """matmul's output, or matmul_silu_and_mul's (gated: w must be pack_gated's, and only then)."""
+def matmul_add(x: np.ndarray, w: PackedWeight, out: np.ndarray) -> np.ndarray:
+    """out += x @ W.T in place, the add in the GEMM's tiles (C-contiguous float32 out [T, out_features], W's
+    columns a whole number of panels): the same bits as out += matmul(x, w), without the [T, out] temporary
+    written and read again (the decoder layer's residual add after o_proj and down)."""
+    if (out.dtype != np.float32 or not out.flags.c_contiguous or not out.flags.writeable
+            or out.shape != (x.shape[0], w.out_features) or w.out_features % PANEL):
+        raise ValueError(f"matmul_add: out {out.dtype} {out.shape} must be a writable C-contiguous float32 "
+                         f"[{x.shape[0]}, {w.out_features}], of whole {PANEL}-column panels")
+    return _multiply(x, w, ADD, out)
+
+
+def _multiply(x: np.ndarray, w: PackedWeight, mode: int, out: np.ndarray | None = None) -> np.ndarray:
+    """matmul's output (PLAIN), matmul_silu_and_mul's (GATED: w must be pack_gated's, and only then) or
+    matmul_add's (ADD, into `out`)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
+    gated = mode == GATED
     if x.ndim != 2 or x.shape[1] != w.in_features or w.gated != gated:
         raise ValueError(f"packed linear: input of shape {x.shape} for a weight of [in, out] = {w.shape}"
                          + (" (gated: matmul_silu_and_mul)" if w.gated else " (not gated)" if gated else ""))
     width = _LANES if gated else PANEL  # output columns per panel
-    out = aligned_empty((x.shape[0], w.panels.shape[0] * width))
+    if out is None:
+        out = aligned_empty((x.shape[0], w.panels.shape[0] * width))
     if x.shape[0]:
         apply_threads(parallel=True)
-        matmul_into(x, w.panels, out, row_passes(x.shape[0], x.shape[1]), int(gated))
+        matmul_into(x, w.panels, out, row_passes(x.shape[0], x.shape[1]), mode)
     features = w.out_features // 2 if gated else w.out_features
     return out if out.shape[1] == features else np.ascontiguousarray(out[:, :features])
 

@@ -10,7 +10,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from .gemm import lane_sums, splat
+from .vector_ir import lane_sums, splat
 
 
 def _is_row(row, n) -> bool:
@@ -201,7 +201,7 @@ def _exp_sum_intrinsic(exp_ir, name: str, doc: str):
 exp_sum = _exp_sum_intrinsic(_exp_ir, "exp_sum", """exp_sum(row, n, shift): row[:n] = fast_exp(row[:n] - shift) in
 place, returning their sum (a softmax's numerators and denominator: attention.py). In vector lanes: numba's
 loop of fast_exp with a running sum stayed scalar (a float sum is not reassociated). Each value has fast_exp's
-bits; the sum is 16 lane sums in index order, added pairwise (gemm.lane_sums), then the last n % 16 values in
+bits; the sum is 16 lane sums in index order, added pairwise (vector_ir.lane_sums), then the last n % 16 values in
 order: a fixed order for a given n, whatever the row's batch, its place in memory or the code path (AVX2 splits
 each 16-lane operation in two).""")
 

@@ -90,6 +90,19 @@ def linear_silu_and_mul(x: np.ndarray, weight_t, quant=None) -> np.ndarray:
     return numba_gemm.matmul_silu_and_mul(x, weight_t)
 
 
+def linear_add(x: np.ndarray, weight_t, residual: np.ndarray, quant=None) -> np.ndarray:
+    """ops.linear_add: on packed panels the GEMM's tiles add into residual (numba_gemm.matmul_add: the same bits
+    as residual += linear(...), no [T, out] output written and read again); few rows with GGUF blocks, another
+    weight form or a residual the tiles cannot write take the composition."""
+    if (isinstance(weight_t, numba_gemm.PackedWeight) and not weight_t.gated and not _reads_blocks(x, quant)
+            and weight_t.out_features % numba_gemm.PANEL == 0 and residual.dtype == _F32 and residual.ndim == 2
+            and residual.shape == (x.shape[0], weight_t.out_features) and residual.flags.c_contiguous
+            and residual.flags.writeable):
+        return numba_gemm.matmul_add(x, weight_t, residual)
+    residual += linear(x, weight_t, quant=quant)
+    return residual
+
+
 def _reads_blocks(x: np.ndarray, quant) -> bool:
     """Whether a matmul of x reads the weight's GGUF blocks (numba_quant) rather than its panels."""
     return quant is not None and x.shape[0] <= numba_quant.QUANT_MAX_ROWS and not numba_setup.BATCH_INVARIANT

@@ -40,7 +40,8 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from . import quant_int8
-from .gemm import AVX512, lane_sums, splat
+from .gemm import AVX512
+from .vector_ir import lane_sums, splat
 from .setup import JIT, apply_threads, numba
 from ..reference.quant import BLOCK, QuantWeight
 

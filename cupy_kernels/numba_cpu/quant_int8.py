@@ -41,7 +41,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from .gemm import lane_sums
+from .vector_ir import lane_sums
 from .setup import CODE_PATH, JIT, JIT_EXACT, numba
 from ..reference.quant import ACT_QMAX, BLOCK, QuantWeight
 

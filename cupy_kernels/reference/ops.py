@@ -114,6 +114,13 @@ def linear_silu_and_mul(x: np.ndarray, weight_t, quant=None) -> np.ndarray:
     return silu_and_mul(linear(x, weight_t, quant=quant))
 
 
+def linear_add(x: np.ndarray, weight_t, residual: np.ndarray, quant=None) -> np.ndarray:
+    """residual += linear(x, weight_t), in place; returns residual (a decoder layer's add after o_proj or down:
+    the bits of add_rms_norm's add)."""
+    residual += linear(x, weight_t, quant=quant)
+    return residual
+
+
 # Rows per chunk of logsumexp_rows's full-vocabulary temporaries on the CPU: a few rows of V float32 stay in L2.
 _CPU_ROW_CHUNK = 4
 

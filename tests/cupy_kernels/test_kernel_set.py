@@ -19,9 +19,24 @@ def test_every_set_has_every_op():
         names = [f.name for f in dataclasses.fields(ks)]
         ops = len(kernel_set.OP_NAMES)
         assert names[0] == "name" and names[1:1 + ops] == list(kernel_set.OP_NAMES)
-        assert names[1 + ops:] == ["attention_cost", "argmax_rows"]
+        assert names[1 + ops:] == ["attention_cost", "argmax_rows", "linear_add"]
         assert all(callable(getattr(ks, op)) for op in kernel_set.OP_NAMES)
         assert ks.argmax_rows is None  # the sampler's array module's argmax
+        assert ks.linear_add is None  # the model adds in add_rms_norm
+
+
+def test_the_numba_set_adds_in_its_gemm():
+    """linear_add: residual += x @ W in place (the reference's bits up to the order of the matmul's sums)."""
+    from pagedserve.cupy_kernels.reference import ops
+
+    ks = kernel_set.numba_kernels()
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 16), dtype=np.float32)
+    x, residual = rng.standard_normal((5, 16), dtype=np.float32), rng.standard_normal((5, 64), dtype=np.float32)
+    expected = ops.linear_add(x, w.T, residual.copy())
+    got = residual.copy()
+    assert ks.linear_add(x, ks.pack_weight(w), got) is got
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_the_numba_set_has_its_own_argmax_rows():

@@ -230,3 +230,41 @@ def test_gated_matmul_is_silu_and_mul_of_the_matmul_bit_for_bit(inter):
         numba_gemm.matmul(x, gated)  # its columns are not [gate | up]
     with pytest.raises(ValueError, match="not gated"):
         numba_gemm.matmul_silu_and_mul(x, plain)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 12, 13, 30, 250])
+def test_matmul_add_is_the_add_after_the_matmul_bit_for_bit(rows):
+    """out += x @ W.T with the add in the tiles (every tile height, a partial last tile, row blocks): the bits
+    of out + matmul(x, w), in place; the ops' linear_add takes it on panels and the composition elsewhere."""
+    rng = np.random.default_rng(rows)
+    w = numba_gemm.pack(rng.standard_normal((2 * numba_gemm.PANEL, 40), dtype=np.float32))
+    x = rng.standard_normal((rows, 40), dtype=np.float32)
+    residual = rng.standard_normal((rows, 2 * numba_gemm.PANEL), dtype=np.float32)
+    expected = residual + numba_gemm.matmul(x, w)
+    out = residual.copy()
+    assert numba_gemm.matmul_add(x, w, out) is out
+    np.testing.assert_array_equal(out, expected)
+    again = residual.copy()
+    assert numba_ops.linear_add(x, w, again) is again
+    np.testing.assert_array_equal(again, expected)
+    ref = residual.copy()
+    ops.linear_add(x, numba_gemm.unpack(w).T, ref)
+    np.testing.assert_allclose(ref, expected, rtol=0, atol=f32_tol(np.abs(expected).max(), 40))
+
+
+def test_matmul_add_refuses_an_output_its_tiles_cannot_write():
+    rng = np.random.default_rng(0)
+    w = numba_gemm.pack(rng.standard_normal((numba_gemm.PANEL, 8), dtype=np.float32))
+    x = rng.standard_normal((3, 8), dtype=np.float32)
+    frozen = np.zeros((3, numba_gemm.PANEL), np.float32)
+    frozen.flags.writeable = False
+    for bad in (np.zeros((3, numba_gemm.PANEL), np.float64), np.zeros((4, numba_gemm.PANEL), np.float32),
+                np.zeros((3, 2 * numba_gemm.PANEL), np.float32)[:, ::2], frozen):
+        with pytest.raises(ValueError, match="matmul_add"):
+            numba_gemm.matmul_add(x, w, bad)
+    narrow = numba_gemm.pack(rng.standard_normal((numba_gemm.PANEL - 3, 8), dtype=np.float32))  # a padded panel
+    with pytest.raises(ValueError, match="whole"):
+        numba_gemm.matmul_add(x, narrow, np.zeros((3, numba_gemm.PANEL - 3), np.float32))
+    residual = np.ones((3, numba_gemm.PANEL - 3), np.float32)  # linear_add: the composition instead
+    np.testing.assert_array_equal(numba_ops.linear_add(x, narrow, residual.copy()),
+                                  1.0 + numba_gemm.matmul(x, narrow))
