@@ -205,11 +205,12 @@ class LlamaForCausalLM:
                                                  slot_mapping)
 
     def _attention(self, n: int, layer: LayerWeights, x: Any, cos_sin: tuple[Any, Any], kv: tuple[Any, Any],
-                   batch: ForwardBatch, plans: dict[int, Any], rows: Any = None) -> Any:
+                   batch: ForwardBatch, plans: dict[int, Any], rows: Any = None, add_to: Any = None) -> Any:
         """Layer n's attention block on its normed input x: qkv, rotary and cache, paged attention (through the
         block tables of the layer's KV cache group, with its window), o_proj (all-reduced over the ranks).
         rows: None, or the rows o_proj (and so the block's output) is computed for (every row's K and V are
-        still written: later steps read them)."""
+        still written: later steps read them). add_to: None, or the residual o_proj adds into (ops.linear_add,
+        one rank), returned."""
         ops = self.backend.ops
         k_cache, v_cache = kv
         block_tables, slot_mapping = batch.kv_tables(n)
@@ -221,12 +222,16 @@ class LlamaForCausalLM:
         attn = attn.reshape(batch.num_tokens, self.q_size)
         if rows is not None:
             attn = attn[rows]
+        if add_to is not None:
+            return ops.linear_add(attn, layer.o_proj, add_to, quant=layer.o_proj_q)
         return self.comm.all_reduce(ops.linear(attn, layer.o_proj, quant=layer.o_proj_q))
 
-    def _mlp(self, layer: LayerWeights, x: Any) -> Any:
-        """The gated MLP: down(silu(gate x) * up x), all-reduced (down is row-parallel)."""
+    def _mlp(self, layer: LayerWeights, x: Any, add_to: Any = None) -> Any:
+        """The gated MLP: down(silu(gate x) * up x), all-reduced (down is row-parallel); add_to: as _attention's."""
         ops = self.backend.ops
         up = ops.linear_silu_and_mul(x, layer.gate_up, quant=layer.gate_up_q)
+        if add_to is not None:
+            return ops.linear_add(up, layer.down, add_to, quant=layer.down_q)
         return self.comm.all_reduce(ops.linear(up, layer.down, quant=layer.down_q))
 
     def _prepare(self, batch: ForwardBatch, kv_caches: list[tuple[Any, Any]]) -> tuple[ForwardBatch, dict[int, Any]]:
@@ -255,28 +260,41 @@ class LlamaForCausalLM:
         residual = None
         check, peaks = self.check_activations, {}
         keep = rows_wanting_logits(batch)
+        # A set whose GEMM adds into its output (ops.linear_add: numba) takes o_proj's and down's outputs straight
+        # into the residual; then only the norms remain (one rank: with several, the add follows the all-reduce).
+        fused = ops.linear_add is not None and self.comm.world_size == 1
         for n, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
+            if fused and residual is not None:  # the previous layer's down added its output already
+                x = ops.rms_norm(residual, layer.input_norm, cfg.rms_norm_eps)
+            else:
+                x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
             if check:
                 activation_check.check_residual(residual, self.backend.xp, f"layer {n} input", peaks)
             rows = keep if n == len(self.layers) - 1 else None
-            hidden = self._attention(n, layer, x, cos_sin, kv, batch, plans, rows)
             if rows is not None:
                 residual = residual[rows]
-            x, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
+            hidden = self._attention(n, layer, x, cos_sin, kv, batch, plans, rows, residual if fused else None)
+            if fused:
+                x = ops.rms_norm(residual, layer.post_norm, cfg.rms_norm_eps)
+            else:
+                x, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
             if check:
                 activation_check.check_residual(residual, self.backend.xp, f"layer {n} after attention", peaks)
-            hidden = self._mlp(layer, x)
-        return self._final(hidden, residual, batch, peaks, selected=keep is not None)
+            hidden = self._mlp(layer, x, residual if fused else None)
+        return self._final(hidden, residual, batch, peaks, selected=keep is not None, added=fused)
 
     def _final(self, hidden: Any, residual: Any, batch: ForwardBatch, peaks: dict[str, float],
-               selected: bool = False) -> Any:
+               selected: bool = False, added: bool = False) -> Any:
         """The last add + norm on the rows that want logits, then the logits. selected: hidden and residual
-        already hold only those rows (the last layer computed no others: rows_wanting_logits)."""
+        already hold only those rows (the last layer computed no others: rows_wanting_logits). added: the last
+        down added hidden into residual already (ops.linear_add)."""
         if not selected:
             hidden = hidden[batch.logits_indices]
             residual = residual[batch.logits_indices]
-        x, residual = self.backend.ops.add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)
+        if added:
+            x = self.backend.ops.rms_norm(residual, self.norm, self.config.rms_norm_eps)
+        else:
+            x, residual = self.backend.ops.add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)
         if self.check_activations:
             activation_check.check_residual(residual, self.backend.xp, "final norm input", peaks)
             self.activation_peaks = peaks

@@ -50,8 +50,14 @@ def test_the_last_layer_computes_only_the_rows_that_want_logits(family, kernels,
             o_proj_rows.append(x.shape[0])
         return ops.linear(x, w, *args, **kwargs)
 
+    def linear_add(x, w, *args, **kwargs):  # the numba set's o_proj, adding into the residual
+        if w is last_o_proj:
+            o_proj_rows.append(x.shape[0])
+        return ops.linear_add(x, w, *args, **kwargs)
+
     from dataclasses import replace
-    model.backend = replace(model.backend, ops=replace(ops, linear=linear))
+    model.backend = replace(model.backend, ops=replace(ops, linear=linear,
+                                                       linear_add=linear_add if ops.linear_add else None))
     chunks = [SeqChunk(list(range(1, 20)), 0, [0, 1]), SeqChunk([5, 6, 7], 0, [2]),
               SeqChunk(list(range(30, 42)), 0, [3], num_logits=0), SeqChunk([8, 9, 10, 11], 0, [4], num_logits=2)]
     batch = build_forward_batch(chunks, 16)
@@ -74,3 +80,45 @@ def test_the_last_layer_computes_only_the_rows_that_want_logits(family, kernels,
         np.testing.assert_array_equal(pruned_logits, full_logits)
     else:  # numpy's BLAS may pick another kernel for 4 rows than for 38
         np.testing.assert_allclose(pruned_logits, full_logits, rtol=1e-5, atol=1e-5 * np.abs(full_logits).max())
+
+
+@pytest.mark.parametrize("family", ["llama", "tiny-qwen3"])
+def test_adding_in_the_gemm_gives_the_logits_and_cache_of_add_rms_norm(family, data_dir):
+    """The numba set adds o_proj's and down's outputs into the residual in its GEMM (ops.linear_add), then only
+    normalises: the logits and KV caches are those of linear + add_rms_norm, bit for bit (one rounding of the
+    same sum), in a prefill and a decode step."""
+    from dataclasses import replace
+
+    from model_factory import random_model
+
+    from pagedserve.cupy_kernels.backend import get_backend
+    from pagedserve.models import registry
+    from pagedserve.models.kv_cache import allocate_kv_caches
+    from pagedserve.models.loading.loader import load_model
+
+    if family == "llama":  # hidden 64: two whole AVX-512 panels, so the tiles add
+        cfg, weights = random_model("llama", seed=5, hidden=64, head_dim=16, heads=4, kv_heads=2)
+    else:
+        loaded = load_model(data_dir / family)
+        cfg, weights = loaded.config, loaded.weights
+    model = registry.for_config(cfg).model_class(cfg, weights, get_backend("cpu", "numba"))
+    ops = model.backend.ops
+    assert ops.linear_add is not None
+    added = []
+
+    def linear_add(x, w, residual, quant=None):
+        added.append(x.shape[0])
+        return ops.linear_add(x, w, residual, quant=quant)
+
+    fused, plain = replace(ops, linear_add=linear_add), replace(ops, linear_add=None)
+    prefill = build_forward_batch([SeqChunk(list(range(1, 40)), 0, [0, 1, 2]), SeqChunk([5, 6, 7], 0, [3])], 16)
+    decode = build_forward_batch([SeqChunk([9], 39, [0, 1, 2]), SeqChunk([4], 3, [3])], 16)
+    results = {}
+    for name, table in (("fused", fused), ("plain", plain)):
+        model.backend = replace(model.backend, ops=table)
+        kv = allocate_kv_caches(cfg, 8, 16, model.backend)
+        logits = [model.forward(batch, kv) for batch in (prefill, decode)]
+        results[name] = logits, [np.array(k) for pair in kv for k in pair]
+    assert len(added) == 2 * 2 * cfg.num_hidden_layers  # o_proj and down, every layer, both steps
+    for a, b in zip(results["fused"][0] + results["fused"][1], results["plain"][0] + results["plain"][1]):
+        np.testing.assert_array_equal(a, b)
