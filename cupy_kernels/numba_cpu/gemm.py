@@ -30,7 +30,11 @@ numpy's matmul (the reference, ops.linear) it differs by the order of the sums.
 A SiLU-gated MLP's gate_up is packed with gate and up side by side in each panel (pack_gated), so a tile holds
 both halves of its outputs and stores silu(gate) * up (matmul_silu_and_mul; numerics.silu_mul_ir, the bits of
 ops.silu_and_mul after the plain GEMM): no [T, 2I] temporary written and read back. 256 rows x 576 -> 2 x 1,536,
-30 layers cycled: 2,665-2,849 -> 2,543-2,550 us a layer.
+30 layers cycled: 2,665-2,849 -> 2,543-2,550 us a layer. Likewise matmul_add (mode ADD) adds the tile into what
+C holds: the decoder layer's residual add after o_proj and down, with add_rms_norm's one rounding.
+
+Panels and outputs start on a cache line (host.malloc.aligned_empty): on malloc's 16-byte boundaries each
+64-byte panel load spanned two lines (2-4% a matmul; docs/notes/kernels.md).
 """
 
 from __future__ import annotations
