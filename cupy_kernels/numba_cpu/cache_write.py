@@ -91,8 +91,9 @@ def _rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, 
 
 def rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping) -> np.ndarray:
     """paged_attention.rotary_and_cache in one compiled pass over qkv (apply_rotary on the query and key
-    heads, reshape_and_cache of the rotated key and the value), with the same bits."""
-    if not (qkv.dtype == k_cache.dtype == v_cache.dtype == _F32):
+    heads, reshape_and_cache of the rotated key and the value), with the same bits. Other dtypes (cos and sin
+    included) take the reference."""
+    if not (qkv.dtype == k_cache.dtype == v_cache.dtype == _F32 and cos.dtype == sin.dtype == _F32):
         from ..reference import paged_attention
 
         return paged_attention.rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache,
@@ -137,10 +138,14 @@ _PART_ADDRESSES: dict = {}
 
 
 def _part_address(args) -> int:
-    """The serial kernel's machine code for these arguments' types: keyed by nothing for the model's own (every
-    array C-contiguous, aligned and writable), by numba.typeof (~9 us an array) for others."""
+    """The serial kernel's machine code for these arguments' types: keyed by the arrays' dtypes for the model's
+    own (every array C-contiguous, aligned and writable: the shapes' ranks are checked), by numba.typeof (~9 us
+    an array) for others."""
     arrays = [a for a in args if isinstance(a, np.ndarray)]
-    key = None if all(a.flags.carray for a in arrays) else tuple(numba.typeof(a) for a in args)
+    if all(a.flags.carray for a in arrays):
+        key = tuple(a.dtype.num for a in arrays)
+    else:
+        key = tuple(numba.typeof(a) for a in args)
     address = _PART_ADDRESSES.get(key)
     if address is None:
         address = _PART_ADDRESSES[key] = native_address(_rotary_and_cache, (*args, np.int64(0), np.int64(0)))

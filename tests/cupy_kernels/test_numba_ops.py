@@ -177,6 +177,19 @@ def test_rotary_and_cache_refuses_what_its_loop_would_overrun():
     np.testing.assert_array_equal(k0, before)  # nothing was written
 
 
+def test_rotary_and_cache_with_float64_positions_after_float32_ones_takes_the_reference():
+    """The compiled kernel is looked up by its arrays' dtypes: float64 cos/sin after a float32 call never reuse the
+    float32 machine code (they take the reference, whose float64 products round otherwise)."""
+    qkv, cos, sin, (k0, v0), slots = _rotary_and_cache_case(9)
+    nb.rotary_and_cache(qkv, HEADS, KV_HEADS, cos, sin, k0.copy(), v0.copy(), slots)
+    cos64, sin64 = cos.astype(np.float64), sin.astype(np.float64)
+    ref_k, ref_v, got_k, got_v = k0.copy(), v0.copy(), k0.copy(), v0.copy()
+    ref_q = pa.rotary_and_cache(qkv, HEADS, KV_HEADS, cos64, sin64, ref_k, ref_v, slots)
+    np.testing.assert_array_equal(nb.rotary_and_cache(qkv, HEADS, KV_HEADS, cos64, sin64, got_k, got_v, slots), ref_q)
+    np.testing.assert_array_equal(got_k, ref_k)
+    np.testing.assert_array_equal(got_v, ref_v)
+
+
 def test_rotary_and_cache_other_dtypes_take_the_reference():
     qkv, cos, sin, (k0, v0), slots = _rotary_and_cache_case(5, dtype=np.float16)
     ref_k, ref_v = k0.copy(), v0.copy()
