@@ -289,8 +289,9 @@ class LlamaForCausalLM:
         already hold only those rows (the last layer computed no others: rows_wanting_logits). added: the last
         down added hidden into residual already (ops.linear_add)."""
         if not selected:
-            hidden = hidden[batch.logits_indices]
             residual = residual[batch.logits_indices]
+            if not added:  # (added: hidden is in residual already; no rows of it to gather)
+                hidden = hidden[batch.logits_indices]
         if added:
             x = self.backend.ops.rms_norm(residual, self.norm, self.config.rms_norm_eps)
         else:

@@ -352,11 +352,17 @@ def matmul_add(x: np.ndarray, w: PackedWeight, out: np.ndarray) -> np.ndarray:
     """out += x @ W.T in place, the add in the GEMM's tiles (C-contiguous float32 out [T, out_features], W's
     columns a whole number of panels): the same bits as out += matmul(x, w), without the [T, out] temporary
     written and read again (the decoder layer's residual add after o_proj and down)."""
-    if (out.dtype != np.float32 or not out.flags.c_contiguous or not out.flags.writeable
-            or out.shape != (x.shape[0], w.out_features) or w.out_features % PANEL):
+    if not adds_into(x, w, out):
         raise ValueError(f"matmul_add: out {out.dtype} {out.shape} must be a writable C-contiguous float32 "
                          f"[{x.shape[0]}, {w.out_features}], of whole {PANEL}-column panels")
     return _multiply(x, w, ADD, out)
+
+
+def adds_into(x: np.ndarray, w: PackedWeight, out: np.ndarray) -> bool:
+    """Whether matmul_add can add x @ W.T into `out` in its tiles: a writable C-contiguous float32 [T, out_features]
+    of a plain weight with whole panels (no padded columns to store)."""
+    return (not w.gated and not w.out_features % PANEL and out.dtype == np.float32 and out.flags.c_contiguous
+            and out.flags.writeable and out.shape == (x.shape[0], w.out_features))
 
 
 def _multiply(x: np.ndarray, w: PackedWeight, mode: int, out: np.ndarray | None = None) -> np.ndarray:

@@ -94,10 +94,8 @@ def linear_add(x: np.ndarray, weight_t, residual: np.ndarray, quant=None) -> np.
     """ops.linear_add: on packed panels the GEMM's tiles add into residual (numba_gemm.matmul_add: the same bits
     as residual += linear(...), no [T, out] output written and read again); few rows with GGUF blocks, another
     weight form or a residual the tiles cannot write take the composition."""
-    if (isinstance(weight_t, numba_gemm.PackedWeight) and not weight_t.gated and not _reads_blocks(x, quant)
-            and weight_t.out_features % numba_gemm.PANEL == 0 and residual.dtype == _F32 and residual.ndim == 2
-            and residual.shape == (x.shape[0], weight_t.out_features) and residual.flags.c_contiguous
-            and residual.flags.writeable):
+    if (isinstance(weight_t, numba_gemm.PackedWeight) and not _reads_blocks(x, quant)
+            and numba_gemm.adds_into(x, weight_t, residual)):
         return numba_gemm.matmul_add(x, weight_t, residual)
     residual += linear(x, weight_t, quant=quant)
     return residual
