@@ -63,6 +63,10 @@ class KernelSet:
     # output written and read back by add_rms_norm); None: the model adds in add_rms_norm (ops.linear_add is the
     # reference).
     linear_add: Callable[..., Any] | None = None
+    # rotary_and_cache(linear(x, qkv_weight), ...) where this set rotates and writes the cache in its GEMM's tiles
+    # (numba: no [T, (H + 2 KV) D] output written and read back); None: the model calls linear, then
+    # rotary_and_cache (paged_attention.linear_rotary_cache is the reference).
+    linear_rotary_cache: Callable[..., Any] | None = None
 
 
 # The op names every kernel set provides, in the order of a forward pass.
@@ -76,7 +80,7 @@ _DEVICE_ARG = {f.name: f.metadata["device_arg"] for f in fields(KernelSet)
 
 
 def _from_modules(name: str, *modules: Any, attention_cost: float = 1.0, argmax_rows: Any = None,
-                  linear_add: Any = None) -> KernelSet:
+                  linear_add: Any = None, linear_rotary_cache: Any = None) -> KernelSet:
     """Each op from the first module that defines it."""
     def pick(op: str) -> Callable[..., Any]:
         for m in modules:
@@ -86,7 +90,7 @@ def _from_modules(name: str, *modules: Any, attention_cost: float = 1.0, argmax_
         raise AssertionError(f"kernel set {name}: no module defines {op}")
 
     return KernelSet(name, **{op: pick(op) for op in OP_NAMES}, attention_cost=attention_cost, argmax_rows=argmax_rows,
-                     linear_add=linear_add)
+                     linear_add=linear_add, linear_rotary_cache=linear_rotary_cache)
 
 
 @functools.lru_cache(maxsize=None)
@@ -149,7 +153,8 @@ def _numba_started() -> KernelSet:
     thread.start()
     _compile_thread.append(thread)
     return _from_modules("numba", numba_ops, numba_attention, ops, paged_attention, attention_cost=NUMBA_ATTENTION_COST,
-                         argmax_rows=numba_ops.argmax_rows, linear_add=numba_ops.linear_add)
+                         argmax_rows=numba_ops.argmax_rows, linear_add=numba_ops.linear_add,
+                         linear_rotary_cache=numba_ops.linear_rotary_cache)
 
 
 def finish_numba_warm_up() -> None:

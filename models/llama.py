@@ -214,8 +214,13 @@ class LlamaForCausalLM:
         ops = self.backend.ops
         k_cache, v_cache = kv
         block_tables, slot_mapping = batch.kv_tables(n)
-        qkv = ops.linear(x, layer.qkv, layer.qkv_bias, quant=layer.qkv_q)
-        q = self._query(layer, qkv, *cos_sin, k_cache, v_cache, slot_mapping)
+        if (ops.linear_rotary_cache is not None and layer.qkv_bias is None
+                and type(self)._query is LlamaForCausalLM._query):  # nothing between the projection and rotary
+            q = ops.linear_rotary_cache(x, layer.qkv, self.num_heads, self.num_kv_heads, *cos_sin, k_cache, v_cache,
+                                        slot_mapping, quant=layer.qkv_q)
+        else:
+            qkv = ops.linear(x, layer.qkv, layer.qkv_bias, quant=layer.qkv_q)
+            q = self._query(layer, qkv, *cos_sin, k_cache, v_cache, slot_mapping)
         window = {} if self.windows[n] is None else {"sliding_window": self.windows[n]}
         attn = ops.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, block_tables,
                                    self.scale, plan=plans[batch.group_of(n)], **window)

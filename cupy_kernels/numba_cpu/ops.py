@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import gemm as numba_gemm, quant as numba_quant, setup as numba_setup
+from . import gemm as numba_gemm, gemm_rotary as numba_gemm_rotary, quant as numba_quant, setup as numba_setup
 from ..reference import ops
 from .attention_ir import address
 # The KV cache writes, a kernel set's ops like the others (cache_write.py)
@@ -99,6 +99,19 @@ def linear_add(x: np.ndarray, weight_t, residual: np.ndarray, quant=None) -> np.
         return numba_gemm.matmul_add(x, weight_t, residual)
     residual += linear(x, weight_t, quant=quant)
     return residual
+
+
+def linear_rotary_cache(x: np.ndarray, weight_t, num_heads: int, num_kv_heads: int, cos, sin, k_cache, v_cache,
+                        slot_mapping, quant=None) -> np.ndarray:
+    """paged_attention.linear_rotary_cache: on packed panels the rotation and the K/V slot writes run in the GEMM's
+    tiles (numba_gemm_rotary: the same bits, no [T, (H + 2 KV) D] output written and read again); few rows with
+    GGUF blocks, another weight form or caches the tiles cannot stream to take linear, then rotary_and_cache."""
+    if (isinstance(weight_t, numba_gemm.PackedWeight) and not _reads_blocks(x, quant)
+            and numba_gemm_rotary.fuses(x, weight_t, num_heads, num_kv_heads, cos, sin, k_cache, v_cache)):
+        return numba_gemm_rotary.matmul_rotary_cache(x, weight_t, num_heads, num_kv_heads, cos, sin, k_cache, v_cache,
+                                                     slot_mapping)
+    return rotary_and_cache(linear(x, weight_t, quant=quant), num_heads, num_kv_heads, cos, sin, k_cache, v_cache,
+                            slot_mapping)
 
 
 def _reads_blocks(x: np.ndarray, quant) -> bool:
@@ -294,3 +307,4 @@ def warm_up() -> None:
     argmax_rows(f32(2, 8), lse_out=np.empty(2, dtype=_F32))
     cache = np.zeros((2, 4, 2, 4), dtype=_F32)
     rotary_and_cache(f32(2, 32), 4, 2, f32(2, 2), f32(2, 2), cache, cache.copy(), np.zeros(2, dtype=np.int64))
+    numba_gemm_rotary.warm_up()

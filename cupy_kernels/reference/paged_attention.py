@@ -72,6 +72,15 @@ def rotary_and_cache(qkv: np.ndarray, num_heads: int, num_kv_heads: int, cos: np
                                     k_cache, v_cache, slot_mapping)
 
 
+def linear_rotary_cache(x: np.ndarray, weight_t: Any, num_heads: int, num_kv_heads: int, cos: np.ndarray,
+                        sin: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot_mapping: np.ndarray,
+                        quant: Any = None) -> np.ndarray:
+    """rotary_and_cache of the qkv projection ops.linear(x, weight_t): the rotated query [T, H, D] back, the rotated
+    key and the value into the caches (KernelSet.linear_rotary_cache: the numba set does it in its GEMM's tiles)."""
+    return rotary_and_cache(ops.linear(x, weight_t, quant=quant), num_heads, num_kv_heads, cos, sin, k_cache,
+                            v_cache, slot_mapping)
+
+
 def compose_rotary_and_cache(apply_rotary: Any, write_cache: Any, qkv: Any, num_heads: int, num_kv_heads: int,
                              cos: Any, sin: Any, k_cache: Any, v_cache: Any, slot_mapping: Any) -> Any:
     """rotary_and_cache from a kernel set's own apply_rotary and reshape_and_cache (the numpy and CUDA sets)."""

@@ -122,3 +122,48 @@ def test_adding_in_the_gemm_gives_the_logits_and_cache_of_add_rms_norm(family, d
     assert len(added) == 2 * 2 * cfg.num_hidden_layers  # o_proj and down, every layer, both steps
     for a, b in zip(results["fused"][0] + results["fused"][1], results["plain"][0] + results["plain"][1]):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("family", ["llama", "tiny-qwen3"])
+def test_rotating_in_the_gemm_gives_the_logits_and_cache_of_rotary_and_cache(family, data_dir, monkeypatch):
+    """The numba set rotates q and k and writes the cache in the qkv GEMM's tiles (ops.linear_rotary_cache) where
+    nothing comes between the projection and rotary (Llama: yes; Qwen3's q/k norms: no, it keeps linear +
+    its _query): logits and KV caches of a prefill and a decode step are those of linear + rotary_and_cache."""
+    from dataclasses import replace
+
+    from model_factory import random_model
+
+    from pagedserve.cupy_kernels.backend import get_backend
+    from pagedserve.cupy_kernels.numba_cpu import gemm_rotary
+    from pagedserve.models import registry
+    from pagedserve.models.kv_cache import allocate_kv_caches
+    from pagedserve.models.loading.loader import load_model
+
+    if family == "llama":  # head_dim 64: two whole panels (AVX-512) or four (AVX2), so the tiles rotate
+        cfg, weights = random_model("llama", seed=6, hidden=128, head_dim=64, heads=2, kv_heads=1)
+    else:
+        loaded = load_model(data_dir / family)
+        cfg, weights = loaded.config, loaded.weights
+    model = registry.for_config(cfg).model_class(cfg, weights, get_backend("cpu", "numba"))
+    ops = model.backend.ops
+    assert ops.linear_rotary_cache is not None
+    fused_calls = []
+    kernel = gemm_rotary.matmul_rotary_cache
+
+    def counted(*args, **kwargs):
+        fused_calls.append(args[0].shape[0])
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(gemm_rotary, "matmul_rotary_cache", counted)
+    prefill = build_forward_batch([SeqChunk(list(range(1, 40)), 0, [0, 1, 2]), SeqChunk([5, 6, 7], 0, [3])], 16)
+    decode = build_forward_batch([SeqChunk([9], 39, [0, 1, 2]), SeqChunk([4], 3, [3])], 16)
+    results = {}
+    for name, table in (("fused", ops), ("plain", replace(ops, linear_rotary_cache=None))):
+        model.backend = replace(model.backend, ops=table)
+        kv = allocate_kv_caches(cfg, 8, 16, model.backend)
+        logits = [model.forward(batch, kv) for batch in (prefill, decode)]
+        results[name] = logits, [np.array(k) for pair in kv for k in pair]
+    expected_calls = [42, 2] if family == "llama" else []
+    assert fused_calls == [rows for rows in expected_calls for _ in range(cfg.num_hidden_layers)]
+    for a, b in zip(results["fused"][0] + results["fused"][1], results["plain"][0] + results["plain"][1]):
+        np.testing.assert_array_equal(a, b)
