@@ -135,13 +135,14 @@ def _numba_started() -> KernelSet:
     and file reads. The set is whole, but none of its kernels is ready until finish_numba_warm_up()."""
     # Imports (and configures) numba: only when asked for. Every kernel module is imported here, before the
     # thread starts, so that no import in one thread waits on numba's compiler lock held by the other.
-    from .numba_cpu import (attention as numba_attention, gemm as numba_gemm, ops as numba_ops,
-                            prefill as numba_prefill, quant as numba_quant)
+    from .numba_cpu import (attention as numba_attention, gemm as numba_gemm, gemm_rotary as numba_gemm_rotary,
+                            ops as numba_ops, prefill as numba_prefill, quant as numba_quant)
     from .numba_cpu.setup import compile_aside
 
     # The child first: the GEMM's warm-up here adds a signature to the same module's cache index as the
-    # child's prefill warm-up, seconds apart.
-    child = compile_aside(numba_attention._ATTENTION, numba_prefill._GATHER)
+    # child's prefill warm-up, seconds apart. The qkv GEMM with rotary (~1 s) goes to the child too: with empty
+    # caches the thread's share (~6.7 s, the model's load beside it) was the longer one.
+    child = compile_aside(numba_attention._ATTENTION, numba_prefill._GATHER, numba_gemm_rotary._rotary_matmul)
     _compile_child.append(child)
 
     def compile_first_half() -> None:
@@ -162,7 +163,7 @@ def finish_numba_warm_up() -> None:
     long-prefill kernels, so that no request pays for a compile. Idempotent. A caller with work that needs no
     kernel (the worker: loading the model and packing its weights) does it between the halves, while the
     compiles run: with empty caches the load then uses the core the compiles leave idle."""
-    from .numba_cpu import attention as numba_attention, prefill as numba_prefill
+    from .numba_cpu import attention as numba_attention, gemm_rotary as numba_gemm_rotary, prefill as numba_prefill
     from .numba_cpu.setup import finish_aside
 
     if _finished.is_set():
@@ -177,6 +178,7 @@ def finish_numba_warm_up() -> None:
             finish_aside(_compile_child.pop())
         numba_prefill.warm_up()
         numba_attention.warm_up()
+        numba_gemm_rotary.warm_up()
         _finished.set()
 
 

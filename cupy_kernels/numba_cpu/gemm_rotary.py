@@ -17,6 +17,8 @@ of a 256-token decode step and ~600 of a 2,048-token prefill step (docs/notes/ke
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from llvmlite import ir
 from numba.core import cgutils, types
@@ -27,7 +29,7 @@ from ..host.malloc import aligned_empty
 from .attention_ir import address
 from .gemm import _LANES, _PREFETCH_K, AVX512, PANEL, PackedWeight, row_passes
 from .numerics import store_fence
-from .setup import JIT_EXACT, apply_threads, numba
+from .setup import JIT_EXACT, apply_threads, call_compiled, native_address, numba
 from .vector_ir import splat
 
 _PAIR_ROWS = 6 if AVX512 else 2  # rows of a tile over two panels (4 accumulator vectors a row)
@@ -125,21 +127,20 @@ def _pair_tile(rows: int):
     return tile
 
 
-_TILES = {rows: _pair_tile(rows) for rows in sorted({_PAIR_ROWS, 4 if AVX512 else 2, 2, 1})}
-_TILE_BIG, _TILE4, _TILE2, _TILE1 = _TILES[_PAIR_ROWS], _TILES[4 if AVX512 else 2], _TILES[2], _TILES[1]
+_TILE_BIG, _TILE2, _TILE1 = (_pair_tile(rows) for rows in (_PAIR_ROWS, 2, 1))
 
 
-@numba.njit(inline="always", **JIT_EXACT)
+@numba.njit(**JIT_EXACT)
 def _pair_rows(a, lda, t0, t1, b, lo_at, hi_at, k, kind, dst, dst_at, ldd, half, cs, sn, cs_at, cs_w, slots):
-    """Rows t0 .. t1 - 1 of one pair of panels: tiles of _PAIR_ROWS rows, then 4 (AVX-512), 2 and 1."""
+    """Rows t0 .. t1 - 1 of one pair of panels: tiles of _PAIR_ROWS rows, then of 2 and 1. Every argument
+    an int64 (arrays as addresses): compiled once, serial, and called by address from _rotary_matmul's prange
+    (numba_setup.call_compiled: inlined there, the tiles' code was optimised and emitted again with the parallel
+    kernel's, ~1 s of a first start's compiles)."""
     t = t0
     while t + _PAIR_ROWS <= t1:
         _TILE_BIG(a, t * lda, lda, b, lo_at, hi_at, k, kind, t, dst, dst_at, ldd, half, cs, sn, cs_at, cs_w, slots)
         t += _PAIR_ROWS
-    if AVX512 and t + 4 <= t1:
-        _TILE4(a, t * lda, lda, b, lo_at, hi_at, k, kind, t, dst, dst_at, ldd, half, cs, sn, cs_at, cs_w, slots)
-        t += 4
-    if t + 2 <= t1:
+    while t + 2 <= t1:
         _TILE2(a, t * lda, lda, b, lo_at, hi_at, k, kind, t, dst, dst_at, ldd, half, cs, sn, cs_at, cs_w, slots)
         t += 2
     if t < t1:
@@ -147,8 +148,8 @@ def _pair_rows(a, lda, t0, t1, b, lo_at, hi_at, k, kind, dst, dst_at, ldd, half,
 
 
 @numba.njit(parallel=True, **JIT_EXACT)
-def _rotary_matmul(x, panels, num_heads, num_kv_heads, head_dim, cos, sin, slots, q, k_cache, v_cache, passes,
-                   parts):
+def _rotary_matmul(pair_rows, x, panels, num_heads, num_kv_heads, head_dim, cos, sin, slots, q, k_cache, v_cache,
+                   passes, parts):
     """The kernel (matmul_rotary_cache checks, allocates and picks passes and parts): the rows in `passes` blocks
     (numba_gemm.row_passes), each block's pairs of panels shared out over the threads, a pair's rows in `parts`."""
     m, k = x.shape
@@ -174,9 +175,15 @@ def _rotary_matmul(x, panels, num_heads, num_kv_heads, head_dim, cos, sin, slots
                 kind, dst, dst_at, ldd = V, dv, col - num_heads * head_dim - kv_row, kv_row
             elif head >= num_heads:
                 kind, dst, dst_at, ldd = K, dk, col - num_heads * head_dim, kv_row
-            _pair_rows(a, k, r0, r1, b, col * k, (col + half) * k, k, kind, dst, dst_at, ldd, half, cs, sn, within,
-                       cos.shape[1], sl)
+            call_compiled(pair_rows, (a, k, r0, r1, b, col * k, (col + half) * k, k, kind, dst, dst_at, ldd, half, cs,
+                                      sn, within, np.int64(cos.shape[1]), sl))
             store_fence()  # the streamed rows, before any thread reads the cache
+
+
+@functools.lru_cache(maxsize=None)
+def _pair_rows_address() -> int:
+    """_pair_rows' machine code (compiled, or loaded from the cache, once a process)."""
+    return native_address(_pair_rows, (np.int64(0),) * 18)
 
 
 def fuses(x: np.ndarray, w, num_heads: int, num_kv_heads: int, cos, sin, k_cache, v_cache) -> bool:
@@ -214,7 +221,7 @@ def matmul_rotary_cache(x: np.ndarray, w: PackedWeight, num_heads: int, num_kv_h
         threads = apply_threads(parallel=True)
         pairs = (num_heads + 2 * num_kv_heads) * head_dim // (2 * PANEL)
         parts = 2 if threads > 1 and pairs % threads and t >= 2 * 12 else 1  # an odd count of pairs: split rows
-        _rotary_matmul(x, w.panels, num_heads, num_kv_heads, head_dim, np.ascontiguousarray(cos),
+        _rotary_matmul(_pair_rows_address(), x, w.panels, num_heads, num_kv_heads, head_dim, np.ascontiguousarray(cos),
                        np.ascontiguousarray(sin), slot_mapping, q, k_cache, v_cache, row_passes(t, x.shape[1]), parts)
     return q
 

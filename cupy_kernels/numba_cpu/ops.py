@@ -307,4 +307,3 @@ def warm_up() -> None:
     argmax_rows(f32(2, 8), lse_out=np.empty(2, dtype=_F32))
     cache = np.zeros((2, 4, 2, 4), dtype=_F32)
     rotary_and_cache(f32(2, 32), 4, 2, f32(2, 2), f32(2, 2), cache, cache.copy(), np.zeros(2, dtype=np.int64))
-    numba_gemm_rotary.warm_up()

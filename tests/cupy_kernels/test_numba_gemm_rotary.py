@@ -48,7 +48,7 @@ def _separate(x, w, heads, kv_heads, cos, sin, caches, slots):
 @pytest.mark.parametrize("rows", [1, 2, 5, 7, 13, 37, 256])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128), (2, 2, 64)])
 def test_the_fused_qkv_is_the_bits_of_matmul_then_rotary_and_cache(rows, heads, kv_heads, head_dim):
-    """Every tile height (6, 4, 2, 1 rows; AVX2: 2, 1), odd and even counts of panel pairs (rows split in two
+    """Every tile height (6, 2 and 1 rows; AVX2: 2 and 1), odd and even counts of panel pairs (rows split in two
     for an odd one), head dims of one and two pairs: query, keys and values bit for bit; slots of -1 untouched."""
     x, w, cos, sin, caches, slots = _case(rows, heads, kv_heads, head_dim, seed=rows + head_dim)
     assert gemm_rotary.fuses(x, w, heads, kv_heads, cos, sin, *caches)
@@ -77,8 +77,8 @@ def test_row_blocks_and_one_thread_give_the_same_bits():
         q = malloc.aligned_empty((rows, heads, head_dim))
         try:
             numba.set_num_threads(count)  # the compiled kernel itself: the wrapper would set the count again
-            gemm_rotary._rotary_matmul(x, w.panels, heads, kv_heads, head_dim, cos, sin, slots, q, k, v,
-                                       gemm.row_passes(rows, 576), 2)
+            gemm_rotary._rotary_matmul(gemm_rotary._pair_rows_address(), x, w.panels, heads, kv_heads, head_dim, cos,
+                                       sin, slots, q, k, v, gemm.row_passes(rows, 576), 2)
         finally:
             numba.set_num_threads(threads)
         results.append((q, k, v))
