@@ -82,6 +82,41 @@ def test_the_last_layer_computes_only_the_rows_that_want_logits(family, kernels,
         np.testing.assert_allclose(pruned_logits, full_logits, rtol=1e-5, atol=1e-5 * np.abs(full_logits).max())
 
 
+def _numba_model(family, data_dir, **llama_shape):
+    """The numba set's model: a random Llama of `llama_shape`, or a packaged tiny checkpoint."""
+    from model_factory import random_model
+
+    from pagedserve.cupy_kernels.backend import get_backend
+    from pagedserve.models import registry
+    from pagedserve.models.loading.loader import load_model
+
+    if family == "llama":
+        cfg, weights = random_model("llama", **llama_shape)
+    else:
+        loaded = load_model(data_dir / family)
+        cfg, weights = loaded.config, loaded.weights
+    return registry.for_config(cfg).model_class(cfg, weights, get_backend("cpu", "numba"))
+
+
+def _assert_same_steps(model, fused, plain):
+    """A prefill and a decode step with each kernel table: the logits and KV caches bit for bit."""
+    from dataclasses import replace
+
+    from pagedserve.models.kv_cache import allocate_kv_caches
+
+    prefill = build_forward_batch([SeqChunk(list(range(1, 40)), 0, [0, 1, 2]), SeqChunk([5, 6, 7], 0, [3])], 16)
+    decode = build_forward_batch([SeqChunk([9], 39, [0, 1, 2]), SeqChunk([4], 3, [3])], 16)
+    results = []
+    for table in (fused, plain):
+        model.backend = replace(model.backend, ops=table)
+        kv = allocate_kv_caches(model.config, 8, 16, model.backend)
+        logits = [model.forward(batch, kv) for batch in (prefill, decode)]
+        results.append(logits + [np.array(k) for pair in kv for k in pair])
+    assert len(results[0]) == len(results[1]) == 2 + 2 * model.config.num_hidden_layers
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("family", ["llama", "tiny-qwen3"])
 def test_adding_in_the_gemm_gives_the_logits_and_cache_of_add_rms_norm(family, data_dir):
     """The numba set adds o_proj's and down's outputs into the residual in its GEMM (ops.linear_add), then only
@@ -89,19 +124,8 @@ def test_adding_in_the_gemm_gives_the_logits_and_cache_of_add_rms_norm(family, d
     same sum), in a prefill and a decode step."""
     from dataclasses import replace
 
-    from model_factory import random_model
-
-    from pagedserve.cupy_kernels.backend import get_backend
-    from pagedserve.models import registry
-    from pagedserve.models.kv_cache import allocate_kv_caches
-    from pagedserve.models.loading.loader import load_model
-
-    if family == "llama":  # hidden 64: two whole AVX-512 panels, so the tiles add
-        cfg, weights = random_model("llama", seed=5, hidden=64, head_dim=16, heads=4, kv_heads=2)
-    else:
-        loaded = load_model(data_dir / family)
-        cfg, weights = loaded.config, loaded.weights
-    model = registry.for_config(cfg).model_class(cfg, weights, get_backend("cpu", "numba"))
+    # hidden 64: two whole AVX-512 panels, so the tiles add
+    model = _numba_model(family, data_dir, seed=5, hidden=64, head_dim=16, heads=4, kv_heads=2)
     ops = model.backend.ops
     assert ops.linear_add is not None
     added = []
@@ -110,18 +134,8 @@ def test_adding_in_the_gemm_gives_the_logits_and_cache_of_add_rms_norm(family, d
         added.append(x.shape[0])
         return ops.linear_add(x, w, residual, quant=quant)
 
-    fused, plain = replace(ops, linear_add=linear_add), replace(ops, linear_add=None)
-    prefill = build_forward_batch([SeqChunk(list(range(1, 40)), 0, [0, 1, 2]), SeqChunk([5, 6, 7], 0, [3])], 16)
-    decode = build_forward_batch([SeqChunk([9], 39, [0, 1, 2]), SeqChunk([4], 3, [3])], 16)
-    results = {}
-    for name, table in (("fused", fused), ("plain", plain)):
-        model.backend = replace(model.backend, ops=table)
-        kv = allocate_kv_caches(cfg, 8, 16, model.backend)
-        logits = [model.forward(batch, kv) for batch in (prefill, decode)]
-        results[name] = logits, [np.array(k) for pair in kv for k in pair]
-    assert len(added) == 2 * 2 * cfg.num_hidden_layers  # o_proj and down, every layer, both steps
-    for a, b in zip(results["fused"][0] + results["fused"][1], results["plain"][0] + results["plain"][1]):
-        np.testing.assert_array_equal(a, b)
+    _assert_same_steps(model, replace(ops, linear_add=linear_add), replace(ops, linear_add=None))
+    assert len(added) == 2 * 2 * model.config.num_hidden_layers  # o_proj and down, every layer, both steps
 
 
 @pytest.mark.parametrize("family", ["llama", "tiny-qwen3"])
@@ -131,20 +145,10 @@ def test_rotating_in_the_gemm_gives_the_logits_and_cache_of_rotary_and_cache(fam
     its _query): logits and KV caches of a prefill and a decode step are those of linear + rotary_and_cache."""
     from dataclasses import replace
 
-    from model_factory import random_model
-
-    from pagedserve.cupy_kernels.backend import get_backend
     from pagedserve.cupy_kernels.numba_cpu import gemm_rotary
-    from pagedserve.models import registry
-    from pagedserve.models.kv_cache import allocate_kv_caches
-    from pagedserve.models.loading.loader import load_model
 
-    if family == "llama":  # head_dim 64: two whole panels (AVX-512) or four (AVX2), so the tiles rotate
-        cfg, weights = random_model("llama", seed=6, hidden=128, head_dim=64, heads=2, kv_heads=1)
-    else:
-        loaded = load_model(data_dir / family)
-        cfg, weights = loaded.config, loaded.weights
-    model = registry.for_config(cfg).model_class(cfg, weights, get_backend("cpu", "numba"))
+    # head_dim 64: two whole panels (AVX-512) or four (AVX2), so the tiles rotate
+    model = _numba_model(family, data_dir, seed=6, hidden=128, head_dim=64, heads=2, kv_heads=1)
     ops = model.backend.ops
     assert ops.linear_rotary_cache is not None
     fused_calls = []
@@ -155,15 +159,6 @@ def test_rotating_in_the_gemm_gives_the_logits_and_cache_of_rotary_and_cache(fam
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(gemm_rotary, "matmul_rotary_cache", counted)
-    prefill = build_forward_batch([SeqChunk(list(range(1, 40)), 0, [0, 1, 2]), SeqChunk([5, 6, 7], 0, [3])], 16)
-    decode = build_forward_batch([SeqChunk([9], 39, [0, 1, 2]), SeqChunk([4], 3, [3])], 16)
-    results = {}
-    for name, table in (("fused", ops), ("plain", replace(ops, linear_rotary_cache=None))):
-        model.backend = replace(model.backend, ops=table)
-        kv = allocate_kv_caches(cfg, 8, 16, model.backend)
-        logits = [model.forward(batch, kv) for batch in (prefill, decode)]
-        results[name] = logits, [np.array(k) for pair in kv for k in pair]
-    expected_calls = [42, 2] if family == "llama" else []
-    assert fused_calls == [rows for rows in expected_calls for _ in range(cfg.num_hidden_layers)]
-    for a, b in zip(results["fused"][0] + results["fused"][1], results["plain"][0] + results["plain"][1]):
-        np.testing.assert_array_equal(a, b)
+    _assert_same_steps(model, ops, replace(ops, linear_rotary_cache=None))
+    expected_calls = [42, 2] if family == "llama" else []  # the prefill's 42 rows, then the decode's 2
+    assert fused_calls == [rows for rows in expected_calls for _ in range(model.config.num_hidden_layers)]
