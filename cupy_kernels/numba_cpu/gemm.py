@@ -49,7 +49,7 @@ from numba.extending import intrinsic
 from ..host.malloc import aligned_empty, aligned_zeros
 from .setup import CODE_PATH, JIT_EXACT, apply_threads, l2_bytes, numba
 from .numerics import silu_mul_ir
-from .vector_ir import splat
+from .vector_ir import prefetch_ir, splat
 
 # The tile must fit the vector registers: AVX-512 has 32 of 16 floats, an 8 x 32 tile takes 16 (+2 for the
 # panel row, +1 broadcast), a 12 x 32 one 24 (_BIG_ROWS). AVX2 has 16 of 8 floats: a 6 x 16 tile (12 + 2
@@ -189,6 +189,36 @@ def unpack(p: PackedWeight) -> np.ndarray:
     return np.ascontiguousarray(p.panels.transpose(0, 2, 1).reshape(count * PANEL, k)[: p.out_features])
 
 
+def products_ir(builder, a_ptr, a_at, lda, rows, b_ptr, panel_ats, k_v, each_step=None) -> list:
+    """LLVM IR of a tile's k loop: accumulators [rows][len(panel_ats) * PANEL / _LANES] (vector allocas) of A's rows
+    (row r at a_ptr[a_at + r lda]) times the [k, PANEL] panels at b_ptr[at:] for `at` in panel_ats, each output one
+    FMA chain in k order; each step prefetches every panel _PREFETCH_K rows of k ahead, then runs each_step(kk)."""
+    intp = a_at.type
+    vf = ir.VectorType(ir.FloatType(), _LANES)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{_LANES}f32")
+    width = len(panel_ats) * (PANEL // _LANES)
+    accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * _LANES)) for _ in range(width)]
+            for _ in range(rows)]
+    starts = [builder.add(a_at, builder.mul(lda, ir.Constant(intp, r))) for r in range(rows)]
+    with cgutils.for_range(builder, k_v, intp=intp) as loop:
+        kk = loop.index
+        ats = [builder.add(base, builder.mul(kk, ir.Constant(intp, PANEL))) for base in panel_ats]
+        for at in ats:  # 16 floats per 64-byte line; past the end a prefetch is a no-op
+            for line in range(0, PANEL, 16):
+                ahead = builder.add(at, ir.Constant(intp, _PREFETCH_K * PANEL + line))
+                prefetch_ir(builder, builder.gep(b_ptr, [ahead]))
+        if each_step is not None:
+            each_step(kk)
+        panel = [builder.load(builder.bitcast(builder.gep(b_ptr, [builder.add(at, ir.Constant(intp, h * _LANES))]),
+                                              vf.as_pointer()), align=4)
+                 for at in ats for h in range(PANEL // _LANES)]
+        for r in range(rows):
+            x = splat(builder, builder.load(builder.gep(a_ptr, [builder.add(starts[r], kk)])), vf)
+            for h in range(width):
+                builder.store(builder.call(fma, [x, panel[h], builder.load(accs[r][h])]), accs[r][h])
+    return accs
+
+
 def _tile_kernel(rows: int):
     """An intrinsic tile(a, a_at, lda, b, b_at, k, c, c_at, ldc, pf_at, pf_rate): C[rows, 32] = A[rows, :k] @
     panel, with A's row r at a[a_at + r lda], the panel at b[b_at:] ([k, 32]), C's row r at c[c_at + r ldc];
@@ -216,8 +246,6 @@ def _tile_kernel(rows: int):
             a_at, lda, b_at, k_v, c_at, ldc, pf_at, pf_rate, mode = (index(i) for i in (1, 2, 4, 5, 7, 8, 9, 10, 11))
             intp = a_at.type
             vf = ir.VectorType(ir.FloatType(), _LANES)
-            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
-                                                 f"llvm.fma.v{_LANES}f32")
 
             def const(v):
                 return ir.Constant(intp, v)
@@ -225,28 +253,12 @@ def _tile_kernel(rows: int):
             def vec_at(ptr, offset):
                 return builder.bitcast(builder.gep(ptr, [offset]), vf.as_pointer())
 
-            halves = PANEL // _LANES
-            accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * _LANES)) for _ in range(halves)]
-                    for _ in range(rows)]
-            starts = [builder.add(a_at, builder.mul(lda, const(r))) for r in range(rows)]
-            prefetch = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] + [ir.IntType(32)] * 3),
-                "llvm.prefetch.p0i8")
-            read, keep, data_cache = (ir.Constant(ir.IntType(32), v) for v in (0, 3, 1))
-            with cgutils.for_range(builder, k_v, intp=intp) as loop:
-                kk = loop.index
-                at = builder.add(b_at, builder.mul(kk, const(PANEL)))
-                for line in range(0, PANEL, 16):  # 16 floats per 64-byte line; past the end a prefetch is a no-op
-                    ahead = builder.gep(b_ptr, [builder.add(at, const(_PREFETCH_K * PANEL + line))])
-                    builder.call(prefetch, [builder.bitcast(ahead, ir.IntType(8).as_pointer()), read, keep, data_cache])
+            def next_panel_share(kk):  # the tile's share of the next panel (_panel_rows)
                 share = builder.gep(b_ptr, [builder.add(pf_at, builder.ashr(builder.mul(kk, pf_rate), const(8)))])
-                builder.call(prefetch, [builder.bitcast(share, ir.IntType(8).as_pointer()), read, keep, data_cache])
-                panel = [builder.load(vec_at(b_ptr, builder.add(at, const(h * _LANES))), align=4)
-                         for h in range(halves)]
-                for r in range(rows):
-                    x = splat(builder, builder.load(builder.gep(a_ptr, [builder.add(starts[r], kk)])), vf)
-                    for h in range(halves):
-                        builder.store(builder.call(fma, [x, panel[h], builder.load(accs[r][h])]), accs[r][h])
+                prefetch_ir(builder, share)
+
+            accs = products_ir(builder, a_ptr, a_at, lda, rows, b_ptr, [b_at], k_v, next_panel_share)
+            halves = PANEL // _LANES
             with builder.if_else(builder.icmp_signed("==", mode, const(GATED))) as (fused, other):
                 with fused:  # a gated panel: gate in the first vector, up in the second; C gets silu(gate) * up
                     for r in range(rows):

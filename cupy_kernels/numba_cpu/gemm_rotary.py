@@ -21,16 +21,16 @@ import functools
 
 import numpy as np
 from llvmlite import ir
-from numba.core import cgutils, types
+from numba.core import types
 from numba.extending import intrinsic
 
 from ..batch_checks import check_slot_mapping
 from ..host.malloc import aligned_empty
 from .attention_ir import address
-from .gemm import _LANES, _PREFETCH_K, AVX512, PANEL, PackedWeight, row_passes
+from .gemm import _LANES, AVX512, PANEL, PackedWeight, products_ir, row_passes
 from .numerics import store_fence
 from .setup import JIT_EXACT, apply_threads, call_compiled, native_address, numba
-from .vector_ir import splat
+from .vector_ir import rotate_half
 
 _PAIR_ROWS = 6 if AVX512 else 2  # rows of a tile over two panels (4 accumulator vectors a row)
 Q, K, V = 0, 1, 2  # what a pair of panels holds: query columns (rotated, to q), key (rotated, to its slot), value
@@ -61,12 +61,6 @@ def _pair_tile(rows: int):
             a_p, b_p, dst_p, cs_p, sn_p = (builder.inttoptr(p, f32p) for p in (a_p, b_p, dst_p, cs_p, sn_p))
             slots_p = builder.inttoptr(slots_p, ir.IntType(64).as_pointer())
             vf = ir.VectorType(ir.FloatType(), _LANES)
-            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
-                                                 f"llvm.fma.v{_LANES}f32")
-            prefetch = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] + [ir.IntType(32)] * 3),
-                "llvm.prefetch.p0i8")
-            read, keep, data_cache = (ir.Constant(ir.IntType(32), x) for x in (0, 3, 1))
 
             def const(x):
                 return ir.Constant(intp, x)
@@ -75,25 +69,7 @@ def _pair_tile(rows: int):
                 return builder.bitcast(builder.gep(ptr, [offset]), vf.as_pointer())
 
             halves = PANEL // _LANES  # vectors per panel row
-            accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * _LANES)) for _ in range(2 * halves)]
-                    for _ in range(rows)]
-            starts = [builder.add(a_at, builder.mul(lda, const(r))) for r in range(rows)]
-            with cgutils.for_range(builder, k_v, intp=intp) as loop:
-                kk = loop.index
-                step = builder.mul(kk, const(PANEL))
-                panel = []
-                for base in (lo_at, hi_at):
-                    at = builder.add(base, step)
-                    for line in range(0, PANEL, 16):  # the panel _PREFETCH_K rows of k ahead, as numba_gemm's tiles
-                        ahead = builder.gep(b_p, [builder.add(at, const(_PREFETCH_K * PANEL + line))])
-                        builder.call(prefetch, [builder.bitcast(ahead, ir.IntType(8).as_pointer()), read, keep,
-                                                data_cache])
-                    panel += [builder.load(vec(b_p, builder.add(at, const(h * _LANES))), align=4)
-                              for h in range(halves)]
-                for r in range(rows):
-                    x = splat(builder, builder.load(builder.gep(a_p, [builder.add(starts[r], kk)])), vf)
-                    for h in range(2 * halves):
-                        builder.store(builder.call(fma, [x, panel[h], builder.load(accs[r][h])]), accs[r][h])
+            accs = products_ir(builder, a_p, a_at, lda, rows, b_p, [lo_at, hi_at], k_v)  # lo's vectors, then hi's
             nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
             is_q, is_v = builder.icmp_signed("==", kind, const(Q)), builder.icmp_signed("==", kind, const(V))
             for r in range(rows):
@@ -105,9 +81,10 @@ def _pair_tile(rows: int):
                         for h in range(halves):
                             at = builder.add(builder.add(builder.mul(t, cs_w), cs_at), const(h * _LANES))
                             c, s = (builder.load(vec(p, at), align=4) for p in (cs_p, sn_p))
-                            x1, x2 = builder.load(accs[r][h]), builder.load(accs[r][halves + h])
-                            builder.store(builder.fsub(builder.fmul(x1, c), builder.fmul(x2, s)), accs[r][h])
-                            builder.store(builder.fadd(builder.fmul(x2, c), builder.fmul(x1, s)), accs[r][halves + h])
+                            y1, y2 = rotate_half(builder, builder.load(accs[r][h]), builder.load(accs[r][halves + h]),
+                                                 c, s)
+                            builder.store(y1, accs[r][h])
+                            builder.store(y2, accs[r][halves + h])
                     lo = [builder.load(accs[r][h]) for h in range(halves)]
                     hi = [builder.load(accs[r][halves + h]) for h in range(halves)]
                     out = builder.add(builder.mul(row, ldd), dst_at)

@@ -10,7 +10,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from .vector_ir import lane_sums, splat
+from .vector_ir import lane_sums, rotate_half, splat
 
 
 def _is_row(row, n) -> bool:
@@ -259,8 +259,9 @@ def rotate(typingctx, src, src_at, cos, sin, cs_at, dst, dst_at, half):
         def rot(ty, at):
             x1, x2 = load(src_p, at, ty), load(src_p, builder.add(at, half_v), ty)
             c, s = load(cos_p, at, ty), load(sin_p, at, ty)
-            store(builder.fsub(builder.fmul(x1, c), builder.fmul(x2, s)), dst_p, at, ty)
-            store(builder.fadd(builder.fmul(x2, c), builder.fmul(x1, s)), dst_p, builder.add(at, half_v), ty)
+            y1, y2 = rotate_half(builder, x1, x2, c, s)
+            store(y1, dst_p, at, ty)
+            store(y2, dst_p, builder.add(at, half_v), ty)
 
         _lanes_then_rest(builder, half_v, rot)
         return context.get_dummy_value()

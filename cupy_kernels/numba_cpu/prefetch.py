@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba.core import cgutils, types
+from numba.core import types
 from numba.extending import intrinsic
 
 from .attention_ir import RUN
 from .setup import JIT, numba
+from .vector_ir import prefetch_ir
 
 PAGE_BYTES = 4096  # the unit the L2 stream prefetcher follows
 
@@ -40,11 +41,7 @@ def prefetch(typingctx, address, index):
     def codegen(context, builder, signature, args):
         at = [context.cast(builder, v, t, types.intp) for v, t in zip(args, signature.args)]
         data = builder.inttoptr(at[0], ir.FloatType().as_pointer())
-        ptr = builder.bitcast(builder.gep(data, [at[1]]), ir.IntType(8).as_pointer())
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]),
-                                            "llvm.prefetch.p0i8")
-        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, keep, data
+        prefetch_ir(builder, builder.gep(data, [at[1]]))
         return context.get_dummy_value()
     return types.none(address, index), codegen
 

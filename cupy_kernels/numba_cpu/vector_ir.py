@@ -1,9 +1,10 @@
 """LLVM IR helpers the numba kernels' intrinsics share (numba_gemm's tiles, numba_quant's and
-numba_quant_int8's row totals, attention_ir's runs, numerics' vector functions)."""
+numba_quant_int8's row totals, attention_ir's runs, numerics' vector functions, gemm_rotary's tiles)."""
 
 from __future__ import annotations
 
 from llvmlite import ir
+from numba.core import cgutils
 
 
 def splat(builder, value, vec_t):
@@ -39,3 +40,19 @@ def lane_sums(builder, vectors):
         width //= 2
     assert sums == len(vectors) == vec.type.count
     return vec
+
+
+def rotate_half(builder, x1, x2, c, s):
+    """LLVM IR: the rotary embedding of pairs (x1, x2) by (c, s): (x1 c - x2 s, x2 c + x1 s), each product and sum
+    rounded (no FMA): ops.apply_rotary's arithmetic (numerics.rotate, gemm_rotary's tiles)."""
+    return (builder.fsub(builder.fmul(x1, c), builder.fmul(x2, s)),
+            builder.fadd(builder.fmul(x2, c), builder.fmul(x1, s)))
+
+
+def prefetch_ir(builder, ptr) -> None:
+    """LLVM IR: a hint to load the cache line at pointer `ptr` into L1 (read, keep; it never faults): numba_gemm's
+    and gemm_rotary's tiles, prefetch.prefetch."""
+    i32, i8p = ir.IntType(32), ir.IntType(8).as_pointer()
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p] + [i32] * 3),
+                                        "llvm.prefetch.p0i8")
+    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])

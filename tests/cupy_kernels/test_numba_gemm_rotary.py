@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pagedserve.cupy_kernels.host import malloc
-from pagedserve.cupy_kernels.numba_cpu import gemm, gemm_rotary, ops as numba_ops
+from pagedserve.cupy_kernels.numba_cpu import cache_write, gemm, gemm_rotary, ops as numba_ops
 from pagedserve.cupy_kernels.reference import ops, paged_attention as pa
 
 
@@ -39,8 +39,6 @@ def _copy(a):
 
 def _separate(x, w, heads, kv_heads, cos, sin, caches, slots):
     k, v = caches[0].copy(), caches[1].copy()
-    from pagedserve.cupy_kernels.numba_cpu import cache_write
-
     q = cache_write.rotary_and_cache(gemm.matmul(x, w), heads, kv_heads, cos, sin, k, v, slots)
     return q, k, v
 
