@@ -1,25 +1,40 @@
 """numba, configured for pagedserve's kernels before any of them is compiled.
 
-Compiled kernels are cached on disk (`cache=True`) under `<cache root>/numba` (cache_dir.py), so only the
-first start on a machine compiles them (seconds); later starts load machine code. numba keys each entry
-by the kernel's source file, its argument types and the CPU, so an edited kernel or another CPU model
-never loads a stale one. NUMBA_CACHE_DIR set by the user wins.
+Compiled kernels are cached on disk (`cache=True`) under `<cache root>/numba/<digest of this folder's
+sources>` (cache_dir.py, sources_digest), so only the first start on a machine compiles them (seconds); later
+starts load machine code. numba keys each entry by the kernel's source file, its argument types and the CPU;
+the digest adds the files it does not see (a kernel's intrinsics in another file), so an edited kernel or
+another CPU model never loads a stale one. NUMBA_CACHE_DIR set by the user wins.
 
 Import this module, not numba, in the numba_*.py kernel files.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 from ..host.blas_threads import cpu_threads
 from ..host.cache_dir import cache_root
 
-os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_root() / "numba"))
+
+def sources_digest(folder: Path | None = None) -> str:
+    """A digest of the kernel sources in `folder` (default: this one). numba keys a cache entry by its own
+    function's file alone, so a kernel whose intrinsics or helpers live in another file (numerics.py,
+    vector_ir.py, gemm.py's tiles) would load its old machine code after only that file changed; under a folder
+    per digest, an edit anywhere here compiles everything once again instead (~1 ms to read and hash ~140 KB)."""
+    digest = hashlib.sha256()
+    for path in sorted((folder or Path(__file__).parent).glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_root() / "numba" / sources_digest()))
 # numba's parallel loops run on GNU OpenMP threads, which by default spin after each loop waiting for
 # the next one. Between two kernels come numpy's matmuls, whose OpenBLAS threads then find their cores
 # taken: on 2 cores every matmul after the first numba loop ran several times slower (bench/throughput.py,
