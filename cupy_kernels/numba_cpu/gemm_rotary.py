@@ -126,7 +126,7 @@ def _pair_rows(a, lda, t0, t1, b, lo_at, hi_at, k, kind, dst, dst_at, ldd, half,
 
 @numba.njit(parallel=True, **JIT_EXACT)
 def _rotary_matmul(pair_rows, x, panels, num_heads, num_kv_heads, head_dim, cos, sin, slots, q, k_cache, v_cache,
-                   passes, parts):
+                   passes, parts, order):
     """The kernel (matmul_rotary_cache checks, allocates and picks passes and parts): the rows in `passes` blocks
     (numba_gemm.row_passes), each block's pairs of panels shared out over the threads, a pair's rows in `parts`."""
     m, k = x.shape
@@ -142,7 +142,7 @@ def _rotary_matmul(pair_rows, x, panels, num_heads, num_kv_heads, head_dim, cos,
         if m1 <= m0:
             continue
         for item in numba.prange(n_pairs * parts):
-            pair, part = item // parts, item % parts
+            pair, part = order[item // parts], item % parts
             r0 = m0 + ((m1 - m0) * part // parts) // 12 * 12
             r1 = m1 if part == parts - 1 else m0 + ((m1 - m0) * (part + 1) // parts) // 12 * 12
             head, within = pair // pairs_per_head, (pair % pairs_per_head) * PANEL
@@ -155,6 +155,19 @@ def _rotary_matmul(pair_rows, x, panels, num_heads, num_kv_heads, head_dim, cos,
             call_compiled(pair_rows, (a, k, r0, r1, b, col * k, (col + half) * k, k, kind, dst, dst_at, ldd, half, cs,
                                       sn, within, np.int64(cos.shape[1]), sl))
             store_fence()  # the streamed rows, before any thread reads the cache
+
+
+@functools.lru_cache(maxsize=None)
+def _pair_order(num_heads: int, num_kv_heads: int, pairs_per_head: int) -> np.ndarray:
+    """The order the prange takes the pairs in: the key and value pairs spread evenly among the query pairs
+    (pair j of the 2 KV pph cache pairs at place (2j + 1) n / (4 KV pph) of n), so that a thread's contiguous
+    share of them holds its share of the slot writes; in the order of the columns, all of them fell to the last
+    thread."""
+    nq, nc = num_heads * pairs_per_head, 2 * num_kv_heads * pairs_per_head
+    n = nq + nc
+    places = {(2 * j + 1) * n // (2 * nc): nq + j for j in range(nc)}
+    queries = iter(range(nq))
+    return np.array([places[i] if i in places else next(queries) for i in range(n)], dtype=np.int64)
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,7 +212,8 @@ def matmul_rotary_cache(x: np.ndarray, w: PackedWeight, num_heads: int, num_kv_h
         pairs = (num_heads + 2 * num_kv_heads) * head_dim // (2 * PANEL)
         parts = 2 if threads > 1 and pairs % threads and t >= 2 * 12 else 1  # an odd count of pairs: split rows
         _rotary_matmul(_pair_rows_address(), x, w.panels, num_heads, num_kv_heads, head_dim, np.ascontiguousarray(cos),
-                       np.ascontiguousarray(sin), slot_mapping, q, k_cache, v_cache, row_passes(t, x.shape[1]), parts)
+                       np.ascontiguousarray(sin), slot_mapping, q, k_cache, v_cache, row_passes(t, x.shape[1]), parts,
+                       _pair_order(num_heads, num_kv_heads, head_dim // (2 * PANEL)))
     return q
 
 

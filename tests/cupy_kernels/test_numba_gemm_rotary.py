@@ -76,7 +76,8 @@ def test_row_blocks_and_one_thread_give_the_same_bits():
         try:
             numba.set_num_threads(count)  # the compiled kernel itself: the wrapper would set the count again
             gemm_rotary._rotary_matmul(gemm_rotary._pair_rows_address(), x, w.panels, heads, kv_heads, head_dim, cos,
-                                       sin, slots, q, k, v, gemm.row_passes(rows, 576), 2)
+                                       sin, slots, q, k, v, gemm.row_passes(rows, 576), 2,
+                                       gemm_rotary._pair_order(heads, kv_heads, 1))
         finally:
             numba.set_num_threads(threads)
         results.append((q, k, v))
@@ -128,3 +129,15 @@ def test_bad_slots_and_positions_raise_and_write_nothing():
         gemm_rotary.matmul_rotary_cache(x, w, 2, 1, cos, sin, k, v, slots[:4])
     np.testing.assert_array_equal(k, k0)
     np.testing.assert_array_equal(v, v0)
+
+
+@pytest.mark.parametrize("heads, kv_heads, pairs_per_head", [(9, 3, 1), (32, 8, 1), (4, 4, 2), (1, 1, 1), (14, 2, 2)])
+def test_the_pair_order_shares_the_slot_writes_out_over_the_threads(heads, kv_heads, pairs_per_head):
+    """The prange's static halves of the pairs each hold half the key and value pairs (within one): in column
+    order the last thread took every slot write."""
+    order = gemm_rotary._pair_order(heads, kv_heads, pairs_per_head)
+    n, queries = order.size, heads * pairs_per_head
+    assert sorted(order.tolist()) == list(range(n))
+    assert [p for p in order if p < queries] == list(range(queries))  # the query pairs keep their order
+    first_half = int((order[: n // 2] >= queries).sum())
+    assert abs(2 * first_half - 2 * kv_heads * pairs_per_head) <= 2
