@@ -19,9 +19,11 @@ from the first step of the window to its end are pooled into p50 / p90 / p99 / m
 
 Each configuration also reports the model FLOPs of its heaviest step while the long prompt prefills
 (`heaviest_step_gflop`: its costliest chunk, with the streams' decodes; common.model_flops_per_token) and
-that step's time at the sgemm rate measured at the start (`heaviest_step_floor_s`): every stream waits for
-that step, so no kernel brings the p99 ITL below it on this machine, whatever the code. The KV pool's
-pages are touched before the clock starts, as a long-running server's are (`--cold-pool`: not).
+that step's time at the sgemm rate, the mean of one second's measurement just before the configuration's
+run and one just after (`heaviest_step_floor_s`, `sgemm_gflops_before_after`; on a shared VM the rate moves by
+a tenth from one minute to the next, and the header's, taken at the start, is minutes old by then): every
+stream waits for that step, so no kernel brings the p99 ITL below it on this machine, whatever the code. The KV
+pool's pages are touched before the clock starts, as a long-running server's are (`--cold-pool`: not).
 
 Usage:
 
@@ -170,11 +172,14 @@ def run(args: argparse.Namespace) -> dict:
         + [(f"budget_{b}_by_count", b, False) for b in args.by_count_budgets]
     for key, b, cost_aware in configs:
         t = time.perf_counter()
+        before = env["sgemm_gflops"] if args.quick else plots.sgemm_gflops()
         results[key] = r = run_config(loaded, args, b, cost_aware)
+        after = env["sgemm_gflops"] if args.quick else plots.sgemm_gflops()
         context = args.stream_prompt_len + args.steps_before + r["long_prompt_prefill_steps"]
         r["heaviest_step_gflop"] = round(heaviest_step_gflop(loaded.config, args.streams, context,
                                                              args.long_prompt_len, b, r["keys_per_token"]), 3)
-        r["heaviest_step_floor_s"] = round(r["heaviest_step_gflop"] / env["sgemm_gflops"], 4)
+        r["sgemm_gflops_before_after"] = [round(before, 1), round(after, 1)]
+        r["heaviest_step_floor_s"] = round(r["heaviest_step_gflop"] / ((before + after) / 2), 4)
         plots.progress(f"jitter: {key} took {time.perf_counter() - t:.1f} s")
     off = results["off"]["itl_ms"]["p99"]
     reductions = {k: round(100 * (1 - v["itl_ms"]["p99"] / off), 1) for k, v in results.items() if k != "off"}
