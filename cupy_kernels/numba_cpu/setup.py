@@ -44,10 +44,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # ...but not quite at once: a decode step with few sequences runs ~120 short parallel matmuls over GGUF
 # blocks (numba_quant.py), ~20 us each, and waking sleeping threads for each took longer than the work
 # (one request: 12.9 ms per step against 6.8 ms). libgomp's GOMP_SPINCOUNT overrides the policy's spin
-# count (0 for PASSIVE, 300,000 by default): 3,000 pauses (~0.1 ms on the test VM's Xeon) bridge the gap
-# between two kernels of a step; 300 did not, and the 64-request run (OpenBLAS matmuls) did not measurably
-# slow down (439-448 against 425-464 tok/s). A user's GOMP_SPINCOUNT wins.
-os.environ.setdefault("GOMP_SPINCOUNT", "3000")
+# count (0 for PASSIVE, 300,000 by default), counted in PAUSE instructions, whose length differs by CPU: ~33
+# ns on the first test VM's Xeon (3,000 bridged a step's gaps there, 300 did not), 9.7 ns on the Intel VM of
+# 2026-12-05, where 3,000 (~30 us) let the threads fall asleep in the gaps of a one-request step around its
+# single-threaded attention and norms: one request 32 -> 128 11.0-11.6 ms a token at 3,000, 8.2-8.8 at
+# 10,000 and 8.2-9.1 at 20,000; 64 requests 432.7, 432.7 -> 468.0, 458.7 tok/s; 256 requests and the numpy
+# set (OpenBLAS) within their noise. 10,000 spins for ~0.1-0.4 ms after a parallel loop, then sleeps. A user's
+# GOMP_SPINCOUNT wins.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import numba  # noqa: E402  (after NUMBA_CACHE_DIR: numba reads its config at import)
 from numba.core import cgutils, types  # noqa: E402
