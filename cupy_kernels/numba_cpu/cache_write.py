@@ -118,8 +118,11 @@ def rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, s
                   and k_cache.ctypes.data % 64 == 0 and v_cache.ctypes.data % 64 == 0)
     args = (np.ascontiguousarray(qkv), np.int64(num_heads), np.int64(num_kv_heads), np.ascontiguousarray(cos),
             np.ascontiguousarray(sin), k_cache, v_cache, slot_mapping, out, stream)
-    parts = apply_threads(parallel=t >= PARALLEL_MIN_TOKENS)
-    _ROTARY_PARTS(_part_address(args), args, np.int64(min(parts, max(t, 1))))
+    parts = min(apply_threads(parallel=t >= PARALLEL_MIN_TOKENS), max(t, 1))
+    if parts == 1:  # the serial kernel itself: numba types the prange's tuple of arguments at ~4 us a call
+        _rotary_and_cache(*args, np.int64(0), np.int64(t))
+    else:
+        _ROTARY_PARTS(_part_address(args), args, np.int64(parts))
     return out
 
 
