@@ -25,7 +25,7 @@ from . import gemm as numba_gemm, gemm_rotary as numba_gemm_rotary, quant as num
 from ..reference import ops
 from .attention_ir import address
 # The KV cache writes, a kernel set's ops like the others (cache_write.py)
-from .cache_write import reshape_and_cache, rotary_and_cache  # noqa: F401
+from .cache_write import PARALLEL_MIN_TOKENS, reshape_and_cache, rotary_and_cache  # noqa: F401
 # fast_exp2 and row_max: read from here too
 from .numerics import fast_exp, fast_exp2, rotate, row_argmax, row_max, silu_mul  # noqa: F401
 from .setup import JIT, JIT_EXACT, apply_threads, numba
@@ -307,3 +307,7 @@ def warm_up() -> None:
     argmax_rows(f32(2, 8), lse_out=np.empty(2, dtype=_F32))
     cache = np.zeros((2, 4, 2, 4), dtype=_F32)
     rotary_and_cache(f32(2, 32), 4, 2, f32(2, 2), f32(2, 2), cache, cache.copy(), np.zeros(2, dtype=np.int64))
+    # A call of few tokens runs the serial kernel alone; from PARALLEL_MIN_TOKENS (with threads to share) the
+    # prange around it: both compiled here (padding slots: nothing is written).
+    n = PARALLEL_MIN_TOKENS
+    rotary_and_cache(f32(n, 32), 4, 2, f32(n, 2), f32(n, 2), cache, cache.copy(), np.full(n, -1, dtype=np.int64))

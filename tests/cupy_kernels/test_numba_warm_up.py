@@ -24,6 +24,7 @@ from model_factory import random_model
 from pagedserve.cupy_kernels.backend import get_backend
 from pagedserve.cupy_kernels.numba_cpu import attention as numba_attention, ops as numba_ops
 from pagedserve.cupy_kernels.numba_cpu import prefill as numba_prefill, quant as numba_quant
+from pagedserve.cupy_kernels.numba_cpu import cache_write as numba_cache_write
 from model_factory import write_gguf
 from pagedserve.models.loading.gguf_loader import load_gguf_weights
 from pagedserve.models.batch import SeqChunk, build_forward_batch
@@ -33,7 +34,8 @@ from pagedserve.models.llama import LlamaForCausalLM
 backend = get_backend("cpu", "numba")  # the warm-up runs here
 
 def signatures():
-    return {(m.__name__, name, sig) for m in (numba_ops, numba_attention, numba_prefill, numba_quant) for name in dir(m)
+    return {(m.__name__, name, sig) for m in (numba_ops, numba_attention, numba_prefill, numba_quant, numba_cache_write)
+            for name in dir(m)
             if isinstance(getattr(m, name), numba.core.registry.CPUDispatcher)
             for sig in getattr(m, name).signatures}
 
@@ -56,6 +58,11 @@ for read_only, qtype in ((False, None), (True, None), (False, "Q4_1"), (True, "Q
              [SeqChunk([7, 8, 9], 0, [20], 1), SeqChunk([6], 300, list(range(19)), 1)]]  # prefill + decode
     for chunks in steps:
         model.forward(build_forward_batch(chunks, 16), kv)
+# a prefill of PARALLEL_MIN_TOKENS tokens whose qkv the fused GEMM does not take (a qkv bias): rotary_and_cache's
+# prange over the threads (padding slots)
+n = numba_cache_write.PARALLEL_MIN_TOKENS
+ones = lambda *shape: np.ones(shape, dtype=np.float32)  # noqa: E731
+backend.ops.rotary_and_cache(ones(n, 10 * 16), 6, 2, ones(n, 8), ones(n, 8), *kv[0], np.full(n, -1, dtype=np.int64))
 new = signatures() - warm
 print("NEW" if new else "NONE", sorted(str(s) for s in new))
 """
