@@ -49,11 +49,14 @@ def timed_parts(model, seconds: dict[str, float]):
 
     backend, forward = model.backend, model.forward
     ops = backend.ops
-    # The gated MLP's up projection (linear_silu_and_mul: on the numba set the SiLU runs in the GEMM's tiles)
-    # counts as a matmul.
+    # The fused GEMMs count as matmuls: the gated MLP's up projection (linear_silu_and_mul: on the numba set the
+    # SiLU runs in the GEMM's tiles), o_proj and down with the residual add (linear_add), qkv with the rotation
+    # and the K/V slot writes (linear_rotary_cache).
+    fused = {name: timer(getattr(ops, name), "linear") for name in ("linear_add", "linear_rotary_cache")
+             if getattr(ops, name) is not None}
     model.backend = dataclasses.replace(backend, ops=dataclasses.replace(
         ops, linear=timer(ops.linear, "linear"), linear_silu_and_mul=timer(ops.linear_silu_and_mul, "linear"),
-        paged_attention=timer(ops.paged_attention, "attention")))
+        paged_attention=timer(ops.paged_attention, "attention"), **fused))
     model.forward = timer(forward, "forward")
     try:
         yield
