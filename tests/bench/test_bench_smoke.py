@@ -267,6 +267,28 @@ def test_throughput_breakdown() -> None:
     assert parts["output_tokens_per_s_if_matmuls_were_all"] >= r["output_tokens_per_s"]
 
 
+def test_throughput_breakdown_times_the_fused_gemms() -> None:
+    """The numba set's fused GEMMs (o_proj and down with the residual add, qkv with rotary) count as matmuls,
+    not as the rest of the forward."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from pagedserve.cupy_kernels.backend import get_backend
+
+    throughput = _load("throughput")
+    backend = get_backend("cpu", "numba")
+    fused = [n for n in ("linear_add", "linear_rotary_cache") if getattr(backend.ops, n) is not None]
+    assert fused  # the numba set has both
+    calls = []
+    ops = dataclasses.replace(backend.ops, **{n: (lambda *a, n=n, **k: calls.append(n)) for n in fused})
+    model = SimpleNamespace(backend=dataclasses.replace(backend, ops=ops), forward=lambda: None)
+    seconds = defaultdict(float)
+    with throughput.timed_parts(model, seconds):
+        for n in fused:
+            getattr(model.backend.ops, n)()
+    assert calls == fused and set(seconds) == {"linear"}  # each call timed, as a matmul
+
+
 @pytest.mark.slow
 def test_tensor_parallel_bench_on_the_tiny_model() -> None:
     cmd = [sys.executable, str(BENCH / "tensor_parallel.py"), "--model", TINY, "--requests", "2",
