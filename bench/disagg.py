@@ -52,11 +52,14 @@ CLAIM = {"text": "prefill and decode on separate instances keep running streams'
 CORES = (0, 1)
 
 
-def pinned(cores: set[int]):
-    """A preexec_fn for Popen: the child and its threads run on `cores` only (taskset -c does the same)."""
-    def apply() -> None:
-        os.sched_setaffinity(0, cores)
-    return apply
+def pinned(cores: set[int], argv: list[str]) -> list[str]:
+    """`argv` (a Python command line) run on `cores` only, every thread of it: a first interpreter sets its
+    own affinity and execs into `argv`, keeping the pid (as taskset -c does, without needing util-linux).
+    Never a Popen preexec_fn: that makes Popen fork() instead of vfork(), and fork() runs gRPC's prefork
+    handler, which waited forever (a futex in cygrpc's pthread_atfork hook) about once in ~100 starts while
+    this process held client channels: the hang of CI run 55's test_disagg. vfork runs no fork handlers."""
+    trampoline = f"import os, sys; os.sched_setaffinity(0, {sorted(cores)}); os.execv(sys.argv[1], sys.argv[1:])"
+    return [sys.executable, "-c", trampoline, *argv]
 
 
 class Server(ServerProcess):
@@ -74,8 +77,7 @@ class Server(ServerProcess):
             cmd += ["--model", model]
         self._log = open(self.log_path, "wb")
         self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=pinned(cores),
-                                     env=server_env())
+        self.proc = subprocess.Popen(pinned(cores, cmd), stdout=self._log, stderr=subprocess.STDOUT, env=server_env())
 
 
 def start_config(tmp: Path, args: argparse.Namespace, kind: str, chunked: bool) -> tuple[list[Server], str]:
@@ -158,7 +160,9 @@ def run_load(socket: str, args: argparse.Namespace, vocab: int, seed: int) -> di
         if i + 1 < len(longs):
             time.sleep(args.long_interval)  # the arrival schedule itself, not a synchronisation
     for t in threads:
-        t.join()
+        t.join(600)
+        if t.is_alive():
+            raise RuntimeError("a long prompt got no first token in 600 s")
     window_end = max(r["first"] for r in longs) + 0.5
     wait_until(lambda: time.perf_counter() >= window_end, 5, "the end of the window")
     stop.set()

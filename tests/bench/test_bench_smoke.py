@@ -178,6 +178,26 @@ def test_serve(tmp_path: Path) -> None:
     assert all(row["mean_cached_tokens"] in (0, None) for row in r["results"]["unique"])
 
 
+def test_disagg_pins_servers_by_exec_not_by_preexec_fn() -> None:
+    """The pinned command runs on the cores asked for, as the process Popen started (exec keeps the pid). And
+    nothing here starts a process with preexec_fn: Popen then fork()s, which runs gRPC's prefork handler, and
+    that hung about once in ~100 server starts of bench/disagg.py while the bench held client channels."""
+    disagg = _load("disagg")
+    cores = {min(os.sched_getaffinity(0))}
+    probe = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)), os.getpid())"]
+    proc = subprocess.run(disagg.pinned(cores, probe), capture_output=True, text=True, timeout=60, check=True)
+    affinity, pid = proc.stdout.rsplit(" ", 1)
+    assert json.loads(affinity) == sorted(cores)
+    assert int(pid) > 0
+    child = subprocess.Popen(disagg.pinned(cores, probe), stdout=subprocess.PIPE, text=True)
+    out, _ = child.communicate(timeout=60)
+    assert int(out.rsplit(" ", 1)[1]) == child.pid  # the server's pid is the one the bench signals and waits on
+    users = [str(p.relative_to(ROOT)) for folder in ("bench", "sidecar", "runtime", "models", "cupy_kernels", "tests")
+             for p in sorted((ROOT / folder).rglob("*.py")) if "preexec_fn=" in p.read_text()
+             and p.name != "test_bench_smoke.py"]
+    assert users == []
+
+
 @pytest.mark.slow
 def test_disagg(tmp_path: Path) -> None:
     r = run_bench("disagg", tmp_path, "--model", TINY, timeout=240)
