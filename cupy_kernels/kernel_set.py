@@ -140,9 +140,10 @@ def _numba_started() -> KernelSet:
     from .numba_cpu.setup import compile_aside
 
     # The child first: the GEMM's warm-up here adds a signature to the same module's cache index as the
-    # child's prefill warm-up, seconds apart. The qkv GEMM with rotary (~1 s) goes to the child too: with empty
-    # caches the thread's share (~6.7 s, the model's load beside it) was the longer one.
-    child = compile_aside(numba_attention._ATTENTION, numba_prefill._GATHER, numba_gemm_rotary._rotary_matmul)
+    # child's prefill warm-up, seconds apart. The qkv GEMM with rotary goes to the child too: with empty caches
+    # the thread's share (the model's load beside it) was the longer one. Since launch.py, thread and child end
+    # within ~0.1 s of each other (2026-12-06, the Zen 4 VM); the GEMM in the child instead ended it 3 s later.
+    child = compile_aside(numba_attention._ATTENTION, numba_prefill._GATHER, numba_gemm_rotary._PAIRS)
     _compile_child.append(child)
 
     def compile_first_half() -> None:

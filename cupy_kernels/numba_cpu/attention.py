@@ -46,9 +46,13 @@ was chunked (a chunk of one token included), or the thread that ran it.
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
+
 import numpy as np
 
 from . import attention_ir as ir_loops
+from . import launch
 from . import prefetch as hints
 from . import prefill
 from ..reference import paged_attention as reference
@@ -56,7 +60,7 @@ from ..reference import paged_attention as reference
 from .attention_plan import (Q_TILE, AttentionPlan, _check_shapes, _cut_work, _scan, _work_items,  # noqa: F401
                              plan_attention)
 from .numerics import exp_sum, fast_exp, row_max
-from .setup import JIT, apply_threads, call_compiled, native_address, numba
+from .setup import JIT, apply_threads, numba
 
 K_SEGMENT = 512  # keys whose scores are held at once; softmax is exact within a segment, rescaled across
 RUN = ir_loops.RUN  # keys per run in _scores and _accumulate (written out for 8, the fastest of 4, 8 and 16)
@@ -112,9 +116,21 @@ def _scratch(rows, cols):
     return buf[at:at + rows * cols].reshape((rows, cols))
 
 
-def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window, items,
-                     bounds, out):
-    """Chunk c of the work: its items one after the other. window: the sliding window (0: none)."""
+def _attention_chunk(c, words):
+    """Chunk c of the work: its items one after the other. Its arguments (launch.pack): the step's
+    query_start_loc, seq_lens, int32 block_tables, items and bounds (AttentionPlan.step_words), then the
+    layer's query [T, H, D], caches, out, scale and window (the sliding window, 0: none; _run)."""
+    query_start_loc = launch.array1(words, 0, np.int64)
+    seq_lens = launch.array1(words, 2, np.int64)
+    block_tables = launch.array2(words, 4, np.int32)
+    items = launch.array2(words, 7, np.int64)
+    bounds = launch.array1(words, 10, np.int64)
+    query = launch.array3(words, 12, np.float32)
+    k_cache = launch.array4(words, 16, np.float32)
+    v_cache = launch.array4(words, 21, np.float32)
+    out = launch.array3(words, 26, np.float32)
+    scale = np.float32(launch.float_at(words, 30))
+    window = words[31]
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -235,24 +251,13 @@ def _attention_chunk(c, query, k_cache, v_cache, query_start_loc, seq_lens, bloc
                 out[start + t0 + r // num_heads, r % num_heads, d] = acc[r, d] * inv
 
 
-# The chunk is its own (serial) function and the parallel one only a prange over chunks: compiled inside
-# the prange, the loop nest went through numba's parfor passes, which took 3x as long to compile for the same
-# machine code loop. The prange calls it by address (numba_setup.call_compiled): called by name, its module
-# was linked into the prange's body and into the parallel kernel, and optimised and emitted again in each
-# (the compile times: docs/notes/kernels.md).
-_ATTENTION_CHUNK = numba.njit(**JIT)(_attention_chunk)
-
-
-def _attention_chunks(chunk_address, query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window,
-                      items, bounds, out):
-    for c in numba.prange(bounds.shape[0] - 1):
-        # int64 c: the parfor types its index uint64 where the loop body was typed with int64 (two compiles)
-        call_compiled(chunk_address, (np.int64(c), query, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                                      scale, window, items, bounds, out))
-
-
-_ATTENTION = numba.njit(parallel=True, **JIT)(_attention_chunks)
-
+# The chunk is its own (serial) function, run by launch.py's one prange: compiled inside a prange, the loop nest
+# went through numba's parfor passes, which took 3x as long to compile for the same machine code loop; called by
+# name from a prange, its module was linked into the prange's body and into the parallel kernel, and optimised
+# and emitted again in each; a prange of its own around a call by address still compiled in 0.6 s, and the loop
+# nest inlined (numba.njit(inline="always")) into a function unpacking the words took 1.6 s more than this (the
+# compile times: docs/notes/kernels.md, docs/benchmarks.md).
+_ATTENTION = numba.njit(**JIT)(_attention_chunk)
 
 
 def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float,
@@ -288,47 +293,48 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     if plan.items is None:
         return out
     apply_threads(plan.parallel)
-    _run(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window, plan.items, plan.bounds, out)
+    _run(plan, np.ascontiguousarray(query), k_cache, v_cache, scale, window, out)
     return out
 
 
-def _run(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window, items, bounds, out) -> None:
-    """The compiled kernel over checked metadata and its work cut into chunks (numba's threads already set)."""
-    args = (query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, np.float32(scale), np.int64(window),
-            items, bounds, out)
-    address = _chunk_address(args)
-    if bounds.shape[0] == 2:  # one chunk: no schedule to set
-        _ATTENTION(address, *args)
+def _run(plan: AttentionPlan, query, k_cache, v_cache, scale, window, out) -> None:
+    """The compiled kernel over the plan's checked metadata and work (numba's threads already set). Its words: the
+    plan's, then this layer's arrays (~1 us an address: a one-request decode step packs 4 a layer)."""
+    words = np.empty(32, dtype=np.int64)
+    words[:12] = plan.step_words
+    words[12:16] = (query.ctypes.data, *query.shape)
+    words[16:26] = _cache_words(k_cache, v_cache)
+    words[26:] = (out.ctypes.data, *out.shape, launch.float_word(scale), window)
+    if plan.bounds.shape[0] == 2:  # one chunk: on this thread
+        _ATTENTION(np.int64(0), words)
     else:
         with numba.parallel_chunksize(1):
-            _ATTENTION(address, *args)
+            launch.run_items(launch.item_address(_ATTENTION), plan.bounds.shape[0] - 1, words)
 
 
-_CHUNK_ADDRESSES: dict = {}
+_CACHES: dict = {}  # id(k_cache) -> (weak references to the layer's caches, their words)
 
 
-def _chunk_address(args) -> int:
-    """The loop nest's machine code for these arguments' types. The usual case (every array C-contiguous,
-    aligned and writable: numba's C layout) is keyed by the block table's dtype alone; numba.typeof (~9 us an
-    array) only for others."""
-    query, k_cache, v_cache, query_start_loc, seq_lens, block_tables = args[:6]
-    if (query.flags.carray and k_cache.flags.carray and v_cache.flags.carray and query_start_loc.flags.carray
-            and seq_lens.flags.carray and block_tables.flags.carray):
-        key = block_tables.dtype.num
-    else:
-        key = tuple(numba.typeof(a) for a in args[:6])
-    address = _CHUNK_ADDRESSES.get(key)
-    if address is None:
-        address = _CHUNK_ADDRESSES[key] = native_address(_ATTENTION_CHUNK, (np.int64(0), *args))
-    return address
+def _cache_words(k_cache, v_cache) -> tuple:
+    """A layer's caches as words: the same arrays every step, so their addresses are kept (weakly: an engine's
+    pool is freed with it) rather than read again (~1 us each, 60 a one-request decode step)."""
+    hit = _CACHES.get(id(k_cache))
+    if hit is not None and hit[0]() is k_cache and hit[1]() is v_cache:
+        return hit[2]
+    words = (k_cache.ctypes.data, *k_cache.shape, v_cache.ctypes.data, *v_cache.shape)
+    if len(_CACHES) > 4096:  # ids of pools long freed
+        _CACHES.clear()
+    _CACHES[id(k_cache)] = (weakref.ref(k_cache), weakref.ref(v_cache), words)
+    return words
 
 
 def warm_up() -> None:
-    """Compile (or load from the cache) the kernel for the argument types the model passes."""
+    """Compile (or load from the cache) the kernel and the launcher it runs on."""
     cache = np.ones((2, 4, 1, 4), dtype=_F32)
     qsl, lens = np.array([0, 2, 3], dtype=np.int64), np.array([2, 5], dtype=np.int64)
-    items, bounds = _work_items(qsl, lens, Q_TILE, 2)
-    _scan(qsl, lens, np.zeros((2, 2), dtype=np.int32), 3, 2, 4)
-    args = (np.ones((3, 2, 4), _F32), cache, cache, qsl, lens, np.zeros((2, 2), dtype=np.int32), np.float32(1.0),
-            np.int64(0), items, bounds, np.empty((3, 2, 4), _F32))
-    _ATTENTION(_chunk_address(args), *args)
+    tables = np.zeros((2, 2), dtype=np.int32)
+    for threads in (1, 2):  # one chunk (this thread) and two (the launcher)
+        items, bounds = _work_items(qsl, lens, Q_TILE, threads)
+        plan = dataclasses.replace(plan_attention((3, 2, 4), cache.shape, qsl, lens, tables), bounds=bounds,
+                                   step_words=launch.pack(qsl, lens, tables, items, bounds))
+        _run(plan, np.ones((3, 2, 4), _F32), cache, cache, 1.0, 0, np.empty((3, 2, 4), _F32))

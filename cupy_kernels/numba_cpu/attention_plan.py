@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import prefill
+from . import launch, prefill
 from . import setup as numba_setup
 from ..batch_checks import check_sequence_count, scan_error
 from .setup import JIT, JIT_EXACT, apply_threads, numba
@@ -108,7 +108,7 @@ class AttentionPlan:
     sources: tuple  # the caller's query_start_loc, seq_lens and block_tables (identity)
     query_start_loc: np.ndarray  # int64 copies, C-contiguous
     seq_lens: np.ndarray
-    block_tables: np.ndarray  # a C-contiguous copy, its integer dtype kept
+    block_tables: np.ndarray  # a C-contiguous int32 copy (block ids were checked to lie in the pool)
     query_shape: tuple  # (tokens, heads, head_dim)
     pool: tuple  # (num_blocks, block_size) of the caches it was checked against
     long_chunks: np.ndarray | None  # sequences numba_prefill's matmul path computes; None when none
@@ -118,6 +118,9 @@ class AttentionPlan:
     long_seqs: np.ndarray | None = None  # np.flatnonzero(long_chunks)
     # numba_prefill's work for the long chunks, cut at the step's first layer (per window) for all of them
     prefill_plans: dict = field(default_factory=dict, repr=False)
+    # the loop nest's per-step words (launch.pack: query_start_loc, seq_lens, block_tables, items, bounds),
+    # packed once for all of the step's layers (attention._run appends a layer's own)
+    step_words: np.ndarray | None = field(default=None, repr=False)
 
 
 def plan_attention(query_shape, cache_shape, query_start_loc, seq_lens, block_tables, *, copy: bool = True
@@ -136,6 +139,7 @@ def plan_attention(query_shape, cache_shape, query_start_loc, seq_lens, block_ta
     code, macs, most_new = _scan(qsl, lens, tables, num_tokens, cache_shape[0], cache_shape[1])
     if code:
         raise scan_error(code, cache_shape[0], "paged_attention")
+    tables = tables.astype(np.int32, copy=False)  # the kernels' one table type
     # numba_setup.BATCH_INVARIANT: every chunk through the loop nest (a row's arithmetic the same whether its
     # prompt came in one chunk or many); by default long chunks take numba_prefill's matmul path (never one
     # of fewer than its MIN_TOKENS new tokens: a step of decodes skips the test).
@@ -156,7 +160,8 @@ def plan_attention(query_shape, cache_shape, query_start_loc, seq_lens, block_ta
         if items.shape[0] == 0:  # the others have no new tokens
             parallel, items, bounds = False, None, None
     return AttentionPlan(sources, qsl, lens, tables, tuple(query_shape), tuple(cache_shape[:2]), long_chunks,
-                         parallel, items, bounds, None if long_chunks is None else np.flatnonzero(long_chunks))
+                         parallel, items, bounds, None if long_chunks is None else np.flatnonzero(long_chunks),
+                         step_words=None if items is None else launch.pack(qsl, lens, tables, items, bounds))
 
 
 def _cut_work(query_start_loc, seq_lens, context_macs: int, num_heads: int, head_dim: int):

@@ -10,8 +10,11 @@ and two threads: a prefill step's 2,048 tokens 1,286 -> 775 us a layer; a decode
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
+from . import launch
 from ..batch_checks import check_slot_mapping
 from .attention_ir import address
 from .numerics import rotate, store_fence, stream_copy
@@ -119,37 +122,36 @@ def rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, s
     args = (np.ascontiguousarray(qkv), np.int64(num_heads), np.int64(num_kv_heads), np.ascontiguousarray(cos),
             np.ascontiguousarray(sin), k_cache, v_cache, slot_mapping, out, stream)
     parts = min(apply_threads(parallel=t >= PARALLEL_MIN_TOKENS), max(t, 1))
-    if parts == 1:  # the serial kernel itself: numba types the prange's tuple of arguments at ~4 us a call
+    if parts == 1 or not (k_cache.flags.carray and v_cache.flags.carray):  # the serial kernel itself
         _rotary_and_cache(*args, np.int64(0), np.int64(t))
-    else:
-        _ROTARY_PARTS(_part_address(args), args, np.int64(parts))
+    else:  # the model's caches (C-contiguous, writable): the tokens in `parts` ranges over the threads
+        words = launch.pack(*args[:-3], np.ascontiguousarray(slot_mapping), out, stream, parts, _part_address())
+        launch.run_items(launch.item_address(_ROTARY_PARTS), parts, words)
     return out
 
 
-def _rotary_parts(address, args, parts):
-    """The tokens cut into `parts` ranges of about equal size, one a thread, each by the serial kernel at
-    `address` (numba_setup.call_compiled: a prange around the loop itself compiled several times as long)."""
-    qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping, out, stream = args
-    n = qkv.shape[0]
-    for i in numba.prange(parts):
-        call_compiled(address, (qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping, out, stream,
-                                np.int64(i * n // parts), np.int64((i + 1) * n // parts)))
+def _rotary_part(i, words):
+    """Part i of `parts` ranges of about equal size of the tokens, by the serial kernel at its address (a prange
+    around the loop itself compiled several times as long; a prange of its own around the call, 0.6 s). Run by
+    launch.py's one prange; `words`: rotary_and_cache's arguments (launch.pack), parts, the kernel's address."""
+    qkv = launch.array2(words, 0, np.float32)
+    cos, sin = launch.array2(words, 5, np.float32), launch.array2(words, 8, np.float32)
+    k_cache, v_cache = launch.array4(words, 11, np.float32), launch.array4(words, 16, np.float32)
+    slot_mapping = launch.array1(words, 21, np.int64)
+    out = launch.array3(words, 23, np.float32)
+    n, parts = qkv.shape[0], words[28]
+    call_compiled(words[29], (qkv, words[3], words[4], cos, sin, k_cache, v_cache, slot_mapping, out, words[27] != 0,
+                              np.int64(i * n // parts), np.int64((i + 1) * n // parts)))
 
 
-_ROTARY_PARTS = numba.njit(parallel=True, **JIT_EXACT)(_rotary_parts)
-_PART_ADDRESSES: dict = {}
+_ROTARY_PARTS = numba.njit(**JIT_EXACT)(_rotary_part)
 
 
-def _part_address(args) -> int:
-    """The serial kernel's machine code for these arguments' types: keyed by the arrays' dtypes for the model's
-    own (every array C-contiguous, aligned and writable: the shapes' ranks are checked), by numba.typeof (~9 us
-    an array) for others."""
-    arrays = [a for a in args if isinstance(a, np.ndarray)]
-    if all(a.flags.carray for a in arrays):
-        key = tuple(a.dtype.num for a in arrays)
-    else:
-        key = tuple(numba.typeof(a) for a in args)
-    address = _PART_ADDRESSES.get(key)
-    if address is None:
-        address = _PART_ADDRESSES[key] = native_address(_rotary_and_cache, (*args, np.int64(0), np.int64(0)))
-    return address
+@functools.lru_cache(maxsize=None)
+def _part_address() -> int:
+    """The serial kernel's machine code for the arrays _rotary_part rebuilds (C-contiguous, writable)."""
+    f32 = lambda *shape: np.zeros(shape, dtype=_F32)  # noqa: E731
+    zero = np.int64(0)
+    return native_address(_rotary_and_cache, (f32(1, 1), zero, zero, f32(1, 1), f32(1, 1), f32(1, 1, 1, 1),
+                                              f32(1, 1, 1, 1), np.zeros(1, dtype=np.int64), f32(1, 1, 1), True,
+                                              zero, zero))

@@ -26,7 +26,7 @@ from numba.extending import intrinsic
 
 from ..batch_checks import check_slot_mapping
 from ..host.malloc import aligned_empty
-from .attention_ir import address
+from . import launch
 from .gemm import _LANES, AVX512, PANEL, PackedWeight, products_ir, row_passes
 from .numerics import store_fence
 from .setup import JIT_EXACT, apply_threads, call_compiled, native_address, numba
@@ -124,37 +124,55 @@ def _pair_rows(a, lda, t0, t1, b, lo_at, hi_at, k, kind, dst, dst_at, ldd, half,
         _TILE1(a, t * lda, lda, b, lo_at, hi_at, k, kind, t, dst, dst_at, ldd, half, cs, sn, cs_at, cs_w, slots)
 
 
-@numba.njit(parallel=True, **JIT_EXACT)
-def _rotary_matmul(pair_rows, x, panels, num_heads, num_kv_heads, head_dim, cos, sin, slots, q, k_cache, v_cache,
-                   passes, parts, order):
-    """The kernel (matmul_rotary_cache checks, allocates and picks passes and parts): the rows in `passes` blocks
-    (numba_gemm.row_passes), each block's pairs of panels shared out over the threads, a pair's rows in `parts`."""
-    m, k = x.shape
+def _pair_item(item, words):
+    """Item `item` of a row block: a pair of panels (in `order`) and its share of the block's rows (one of
+    `parts`), by _pair_rows at its address. Run by launch.py's one prange (a prange of its own compiled in 0.7 s);
+    `words` (_run_pairs): _pair_rows' address, x's address and columns, the panels', cos', sin's, the slots', q's
+    and the caches' addresses, num_heads, num_kv_heads, head_dim, cos' columns, the block's rows m0 .. m1, parts,
+    order."""
+    pair_rows, a, k, b, cs, sn, sl, dq, dk, dv = (words[0], words[1], words[2], words[3], words[4], words[5],
+                                                 words[6], words[7], words[8], words[9])
+    num_heads, num_kv_heads, head_dim, cs_w, m0, m1, parts = (words[10], words[11], words[12], words[13], words[14],
+                                                              words[15], words[16])
+    order = launch.array1(words, 17, np.int64)
     half = head_dim // 2
     pairs_per_head = half // PANEL
-    n_pairs = (num_heads + 2 * num_kv_heads) * pairs_per_head
-    a, b, cs, sn, sl = address(x), address(panels), address(cos), address(sin), np.int64(slots.ctypes.data)
-    dq, dk, dv = np.int64(address(q)), np.int64(k_cache.ctypes.data), np.int64(v_cache.ctypes.data)
     kv_row = num_kv_heads * head_dim
+    pair, part = order[item // parts], item % parts
+    r0 = m0 + ((m1 - m0) * part // parts) // 12 * 12
+    r1 = m1 if part == parts - 1 else m0 + ((m1 - m0) * (part + 1) // parts) // 12 * 12
+    head, within = pair // pairs_per_head, (pair % pairs_per_head) * PANEL
+    col = head * head_dim + within  # the lo panel's first column in qkv
+    kind, dst, dst_at, ldd = Q, dq, col, num_heads * head_dim
+    if head >= num_heads + num_kv_heads:
+        kind, dst, dst_at, ldd = V, dv, col - num_heads * head_dim - kv_row, kv_row
+    elif head >= num_heads:
+        kind, dst, dst_at, ldd = K, dk, col - num_heads * head_dim, kv_row
+    call_compiled(pair_rows, (a, k, r0, r1, b, col * k, (col + half) * k, k, np.int64(kind), dst, dst_at, ldd, half,
+                              cs, sn, np.int64(within), cs_w, sl))
+    store_fence()  # the streamed rows, before any thread reads the cache
+
+
+_PAIRS = numba.njit(**JIT_EXACT)(_pair_item)
+
+
+def _run_pairs(x, panels, num_heads, num_kv_heads, head_dim, cos, sin, slots, q, k_cache, v_cache, passes, parts,
+               order) -> None:
+    """The kernel (matmul_rotary_cache checks, allocates and picks passes and parts): the rows in `passes` blocks
+    (numba_gemm.row_passes), each block's pairs of panels shared out over the threads, a pair's rows in `parts`.
+    Every array C-contiguous."""
+    m = x.shape[0]
+    n_pairs = (num_heads + 2 * num_kv_heads) * (head_dim // 2 // PANEL)
+    words = launch.pack(_pair_rows_address(), x.ctypes.data, x.shape[1], panels.ctypes.data, cos.ctypes.data,
+                        sin.ctypes.data, slots.ctypes.data, q.ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data,
+                        num_heads, num_kv_heads, head_dim, cos.shape[1], 0, 0, parts, order)
+    address = launch.item_address(_PAIRS)
     for i in range(passes):
         m0 = (i * m // passes) // 12 * 12
         m1 = m if i == passes - 1 else ((i + 1) * m // passes) // 12 * 12
-        if m1 <= m0:
-            continue
-        for item in numba.prange(n_pairs * parts):
-            pair, part = order[item // parts], item % parts
-            r0 = m0 + ((m1 - m0) * part // parts) // 12 * 12
-            r1 = m1 if part == parts - 1 else m0 + ((m1 - m0) * (part + 1) // parts) // 12 * 12
-            head, within = pair // pairs_per_head, (pair % pairs_per_head) * PANEL
-            col = head * head_dim + within  # the lo panel's first column in qkv
-            kind, dst, dst_at, ldd = Q, dq, col, num_heads * head_dim
-            if head >= num_heads + num_kv_heads:
-                kind, dst, dst_at, ldd = V, dv, col - num_heads * head_dim - kv_row, kv_row
-            elif head >= num_heads:
-                kind, dst, dst_at, ldd = K, dk, col - num_heads * head_dim, kv_row
-            call_compiled(pair_rows, (a, k, r0, r1, b, col * k, (col + half) * k, k, kind, dst, dst_at, ldd, half, cs,
-                                      sn, within, np.int64(cos.shape[1]), sl))
-            store_fence()  # the streamed rows, before any thread reads the cache
+        if m1 > m0:
+            words[14], words[15] = m0, m1
+            launch.run_items(address, n_pairs * parts, words)
 
 
 @functools.lru_cache(maxsize=None)
@@ -211,9 +229,9 @@ def matmul_rotary_cache(x: np.ndarray, w: PackedWeight, num_heads: int, num_kv_h
         threads = apply_threads(parallel=True)
         pairs = (num_heads + 2 * num_kv_heads) * head_dim // (2 * PANEL)
         parts = 2 if threads > 1 and pairs % threads and t >= 2 * 12 else 1  # an odd count of pairs: split rows
-        _rotary_matmul(_pair_rows_address(), x, w.panels, num_heads, num_kv_heads, head_dim, np.ascontiguousarray(cos),
-                       np.ascontiguousarray(sin), slot_mapping, q, k_cache, v_cache, row_passes(t, x.shape[1]), parts,
-                       _pair_order(num_heads, num_kv_heads, head_dim // (2 * PANEL)))
+        _run_pairs(x, w.panels, num_heads, num_kv_heads, head_dim, np.ascontiguousarray(cos),
+                   np.ascontiguousarray(sin), slot_mapping, q, k_cache, v_cache, row_passes(t, x.shape[1]), parts,
+                   _pair_order(num_heads, num_kv_heads, head_dim // (2 * PANEL)))
     return q
 
 

@@ -37,10 +37,12 @@ PAGEDSERVE_BATCH_INVARIANT=1 to run every chunk through the loop nest (slower lo
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
 
+from . import launch
 from .gemm import PANEL, PANEL_ROWS
 from .numerics import exp2_sum, row_max
 from .setup import JIT, JIT_EXACT, apply_threads, call_compiled, native_address, numba
@@ -79,6 +81,7 @@ def takes_matmul_path(num_new: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
     return (num_new >= MIN_TOKENS) & (LOOP_NEST_PAIR_COST * seen > computed + MATMUL_FIXED_PAIRS)
 
 
+@numba.njit(inline="always", **JIT_EXACT)
 def _gather_panel(c, k_cache, v_cache, block_table, key_start, context_len, kp, vp):
     """Panel c of the sequence's keys and values from position key_start (0, or the oldest key a sliding
     window lets the chunk's first token see), out of its blocks, in numba_gemm's panel layout (P = PANEL):
@@ -102,11 +105,6 @@ def _gather_panel(c, k_cache, v_cache, block_table, key_start, context_len, kp, 
                     vp[h, cv, p, jv] = v_cache[block, i, h, d] if inside and d < head_dim else np.float32(0.0)
 
 
-# A panel is its own (serial) function, called by address from the prange, as the items are: the gather as one
-# parallel function took 2.2 s of an empty cache's compile (on the critical path of a cold start), against
-# ~0.3 s for this and ~0.3 s for the prange over addresses.
-_GATHER_PANEL = numba.njit(**JIT_EXACT)(_gather_panel)
-
 # A call's sequences, one row each of the int64 table `meta` (_plan): the sequence, its first query row, new
 # tokens, the first query token's position less key_start, key_start, context length, key panels, where its
 # key and value panels start in the workspace, and the tile's query tokens.
@@ -124,17 +122,23 @@ def _views(kv, meta, j, num_kv_heads, head_dim, value_panels):
     return kp, vp
 
 
-def _gather_panels(panel, k_cache, v_cache, block_tables, meta, tasks, kv, value_panels):
-    """Every (sequence j, panel c) of `tasks` (_gather_panel), parallel over them."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    for x in numba.prange(tasks.shape[0]):
-        j = tasks[x, 0]
-        kp, vp = _views(kv, meta, j, num_kv_heads, head_dim, value_panels)
-        call_compiled(panel, (tasks[x, 1], k_cache, v_cache, block_tables[meta[j, _SEQ]], meta[j, _KEY_START],
-                              meta[j, _CONTEXT], kp, vp))
+def _gather_task(x, words):
+    """Task x = (sequence j, panel c) of `tasks`: _gather_panel, run by launch.py's one prange (a prange of its
+    own around a call by address compiled in 0.7 s). Packed by prefill_batch: k_cache, v_cache, int32
+    block_tables, meta, tasks, kv, value_panels."""
+    k_cache = launch.array4(words, 0, np.float32)
+    v_cache = launch.array4(words, 5, np.float32)
+    block_tables = launch.array2(words, 10, np.int32)
+    meta = launch.array2(words, 13, np.int64)
+    tasks = launch.array2(words, 16, np.int64)
+    kv = launch.array1(words, 19, np.float32)
+    j = tasks[x, 0]
+    kp, vp = _views(kv, meta, j, k_cache.shape[2], k_cache.shape[3], words[21])
+    _gather_panel(tasks[x, 1], k_cache, v_cache, block_tables[meta[j, _SEQ]], meta[j, _KEY_START],
+                  meta[j, _CONTEXT], kp, vp)
 
 
-_GATHER = numba.njit(parallel=True, **JIT_EXACT)(_gather_panels)
+_GATHER = numba.njit(**JIT_EXACT)(_gather_task)
 
 
 _local = threading.local()
@@ -164,6 +168,7 @@ def _workspace(panel_floats: int, rows: int, padded: int, width: int, head_dim: 
             _buffer("factors", threads * rows)[:threads * rows].reshape(threads, rows))
 
 
+@numba.njit(inline="always", **JIT)
 def _prefill_item(w, panel_rows, query, start, n, first_pos, window, kp, vp, q_scale, tile_tokens, q, s, pv, den,
                   out):
     """Work item w: kv head w // tiles, its tile of query tokens w % tiles from the chunk's end (the costliest
@@ -213,51 +218,35 @@ def _prefill_item(w, panel_rows, query, start, n, first_pos, window, kp, vp, q_s
             out[start + t0 + r // group, h * group + r % group, d] = pv[r * width + d] * inv
 
 
-# The item is its own (serial) function, called by address from the prange (numba_attention's loop nest does
-# the same, for the same reason: compile time).
-_ITEM = numba.njit(**JIT)(_prefill_item)
+def _prefill_task(x, words):
+    """Work item x = (sequence j, item w) of `work`: _prefill_item with this thread's rows, run by launch.py's one
+    prange (a prange of its own around a call by address compiled in 1.1 s). Packed by prefill_batch: query,
+    meta, work, window, kv, num_kv_heads, value_panels, q_scale, qs, ss, pvs, dens, out, PANEL_ROWS' address."""
+    query = launch.array3(words, 0, np.float32)
+    meta = launch.array2(words, 4, np.int64)
+    work = launch.array2(words, 7, np.int64)
+    kv = launch.array1(words, 11, np.float32)
+    num_kv_heads, value_panels = words[13], words[14]
+    qs, ss = launch.array2(words, 16, np.float32), launch.array2(words, 19, np.float32)
+    pvs, dens = launch.array2(words, 22, np.float32), launch.array2(words, 25, np.float32)
+    out = launch.array3(words, 28, np.float32)
+    j, w = work[x, 0], work[x, 1]
+    kp, vp = _views(kv, meta, j, num_kv_heads, query.shape[2], value_panels)
+    t = numba.get_thread_id()
+    rows, padded = meta[j, _TILE] * (query.shape[1] // num_kv_heads), meta[j, _PANELS] * PANEL
+    _prefill_item(w, words[32], query, meta[j, _START], meta[j, _NEW], meta[j, _FIRST], words[10], kp, vp,
+                  np.float32(launch.float_at(words, 15)), meta[j, _TILE], qs[t], ss[t, :rows * padded].reshape(
+                      (rows, padded)), pvs[t], dens[t], out)
 
 
-def _prefill_items(item, panel_rows, query, meta, work, window, kv, num_kv_heads, value_panels, q_scale, qs, ss, pvs,
-                   dens, out):
-    """Every (sequence j, work item w) of `work` (_prefill_item), each on the thread that takes it."""
-    head_dim = query.shape[2]
-    for x in numba.prange(work.shape[0]):
-        j, w = work[x, 0], work[x, 1]
-        kp, vp = _views(kv, meta, j, num_kv_heads, head_dim, value_panels)
-        t = numba.get_thread_id()
-        rows, padded = meta[j, _TILE] * (query.shape[1] // num_kv_heads), meta[j, _PANELS] * PANEL
-        call_compiled(item, (w, panel_rows, query, meta[j, _START], meta[j, _NEW], meta[j, _FIRST], window, kp, vp,
-                             q_scale, meta[j, _TILE], qs[t], ss[t, :rows * padded].reshape((rows, padded)), pvs[t],
-                             dens[t], out))
+_ITEMS = numba.njit(**JIT)(_prefill_task)
 
 
-_ITEMS = numba.njit(parallel=True, **JIT)(_prefill_items)
-_ADDRESSES: dict = {}
-
-
-def _flags(a: np.ndarray) -> tuple:
-    f = a.flags
-    return a.dtype, a.ndim, f.c_contiguous, f.f_contiguous, f.writeable, f.aligned
-
-
-def _addresses(query, k_cache, v_cache, block_tables, kv, q_scale, qs, ss, pvs, dens, out) -> tuple[int, int, int]:
-    """The machine code of the gather's panel, of the item (for these arguments' types) and of
-    numba_gemm.PANEL_ROWS."""
-    # Only the query's and the gather's inputs' numba types can vary (the panels are this module's workspace
-    # views, the rest fixed types): their dtype, rank, layout, mutability and alignment, read from their flags
-    # (numba.typeof of the arrays cost ~26 us a call).
-    key = tuple(_flags(a) for a in (query, k_cache, v_cache, block_tables))
-    found = _ADDRESSES.get(key)
-    if found is None:
-        kp = kv[:PANEL].reshape(1, 1, 1, PANEL)  # the types _views makes
-        zero, row = np.int64(0), qs[0]
-        panel = native_address(_GATHER_PANEL, (zero, k_cache, v_cache, block_tables[0], zero, zero, kp, kp))
-        panel_rows = native_address(PANEL_ROWS, (row, zero, zero, zero, row, zero, zero, row, zero, zero, zero))
-        item = native_address(_ITEM, (zero, panel_rows, query, zero, zero, zero, zero, kp, kp, q_scale, zero, row,
-                                      ss[0, :1].reshape(1, 1), pvs[0], dens[0], out))
-        found = _ADDRESSES[key] = (panel, item, panel_rows)
-    return found
+@functools.lru_cache(maxsize=None)
+def _panel_rows_address() -> int:
+    """numba_gemm.PANEL_ROWS' machine code for the rows _prefill_item hands it (compiled or loaded once)."""
+    row, zero = np.zeros(1, dtype=_F32), np.int64(0)
+    return native_address(PANEL_ROWS, (row, zero, zero, zero, row, zero, zero, row, zero, zero, zero))
 
 
 def _groups(seqs, query_start_loc, seq_lens, window: int):
@@ -313,6 +302,8 @@ def prefill_batch(query, k_cache, v_cache, seqs, query_start_loc, seq_lens, bloc
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     group_size = num_heads // num_kv_heads
+    query = np.ascontiguousarray(query)  # launch.pack's arrays: C-contiguous, block tables int32
+    block_tables = np.ascontiguousarray(block_tables, dtype=np.int32)
     apply_threads(parallel=True)
     threads = numba.get_num_threads()  # what get_thread_id ranges over, whoever set it
     value_panels = -(-head_dim // PANEL)
@@ -330,12 +321,12 @@ def prefill_batch(query, k_cache, v_cache, seqs, query_start_loc, seq_lens, bloc
         rows = int(meta[:, _TILE].max()) * group_size
         kv, qs, ss, pvs, dens = _workspace(panel_floats, rows, int(meta[:, _PANELS].max()) * PANEL,
                                            value_panels * PANEL, head_dim, threads)
-        panel, item, panel_rows = _addresses(query, k_cache, v_cache, block_tables, kv, q_scale, qs, ss, pvs, dens,
-                                             out)
-        _GATHER(panel, k_cache, v_cache, block_tables, meta, tasks, kv, np.int64(value_panels))
+        launch.run_items(launch.item_address(_GATHER), tasks.shape[0],
+                         launch.pack(k_cache, v_cache, block_tables, meta, tasks, kv, value_panels))
+        words = launch.pack(query, meta, work, window, kv, num_kv_heads, value_panels, float(q_scale), qs, ss, pvs,
+                            dens, out, _panel_rows_address())
         with numba.parallel_chunksize(1):
-            _ITEMS(item, panel_rows, query, meta, work, np.int64(window), kv, np.int64(num_kv_heads),
-                   np.int64(value_panels), q_scale, qs, ss, pvs, dens, out)
+            launch.run_items(launch.item_address(_ITEMS), work.shape[0], words)
 
 
 def warm_up() -> None:

@@ -75,9 +75,9 @@ def test_row_blocks_and_one_thread_give_the_same_bits():
         q = malloc.aligned_empty((rows, heads, head_dim))
         try:
             numba.set_num_threads(count)  # the compiled kernel itself: the wrapper would set the count again
-            gemm_rotary._rotary_matmul(gemm_rotary._pair_rows_address(), x, w.panels, heads, kv_heads, head_dim, cos,
-                                       sin, slots, q, k, v, gemm.row_passes(rows, 576), 2,
-                                       gemm_rotary._pair_order(heads, kv_heads, head_dim // (2 * gemm.PANEL)))
+            gemm_rotary._run_pairs(x, w.panels, heads, kv_heads, head_dim, cos, sin, slots, q, k, v,
+                                   gemm.row_passes(rows, 576), 2,
+                                   gemm_rotary._pair_order(heads, kv_heads, head_dim // (2 * gemm.PANEL)))
         finally:
             numba.set_num_threads(threads)
         results.append((q, k, v))

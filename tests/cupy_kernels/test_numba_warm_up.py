@@ -110,8 +110,9 @@ def test_an_empty_cache_compiles_attention_aside_and_loads_it(tmp_path):
     proc = subprocess.run([sys.executable, "-c", EMPTY_CACHE_START], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-3000:]
-    assert list(tmp_path.rglob("attention._attention_chunks-*.nbi"))
-    assert list(tmp_path.rglob("prefill._gather_panels-*.nbi"))
+    assert list(tmp_path.rglob("attention._attention_chunk-*.nbi"))
+    assert list(tmp_path.rglob("prefill._gather_task-*.nbi"))
+    assert list(tmp_path.rglob("launch._launch-*.nbi"))
 
 
 def test_a_failed_child_only_costs_time(tmp_path, capsys):
