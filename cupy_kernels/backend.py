@@ -84,3 +84,12 @@ def get_backend(device: str = "auto", cpu_kernels_choice: str = "auto", finish_w
     import cupy
 
     return Backend("cupy", cupy, np.dtype(np.float16), cuda_kernels())
+
+
+def start_warm_up(device: str = "auto", cpu_kernels_choice: str = "auto") -> None:
+    """Start what get_backend(device, choice, finish_warm_up=False) starts (the numba set's compiles: a thread
+    and, with an empty cache, a child process), without waiting, so a server can begin them before its own
+    imports and socket; the engine's get_backend later finds them under way. Nothing for a GPU."""
+    if device in VALID_DEVICES and (device == "cpu" or (device == "auto" and not cuda_available())):
+        cpu_kernels(cpu_kernels_choice, False)
+

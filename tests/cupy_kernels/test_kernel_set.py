@@ -79,6 +79,23 @@ def test_a_backend_whose_warm_up_is_finished_later_is_the_same_set():
     assert kernel_set._finished.is_set() and not kernel_set._compile_child
 
 
+def test_start_warm_up_begins_the_cpu_sets_compiles_and_leaves_gpus_alone(monkeypatch):
+    """What `pagedserve serve` calls first: the numba set's compiles start (get_backend's first half), for
+    device cpu, or auto without a GPU; nothing for cuda, for auto with a GPU, or for an unknown device."""
+    from pagedserve.cupy_kernels import backend
+
+    calls = []
+    monkeypatch.setattr(backend, "cpu_kernels", lambda choice, finish: calls.append((choice, finish)))
+    monkeypatch.setattr(backend, "cuda_available", lambda: False)
+    backend.start_warm_up("cpu", "numba")
+    backend.start_warm_up("auto", "auto")
+    backend.start_warm_up("cuda", "numba")
+    backend.start_warm_up("tpu", "numba")
+    monkeypatch.setattr(backend, "cuda_available", lambda: True)
+    backend.start_warm_up("auto", "numba")
+    assert calls == [("numba", False), ("auto", False)]
+
+
 def test_cpu_choice():
     assert get_backend("cpu", "numpy").ops is kernel_set.numpy_kernels()
     # "auto": numba, installed with the package, but for baseline x86-64 code (see the refusal test below)

@@ -97,3 +97,20 @@ def test_gpu_block_size_is_refused_at_start():
     with pytest.raises(ValueError, match="block_size 8 runs on the CPU backend only"):
         parse("--device", "cuda", "--block-size", "8")
     assert parse("--device", "cpu", "--block-size", "8").engine_config().block_size == 8
+
+
+def test_serve_starts_the_cpu_kernels_compiles_before_the_server(monkeypatch):
+    """`pagedserve serve` begins the CPU kernel set's compiles (start_warm_up) before it builds the server, with
+    the settings' device and kernel choice; under tensor parallelism the ranks start their own."""
+    from pagedserve.cupy_kernels import backend
+    from pagedserve.sidecar import cli, logging_setup, server
+
+    order = []
+    monkeypatch.setattr(logging_setup, "configure_logging", lambda **kwargs: None)  # this process' logging as is
+    monkeypatch.setattr(backend, "start_warm_up", lambda device, choice: order.append(("warm_up", device, choice)))
+    monkeypatch.setattr(server, "run_server", lambda settings: order.append(("server", settings.device)) or 0)
+    assert cli.main(["serve", "--device", "cpu", "--cpu-kernels", "numpy"]) == 0
+    assert order == [("warm_up", "cpu", "numpy"), ("server", "cpu")]
+    order.clear()
+    assert cli.main(["serve", "--device", "cpu", "--tensor-parallel-size", "2"]) == 0
+    assert order == [("server", "cpu")]
