@@ -109,7 +109,7 @@ def rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, s
         raise ValueError(f"rotary_and_cache: qkv {qkv.shape} of {num_heads} query and {num_kv_heads} kv heads, cos "
                          f"{cos.shape}, sin {sin.shape} and caches {k_cache.shape}, {v_cache.shape} do not fit")
     t = qkv.shape[0]
-    slot_mapping = np.asarray(slot_mapping, dtype=np.int64)
+    slot_mapping = np.ascontiguousarray(slot_mapping, dtype=np.int64)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     if slot_mapping.shape != (t,):
         raise ValueError(f"rotary_and_cache: slot_mapping {slot_mapping.shape} for {t} tokens")
@@ -125,7 +125,7 @@ def rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, s
     if parts == 1 or not (k_cache.flags.carray and v_cache.flags.carray):  # the serial kernel itself
         _rotary_and_cache(*args, np.int64(0), np.int64(t))
     else:  # the model's caches (C-contiguous, writable): the tokens in `parts` ranges over the threads
-        words = launch.pack(*args[:-3], np.ascontiguousarray(slot_mapping), out, stream, parts, _part_address())
+        words = launch.pack(*args, parts, _part_address())
         launch.run_items(launch.item_address(_ROTARY_PARTS), parts, words)
     return out
 

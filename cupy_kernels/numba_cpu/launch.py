@@ -75,7 +75,9 @@ def float_word(value: float) -> int:
 
 
 def _word(builder, words, at, k):
-    """LLVM: words[at + k] (words: the int64 array's data pointer)."""
+    """LLVM: words[at + k] (words: the int64 array's data pointer; at: an integer of any width)."""
+    if at.type.width < 64:
+        at = builder.sext(at, words.type.pointee)
     return builder.load(builder.gep(words, [builder.add(at, ir.Constant(at.type, k))]))
 
 
@@ -92,16 +94,15 @@ def _array_intrinsic(ndim: int):
 
         def codegen(context, builder, signature, args):
             data = context.make_array(signature.args[0])(context, builder, args[0]).data
-            at_v = builder.sext(args[1], data.type.pointee) if args[1].type.width < 64 else args[1]
             intp = context.get_value_type(types.intp)
-            shape = [_word(builder, data, at_v, 1 + i) for i in range(ndim)]
+            shape = [_word(builder, data, args[1], 1 + i) for i in range(ndim)]
             itemsize = context.get_abi_sizeof(context.get_data_type(dtype.dtype))
             strides, step = [], ir.Constant(intp, itemsize)
             for extent in reversed(shape):
                 strides.insert(0, step)
                 step = builder.mul(step, extent)
             out = context.make_array(array_t)(context, builder)
-            pointer = builder.inttoptr(_word(builder, data, at_v, 0), out.data.type)
+            pointer = builder.inttoptr(_word(builder, data, args[1], 0), out.data.type)
             populate_array(out, data=pointer, shape=cgutils.pack_array(builder, shape),
                            strides=cgutils.pack_array(builder, strides), itemsize=ir.Constant(intp, itemsize),
                            meminfo=None)
@@ -123,7 +124,6 @@ def float_at(typingctx, words, at):
 
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        at_v = builder.sext(args[1], data.type.pointee) if args[1].type.width < 64 else args[1]
-        return builder.bitcast(_word(builder, data, at_v, 0), ir.DoubleType())
+        return builder.bitcast(_word(builder, data, args[1], 0), ir.DoubleType())
 
     return types.float64(words, at), codegen
