@@ -99,8 +99,8 @@ def numpy_kernels() -> KernelSet:
 
 
 _finish_lock = threading.Lock()
-_compile_child: list = []  # the child compiling the attention and long-prefill kernels, while it runs
-_compile_thread: list = []  # the thread compiling the GEMM, GGUF-block and elementwise kernels, while it runs
+_compile_child: list = []  # the child compiling the attention and rotary-GEMM kernels, while it runs
+_compile_thread: list = []  # the thread compiling the other kernels, while it runs
 _finished = threading.Event()
 
 
@@ -128,28 +128,30 @@ class _CompileThread(threading.Thread):
 
 @functools.lru_cache(maxsize=None)
 def _numba_started() -> KernelSet:
-    """The first half of numba_kernels(): the compiles started, none waited for. The attention and long-prefill
-    kernels go to a child process when the cache is empty (numba_setup.compile_aside), the GEMM, GGUF-block and
-    elementwise ones to a thread of this process, so that the caller loads the model meanwhile: numba holds the
-    GIL for its typing passes but not in LLVM (ctypes calls), ~half of a compile, and a model's load is numpy
-    and file reads. The set is whole, but none of its kernels is ready until finish_numba_warm_up()."""
+    """The first half of numba_kernels(): the compiles started, none waited for. The attention and rotary-GEMM
+    kernels go to a child process when the cache is empty (numba_setup.compile_aside), the GEMM, GGUF-block,
+    elementwise and long-prefill ones to a thread of this process, so that the caller loads the model meanwhile:
+    numba holds the GIL for its typing passes but not in LLVM (ctypes calls), ~half of a compile, and a model's
+    load is numpy and file reads. The set is whole, but none of its kernels is ready until
+    finish_numba_warm_up()."""
     # Imports (and configures) numba: only when asked for. Every kernel module is imported here, before the
     # thread starts, so that no import in one thread waits on numba's compiler lock held by the other.
     from .numba_cpu import (attention as numba_attention, gemm as numba_gemm, gemm_rotary as numba_gemm_rotary,
                             ops as numba_ops, prefill as numba_prefill, quant as numba_quant)
     from .numba_cpu.setup import compile_aside
 
-    # The child first: the GEMM's warm-up here adds a signature to the same module's cache index as the
-    # child's prefill warm-up, seconds apart. The qkv GEMM with rotary goes to the child too: with empty caches
-    # the thread's share (the model's load beside it) was the longer one. Since launch.py, thread and child end
-    # within ~0.1 s of each other (2026-12-06, the Zen 4 VM); the GEMM in the child instead ended it 3 s later.
-    child = compile_aside(numba_attention._ATTENTION, numba_prefill._GATHER, numba_gemm_rotary._PAIRS)
+    # The child first (a process to start). Since the GEMM, GGUF-block and elementwise kernels run as launch.py
+    # items (no prange of their own to compile), the thread's share is the smaller one unless it takes the
+    # prefill kernels too: with empty caches, thread and child then end within ~0.5 s of each other (engine
+    # ready at 6.6-7.2 s, 2026-12-06, the Zen 4 VM), where the prefill kernels in the child ended it 2 s later.
+    child = compile_aside(numba_attention._ATTENTION, numba_gemm_rotary._PAIRS)
     _compile_child.append(child)
 
     def compile_first_half() -> None:
         numba_gemm.warm_up()
         numba_quant.warm_up()
         numba_ops.warm_up()
+        numba_prefill.warm_up()
 
     thread = _CompileThread(compile_first_half)
     thread.start()

@@ -39,6 +39,7 @@ Panels and outputs start on a cache line (host.malloc.aligned_empty): on malloc'
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,7 +48,8 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from ..host.malloc import aligned_empty, aligned_zeros
-from .setup import CODE_PATH, JIT_EXACT, apply_threads, l2_bytes, numba
+from .launch import array1, item_address, run_parts
+from .setup import CODE_PATH, JIT_EXACT, apply_threads, call_compiled, l2_bytes, native_address, numba
 from .numerics import silu_mul_ir
 from .vector_ir import prefetch_ir, splat
 
@@ -324,32 +326,42 @@ def _panel_rows(a, a_at, lda, m, b, b_at, k, c, c_at, ldc, mode):
         _TILE1(a, a_at + r * lda, lda, b, b_at, k, c, c_at + r * ldc, ldc, nxt + t * share, rate, mode)
 
 
-_PANEL_ROWS_INLINE = numba.njit(inline="always", **JIT_EXACT)(_panel_rows)
-# The same as a function of its own, which numba_prefill's work items call by address (numba_setup.call_compiled):
-# their compile then holds no copy of the tiles' unrolled code.
+# A function of its own, called by address (numba_setup.call_compiled) by matmul_into's work items and
+# numba_prefill's: their compiles hold no copy of the tiles' unrolled code.
 PANEL_ROWS = numba.njit(**JIT_EXACT)(_panel_rows)
 
 
-@numba.njit(parallel=True, **JIT_EXACT)
-def matmul_into(x, panels, out, passes, mode):
+@functools.lru_cache(maxsize=None)
+def panel_rows_address() -> int:
+    """PANEL_ROWS' machine code for flat float32 arrays (launch.array1's type), compiled or loaded once."""
+    row, zero = np.zeros(1, dtype=np.float32), np.int64(0)
+    return native_address(PANEL_ROWS, (row, zero, zero, zero, row, zero, zero, row, zero, zero, zero))
+
+
+@numba.njit(**JIT_EXACT)
+def _panel_item(p, words):
+    """Panel p of one pass of matmul_into (a launch.py item). words: x, the panels and out (flat), the pass's
+    first row and row count, k, n, the panel's output columns, mode, PANEL_ROWS' address."""
+    m0, k, n = words[6], words[8], words[9]
+    call_compiled(words[12], (array1(words, 0, np.float32), m0 * k, k, words[7], array1(words, 2, np.float32),
+                              p * k * PANEL, k, array1(words, 4, np.float32), m0 * n + p * words[10], n, words[11]))
+
+
+def matmul_into(x: np.ndarray, panels: np.ndarray, out: np.ndarray, passes: int, mode: int) -> None:
     """out [m, panels * PANEL] = x [m, k] @ the weight of `panels` [count, k, PANEL] (mode ADD: out +=; GATED:
     pack_gated's panels, out [m, panels * PANEL / 2]), the rows in `passes` blocks of about equal size, each
-    starting on a whole big tile (row_passes); all C-contiguous float32 (the kernel itself: `_multiply` checks,
-    allocates and slices)."""
+    starting on a whole big tile (row_passes): one parallel pass over the panels per block, a panel an item
+    (launch.py); all C-contiguous float32 (the kernel itself: `_multiply` checks, allocates and slices)."""
     m, k = x.shape
     count = panels.shape[0]
     width = _LANES if mode == GATED else PANEL  # output columns per panel
-    n = count * width
-    a = x.reshape(m * k)
-    b = panels.reshape(count * k * PANEL)
-    c = out.reshape(m * n)
-    for i in range(passes):  # one parallel pass over the panels per block of rows
+    flat = (x.reshape(-1), panels.reshape(-1), out.reshape(-1))
+    item, kernel = item_address(_panel_item), panel_rows_address()
+    for i in range(passes):
         m0 = (i * m // passes) // 12 * 12
         m1 = m if i == passes - 1 else ((i + 1) * m // passes) // 12 * 12
-        if m1 <= m0:
-            continue
-        for p in numba.prange(count):
-            _PANEL_ROWS_INLINE(a, m0 * k, k, m1 - m0, b, p * k * PANEL, k, c, m0 * n + p * width, n, mode)
+        if m1 > m0:
+            run_parts(item, count, (*flat, m0, m1 - m0, k, count * width, width, mode, kernel))
 
 
 def matmul(x: np.ndarray, w: PackedWeight, bias: np.ndarray | None = None) -> np.ndarray:

@@ -4,13 +4,19 @@ numba compiles each `prange` as a parallel function of its own, with the marshal
 loop body uses: around a serial kernel called by address with a dozen array arguments that took 0.5-1.1 s of
 a first start's compiles, once per kernel (a count and one int64 array: 0.22 s; docs/benchmarks.md, cold
 start). Here an item function takes `(item, words)`: `words`, an int64 array, holds its arrays as (address,
-*shape) and its scalars as integers (a float as its float64 bits), in the order the caller packed them
-(`pack`); the item rebuilds its arrays (`array1` .. `array4`, `float_at`) and runs. `run_items(address, count,
-words)` runs items 0 .. count-1 over the threads apply_threads set, in one prange, taken in the schedule the
-caller set (numba.parallel_chunksize).
+*shape) and its scalars as integers (a float as its float64 bits), in the order the caller packed them; the
+item rebuilds its arrays (`array1` .. `array4`, `float_at`) and runs. `_LAUNCH` runs items 0 .. count-1 over
+the threads apply_threads set, in one prange, taken in the schedule the caller set (numba.parallel_chunksize).
 
-Arrays travel as bare addresses: the caller holds them, C-contiguous (pack raises otherwise), for the call.
-An item function is called by address, so it is compiled (and cached) once for (int64, int64[::1]).
+Two ways in: `run_items(address, count, pack(*parts))` packs in Python (~1 us an array: ctypes), for kernels
+called a few times a step; `run_parts(address, count, parts)` packs in compiled code (`pack_parts`; one small
+serial function compiled per tuple of part types, ~0.1 s) and costs what a call of a prange kernel did, for the
+per-layer kernels (GEMM, GGUF blocks, norms). An item that does real work calls its kernel by address rather
+than inlining it: inlined into arrays rebuilt from words, LLVM made the GGUF-block loop 3-7% slower.
+
+Arrays travel as bare addresses: the caller holds them, C-contiguous (pack raises otherwise; pack_parts does
+not type other layouts), for the call. An item function is called by address, so it is compiled (and cached)
+once for (int64, int64[::1]).
 """
 
 from __future__ import annotations
@@ -59,8 +65,8 @@ def pack(*parts: Any) -> np.ndarray:
                 raise ValueError(f"launch.pack: an array of shape {p.shape} is not C-contiguous")
             words.append(p.ctypes.data)
             words += p.shape
-        elif isinstance(p, float):
-            words.append(float_word(p))
+        elif isinstance(p, (float, np.floating)):
+            words.append(float_word(float(p)))
         else:
             words.append(p)
     return np.array(words, dtype=np.int64)
@@ -127,3 +133,78 @@ def float_at(typingctx, words, at):
         return builder.bitcast(_word(builder, data, args[1], 0), ir.DoubleType())
 
     return types.float64(words, at), codegen
+
+
+def _part_words(t) -> int | None:
+    """How many words pack_parts writes for a value of numba type t (None: a type it does not pack)."""
+    if isinstance(t, types.Array):
+        return 1 + t.ndim if t.layout == "C" else None
+    if isinstance(t, (types.Integer, types.Boolean, types.Float)):
+        return 1
+    return None
+
+
+def _packs(parts) -> bool:
+    return isinstance(parts, types.BaseTuple) and all(_part_words(t) is not None for t in parts.types)
+
+
+@intrinsic
+def words_for(typingctx, parts):
+    """Inside numba: how many words pack_into writes for the tuple `parts` (a constant of its type)."""
+    if not _packs(parts):
+        return None
+    count = sum(_part_words(t) for t in parts.types)
+
+    def codegen(context, builder, signature, args):
+        return ir.Constant(ir.IntType(64), count)
+
+    return types.int64(parts), codegen
+
+
+@intrinsic
+def pack_into(typingctx, words, parts):
+    """Inside numba: words[:words_for(parts)] = the values of the tuple `parts`, as pack makes them (C-contiguous
+    arrays as address and shape, floats as float64 bits, integers and booleans as themselves)."""
+    if not (isinstance(words, types.Array) and words.dtype == types.int64 and words.layout == "C" and _packs(parts)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        at = 0
+        for k, t in enumerate(parts.types):
+            v = builder.extract_value(args[1], k)
+            if isinstance(t, types.Array):
+                arr = context.make_array(t)(context, builder, v)
+                values = [builder.ptrtoint(arr.data, i64)] + cgutils.unpack_tuple(builder, arr.shape, t.ndim)
+            elif isinstance(t, types.Float):
+                values = [builder.bitcast(context.cast(builder, v, t, types.float64), i64)]
+            else:
+                values = [context.cast(builder, v, t, types.int64)]
+            for value in values:
+                builder.store(value, builder.gep(data, [ir.Constant(i64, at)]))
+                at += 1
+        return context.get_dummy_value()
+
+    return types.none(words, parts), codegen
+
+
+def _run_parts(launch, item, count, parts):
+    words = np.empty(words_for(parts), dtype=np.int64)
+    pack_into(words, parts)
+    call_compiled(launch, (item, count, words))
+
+
+_RUN_PARTS = numba.njit(**JIT_EXACT)(_run_parts)
+
+
+@functools.lru_cache(maxsize=None)
+def launch_address() -> int:
+    """The machine code of the shared prange (_LAUNCH), compiled or loaded once a process."""
+    return native_address(_LAUNCH, (np.int64(0), np.int64(0), _WORDS))
+
+
+def run_parts(item: int, count: int, parts: tuple) -> None:
+    """run_items(item, count, pack(*parts)), the packing done in compiled code (no ctypes: ~1 us an array less);
+    compiled once for each tuple of part types."""
+    _RUN_PARTS(launch_address(), item, count, parts)

@@ -24,6 +24,7 @@ import numpy as np
 from . import gemm as numba_gemm, gemm_rotary as numba_gemm_rotary, quant as numba_quant, setup as numba_setup
 from ..reference import ops
 from .attention_ir import address
+from .launch import array1, array2, float_at, item_address, run_parts
 # The KV cache writes, a kernel set's ops like the others (cache_write.py)
 from .cache_write import PARALLEL_MIN_TOKENS, reshape_and_cache, rotary_and_cache  # noqa: F401
 # fast_exp2 and row_max: read from here too
@@ -38,10 +39,27 @@ PARALLEL_MIN_ROWS = 256
 SILU_PARALLEL_MIN_ROWS = 16
 NORM_PARALLEL_MIN_ROWS = 16
 _F32 = np.dtype(np.float32)
+_f32 = np.float32  # (the dtype argument of launch.array1 .. array4 inside the items)
 
 
 def _kernel(fn, options=JIT):
     return numba.njit(parallel=True, **options)(fn)
+
+
+def _item(fn, options=JIT):
+    """A row kernel f(row, words) run by launch.py's shared prange (no prange of its own to compile)."""
+    return numba.njit(**options)(fn)
+
+
+def _run(item, count: int, parallel: bool, parts: tuple) -> None:
+    """Items 0 .. count-1 of `item` on `parts` (launch.run_parts), on numba's threads if `parallel` (and more
+    than one item), else on this one (numba_setup.apply_threads)."""
+    apply_threads(parallel=parallel and count > 1)
+    run_parts(item_address(item), count, parts)
+
+
+def _c(a: np.ndarray) -> np.ndarray:
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
 def _threads_for(kernel, rows: int, min_rows: int = PARALLEL_MIN_ROWS):
@@ -122,45 +140,49 @@ def _reads_blocks(x: np.ndarray, quant) -> bool:
 # -- add + RMSNorm ------------------------------------------------------------------------------------
 
 
-def _add_rms_norm_rows(x, residual, weight, eps, out, add):
-    """add: residual += x, then normalise the residual; else normalise x (residual is not touched)."""
-    hidden = x.shape[1]
-    for t in numba.prange(x.shape[0]):
-        xr, rr, o = x[t], residual[t], out[t]
-        ss = np.float32(0.0)
-        if add:
-            for i in range(hidden):
-                v = rr[i] + xr[i]
-                rr[i] = v
-                ss += v * v
-        else:
-            for i in range(hidden):
-                ss += xr[i] * xr[i]
-        scale = np.sqrt(ss / np.float32(hidden) + eps)
-        src = rr if add else xr
+def _add_rms_norm_row(t, words):
+    """Row t of add_rms_norm (a launch.py item; words: x, residual, weight, eps, out, add). add: residual += x,
+    then normalise the residual; else normalise x (residual is not touched)."""
+    x, rr = array2(words, 0, _f32)[t], array2(words, 3, _f32)[t]
+    weight, eps, o, add = array1(words, 6, _f32), np.float32(float_at(words, 8)), array2(words, 9, _f32)[t], words[12]
+    hidden = x.shape[0]
+    ss = np.float32(0.0)
+    if add:
         for i in range(hidden):
-            o[i] = src[i] / scale * weight[i]
+            v = rr[i] + x[i]
+            rr[i] = v
+            ss += v * v
+    else:
+        for i in range(hidden):
+            ss += x[i] * x[i]
+    scale = np.sqrt(ss / np.float32(hidden) + eps)
+    src = rr if add else x
+    for i in range(hidden):
+        o[i] = src[i] / scale * weight[i]
 
 
-_ADD_RMS_NORM = _kernel(_add_rms_norm_rows)
+_ADD_RMS_NORM = _item(_add_rms_norm_row)
 
 
 def add_rms_norm(x: np.ndarray, residual: np.ndarray | None, weight: np.ndarray, eps: float):
     """ops.add_rms_norm in one pass per row: residual += x (in place), then RMSNorm of it."""
-    if x.dtype != _F32 or x.ndim != 2 or (residual is not None and residual.dtype != _F32):
+    if (x.dtype != _F32 or x.ndim != 2 or (residual is not None and (residual.dtype != _F32 or residual.shape != x.shape
+                                                                      or not residual.flags.c_contiguous))):
         return ops.add_rms_norm(x, residual, weight, eps)
     if residual is None:  # the first layer: x itself becomes the residual
         return rms_norm(x, weight, eps), x
     out = np.empty(x.shape, dtype=_F32)
-    _threads_for(_ADD_RMS_NORM, x.shape[0], NORM_PARALLEL_MIN_ROWS)(x, residual, weight, np.float32(eps), out, True)
+    rows = x.shape[0]
+    _run(_ADD_RMS_NORM, rows, rows >= NORM_PARALLEL_MIN_ROWS, (_c(x), residual, _c(weight), float(eps), out, True))
     return out, residual
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     if x.dtype != _F32 or x.ndim != 2:
         return ops.rms_norm(x, weight, eps)
-    out = np.empty(x.shape, dtype=_F32)
-    _threads_for(_ADD_RMS_NORM, x.shape[0], NORM_PARALLEL_MIN_ROWS)(x, x, weight, np.float32(eps), out, False)
+    out, x = np.empty(x.shape, dtype=_F32), _c(x)
+    rows = x.shape[0]
+    _run(_ADD_RMS_NORM, rows, rows >= NORM_PARALLEL_MIN_ROWS, (x, x, _c(weight), float(eps), out, False))
     return out
 
 
@@ -193,23 +215,23 @@ def apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 # -- SiLU and mul ------------------------------------------------------------------------------------
 
 
-def _silu_and_mul_rows(x, out):
-    inter = out.shape[1]
-    xa, oa = address(x), address(out)  # byte addresses: row t's gate at xa + 4 (2 inter t), its up after it
-    for t in numba.prange(x.shape[0]):
-        silu_mul(xa + 4 * t * 2 * inter, xa + 4 * (t * 2 * inter + inter), oa + 4 * t * inter, inter)
+def _silu_and_mul_row(t, words):
+    """Row t of silu_and_mul (a launch.py item; words: x [T, 2I], out [T, I])."""
+    inter = words[5]  # out's second extent
+    xa, oa = words[0], words[3]  # byte addresses: row t's gate at xa + 4 (2 inter t), its up after it
+    silu_mul(xa + 4 * t * 2 * inter, xa + 4 * (t * 2 * inter + inter), oa + 4 * t * inter, inter)
 
 
-_SILU_AND_MUL = _kernel(_silu_and_mul_rows, JIT_EXACT)
+_SILU_AND_MUL = _item(_silu_and_mul_row, JIT_EXACT)
 
 
 def silu_and_mul(x: np.ndarray) -> np.ndarray:
     """ops.silu_and_mul: x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I], in one pass."""
     if x.dtype != _F32 or x.ndim != 2:
         return ops.silu_and_mul(x)
-    x = np.ascontiguousarray(x)  # (the kernel reads it by address)
+    x = _c(x)  # (the kernel reads it by address)
     out = np.empty((x.shape[0], x.shape[1] // 2), dtype=_F32)
-    _threads_for(_SILU_AND_MUL, x.shape[0], SILU_PARALLEL_MIN_ROWS)(x, out)
+    _run(_SILU_AND_MUL, x.shape[0], x.shape[0] >= SILU_PARALLEL_MIN_ROWS, (x, out))
     return out
 
 
@@ -223,13 +245,14 @@ def _log_sum_exp(row, mb):
     return mb + np.log(s)
 
 
-def _logsumexp_rows(x, m, has_max, out):
-    for b in numba.prange(x.shape[0]):
-        row = x[b]
-        out[b] = _log_sum_exp(row, m[b] if has_max else row_max(row, row.shape[0]))
+def _logsumexp_row(b, words):
+    """Row b of logsumexp_rows (a launch.py item; words: x [B, V], the rows' maxima [B] (if has_max), has_max,
+    out [B])."""
+    row, out = array2(words, 0, _f32)[b], array1(words, 6, _f32)
+    out[b] = _log_sum_exp(row, array1(words, 3, _f32)[b] if words[5] else row_max(row, row.shape[0]))
 
 
-_LOGSUMEXP_ROWS = _kernel(_logsumexp_rows)
+_LOGSUMEXP_ROWS = _item(_logsumexp_row)
 # Elements from which logsumexp_rows shares its rows over the threads (one vocabulary row: 49,152).
 LOGSUMEXP_PARALLEL_MIN = 1 << 17
 
@@ -247,23 +270,22 @@ def logsumexp_rows(x: np.ndarray, row_max: np.ndarray | None = None) -> np.ndarr
         raise ValueError(f"logsumexp_rows: row_max of shape {m.shape} for x of shape {x.shape}")
     out = np.empty(x.shape[0], dtype=_F32)
     if x.shape[0]:
-        apply_threads(parallel=x.size >= LOGSUMEXP_PARALLEL_MIN and x.shape[0] > 1)
-        _LOGSUMEXP_ROWS(x, m, has_max, out)
+        _run(_LOGSUMEXP_ROWS, x.shape[0], x.size >= LOGSUMEXP_PARALLEL_MIN, (x, m, has_max, out))
     return out
 
 
-def _argmax_rows(x, out, lse, with_lse):
-    for b in numba.prange(x.shape[0]):
-        row = x[b]
-        j = row_argmax(row, row.shape[0])
-        out[b] = j
-        if with_lse:
-            lse[b] = _log_sum_exp(row, row[j])
+def _argmax_row(b, words):
+    """Row b of argmax_rows (a launch.py item; words: x [B, V], out [B] int64, lse [B] (if with_lse), with_lse)."""
+    row = array2(words, 0, _f32)[b]
+    j = row_argmax(row, row.shape[0])
+    array1(words, 3, np.int64)[b] = j
+    if words[7]:
+        array1(words, 5, _f32)[b] = _log_sum_exp(row, row[j])
 
 
 # numerics.row_argmax's NaN rules are IR compares that fast-math flags do not touch; the sum is compiled with
 # _logsumexp_rows's flags (JIT), so it vectorises, and rounds, as that one does.
-_ARGMAX_ROWS = _kernel(_argmax_rows)
+_ARGMAX_ROWS = _item(_argmax_row)
 
 
 def argmax_rows(x: np.ndarray, axis: int = 1, lse_out: np.ndarray | None = None) -> np.ndarray:
@@ -284,8 +306,8 @@ def argmax_rows(x: np.ndarray, axis: int = 1, lse_out: np.ndarray | None = None)
         raise ValueError(f"argmax_rows: lse_out must be float32 of shape ({x.shape[0]},), got {lse_out.dtype} "
                          f"{lse_out.shape}")
     if x.shape[0]:
-        apply_threads(parallel=x.size >= LOGSUMEXP_PARALLEL_MIN and x.shape[0] > 1)
-        _ARGMAX_ROWS(x, out, lse_out if with_lse else np.empty(0, dtype=_F32), with_lse)
+        _run(_ARGMAX_ROWS, x.shape[0], x.size >= LOGSUMEXP_PARALLEL_MIN,
+             (x, out, lse_out if with_lse else np.empty(0, dtype=_F32), with_lse))
     return out
 
 
@@ -298,9 +320,9 @@ def warm_up() -> None:
     f32 = lambda *shape: np.ones(shape, dtype=_F32)  # noqa: E731
     w, eps = f32(8), np.float32(1e-6)
     w.flags.writeable = False  # the model's weights are read-only (LlamaForCausalLM._put)
-    _ADD_RMS_NORM(f32(2, 8), f32(2, 8), w, eps, f32(2, 8), True)
-    _ADD_RMS_NORM(f32(2, 8), f32(2, 8), w, eps, f32(2, 8), False)
-    _SILU_AND_MUL(f32(2, 8), f32(2, 4))
+    add_rms_norm(f32(2, 8), f32(2, 8), w, eps)
+    rms_norm(f32(2, 8), w, eps)
+    silu_and_mul(f32(2, 8))
     logsumexp_rows(f32(2, 8))
     logsumexp_rows(f32(2, 8), f32(2))
     argmax_rows(f32(2, 8))

@@ -37,15 +37,14 @@ PAGEDSERVE_BATCH_INVARIANT=1 to run every chunk through the loop nest (slower lo
 
 from __future__ import annotations
 
-import functools
 import threading
 
 import numpy as np
 
 from . import launch
-from .gemm import PANEL, PANEL_ROWS
+from .gemm import PANEL, panel_rows_address
 from .numerics import exp2_sum, row_max
-from .setup import JIT, JIT_EXACT, apply_threads, call_compiled, native_address, numba
+from .setup import JIT, JIT_EXACT, apply_threads, call_compiled, numba
 
 # A sequence's chunk takes this path when it has at least MIN_TOKENS new tokens and the loop nest would cost
 # more. The loop nest computes the (query token, key) pairs a token sees, n (L - (n - 1) / 2) for n new tokens
@@ -242,13 +241,6 @@ def _prefill_task(x, words):
 _ITEMS = numba.njit(**JIT)(_prefill_task)
 
 
-@functools.lru_cache(maxsize=None)
-def _panel_rows_address() -> int:
-    """numba_gemm.PANEL_ROWS' machine code for the rows _prefill_item hands it (compiled or loaded once)."""
-    row, zero = np.zeros(1, dtype=_F32), np.int64(0)
-    return native_address(PANEL_ROWS, (row, zero, zero, zero, row, zero, zero, row, zero, zero, zero))
-
-
 def _groups(seqs, query_start_loc, seq_lens, window: int):
     """The sequences' metadata (numpy, each a row of _plan's table), costliest first, cut into groups of at most
     GROUP_KEYS keys (or one sequence, if it has more): a call gathers one group's panels at once."""
@@ -324,7 +316,7 @@ def prefill_batch(query, k_cache, v_cache, seqs, query_start_loc, seq_lens, bloc
         launch.run_items(launch.item_address(_GATHER), tasks.shape[0],
                          launch.pack(k_cache, v_cache, block_tables, meta, tasks, kv, value_panels))
         words = launch.pack(query, meta, work, window, kv, num_kv_heads, value_panels, float(q_scale), qs, ss, pvs,
-                            dens, out, _panel_rows_address())
+                            dens, out, panel_rows_address())
         with numba.parallel_chunksize(1):
             launch.run_items(launch.item_address(_ITEMS), work.shape[0], words)
 

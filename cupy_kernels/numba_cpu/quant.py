@@ -34,6 +34,8 @@ there, and it does fewer operations per product), and numba_ops.linear takes tha
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from llvmlite import ir
 from numba.core import cgutils, types
@@ -42,7 +44,8 @@ from numba.extending import intrinsic
 from . import quant_int8
 from .gemm import AVX512
 from .vector_ir import lane_sums, splat
-from .setup import JIT, apply_threads, numba
+from .launch import array2, item_address, run_parts
+from .setup import JIT, apply_threads, call_compiled, native_address, numba
 from ..reference.quant import BLOCK, QuantWeight
 
 # Rows up to which a quantized weight takes this kernel; above, the packed float32 GEMM (numba_gemm.py) is
@@ -171,11 +174,12 @@ def _block_dot(rows: int):
 _DOT_BIG, _DOT2, _DOT1 = (_block_dot(r) for r in (_BIG_ROWS, 2, 1))
 
 
-@numba.njit(parallel=True, **JIT)
-def _matmul(x, qs, scales, mins, out):
+@numba.njit(**JIT)
+def _columns(x, qs, scales, mins, out, n0, n1):
+    """out[:, n0:n1] = x @ dequantize(weight rows n0 .. n1-1).T."""
     m, k = x.shape
     flat = x.reshape(m * k)
-    for n in numba.prange(scales.shape[0]):
+    for n in range(n0, n1):
         r = 0
         while r + _BIG_ROWS <= m:
             a = _DOT_BIG(qs, scales, mins, n, flat, r * k, k)
@@ -189,6 +193,44 @@ def _matmul(x, qs, scales, mins, out):
             r += 2
         if r < m:
             out[r, n] = _DOT1(qs, scales, mins, n, flat, r * k, k)[0]
+
+
+# The launch.py items: output columns [span item, span (item + 1)) of linear, one item a thread (numba's
+# prange hands each thread a contiguous run, as it did the columns themselves); words: x, qs, scales, mins,
+# out, span, the address of _columns for these types (_addresses). _columns is called, not inlined: inlined
+# into arrays rebuilt from words, LLVM made its loop 3-7% slower (2026-12-06, Zen 4).
+
+
+@numba.njit(**JIT)
+def _q4_columns(item, words):
+    out, span = array2(words, 12, np.float32), words[15]
+    n0 = item * span
+    call_compiled(words[16], (array2(words, 0, np.float32), array2(words, 3, np.uint8), array2(words, 6, np.float32),
+                              array2(words, 9, np.float32), out, n0, min(n0 + span, out.shape[1])))
+
+
+@numba.njit(**JIT)
+def _q8_columns(item, words):
+    out, span = array2(words, 12, np.float32), words[15]
+    n0 = item * span
+    call_compiled(words[16], (array2(words, 0, np.float32), array2(words, 3, np.int8), array2(words, 6, np.float32),
+                              array2(words, 9, np.float32), out, n0, min(n0 + span, out.shape[1])))
+
+
+@functools.lru_cache(maxsize=None)
+def _addresses(qs_dtype: type) -> tuple[int, int]:
+    """The machine code of the item for weights of qs_dtype, and of _columns for the types it passes."""
+    f32 = np.zeros((1, 1), np.float32)
+    kernel = native_address(_columns, (f32, np.zeros((1, 1), qs_dtype), f32, f32, f32, 0, 0))
+    return item_address(_q4_columns if qs_dtype is np.uint8 else _q8_columns), kernel
+
+
+def _matmul(x, qs, scales, mins, out):
+    """out = x @ dequantize(qs, scales, mins).T over numba's threads (blocks_linear's kernel)."""
+    item, kernel = _addresses(qs.dtype.type)
+    columns = out.shape[1]
+    span = max(16, -(-columns // apply_threads(parallel=True)))
+    run_parts(item, -(-columns // span), (x, qs, scales, mins, out, span, kernel))
 
 
 def linear(x: np.ndarray, w: QuantWeight, bias: np.ndarray | None = None) -> np.ndarray:

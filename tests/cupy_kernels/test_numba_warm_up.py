@@ -24,7 +24,8 @@ from model_factory import random_model
 from pagedserve.cupy_kernels.backend import get_backend
 from pagedserve.cupy_kernels.numba_cpu import attention as numba_attention, ops as numba_ops
 from pagedserve.cupy_kernels.numba_cpu import prefill as numba_prefill, quant as numba_quant
-from pagedserve.cupy_kernels.numba_cpu import cache_write as numba_cache_write
+from pagedserve.cupy_kernels.numba_cpu import cache_write as numba_cache_write, gemm as numba_gemm
+from pagedserve.cupy_kernels.numba_cpu import launch as numba_launch
 from model_factory import write_gguf
 from pagedserve.models.loading.gguf_loader import load_gguf_weights
 from pagedserve.models.batch import SeqChunk, build_forward_batch
@@ -34,7 +35,8 @@ from pagedserve.models.llama import LlamaForCausalLM
 backend = get_backend("cpu", "numba")  # the warm-up runs here
 
 def signatures():
-    return {(m.__name__, name, sig) for m in (numba_ops, numba_attention, numba_prefill, numba_quant, numba_cache_write)
+    return {(m.__name__, name, sig) for m in (numba_ops, numba_attention, numba_prefill, numba_quant, numba_cache_write,
+                                              numba_gemm, numba_launch)
             for name in dir(m)
             if isinstance(getattr(m, name), numba.core.registry.CPUDispatcher)
             for sig in getattr(m, name).signatures}
@@ -84,7 +86,7 @@ from pagedserve.cupy_kernels.numba_cpu import attention as numba_attention
 from pagedserve.cupy_kernels.reference import paged_attention
 from pagedserve.cupy_kernels.backend import finish_warm_up, get_backend
 from pagedserve.cupy_kernels.numba_cpu.setup import compile_aside
-# The worker's way: the child compiles attention and the prefill kernels while this process compiles the rest,
+# The worker's way: the child compiles attention and the rotary GEMM's pairs while this process compiles the rest,
 # then packs a weight (the model's load) before it waits for the child.
 backend = get_backend("cpu", "numba", finish_warm_up=False)
 assert not kernel_set._finished.is_set() and kernel_set._compile_child[0] is not None
@@ -112,6 +114,7 @@ def test_an_empty_cache_compiles_attention_aside_and_loads_it(tmp_path):
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-3000:]
     assert list(tmp_path.rglob("attention._attention_chunk-*.nbi"))
     assert list(tmp_path.rglob("prefill._gather_task-*.nbi"))
+    assert list(tmp_path.rglob("gemm_rotary._pair_item-*.nbi"))
     assert list(tmp_path.rglob("launch._launch-*.nbi"))
 
 

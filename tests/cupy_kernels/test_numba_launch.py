@@ -1,0 +1,68 @@
+"""launch.py: the words packed in compiled code (pack_into) are the ones launch.pack makes, run_parts runs every
+item once, and the kernels a start compiles have no prange of their own besides the shared one."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import numpy as np
+import pytest
+
+numba = pytest.importorskip("numba")
+
+from pagedserve.cupy_kernels import numba_cpu  # noqa: E402
+from pagedserve.cupy_kernels.numba_cpu import launch  # noqa: E402
+from pagedserve.cupy_kernels.numba_cpu.setup import JIT_EXACT, apply_threads  # noqa: E402
+
+
+@numba.njit(**JIT_EXACT)
+def _packed(parts):
+    words = np.empty(launch.words_for(parts), dtype=np.int64)
+    launch.pack_into(words, parts)
+    return words
+
+
+def test_pack_into_writes_the_words_pack_makes():
+    rng = np.random.default_rng(0)
+    weight = rng.integers(-5, 5, (7, 3), dtype=np.int8)
+    weight.flags.writeable = False  # a model's weights are read-only
+    parts = (rng.standard_normal((4, 5)).astype(np.float32), weight, np.zeros((2, 3, 4), np.float32), 1e-6,
+             np.float32(0.25), 17, -3, True, False)
+    np.testing.assert_array_equal(_packed(parts), launch.pack(*parts))
+
+
+def test_pack_into_refuses_an_array_that_is_not_c_contiguous():
+    with pytest.raises(numba.core.errors.TypingError):
+        _packed((np.zeros((4, 6), np.float32)[:, ::2],))
+
+
+def _fill(item, words):
+    out, scale = launch.array1(words, 0, np.float64), launch.float_at(words, 2)
+    src = launch.array2(words, 3, np.int64)
+    out[item] += scale * item + src[item % src.shape[0], words[6]]
+
+
+_FILL = numba.njit(**JIT_EXACT)(_fill)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_run_parts_runs_each_item_once(parallel):
+    out, src = np.zeros(37), np.arange(12, dtype=np.int64).reshape(4, 3)
+    apply_threads(parallel=parallel)
+    launch.run_parts(launch.item_address(_FILL), 37, (out, 0.5, src, 2))
+    items = np.arange(37)
+    np.testing.assert_array_equal(out, 0.5 * items + src[items % 4, 2])
+
+
+def test_the_kernels_have_no_prange_of_their_own():
+    """Each prange compiles as a parallel function of its own (0.2-1 s of a first start); the kernels a start
+    compiles run as launch.py's items instead. The two left are compiled only when used: apply_rotary (the model
+    calls rotary_and_cache) and the opt-in int8 activations' kernel (PAGEDSERVE_CPU_ACT_QUANT=q8)."""
+    parallel = set()
+    for info in pkgutil.iter_modules(numba_cpu.__path__):
+        module = importlib.import_module(f"{numba_cpu.__name__}.{info.name}")
+        for name, value in vars(module).items():
+            if isinstance(value, numba.core.registry.CPUDispatcher) and value.targetoptions.get("parallel"):
+                parallel.add(f"{info.name}.{name}")
+    assert parallel == {"launch._LAUNCH", "ops._ROTARY", "quant_int8._matmul"}
