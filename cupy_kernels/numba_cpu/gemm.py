@@ -1,9 +1,8 @@
 """The numba set's float32 matmul: weights packed once at load into column panels, a register-tiled kernel.
 
-OpenBLAS packs its operand on every call: a decode step of 64 sequences streams each layer weight from
-memory, copies it into its panel format, and only then multiplies (the layers' four matmuls ran at ~293
-GFLOP/s at 64 rows on the test VM, against ~430 for a large square sgemm). Here the weight is stored in
-that panel format from the start, once:
+OpenBLAS packs its operand on every call (a decode step of 64 sequences streams each layer weight, copies it
+into its panel format, then multiplies: ~293 GFLOP/s against ~430 for a large sgemm). Here the weight is
+stored in that panel format from the start, once:
 
     panels[p, k, j] = W[32 p + j, k]      W the [out, in] checkpoint weight; [out / 32, in, 32] float32
 
@@ -11,17 +10,10 @@ so a panel (32 output columns, every k) is one contiguous stream. The kernel kee
 tile of the output in twenty-four 16-lane registers and walks k: two vector loads of the panel, one
 broadcast of each of the 12 activation rows, 24 FMAs, a prefetch of the panel 64 rows of k ahead and one of
 the tile's share of the next panel (_panel_rows; without AVX-512: 16-column panels and 6-row tiles in 8-lane
-registers). The figures below were measured
-with 8-row tiles (_BIG_ROWS has the 12-row ones'). Panels are shared out over the threads
-(prange); a panel (73 KB for in = 576) stays in L2 while every tile of a block of activation rows (about
-half the L2's worth: row_passes) passes over it, and the block itself stays in L2 while the thread's panels
-pass over it.
-
-Measured on the test VM (SmolLM2's 30 layers, four matmuls each, 2 threads, against numpy's OpenBLAS on
-[in, out] weights, its native kernel): 1 row 9.9 vs 11.4 ms, 8 rows 11.3 vs 23.1, 64 rows 33.4 vs 46.4
-(407 vs 293 GFLOP/s), 256 rows 114 vs 131, 2,048 rows 900 vs 1,000 (483 vs 436 GFLOP/s); the prefetch
-then took 64 rows to 30.1-30.8 ms (440-451 GFLOP/s). Few rows are bound by memory bandwidth, which moves
-with the VM's neighbours (1 row: 5.8-10 ms from one hour to the next).
+registers). Panels are shared out over the threads (a panel a launch.py item); a panel (73 KB for in = 576)
+stays in L2 while every tile of a block of activation rows (about half the L2's worth: row_passes) passes over
+it, and the block itself stays in L2 while the thread's panels pass over it. Against numpy's OpenBLAS, SmolLM2's
+30 layers: 1 row 9.9 vs 11.4 ms, 64 rows 30-33 vs 46, 2,048 rows 900 vs 1,000 (docs/benchmarks.md).
 
 Numerics: each output is one FMA chain over k in order, the same bits whatever the number of rows in the
 call, the row's place in its tile, or the thread count (tests/cupy_kernels/test_numba_gemm.py); against
@@ -29,9 +21,9 @@ numpy's matmul (the reference, ops.linear) it differs by the order of the sums.
 
 A SiLU-gated MLP's gate_up is packed with gate and up side by side in each panel (pack_gated), so a tile holds
 both halves of its outputs and stores silu(gate) * up (matmul_silu_and_mul; numerics.silu_mul_ir, the bits of
-ops.silu_and_mul after the plain GEMM): no [T, 2I] temporary written and read back. 256 rows x 576 -> 2 x 1,536,
-30 layers cycled: 2,665-2,849 -> 2,543-2,550 us a layer. Likewise matmul_add (mode ADD) adds the tile into what
-C holds: the decoder layer's residual add after o_proj and down, with add_rms_norm's one rounding.
+ops.silu_and_mul after the plain GEMM): no [T, 2I] temporary written and read back (256 rows: 2,665-2,849 ->
+2,543-2,550 us a layer). Likewise matmul_add (mode ADD) adds the tile into what C holds: the decoder layer's
+residual add after o_proj and down, with add_rms_norm's one rounding.
 
 Panels and outputs start on a cache line (host.malloc.aligned_empty): on malloc's 16-byte boundaries each
 64-byte panel load spanned two lines (2-4% a matmul; docs/notes/kernels.md).
@@ -71,13 +63,9 @@ _BIG_ROWS = 12 if AVX512 else 6
 _PREFETCH_K = 64
 # Activation rows per pass over the panels: a block of them (120 x 576 floats = 276 KB) stays in L2 while
 # every panel of the thread passes over it. Unblocked, 256 rows (590 KB at in = 576) overflow a 512 KB L2
-# (AMD Zen 3) and were read again from L3 for every panel. AVX2 host, 2 threads: SmolLM2's four layer
-# matmuls at 256 rows, six layers cycled, ran at a median of 82-85 GFLOP/s unblocked and 164-167 blocked
-# (OpenBLAS 150-155; 7 interleaved rounds); in the engine the gain is smaller (the 256-request throughput run
-# within the host's noise, 209 vs 199-226 tok/s; bench/jitter.py's p99 at budget 256, whose steps are
-# 256-row chunks, 816 and 1,041 ms against 1,156 and 1,216 unblocked, interleaved runs). 96 rows did as well
-# as 120, 192 worse; also cutting k (256-row slices of a panel kept in L1) made 1-64 rows slower. A multiple
-# of both big-tile heights (6, 12): tiles fall where they did, and each output's FMA chain is unchanged.
+# (AMD Zen 3) and were read again from L3 for every panel: 82-85 GFLOP/s against 164-167 blocked (OpenBLAS
+# 150-155; docs/notes/kernels.md). A multiple of both big-tile heights (6, 12): tiles fall where they did,
+# and each output's FMA chain is unchanged.
 ROW_BLOCK = 120
 # Since then the rows per block follow the host's L2 (row_passes): a block of A takes at most half of it, the
 # other half for the panels passing over it, within [MIN_ROW_BLOCK, MAX_ROW_BLOCK] rows, and a matmul's rows
