@@ -166,9 +166,10 @@ _ADD_RMS_NORM = _item(_add_rms_norm_row)
 
 def add_rms_norm(x: np.ndarray, residual: np.ndarray | None, weight: np.ndarray, eps: float):
     """ops.add_rms_norm in one pass per row: residual += x (in place), then RMSNorm of it."""
-    if (x.dtype != _F32 or x.ndim != 2 or (residual is not None and (residual.dtype != _F32 or residual.shape != x.shape
-                                                                      or not residual.flags.c_contiguous))):
-        return ops.add_rms_norm(x, residual, weight, eps)
+    if (x.dtype != _F32 or x.ndim != 2 or weight.dtype != _F32
+            or (residual is not None and (residual.dtype != _F32 or residual.shape != x.shape
+                                          or not residual.flags.c_contiguous))):
+        return ops.add_rms_norm(x, residual, weight, eps)  # (the item reads float32 C-contiguous rows)
     if residual is None:  # the first layer: x itself becomes the residual
         return rms_norm(x, weight, eps), x
     out = np.empty(x.shape, dtype=_F32)
@@ -178,7 +179,7 @@ def add_rms_norm(x: np.ndarray, residual: np.ndarray | None, weight: np.ndarray,
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    if x.dtype != _F32 or x.ndim != 2:
+    if x.dtype != _F32 or x.ndim != 2 or weight.dtype != _F32:
         return ops.rms_norm(x, weight, eps)
     out, x = np.empty(x.shape, dtype=_F32), _c(x)
     rows = x.shape[0]
@@ -306,8 +307,10 @@ def argmax_rows(x: np.ndarray, axis: int = 1, lse_out: np.ndarray | None = None)
         raise ValueError(f"argmax_rows: lse_out must be float32 of shape ({x.shape[0]},), got {lse_out.dtype} "
                          f"{lse_out.shape}")
     if x.shape[0]:
-        _run(_ARGMAX_ROWS, x.shape[0], x.size >= LOGSUMEXP_PARALLEL_MIN,
-             (x, out, lse_out if with_lse else np.empty(0, dtype=_F32), with_lse))
+        lse = lse_out if with_lse and lse_out.flags.c_contiguous else np.empty(x.shape[0] if with_lse else 0, _F32)
+        _run(_ARGMAX_ROWS, x.shape[0], x.size >= LOGSUMEXP_PARALLEL_MIN, (x, out, lse, with_lse))
+        if with_lse and lse is not lse_out:  # a strided lse_out (the item writes C-contiguous rows)
+            lse_out[...] = lse
     return out
 
 

@@ -437,3 +437,32 @@ def test_linear_silu_and_mul_on_a_gated_weight(rows):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
     with pytest.raises(ValueError, match="gate, up"):
         nb.pack_weight([gate], gated=True)
+
+
+def test_strided_and_other_dtype_arguments_are_read_as_they_are():
+    """The kernels read C-contiguous float32 rows by address (launch.py's words): a strided x is copied first, a
+    strided residual (updated in place) or a weight of another dtype takes the reference, and a strided lse_out
+    is filled from a contiguous one, each with the results of contiguous float32 arguments."""
+    rng = np.random.default_rng(3)
+    wide = rng.standard_normal((20, 2 * 96)).astype(np.float32)
+    x, w = wide[:, ::2], (1 + 0.1 * rng.standard_normal(96)).astype(np.float32)
+    res = rng.standard_normal((20, 96)).astype(np.float32)
+    want_n, want_r = nb.add_rms_norm(np.ascontiguousarray(x), res.copy(), w, 1e-6)
+    got_n, got_r = nb.add_rms_norm(x, res.copy(), w, 1e-6)
+    np.testing.assert_array_equal(got_n, want_n)
+    np.testing.assert_array_equal(got_r, want_r)
+    res_wide = np.repeat(res, 2, axis=1)
+    strided_res = res_wide[:, ::2]
+    got_n, got_r = nb.add_rms_norm(np.ascontiguousarray(x), strided_res, w.astype(np.float64), 1e-6)
+    assert got_r is strided_res
+    np.testing.assert_array_equal(got_r, want_r)  # updated in place, through the view
+    tol = 60 * EPS
+    np.testing.assert_allclose(got_n, want_n, rtol=tol, atol=tol * float(np.abs(want_n).max()))
+    np.testing.assert_allclose(nb.rms_norm(x, w.astype(np.float64), 1e-6), nb.rms_norm(x, w, 1e-6), rtol=tol,
+                               atol=tol * float(np.abs(want_n).max()))
+    np.testing.assert_array_equal(nb.silu_and_mul(wide[:, ::2]), nb.silu_and_mul(np.ascontiguousarray(wide[:, ::2])))
+    logits = rng.standard_normal((5, 300)).astype(np.float32)
+    lse, buf = np.empty(5, np.float32), np.full(10, np.nan, np.float32)
+    np.testing.assert_array_equal(nb.argmax_rows(logits, lse_out=buf[::2]), nb.argmax_rows(logits, lse_out=lse))
+    np.testing.assert_array_equal(buf[::2], lse)
+    assert np.isnan(buf[1::2]).all()
