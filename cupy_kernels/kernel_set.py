@@ -142,8 +142,9 @@ def _numba_started() -> KernelSet:
 
     # The child first (a process to start). Since the GEMM, GGUF-block and elementwise kernels run as launch.py
     # items (no prange of their own to compile), the thread's share is the smaller one unless it takes the
-    # prefill kernels too: with empty caches, thread and child then end within ~0.5 s of each other (engine
-    # ready at 6.6-7.2 s, 2026-12-06, the Zen 4 VM), where the prefill kernels in the child ended it 2 s later.
+    # prefill kernels too. With empty caches (2026-12-06, the Zen 4 VM, three starts each): the prefill kernels
+    # here, the child ends 1.0-1.3 s before the thread and the engine is ready at 6.9-7.7 s; in the child, it
+    # ended 2 s after the thread; the GGUF-block kernels moved to the child as well, 0.7-1.1 s after (6.5-7.2 s).
     child = compile_aside(numba_attention._ATTENTION, numba_gemm_rotary._PAIRS)
     _compile_child.append(child)
 
