@@ -9,12 +9,13 @@ item rebuilds its arrays (`array1` .. `array4`, `float_at`) and runs. `_LAUNCH` 
 the threads apply_threads set, in one prange, taken in the schedule the caller set (numba.parallel_chunksize).
 
 Two ways in: `run_items(address, count, pack(*parts))` packs in Python (~1 us an array: ctypes), for kernels
-called a few times a step; `run_parts(address, count, parts)` packs in compiled code (`pack_parts`; one small
-serial function compiled per tuple of part types, ~0.1 s) and costs what a call of a prange kernel did, for the
-per-layer kernels (GEMM, GGUF blocks, norms). An item that does real work calls its kernel by address rather
-than inlining it: inlined into arrays rebuilt from words, LLVM made the GGUF-block loop 3-7% slower.
+called a few times a step; `run_parts(address, count, parts)` packs in compiled code (`words_for`, `pack_into`;
+one small serial function compiled per tuple of part types, ~0.1 s) and costs what a call of a prange kernel
+did, for the per-layer kernels (GEMM, GGUF blocks, norms). An item that does real work calls its kernel by
+address rather than inlining it: inlined into arrays rebuilt from words, LLVM made the GGUF-block loop 3-7%
+slower.
 
-Arrays travel as bare addresses: the caller holds them, C-contiguous (pack raises otherwise; pack_parts does
+Arrays travel as bare addresses: the caller holds them, C-contiguous (pack raises otherwise; pack_into does
 not type other layouts), for the call. An item function is called by address, so it is compiled (and cached)
 once for (int64, int64[::1]).
 """
@@ -136,7 +137,7 @@ def float_at(typingctx, words, at):
 
 
 def _part_words(t) -> int | None:
-    """How many words pack_parts writes for a value of numba type t (None: a type it does not pack)."""
+    """How many words pack_into writes for a value of numba type t (None: a type it does not pack)."""
     if isinstance(t, types.Array):
         return 1 + t.ndim if t.layout == "C" else None
     if isinstance(t, (types.Integer, types.Boolean, types.Float)):

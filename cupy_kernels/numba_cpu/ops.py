@@ -31,10 +31,10 @@ from .cache_write import PARALLEL_MIN_TOKENS, reshape_and_cache, rotary_and_cach
 from .numerics import fast_exp, fast_exp2, rotate, row_argmax, row_max, silu_mul  # noqa: F401
 from .setup import JIT, JIT_EXACT, apply_threads, numba
 
-# Rows from which the elementwise kernels use numba's thread pool (prange). SiLU-and-mul does ~3 ns of work
-# per row element (an exp and a division) and shares from 16 rows; add+RMSNorm too, its rows cold in cache
-# after the matmuls (docs/notes/kernels.md). Batch invariance holds: a row is computed by the same compiled
-# code on whichever thread.
+# Rows from which the elementwise kernels use numba's thread pool (a row a launch.py item). SiLU-and-mul does
+# ~3 ns of work per row element (an exp and a division) and shares from 16 rows; add+RMSNorm too, its rows cold
+# in cache after the matmuls (docs/notes/kernels.md). Batch invariance holds: a row is computed by the same
+# compiled code on whichever thread.
 PARALLEL_MIN_ROWS = 256
 SILU_PARALLEL_MIN_ROWS = 16
 NORM_PARALLEL_MIN_ROWS = 16
