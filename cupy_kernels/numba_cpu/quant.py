@@ -226,7 +226,7 @@ def _addresses(qs_dtype: type) -> tuple[int, int]:
 
 
 def _matmul(x, qs, scales, mins, out):
-    """out = x @ dequantize(qs, scales, mins).T over numba's threads (blocks_linear's kernel)."""
+    """out = x @ dequantize(qs, scales, mins).T over numba's threads, which it sets (blocks_linear's kernel)."""
     item, kernel = _addresses(qs.dtype.type)
     columns = out.shape[1]
     span = max(16, -(-columns // apply_threads(parallel=True)))
@@ -238,19 +238,18 @@ def linear(x: np.ndarray, w: QuantWeight, bias: np.ndarray | None = None) -> np.
     reference). Any number of rows works; numba_ops.linear sends only up to QUANT_MAX_ROWS here. With
     PAGEDSERVE_CPU_ACT_QUANT=q8 (quant_int8.ACT_QUANT) the activations are quantized to 8 bits per block and
     multiplied with integer dot products instead (quant_int8.py; opt-in: it changes results)."""
-    return blocks_linear(quant_int8._matmul if quant_int8.ACT_QUANT == "q8" else _matmul, x, w, bias)
+    return blocks_linear(quant_int8.blocks_kernel if quant_int8.ACT_QUANT == "q8" else _matmul, x, w, bias)
 
 
 def blocks_linear(kernel, x: np.ndarray, w: QuantWeight, bias: np.ndarray | None = None) -> np.ndarray:
-    """x [T, in] @ w.T (+ bias) through `kernel(x, qs, scales, mins_or_scales, out)`: this file's _matmul or
-    quant_int8's (the same arguments)."""
+    """x [T, in] @ w.T (+ bias) through `kernel(x, qs, scales, mins_or_scales, out)`, which sets numba's threads
+    itself: this file's _matmul or quant_int8.blocks_kernel (the same arguments)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     out_features, in_features = w.shape
     if x.ndim != 2 or x.shape[1] != in_features:
         raise ValueError(f"quantized linear: input of shape {x.shape} for a weight of [out, in] = {w.shape}")
     out = np.empty((x.shape[0], out_features), dtype=np.float32)
     if x.shape[0]:
-        apply_threads(parallel=True)
         kernel(x, w.qs, w.scales, w.scales if w.mins is None else w.mins, out)
     if bias is not None:
         out += bias

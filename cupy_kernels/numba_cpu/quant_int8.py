@@ -42,7 +42,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from .vector_ir import lane_sums
-from .setup import CODE_PATH, JIT, JIT_EXACT, numba
+from .setup import CODE_PATH, JIT, JIT_EXACT, apply_threads, numba
 from ..reference.quant import ACT_QMAX, BLOCK, QuantWeight
 
 ACT_QUANT_CHOICES = ("", "q8")
@@ -324,7 +324,13 @@ def linear(x: np.ndarray, w: QuantWeight, bias: np.ndarray | None = None) -> np.
     linear_q8 is the reference)."""
     from .quant import blocks_linear  # quant.py imports this module
 
-    return blocks_linear(_matmul, x, w, bias)
+    return blocks_linear(blocks_kernel, x, w, bias)
+
+
+def blocks_kernel(x, qs, scales, mins, out) -> None:
+    """_matmul on numba's threads (quant.blocks_linear's kernel: each kernel sets its own threads)."""
+    apply_threads(parallel=True)
+    _matmul(x, qs, scales, mins, out)
 
 
 def warm_up() -> None:
