@@ -71,7 +71,7 @@ def check_slot_mapping(slot_mapping: np.ndarray, num_slots: int, where: str, onl
     ForwardBatch (only_minus_one) marks it with -1 alone."""
     if not slot_mapping.size:
         return
-    top = int(slot_mapping.max())
+    top = int(slot_mapping[0] if slot_mapping.size == 1 else slot_mapping.max())  # (one slot: ~1 us less)
     bad = top if top >= num_slots else None
     if bad is None and only_minus_one and int(slot_mapping.min()) < -1:
         bad = int(slot_mapping.min())

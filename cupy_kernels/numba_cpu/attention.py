@@ -292,22 +292,23 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
                               out, window, plan.prefill_plans)
     if plan.items is None:
         return out
-    apply_threads(plan.parallel)
     _run(plan, np.ascontiguousarray(query), k_cache, v_cache, scale, window, out)
     return out
 
 
 def _run(plan: AttentionPlan, query, k_cache, v_cache, scale, window, out) -> None:
-    """The compiled kernel over the plan's checked metadata and work (numba's threads already set). Its words: the
-    plan's, then this layer's arrays (~1 us an address: a one-request decode step packs 4 a layer)."""
+    """The compiled kernel over the plan's checked metadata and work, on numba's threads when the plan cut it
+    into several chunks. Its words: the plan's, then this layer's arrays (~1 us an address: a one-request
+    decode step packs 4 a layer)."""
     words = np.empty(32, dtype=np.int64)
     words[:12] = plan.step_words
     words[12:16] = (query.ctypes.data, *query.shape)
     words[16:26] = _cache_words(k_cache, v_cache)
     words[26:] = (out.ctypes.data, *out.shape, launch.float_word(scale), window)
-    if plan.bounds.shape[0] == 2:  # one chunk: on this thread
+    if plan.bounds.shape[0] == 2:  # one chunk: on this thread (numba's thread count left as it is)
         _ATTENTION(np.int64(0), words)
     else:
+        apply_threads(plan.parallel)
         with numba.parallel_chunksize(1):
             launch.run_items(launch.item_address(_ATTENTION), plan.bounds.shape[0] - 1, words)
 

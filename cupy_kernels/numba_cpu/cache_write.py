@@ -69,6 +69,7 @@ def _rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, 
     key = np.empty(head_dim, dtype=np.float32)  # a rotated key, then copied to its slot (a cache of any layout)
     q_out, k_out = address(out), address(key)
     k_at, v_at = np.int64(k_cache.ctypes.data), np.int64(v_cache.ctypes.data)  # for stream_copy
+    stream = stream and k_at % 64 == 0 and v_at % 64 == 0  # (whole lines only from a line's start)
     width, cs_width = qkv.shape[1], cos.shape[1]
     for t in range(t0, t1):
         for h in range(num_heads):
@@ -115,13 +116,14 @@ def rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, s
         raise ValueError(f"rotary_and_cache: slot_mapping {slot_mapping.shape} for {t} tokens")
     check_slot_mapping(slot_mapping, num_slots, "rotary_and_cache")
     out = np.empty((t, num_heads, k_cache.shape[3]), dtype=_F32)
-    # Rows of whole 64-byte lines in C-contiguous caches on a 64-byte boundary (the KV pool's: a page) are
-    # streamed (numerics.stream_copy); other caches are written element by element.
-    stream = bool(k_cache.shape[3] % 16 == 0 and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous
-                  and k_cache.ctypes.data % 64 == 0 and v_cache.ctypes.data % 64 == 0)
+    # Rows of whole 64-byte lines in C-contiguous caches on a 64-byte boundary (the KV pool's: a page; the
+    # kernel checks the boundary: two ctypes addresses here cost ~2 us a call) are streamed
+    # (numerics.stream_copy); other caches are written element by element.
+    stream = bool(k_cache.shape[3] % 16 == 0 and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous)
     args = (np.ascontiguousarray(qkv), np.int64(num_heads), np.int64(num_kv_heads), np.ascontiguousarray(cos),
             np.ascontiguousarray(sin), k_cache, v_cache, slot_mapping, out, stream)
-    parts = min(apply_threads(parallel=t >= PARALLEL_MIN_TOKENS), max(t, 1))
+    # (a few tokens: the serial kernel, numba's thread count left as it is)
+    parts = min(apply_threads(parallel=True), t) if t >= PARALLEL_MIN_TOKENS else 1
     if parts == 1 or not (k_cache.flags.carray and v_cache.flags.carray):  # the serial kernel itself
         _rotary_and_cache(*args, np.int64(0), np.int64(t))
     else:  # the model's caches (C-contiguous, writable): the tokens in `parts` ranges over the threads

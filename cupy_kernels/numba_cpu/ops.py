@@ -53,9 +53,13 @@ def _item(fn, options=JIT):
 
 def _run(item, count: int, parallel: bool, parts: tuple) -> None:
     """Items 0 .. count-1 of `item` on `parts` (launch.run_parts), on numba's threads if `parallel` (and more
-    than one item), else on this one (numba_setup.apply_threads)."""
-    apply_threads(parallel=parallel and count > 1)
-    run_parts(item_address(item), count, parts)
+    than one item, numba_setup.apply_threads), else one after the other on this thread (the same compiled item:
+    the same bits)."""
+    if parallel and count > 1:
+        apply_threads(parallel=True)
+        run_parts(item_address(item), count, parts)
+    else:
+        run_parts(item_address(item), count, parts, serial=True)
 
 
 def _c(a: np.ndarray) -> np.ndarray:

@@ -46,11 +46,11 @@ def _fill(item, words):
 _FILL = numba.njit(**JIT_EXACT)(_fill)
 
 
-@pytest.mark.parametrize("parallel", [False, True])
-def test_run_parts_runs_each_item_once(parallel):
+@pytest.mark.parametrize("parallel,serial", [(False, False), (True, False), (True, True)])
+def test_run_parts_runs_each_item_once(parallel, serial):
     out, src = np.zeros(37), np.arange(12, dtype=np.int64).reshape(4, 3)
     apply_threads(parallel=parallel)
-    launch.run_parts(launch.item_address(_FILL), 37, (out, 0.5, src, 2))
+    launch.run_parts(launch.item_address(_FILL), 37, (out, 0.5, src, 2), serial=serial)
     items = np.arange(37)
     np.testing.assert_array_equal(out, 0.5 * items + src[items % 4, 2])
 
@@ -66,3 +66,33 @@ def test_the_kernels_have_no_prange_of_their_own():
             if isinstance(value, numba.core.registry.CPUDispatcher) and value.targetoptions.get("parallel"):
                 parallel.add(f"{info.name}.{name}")
     assert parallel == {"launch._LAUNCH", "ops._ROTARY", "quant_int8._matmul"}
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="numba runs one thread here")
+def test_a_few_rows_run_serially_and_leave_numbas_thread_count_alone():
+    """A one-request decode step alternates the GGUF matmuls (all threads) with one-row norms, SiLU, rotary and
+    attention: each change of numba's thread count costs ~1.4 us, eight a layer. The small kernels run on the
+    calling thread without setting it (and give the bits they gave through the prange)."""
+    from pagedserve.cupy_kernels.numba_cpu import ops as numba_ops
+    from pagedserve.cupy_kernels.reference import ops as reference_ops
+
+    rng = np.random.default_rng(1)
+    x, residual = (rng.standard_normal((1, 64)).astype(np.float32) for _ in range(2))
+    weight, gate_up = rng.standard_normal(64).astype(np.float32), rng.standard_normal((1, 128)).astype(np.float32)
+    heads, kv_heads, head_dim = 3, 1, 8
+    qkv = rng.standard_normal((1, (heads + 2 * kv_heads) * head_dim)).astype(np.float32)
+    cos, sin = (rng.standard_normal((1, head_dim // 2)).astype(np.float32) for _ in range(2))
+    caches = [np.zeros((4, 16, kv_heads, head_dim), np.float32) for _ in range(2)]
+    apply_threads(parallel=True)
+    threads = numba.get_num_threads()
+    assert threads >= 2
+    normed = numba_ops.rms_norm(x, weight, 1e-6)
+    added, _ = numba_ops.add_rms_norm(x, residual.copy(), weight, 1e-6)
+    silu = numba_ops.silu_and_mul(gate_up)
+    q = numba_ops.rotary_and_cache(qkv, heads, kv_heads, cos, sin, *caches, np.array([5]))
+    assert numba.get_num_threads() == threads
+    np.testing.assert_allclose(normed, reference_ops.rms_norm(x, weight, 1e-6), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(added, reference_ops.rms_norm(x + residual, weight, 1e-6), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(silu, reference_ops.silu_and_mul(gate_up), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(caches[1][0, 5, 0], qkv[0, (heads + kv_heads) * head_dim:])
+    assert q.shape == (1, heads, head_dim)

@@ -164,6 +164,8 @@ def test_rotary_and_cache_refuses_what_its_loop_would_overrun():
     before = k0.copy()
     with pytest.raises(IndexError, match="outside a cache"):
         nb.rotary_and_cache(qkv, HEADS, KV_HEADS, cos, sin, k0, v0, np.full(7, k0.shape[0] * k0.shape[1]))
+    with pytest.raises(IndexError, match="outside a cache"):  # one token (its slot read without a reduction)
+        nb.rotary_and_cache(qkv[:1], HEADS, KV_HEADS, cos, sin, k0, v0, np.array([k0.shape[0] * k0.shape[1]]))
     with pytest.raises(ValueError, match="slot_mapping"):
         nb.rotary_and_cache(qkv, HEADS, KV_HEADS, cos, sin, k0, v0, slots[:6])
     with pytest.raises(ValueError, match="do not fit"):
