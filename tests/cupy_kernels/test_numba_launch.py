@@ -72,7 +72,7 @@ def test_the_kernels_have_no_prange_of_their_own():
 def test_a_few_rows_run_serially_and_leave_numbas_thread_count_alone():
     """A one-request decode step alternates the GGUF matmuls (all threads) with one-row norms, SiLU, rotary and
     attention: each change of numba's thread count costs ~1.4 us, eight a layer. The small kernels run on the
-    calling thread without setting it (and give the bits they gave through the prange)."""
+    calling thread without setting it, and a row's bits are the ones it gets among enough rows to share."""
     from pagedserve.cupy_kernels.numba_cpu import ops as numba_ops
     from pagedserve.cupy_kernels.reference import ops as reference_ops
 
@@ -91,6 +91,10 @@ def test_a_few_rows_run_serially_and_leave_numbas_thread_count_alone():
     silu = numba_ops.silu_and_mul(gate_up)
     q = numba_ops.rotary_and_cache(qkv, heads, kv_heads, cos, sin, *caches, np.array([5]))
     assert numba.get_num_threads() == threads
+    many = np.repeat(x, numba_ops.NORM_PARALLEL_MIN_ROWS, axis=0)  # enough rows for the threads
+    np.testing.assert_array_equal(numba_ops.rms_norm(many, weight, 1e-6)[:1], normed)
+    gates = np.repeat(gate_up, numba_ops.SILU_PARALLEL_MIN_ROWS, axis=0)
+    np.testing.assert_array_equal(numba_ops.silu_and_mul(gates)[:1], silu)
     np.testing.assert_allclose(normed, reference_ops.rms_norm(x, weight, 1e-6), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(added, reference_ops.rms_norm(x + residual, weight, 1e-6), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(silu, reference_ops.silu_and_mul(gate_up), rtol=1e-5, atol=1e-6)
