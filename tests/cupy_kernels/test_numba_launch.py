@@ -69,7 +69,7 @@ def test_the_kernels_have_no_prange_of_their_own():
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="numba runs one thread here")
-def test_a_few_rows_run_serially_and_leave_numbas_thread_count_alone():
+def test_a_few_rows_run_serially_and_leave_numbas_thread_count_alone(monkeypatch):
     """A one-request decode step alternates the GGUF matmuls (all threads) with one-row norms, SiLU, rotary and
     attention: each change of numba's thread count costs ~1.4 us, eight a layer. The small kernels run on the
     calling thread without setting it, and a row's bits are the ones it gets among enough rows to share."""
@@ -83,6 +83,9 @@ def test_a_few_rows_run_serially_and_leave_numbas_thread_count_alone():
     qkv = rng.standard_normal((1, (heads + 2 * kv_heads) * head_dim)).astype(np.float32)
     cos, sin = (rng.standard_normal((1, head_dim // 2)).astype(np.float32) for _ in range(2))
     caches = [np.zeros((4, 16, kv_heads, head_dim), np.float32) for _ in range(2)]
+    from pagedserve.cupy_kernels.host import blas_threads
+
+    monkeypatch.setattr(blas_threads, "_cpu_threads", None)  # numba's whole pool, whatever a test before set
     apply_threads(parallel=True)
     threads = numba.get_num_threads()
     assert threads >= 2
