@@ -166,9 +166,10 @@ def plan_attention(query_shape, cache_shape, query_start_loc, seq_lens, block_ta
 
 def _cut_work(query_start_loc, seq_lens, context_macs: int, num_heads: int, head_dim: int):
     """(parallel, items, bounds): whether the loop nest shares the batch over the threads (numba's count is set
-    here), and its work items cut into chunks for them. context_macs: the sum of context x new tokens."""
+    here when it does; a one-thread plan leaves it alone, as its one chunk runs on the calling thread), and its
+    work items cut into chunks for them. context_macs: the sum of context x new tokens."""
     parallel = context_macs * num_heads * head_dim * 2 >= PARALLEL_MIN_MACS
-    threads = apply_threads(parallel)
+    threads = apply_threads(parallel=True) if parallel else 1
     # One thread: one chunk (each chunk allocates its scratch), and no schedule to set (the context ~7 us).
     items, bounds = _work_items(query_start_loc, seq_lens, Q_TILE, threads * CHUNKS_PER_THREAD if threads > 1 else 1)
     return parallel, items, bounds

@@ -93,7 +93,13 @@ def test_a_few_rows_run_serially_and_leave_numbas_thread_count_alone(monkeypatch
     added, _ = numba_ops.add_rms_norm(x, residual.copy(), weight, 1e-6)
     silu = numba_ops.silu_and_mul(gate_up)
     q = numba_ops.rotary_and_cache(qkv, heads, kv_heads, cos, sin, *caches, np.array([5]))
+    from pagedserve.cupy_kernels.numba_cpu import attention as numba_attention
+
+    metadata = (np.array([0, 1]), np.array([6]), np.zeros((1, 1), np.int32))  # one decode: 6 keys in block 0
+    plan = numba_attention.plan_attention(q.shape, caches[0].shape, *metadata)
+    attended = numba_attention.paged_attention(q, *caches, *metadata, 0.5, plan=plan)
     assert numba.get_num_threads() == threads
+    np.testing.assert_array_equal(numba_attention.paged_attention(q, *caches, *metadata, 0.5), attended)
     many = np.repeat(x, numba_ops.NORM_PARALLEL_MIN_ROWS, axis=0)  # enough rows for the threads
     np.testing.assert_array_equal(numba_ops.rms_norm(many, weight, 1e-6)[:1], normed)
     gates = np.repeat(gate_up, numba_ops.SILU_PARALLEL_MIN_ROWS, axis=0)
