@@ -25,6 +25,10 @@ from .structured_outputs_params import StructuredOutputsParams
 _SAMPLING_EPS = 1e-5
 # vLLM's default max_logprobs.
 MAX_LOGPROBS = 20
+# The samplers divide by min(temperature, MAX_TEMPERATURE): past it, logit / temperature rounds to 0 in float32 for
+# any logit a model makes, so the distribution is already uniform over the allowed tokens. A larger finite
+# temperature (1e308) cast to float32 would overflow to inf, and a masked -inf logit / inf is NaN.
+MAX_TEMPERATURE = 1e20
 
 
 class SamplingType(enum.IntEnum):
