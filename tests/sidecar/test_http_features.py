@@ -386,3 +386,29 @@ def test_greedy_output_is_the_same_over_http_grpc_and_offline(server, oai):
         offline = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     assert http_ids == grpc_ids == list(offline[0].outputs[0].token_ids)
     assert len(http_ids) == 20
+
+
+def test_greedy_n_is_n_copies_of_one_run_over_http_and_grpc(server, oai):
+    """n > 1 at temperature 0 answers n identical choices (OpenAI accepts it), copies of one greedy run; usage
+    counts n x the tokens, as OpenAI's does."""
+    kw = dict(model="tiny-llama", prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    one = oai.completions.create(**kw).choices[0].text
+    whole = oai.completions.create(n=3, logprobs=2, **kw)
+    assert [c.index for c in whole.choices] == [0, 1, 2] and {c.text for c in whole.choices} == {one}
+    assert {c.finish_reason for c in whole.choices} == {"length"} and whole.usage.completion_tokens == 3 * 6
+    assert all(c.logprobs.token_logprobs == whole.choices[0].logprobs.token_logprobs for c in whole.choices)
+    chunks = list(oai.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw))
+    texts = {i: "".join(c.text for ch in chunks for c in ch.choices if c.index == i) for i in (0, 1, 2)}
+    assert texts == {0: one, 1: one, 2: one} and chunks[-1].usage.completion_tokens == 18
+    assert oai.completions.create(n=2, extra_body={"ignore_eos": True, "best_of": 4}, **{
+        k: v for k, v in kw.items() if k != "extra_body"}).choices[1].text == one
+    chat = oai.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}], n=2,
+                                       max_tokens=5, temperature=0)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+    with client_for(server) as c:
+        stream = c.generate(PROMPT, n=3, max_tokens=6, temperature=0.0, ignore_eos=True)
+        chunks = list(stream)
+        ids = {i: [t for ch in chunks if ch.index == i for t in ch.token_ids] for i in (0, 1, 2)}
+        assert ids[0] == ids[1] == ids[2] == grpc_greedy_ids(server, PROMPT, 6)
+        assert stream.usage.completion_tokens == 18
+        assert sorted(ch.index for ch in chunks if ch.finish_reason) == [0, 1, 2]
