@@ -9,7 +9,8 @@ A few values are normalised on the way in, as vLLM does:
 * ``stop_token_ids``: ``None`` -> ``[]``.
 * ``top_k``: ``-1`` (the older "off" spelling) -> ``0``, so code downstream only tests ``top_k > 0``.
 * greedy requests (``temperature < 1e-5``) get ``top_p=1``, ``top_k=0``, ``min_p=0``: those knobs
-  cannot change an argmax, and resetting them keeps greedy rows out of the truncation code.
+  cannot change an argmax, and resetting them keeps greedy rows out of the truncation code; and
+  ``best_of=None`` (n > 1 greedy choices are copies of one run, so there is nothing to pick from).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from .structured_outputs_params import StructuredOutputsParams
 _SAMPLING_EPS = 1e-5
 # vLLM's default max_logprobs.
 MAX_LOGPROBS = 20
+# The samplers divide by min(temperature, MAX_TEMPERATURE): past it, logit / temperature rounds to 0 in float32 for
+# any logit a model makes, so the distribution is already uniform over the allowed tokens. A larger finite
+# temperature (1e308) cast to float32 would overflow to inf, and a masked -inf logit / inf is NaN.
+MAX_TEMPERATURE = 1e20
 
 
 class SamplingType(enum.IntEnum):
@@ -59,6 +64,9 @@ class SamplingParams:
 
     ``logprobs``: how many top log-probabilities to return per token besides the chosen token's
     (``0`` = the chosen token's only, ``None`` = none).
+
+    ``n > 1`` (or ``best_of > 1``) at temperature 0 is served as copies of one greedy run: the engine computes
+    a single sequence and returns its output as choices 0..n-1 (same text, tokens, logprobs, finish reason).
     """
 
     n: int = 1
@@ -156,13 +164,9 @@ class SamplingParams:
                              f"{type(self.structured_outputs).__name__}.")
 
         if self.temperature < _SAMPLING_EPS:
-            # Greedy: n > 1 would return n copies of the same sequence (vLLM refuses it too).
-            if self.n > 1:
-                raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
-            if self.best_of is not None and self.best_of > 1:
-                raise ValueError(
-                    f"best_of must be 1 when using greedy sampling, got {self.best_of}."
-                )
+            # Greedy: n > 1 gives n copies of ONE greedy run (num_sequences); best_of picks among identical
+            # copies, so it is dropped.
+            self.best_of = None
             self.top_p = 1.0
             self.top_k = 0
             self.min_p = 0.0
@@ -227,6 +231,11 @@ class SamplingParams:
         if self.seed is not None:
             return SamplingType.RANDOM_SEED
         return SamplingType.RANDOM
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine runs for this request: best_of or n, but one for greedy (copied to n choices)."""
+        return 1 if self.is_greedy else (self.best_of or self.n)
 
     @property
     def is_greedy(self) -> bool:

@@ -28,6 +28,7 @@ from pagedserve.runtime.structured_outputs_params import StructuredOutputsParams
 
 from .http_errors import error_for
 from .http_inputs import Inputs, check_unicode, maybe_off_loop
+from .http_metrics import OUTCOMES_KEY
 from .http_models import ApiError, ChatCompletionRequest, CompletionRequest
 from .http_outputs import Outputs
 from .http_render import ChatRender, CompletionRender, Render, RenderOptions
@@ -163,20 +164,22 @@ class Generation:
             last = await self._until_disconnect(request, outputs.collect, body) if not body.stream else None
         except BaseException as e:
             await outputs.aclose()
-            self._observe(outputs, start, e)
+            self._observe(request, outputs, start, e)
             raise
         if not body.stream:
             await outputs.aclose()
-            self._observe(outputs, start)
+            self._observe(request, outputs, start)
             return JSONResponse(render.whole(last))
         return _EventStream(self._events(outputs, render, include_usage, lambda e: self._observe(
-            outputs, start, e)), sep="\n", headers={"Cache-Control": "no-cache"}, ping=15,
+            request, outputs, start, e)), sep="\n", headers={"Cache-Control": "no-cache"}, ping=15,
             send_timeout=self.slow_reader_timeout)
 
-    def _observe(self, outputs: Outputs, start: float, error: BaseException | None = None) -> None:
-        """Each engine request's outcome in the metrics, named as the gRPC path names them."""
+    def _observe(self, request: Request, outputs: Outputs, start: float, error: BaseException | None = None) -> None:
+        """Each engine request's figures in the metrics, and its outcome (named as the gRPC path names them) for
+        http_metrics.py's middleware to count once the answer is over."""
         if self.server_metrics is None:
             return
+        recorded = request.scope.get(OUTCOMES_KEY)
         failed = None
         if isinstance(error, (ClientGone, asyncio.CancelledError, GeneratorExit)):
             failed = "cancelled"  # the client left
@@ -190,7 +193,11 @@ class Generation:
                 outcome = last.outputs[0].finish_reason or "abort"
             else:
                 outcome = "abort"  # ended without a final output: the gRPC Abort RPC
-            self.server_metrics.observe_request(outcome, time.monotonic() - start, *request_timings(last))
+            self.server_metrics.observe_timings(time.monotonic() - start, *request_timings(last))
+            if recorded is not None:
+                recorded.append(outcome)
+            else:  # an app without the middleware (tests build one): counted at once
+                self.server_metrics.count_request("http", outcome)
 
     @staticmethod
     async def _until_disconnect(request: Request, fn: Callable[[], Any], body) -> Any:

@@ -2,9 +2,14 @@
 
 Names follow vLLM's where vLLM has one (vllm:time_to_first_token_seconds -> pagedserve_time_to_first_token_seconds):
 
-    pagedserve_requests_total{outcome}             Generate requests by how they ended: stop, length, abort
-                                                   (finished); invalid_argument, resource_exhausted, unavailable,
-                                                   internal (refused or failed); cancelled (by the client)
+    pagedserve_requests_total{interface,outcome}   requests by how they ended (OUTCOMES), interface grpc or http:
+                                                   stop, length, abort (finished); cancelled (by the client);
+                                                   invalid_argument, unauthenticated, not_found, too_large,
+                                                   resource_exhausted, unavailable (refused); internal (failed).
+                                                   gRPC: each Generate call. HTTP (sidecar/http_metrics.py): each
+                                                   engine request (one per prompt), and each answer >= 400 that
+                                                   reached no engine (by its status), whatever the route but
+                                                   /health and /metrics
     pagedserve_time_to_first_token_seconds         histogram, arrival -> first token (engine clock)
     pagedserve_time_per_output_token_seconds       histogram, (last token - first token) / (tokens - 1), sample 0
     pagedserve_e2e_request_latency_seconds         histogram, the RPC's arrival -> its last message
@@ -44,6 +49,12 @@ from pagedserve.runtime.outputs import EngineStats
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0)
+
+
+# The outcome label's values: a fixed set (nothing a client sends becomes a label).
+OUTCOMES = ("stop", "length", "abort", "cancelled", "invalid_argument", "unauthenticated", "not_found", "too_large",
+            "resource_exhausted", "unavailable", "internal")
+INTERFACES = ("grpc", "http")
 
 
 @dataclass(frozen=True)
@@ -99,7 +110,8 @@ class ServerMetrics:
     def __init__(self, get_engine: Callable[[], AsyncEngine | None]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("pagedserve_requests", "Generate requests by outcome", ["outcome"], registry=r)
+        self.requests = Counter("pagedserve_requests", "Requests by interface and outcome", ["interface", "outcome"],
+                                registry=r)
         self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS,
                               registry=r)
         self.tpot = Histogram("pagedserve_time_per_output_token_seconds", "Mean time per output token after the first",
@@ -113,9 +125,21 @@ class ServerMetrics:
         ProcessCollector(registry=r)  # process_resident_memory_bytes, open fds, CPU seconds
         self._http = None
 
+    def count_request(self, interface: str, outcome: str) -> None:
+        assert interface in INTERFACES, interface
+        # The labels stay bounded: a name outside OUTCOMES (a new finish reason not added there) is "internal".
+        outcome = outcome if outcome in OUTCOMES else "internal"
+        self.requests.labels(interface=interface, outcome=outcome).inc()
+
     def observe_request(self, outcome: str, e2e_s: float, ttft_s: float | None = None, tpot_s: float | None = None,
                         prompt_tokens: int = 0, generation_tokens: int = 0) -> None:
-        self.requests.labels(outcome=outcome).inc()
+        """A gRPC Generate call: its outcome and its figures."""
+        self.count_request("grpc", outcome)
+        self.observe_timings(e2e_s, ttft_s, tpot_s, prompt_tokens, generation_tokens)
+
+    def observe_timings(self, e2e_s: float, ttft_s: float | None = None, tpot_s: float | None = None,
+                        prompt_tokens: int = 0, generation_tokens: int = 0) -> None:
+        """A request's latencies and token counts (its outcome is counted apart: count_request)."""
         self.e2e.observe(e2e_s)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)

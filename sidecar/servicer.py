@@ -142,12 +142,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # Messages go out through context.write, each bounded by slow_reader_timeout: a client that stops
         # reading fills its HTTP/2 window, the write blocks, and the request is ended RESOURCE_EXHAUSTED
         # (its blocks freed) instead of holding a running slot and a growing buffer.
-        engine = await self._engine(context)
         request_id = request.request_id or uuid.uuid4().hex
         start = time.monotonic()
         last: RequestOutput | None = None
         outcome = "internal"
         try:
+            engine = self._get_engine()
+            if engine is None:  # answered UNAVAILABLE below, and counted as every other outcome is
+                raise EngineStoppedError("the model is still loading; retry shortly")
             params = sampling_params_from_proto(request.sampling)
             prompt = await _off_loop_if_large(request, self._prompt, engine, request)
             whole = (params.best_of or params.n) > params.n  # best_of: only the chosen n, at the end

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from pagedserve.runtime.config import EngineConfig
@@ -17,59 +17,66 @@ DEFAULT_SOCKET = "/run/pagedserve/pagedserve.sock"
 ENV_PREFIX = "PAGEDSERVE_"
 
 
+def opt(default: Any, help: str) -> Any:
+    """A Settings field with its one-line help (shown by `pagedserve serve --help`, beside its env variable)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class Settings:
+    # Each field: opt(default, "one line of help"). A new field goes at the end of its group, in the same form.
     # -- model and engine (see runtime.EngineConfig) --
-    model: str | None = None
-    device: str = "auto"
-    max_model_len: int | None = None
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    enable_chunked_prefill: bool = True
-    cost_aware_chunking: bool = True  # while decodes run, prefill chunks shrink as their attention grows
-    enable_prefix_caching: bool = True
-    block_size: int = 16
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_cuda_graphs: bool = True
-    cuda_graph_batch_sizes: str | None = None  # "1,2,4,8"; None = runtime.cuda_graphs' defaults
-    # numpy's BLAS and numba's threads; None = OPENBLAS_NUM_THREADS, else every core; "auto" = follow the
-    # measured step cost as the host's load changes (all, half or one of them)
-    cpu_threads: int | str | None = None
-    cpu_kernels: str = "auto"  # "numba" (compiled), "numpy" (the reference) or "auto" (numba if it imports)
-    seed: int | None = 0
-    tensor_parallel_size: int = 1  # ranks that split every layer (one process each; one GPU each on GPUs)
-    distributed_executor: str = "mp"  # how ranks start: "mp" (local processes) or "ray" (Ray actors, several hosts)
-    collective_timeout_s: float = 60.0  # longest wait on another rank before the step fails
-    max_logprobs: int = 20  # most top logprobs a request may ask for (vLLM's max_logprobs)
+    model: str | None = opt(None, "a .gguf file or a Hugging Face model directory; unset = the embedded SmolLM2")
+    device: str = opt("auto", "auto | cpu | cuda (auto: cuda when a GPU and CuPy are present)")
+    max_model_len: int | None = opt(None, "longest prompt plus output in tokens; unset = the model's context length")
+    max_num_batched_tokens: int = opt(2048, "tokens computed per engine step (the step's token budget)")
+    max_num_seqs: int = opt(256, "most sequences running at once")
+    enable_chunked_prefill: bool = opt(True, "cut long prompts into chunks that share steps with running decodes")
+    cost_aware_chunking: bool = opt(True, "while decodes run, prefill chunks shrink as their attention grows")
+    enable_prefix_caching: bool = opt(True, "reuse the KV blocks of prompt prefixes seen before")
+    block_size: int = opt(16, "tokens per KV cache block: 8, 16 or 32")
+    kv_cache_memory_bytes: int | None = opt(None, "CPU: bytes for the KV pool; unset = 4 GiB (vLLM's CPU default)")
+    gpu_memory_utilization: float = opt(0.9, "GPU: fraction of free memory after the weights given to the KV pool")
+    enable_cuda_graphs: bool = opt(True, "GPU: replay decode steps as CUDA graphs")
+    cuda_graph_batch_sizes: str | None = opt(None, 'GPU: decode batch sizes captured, e.g. "1,2,4,8"; '
+                                             "unset = runtime.cuda_graphs' defaults")
+    cpu_threads: int | str | None = opt(None, "numpy's BLAS and numba's threads; unset = OPENBLAS_NUM_THREADS, else "
+                                        "every core; auto = follow the measured step cost as the load changes")
+    cpu_kernels: str = opt("auto", "numba (compiled) | numpy (the reference) | auto (numba if it imports)")
+    seed: int | None = opt(0, "seeds the sampler for requests with no seed of their own; unset = random")
+    tensor_parallel_size: int = opt(1, "ranks that split every layer (one process each; one GPU each on GPUs)")
+    distributed_executor: str = opt("mp", "how ranks start: mp (local processes) | ray (Ray actors, several hosts)")
+    collective_timeout_s: float = opt(60.0, "longest wait in seconds on another rank before the step fails")
+    max_logprobs: int = opt(20, "most top logprobs a request may ask for (vLLM's max_logprobs)")
     # -- speculative decoding (runtime.spec_config): off unless a method or a draft model is named --
-    speculative_method: str | None = None  # "ngram" | "draft"
-    speculative_model: str | None = None  # draft checkpoint (GGUF or HF directory); implies "draft"
-    speculative_draft_layers: int | None = None  # draft = the target's first N layers (no checkpoint)
-    num_speculative_tokens: int = 4
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
+    speculative_method: str | None = opt(None, "speculative decoding: ngram | draft; unset = off")
+    speculative_model: str | None = opt(None, "draft checkpoint (GGUF or HF directory); implies draft")
+    speculative_draft_layers: int | None = opt(None, "draft = the target's first N layers (no checkpoint)")
+    num_speculative_tokens: int = opt(4, "tokens proposed per step when speculating")
+    prompt_lookup_max: int = opt(4, "ngram: longest n-gram looked up in the context")
+    prompt_lookup_min: int = opt(2, "ngram: shortest n-gram looked up in the context")
     # -- server --
-    socket: str = DEFAULT_SOCKET  # unix domain socket path; "" turns the socket off
-    tcp: str | None = None  # "host:port" or ":port" (host defaults to 127.0.0.1)
-    metrics_port: int | None = None  # Prometheus metrics on http://127.0.0.1:PORT/metrics; None = off, 0 = any port
-    http_port: int | None = None  # the OpenAI-compatible HTTP API (sidecar/http_api.py); None = off, 0 = any port
-    http_host: str = "127.0.0.1"  # where the HTTP API listens; any other host exposes it to the network
-    api_key: str | None = None  # HTTP API only: requests must carry "Authorization: Bearer KEY"; None = no check
-    max_waiting_requests: int = 256
-    drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
-    slow_reader_timeout: float = 30.0  # seconds a stream may go unread before it ends RESOURCE_EXHAUSTED
-    max_prompt_chars: int = 1_000_000  # per text prompt or chat conversation (all its messages)
-    max_chat_messages: int = 1024  # messages in one chat conversation
-    log_level: str = "info"
-    log_requests: bool = False  # put prompts and outputs in the logs
+    socket: str = opt(DEFAULT_SOCKET, 'gRPC unix domain socket path; "" turns the socket off')
+    tcp: str | None = opt(None, 'gRPC over TCP: "host:port" or ":port" (host defaults to 127.0.0.1); unset = off')
+    metrics_port: int | None = opt(None, "Prometheus metrics on http://127.0.0.1:PORT/metrics; unset = off, "
+                                   "0 = any free port")
+    http_port: int | None = opt(None, "the OpenAI-compatible HTTP API's port; unset = off, 0 = any free port")
+    http_host: str = opt("127.0.0.1", "where the HTTP API listens; any other host exposes it to the network")
+    api_key: str | None = opt(None, 'HTTP API: requests must carry "Authorization: Bearer KEY"; unset = no check')
+    max_waiting_requests: int = opt(256, "requests queued before new ones are refused (RESOURCE_EXHAUSTED, 429)")
+    drain_timeout: float = opt(30.0, "seconds in-flight requests get after SIGTERM")
+    slow_reader_timeout: float = opt(30.0, "seconds a stream may go unread before it ends RESOURCE_EXHAUSTED")
+    max_prompt_chars: int = opt(1_000_000, "characters per text prompt or chat conversation (all its messages)")
+    max_chat_messages: int = opt(1024, "messages in one chat conversation")
+    log_level: str = opt("info", "debug | info | warning | error")
+    log_requests: bool = opt(False, "put prompts and outputs in the logs")
     # -- disaggregated prefill and decode (docs/disaggregation.md) --
-    role: str = "both"  # both | prefill | decode
-    prefill_target: str | None = None  # decode: the prefill instance, "unix:PATH" or "HOST:PORT"
-    prefill_fallback: str = "local"  # decode, when the target is down or late: local | fail
-    prefill_timeout: float = 60.0  # decode: seconds a remote prefill (compute + transfer) may take
-    kv_transport: str = "auto"  # decode: auto (shared memory on one host, else gRPC) | shm | grpc
-    kv_test_fault: str | None = None  # prefill, testing only: corrupt | cut | delay:SECONDS
+    role: str = opt("both", "both | prefill | decode")
+    prefill_target: str | None = opt(None, 'decode: the prefill instance, "unix:PATH" or "HOST:PORT"')
+    prefill_fallback: str = opt("local", "decode, when the target is down or late: local | fail")
+    prefill_timeout: float = opt(60.0, "decode: seconds a remote prefill (compute + transfer) may take")
+    kv_transport: str = opt("auto", "decode: auto (shared memory on one host, else gRPC) | shm | grpc")
+    kv_test_fault: str | None = opt(None, "prefill, testing only: corrupt | cut | delay:SECONDS")
 
     def engine_config(self) -> EngineConfig:
         names = {f.name for f in fields(EngineConfig)}
@@ -221,7 +228,9 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     for f in fields(Settings):
         flag = "--" + f.name.replace("_", "-")
         typ = _field_type(f)
-        help_default = f"env {ENV_PREFIX}{f.name.upper()}; default {f.default!r}"
+        # argparse formats help with %: a literal one is doubled.
+        help_default = f"{f.metadata['help']} [env {ENV_PREFIX}{f.name.upper()}; default {f.default!r}]".replace(
+            "%", "%%")
         if typ is bool:
             parser.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
                                 help=help_default)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -438,3 +439,26 @@ def test_ruff_check_is_clean():
         timeout=300,
     )
     assert done.returncode == 0, f"ruff check found problems:\n{done.stdout}{done.stderr}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# No test or benchmark names where a checkout lives: a path like /work/main/... skips or fails in any other clone.
+
+_CHECKOUT_PATH = re.compile(r"""["'](/(?:work|home|root|Users)/[^"']*)""")
+
+
+def find_checkout_paths(root: Path) -> list[str]:
+    return [f"{path.relative_to(root).as_posix()}:{i}: {m.group(1)}"
+            for folder in ("tests", "bench", "scripts") for path in sorted((root / folder).rglob("*.py"))
+            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+            for m in [_CHECKOUT_PATH.search(line)] if m]
+
+
+def test_no_test_names_a_checkout_path():
+    assert find_checkout_paths(REPO) == [], "find files through the package (e.g. loader.default_model_path)"
+
+
+def test_checkout_path_check_can_fail(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text('GGUF = "' + "/work" + '/main/.venv/x.gguf"\n')
+    assert find_checkout_paths(tmp_path) == ["tests/test_x.py:1: /work/main/.venv/x.gguf"]

@@ -1,6 +1,8 @@
 """SequenceGroup: one user request and the sequences that serve it.
 
     n = 1                 one sequence
+    n > 1 at temperature 0   one greedy sequence; its output is copied to choices 0..n-1 (group_output), so
+                          n identical choices cost one sequence's KV and compute, never n greedy runs
     n > 1 (best_of)       sequence 0 prefills the prompt; when its prefill completes, the other samples
                           fork from it (sharing every prompt block by ref count) and each samples its
                           own first token from the same logits; a shared partial last block is copied
@@ -12,6 +14,7 @@ The group's id is the user's request id; sequence ids are `<id>` for sequence 0 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -58,6 +61,17 @@ class SequenceGroup:
     @property
     def n(self) -> int:
         return self.beam.beam_width if self.beam else self.params.n
+
+    @property
+    def copies(self) -> int:
+        """How many choices each sequence's output fills: n for greedy n > 1 (one run, copied), else 1."""
+        return self.params.n if self.beam is None and self.params.is_greedy else 1
+
+    def fan_out(self, completions: list[CompletionOutput]) -> list[CompletionOutput]:
+        """Greedy n > 1: the one sequence's outputs as choices 0..n-1, each its own copy."""
+        if self.copies == 1:
+            return completions
+        return [dataclasses.replace(copy.deepcopy(c), index=i) for c in completions for i in range(self.copies)]
 
     def next_seq_id(self) -> str:
         self.num_created += 1
@@ -106,6 +120,8 @@ def completion(r: Request, index: int, new_text: str = "", new_ids: list[int] | 
 
 
 def group_output(group: SequenceGroup, completions: list[CompletionOutput], finished: bool) -> RequestOutput:
+    """The request's output: its sequences' completions, fanned out to the n choices (SequenceGroup.fan_out)."""
+    completions = group.fan_out(completions)
     first = group.first
     t = first.timings if first is not None else None
     metrics = RequestMetrics(group.arrival_time, t.first_scheduled if t else None, t.first_token if t else None,

@@ -43,7 +43,7 @@ class InputProcessor:
         check_fits(self.shape, len(ids), params)
         arrival = arrival_time or time.monotonic()
         group = SequenceGroup(request_id, text, ids, params, arrival, eos_token_ids=self.eos_token_ids,
-                              num_to_fork=(params.best_of or params.n) - 1)
+                              num_to_fork=params.num_sequences - 1)
         if params.structured_outputs is not None:
             group.grammar = self.structured.compile(params.structured_outputs)
         first = self.new_seq(group, request_id, 0)

@@ -131,7 +131,7 @@ class OutputProcessor:
             if group.is_finished:
                 del groups[rid]
                 final = group.final_completions(self.decode)
-                if group.beam is None and group.params.n == len(group.seqs):  # streamed samples: keep deltas
+                if group.beam is None and group.params.n == len(group.seqs) * group.copies:  # streamed: keep deltas
                     deltas = {c.index: c for c in completions}
                     for c in final:
                         if c.index in deltas:

@@ -70,7 +70,7 @@ def check_ids(limits: RequestLimits, request_id: object, cache_salt: object) -> 
 
 def check_params(limits: RequestLimits, shape: ServerShape, params: SamplingParams) -> None:
     """The parameters against the server, before the prompt is even tokenized."""
-    samples = params.best_of or params.n
+    samples = params.num_sequences
     if params.n > shape.max_num_seqs:
         raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({shape.max_num_seqs})")
     if samples > shape.max_num_seqs:
@@ -125,7 +125,7 @@ def check_fits(shape: ServerShape, num_prompt_tokens: int, params: SamplingParam
     if total > shape.max_model_len:
         raise ValueError(f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                          f"max_model_len ({shape.max_model_len})")
-    samples = params.best_of or params.n
+    samples = params.num_sequences
     needed = kv_blocks_needed(num_prompt_tokens, params.max_tokens, samples, shape.block_size)
     if needed > shape.num_kv_blocks:
         what = "prompt plus max_tokens" if samples == 1 else f"prompt plus max_tokens for each of {samples} samples"

@@ -30,7 +30,7 @@ from pagedserve.cupy_kernels.backend import to_host
 
 from .sampler import Sampler
 from .sampling_ops import _inverse_cdf, _logsumexp_rows, apply_penalties_and_bans, apply_token_bitmask
-from ..sampling_params import SamplingParams, SamplingType
+from ..sampling_params import MAX_TEMPERATURE, SamplingParams, SamplingType
 
 
 @dataclass
@@ -51,7 +51,7 @@ def dense_probs(processed: Any, params: Sequence[SamplingParams], xp: Any = np) 
     densely because rejection sampling needs p(x) of every token, not a single draw.
     """
     num_rows, vocab_size = processed.shape
-    temp = xp.asarray(np.array([p.temperature for p in params], np.float32))
+    temp = xp.asarray(np.array([min(p.temperature, MAX_TEMPERATURE) for p in params], np.float32))
     x = processed / temp[:, None]
     x -= x.max(axis=1, keepdims=True)
     w = xp.exp(x)  # the most likely token has weight 1

@@ -46,7 +46,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pagedserve.cupy_kernels.backend import to_host
-from ..sampling_params import SamplingParams, SamplingType
+from ..sampling_params import MAX_TEMPERATURE, SamplingParams, SamplingType
 
 from . import sampling_device
 from .sampling_ops import (NUCLEUS_CANDIDATES, _inverse_cdf, _logsumexp_rows, _top_candidates, apply_penalties_and_bans,
@@ -200,7 +200,7 @@ class Sampler:
         for (kind, k), rows in groups.items():
             rows_h = np.asarray(rows, dtype=np.int64)
             rows_x = xp.asarray(rows_h)
-            temp = xp.asarray(np.array([params[b].temperature for b in rows], np.float32))
+            temp = xp.asarray(np.array([min(params[b].temperature, MAX_TEMPERATURE) for b in rows], np.float32))
             top_p = xp.asarray(np.array([params[b].top_p for b in rows], np.float32))
             min_p = xp.asarray(np.array([params[b].min_p for b in rows], np.float32))
             any_top_p = any(params[b].top_p < 1.0 for b in rows)

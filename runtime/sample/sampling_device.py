@@ -33,6 +33,8 @@ import numpy as np
 from pagedserve.cupy_kernels.backend import to_host
 from pagedserve.cupy_kernels.cuda.launch import is_cupy_array
 
+from ..sampling_params import MAX_TEMPERATURE
+
 _BISECTION_STEPS = 33  # a float32 key range spans < 2**33 integers: 33 halvings reach one value
 
 
@@ -131,7 +133,7 @@ def sample_random_rows(processed: Any, params: Any, rows: list[int], u: np.ndarr
 
     vocab = processed.shape[1]
     top_k = np.array([params[b].top_k if 0 < params[b].top_k < vocab else 0 for b in rows], np.int32)
-    args = (np.array([params[b].temperature for b in rows], np.float32), top_k,
+    args = (np.array([min(params[b].temperature, MAX_TEMPERATURE) for b in rows], np.float32), top_k,
             np.array([params[b].top_p for b in rows], np.float32),
             np.array([params[b].min_p for b in rows], np.float32), u[np.asarray(rows, dtype=np.int64)],
             (top_k > 0).astype(np.int32))

@@ -244,3 +244,30 @@ def test_an_all_random_batch_writes_the_kernels_tokens_in_place(emulated_samplin
     host = Sampler(0)(logits, params, [np.random.default_rng(p.seed) for p in params], [[]] * 3, [[]] * 3)
     np.testing.assert_array_equal(out.token_ids, host.token_ids)
     assert out.token_ids[2] == logits[2].argmax()
+
+
+def test_huge_temperature_reaches_the_kernel_finite(emulated_sampling):
+    """temperature 1e308 (finite, a valid request) goes to the kernel as MAX_TEMPERATURE, not as a float32 inf
+    (numpy's "overflow encountered in cast", then -inf / inf = NaN on a banned token): uniform over the allowed."""
+    import warnings
+
+    from pagedserve.runtime.sample import sampling_device
+    from pagedserve.runtime.sampling_params import MAX_TEMPERATURE, SamplingParams
+
+    rows, vocab = 400, 37
+    x = np.repeat(_logits(1, vocab, seed=5) * 8, rows, 0)
+    x[:, 7] = -np.inf
+    params = [SamplingParams(temperature=1e308)] * rows
+    u = np.random.default_rng(2).random(rows)
+    tokens = _dev(np.zeros(rows, np.int64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sampling_device.sample_random_rows(_dev(x), params, list(range(rows)), u, tokens, np)
+    got = np.asarray(tokens.view(np.ndarray))
+    want = ref.sample_rows(x, np.full(rows, MAX_TEMPERATURE, np.float32), np.zeros(rows, np.int32),
+                           np.ones(rows, np.float32), np.zeros(rows, np.float32), u)
+    np.testing.assert_array_equal(got, want)
+    probs = ref.kept_probabilities(x[0], np.float32(MAX_TEMPERATURE), 0, 1.0, 0.0)
+    assert np.isfinite(probs).all() and probs.sum() == pytest.approx(1.0) and probs[7] == 0
+    np.testing.assert_allclose(probs[np.arange(vocab) != 7], 1 / (vocab - 1), rtol=1e-6)
+    assert 7 not in got and goodness_of_fit(np.bincount(got, minlength=vocab), probs)[2] > 1e-3

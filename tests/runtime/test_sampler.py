@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -423,3 +425,38 @@ def test_tiny_temperature_and_banned_rows_stay_finite() -> None:
     second = np.argsort(-logits, axis=1)[:, 1]
     np.testing.assert_array_equal(out.token_ids, second)
     assert np.isfinite(out.logprobs).all()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1e308), SamplingParams(temperature=1e308, top_k=5),
+                                    SamplingParams(temperature=1e300, min_p=0.5)], ids=["full", "top_k", "min_p"])
+def test_huge_temperature_is_uniform_without_overflow(params: SamplingParams) -> None:
+    """A huge finite temperature means "uniform over the allowed tokens": no float32 overflow warning, no NaN
+    from a banned (-inf) logit over an infinite temperature."""
+    from pagedserve.runtime.sample.rejection_sampler import dense_probs
+
+    logits = np.array([[40.0, 2.0, -30.0, 0.5, 7.0, -1.0, 3.0, 11.0]], dtype=np.float32)
+    logits[0, 2] = -np.inf  # masked (a grammar, a ban)
+    rows = 8000
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "overflow encountered in cast" fails the test
+        probs = dense_probs(logits.copy(), [params])[0]
+        out = _run(Sampler(7), np.repeat(logits, rows, axis=0), [params] * rows)
+    expected = np.full(8, 1 / 7)
+    expected[2] = 0.0
+    if params.top_k:  # ties at the top: the first k of the (uniform) allowed tokens
+        expected = np.where(probs > 0, 1 / params.top_k, 0.0)
+    assert np.isfinite(probs).all() and abs(probs.sum() - 1) < 1e-6 and probs[2] == 0
+    np.testing.assert_allclose(probs, expected, atol=1e-6)
+    counts = np.bincount(out.token_ids, minlength=8)
+    assert counts[2] == 0 and np.isfinite(out.logprobs).all()
+    if not params.top_k:
+        stat, dof = _chi_square(counts, expected)
+        assert stat < _CHI2_999[dof], (stat, counts)
+    else:
+        assert (counts > 0).sum() >= 2  # spread over the kept tokens, not the argmax alone
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -float("inf")])
+def test_infinite_or_nan_temperature_is_refused_by_name(bad: float) -> None:
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=bad)

@@ -93,8 +93,6 @@ def test_valid_edges_accepted() -> None:
         ({"ignore_eos": 1}, "ignore_eos", "bool"),
         ({"skip_special_tokens": "yes"}, "skip_special_tokens", "bool"),
         ({"include_stop_str_in_output": None}, "include_stop_str_in_output", "bool"),
-        ({"temperature": 0.0, "n": 2}, "n", "greedy"),
-        ({"temperature": 0.0, "best_of": 2}, "best_of", "greedy"),
     ],
 )
 def test_invalid_values_name_the_field(kwargs: dict, field: str, fragment: str) -> None:
@@ -103,3 +101,11 @@ def test_invalid_values_name_the_field(kwargs: dict, field: str, fragment: str) 
     message = str(err.value)
     assert message.startswith(field + " "), message
     assert fragment in message, message
+
+
+def test_greedy_n_is_one_sequence_copied() -> None:
+    """n > 1 at temperature 0 is accepted (OpenAI does): one greedy run, its output copied to the n choices."""
+    p = SamplingParams(temperature=0.0, n=3, best_of=5)
+    assert p.n == 3 and p.best_of is None and p.num_sequences == 1
+    assert SamplingParams(temperature=0.7, n=2, best_of=4).num_sequences == 4
+    assert SamplingParams(temperature=0.7, n=2).num_sequences == 2

@@ -213,12 +213,12 @@ def metric(server, name: str) -> float:
 
 
 def test_metrics_tokenize_and_detokenize(server, oai):
-    before = metric(server, 'pagedserve_requests_total{outcome="length"}')
-    refused = metric(server, 'pagedserve_requests_total{outcome="invalid_argument"}')
+    before = metric(server, 'pagedserve_requests_total{interface="http",outcome="length"}')
+    refused = metric(server, 'pagedserve_requests_total{interface="http",outcome="invalid_argument"}')
     oai.completions.create(model="tiny-llama", prompt=["hi", "ho"], max_tokens=2, extra_body={"ignore_eos": True})
     assert post(server, "/v1/completions", {"prompt": [1, 99999]})[0] == 400
-    assert metric(server, 'pagedserve_requests_total{outcome="length"}') == before + 2  # one per prompt
-    assert metric(server, 'pagedserve_requests_total{outcome="invalid_argument"}') == refused + 1
+    assert metric(server, 'pagedserve_requests_total{interface="http",outcome="length"}') == before + 2  # per prompt
+    assert metric(server, 'pagedserve_requests_total{interface="http",outcome="invalid_argument"}') == refused + 1
     assert metric(server, "pagedserve_kv_cache_usage_perc") == 0.0 and metric(server, "pagedserve_memory_budget_bytes")
     status, body = post(server, "/tokenize", {"model": "tiny-llama", "prompt": "hello world"})
     with client_for(server) as c:
@@ -256,7 +256,6 @@ BAD_BODIES = [  # (path, body, the field the 400 names)
     ("/v1/completions", {"prompt": "hi", "top_k": 100000}, "top_k"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": "lots"}, "frequency_penalty"),
-    ("/v1/completions", {"prompt": "hi", "n": 2, "temperature": 0}, "n"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 512}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "xml"}}, "response_format.type"),
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema"}}, "response_format"),
@@ -386,3 +385,29 @@ def test_greedy_output_is_the_same_over_http_grpc_and_offline(server, oai):
         offline = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     assert http_ids == grpc_ids == list(offline[0].outputs[0].token_ids)
     assert len(http_ids) == 20
+
+
+def test_greedy_n_is_n_copies_of_one_run_over_http_and_grpc(server, oai):
+    """n > 1 at temperature 0 answers n identical choices (OpenAI accepts it), copies of one greedy run; usage
+    counts n x the tokens, as OpenAI's does."""
+    kw = dict(model="tiny-llama", prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    one = oai.completions.create(**kw).choices[0].text
+    whole = oai.completions.create(n=3, logprobs=2, **kw)
+    assert [c.index for c in whole.choices] == [0, 1, 2] and {c.text for c in whole.choices} == {one}
+    assert {c.finish_reason for c in whole.choices} == {"length"} and whole.usage.completion_tokens == 3 * 6
+    assert all(c.logprobs.token_logprobs == whole.choices[0].logprobs.token_logprobs for c in whole.choices)
+    chunks = list(oai.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw))
+    texts = {i: "".join(c.text for ch in chunks for c in ch.choices if c.index == i) for i in (0, 1, 2)}
+    assert texts == {0: one, 1: one, 2: one} and chunks[-1].usage.completion_tokens == 18
+    assert oai.completions.create(n=2, extra_body={"ignore_eos": True, "best_of": 4}, **{
+        k: v for k, v in kw.items() if k != "extra_body"}).choices[1].text == one
+    chat = oai.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}], n=2,
+                                       max_tokens=5, temperature=0)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+    with client_for(server) as c:
+        stream = c.generate(PROMPT, n=3, max_tokens=6, temperature=0.0, ignore_eos=True)
+        chunks = list(stream)
+        ids = {i: [t for ch in chunks if ch.index == i for t in ch.token_ids] for i in (0, 1, 2)}
+        assert ids[0] == ids[1] == ids[2] == grpc_greedy_ids(server, PROMPT, 6)
+        assert stream.usage.completion_tokens == 18
+        assert sorted(ch.index for ch in chunks if ch.finish_reason) == [0, 1, 2]

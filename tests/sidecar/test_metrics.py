@@ -16,7 +16,7 @@ from pagedserve.sidecar.client import PagedServeError
 
 
 def scrape(url: str) -> dict[str, float]:
-    """{sample name with its labels: value}, e.g. 'pagedserve_requests_total{outcome="length"}'."""
+    """{sample name with its labels: value}, e.g. 'pagedserve_requests_total{interface="grpc",outcome="length"}'."""
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     out = {}
     for family in text_string_to_metric_families(text):
@@ -46,11 +46,11 @@ def test_metrics_endpoint_counts_what_happened(tmp_path):
             stream.cancel()
             wait_idle(c)
             deadline = time.monotonic() + 10
-            while (m := scrape(url)).get('pagedserve_requests_total{outcome="cancelled"}', 0) < 1:
+            while (m := scrape(url)).get('pagedserve_requests_total{interface="grpc",outcome="cancelled"}', 0) < 1:
                 assert time.monotonic() < deadline, m
                 time.sleep(0.05)
-        assert m['pagedserve_requests_total{outcome="length"}'] == 5
-        assert m['pagedserve_requests_total{outcome="invalid_argument"}'] == 1
+        assert m['pagedserve_requests_total{interface="grpc",outcome="length"}'] == 5
+        assert m['pagedserve_requests_total{interface="grpc",outcome="invalid_argument"}'] == 1
         assert m["pagedserve_time_to_first_token_seconds_count"] == 5
         assert m["pagedserve_time_per_output_token_seconds_count"] == 5  # every finished one made > 1 token
         assert m["pagedserve_e2e_request_latency_seconds_count"] == 7
@@ -64,7 +64,7 @@ def test_metrics_endpoint_counts_what_happened(tmp_path):
         assert m["pagedserve_num_preemptions_total"] == 0
         assert m["process_resident_memory_bytes"] < m["pagedserve_memory_budget_bytes"]
         assert "pagedserve_engine_output_tokens_per_s" in m  # EngineStats fields without a name of their own
-        assert 'pagedserve_requests_total{outcome="internal"}' not in m
+        assert 'pagedserve_requests_total{interface="grpc",outcome="internal"}' not in m
     finally:
         assert srv.stop() == 0, srv.log()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 
 import pytest
 
@@ -114,3 +115,21 @@ def test_serve_starts_the_cpu_kernels_compiles_before_the_server(monkeypatch):
     order.clear()
     assert cli.main(["serve", "--device", "cpu", "--tensor-parallel-size", "2"]) == 0
     assert order == [("server", "cpu")]
+
+
+def test_every_setting_has_a_one_line_help_shown_by_serve_help(capsys):
+    from pagedserve.sidecar.cli import build_parser
+
+    missing = [f.name for f in dataclasses.fields(Settings) if not str(f.metadata.get("help", "")).strip()]
+    assert missing == [], "give these fields a help: opt(default, 'one line')"
+    assert all("\n" not in f.metadata["help"] for f in dataclasses.fields(Settings))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines: compare with spaces collapsed
+    out = out[out.index("options:"):]
+    for f in dataclasses.fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        entry = out[re.search(rf"(?<![\w-]){flag}[ ,]", out).start():]
+        entry = re.split(r"(?<!,) --", entry)[0]  # up to the next flag (a bool's --no- form is its own)
+        assert entry.find(" ".join(f.metadata["help"].split())) > 0, (flag, entry)
+        assert f"PAGEDSERVE_{f.name.upper()}" in entry, flag
