@@ -64,11 +64,11 @@ class HttpApi:
         self.server_metrics = metrics  # the registry of --metrics-port (the server makes one with --http-port)
         self.created = int(time.time())
 
-    def app(self, api_key: str | None = None):
+    def app(self, api_key: str | None = None, tenants=None):
         from .server import max_receive_bytes  # the gRPC path's cap on a request's bytes
 
         app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
-        app.add_exception_handler(ApiError, lambda _r, e: JSONResponse(e.body(), e.status))
+        app.add_exception_handler(ApiError, lambda _r, e: JSONResponse(e.body(), e.status, headers=e.headers))
         app.add_exception_handler(ClientGone, lambda _r, _e: Response(status_code=499))  # nobody reads it
         app.add_exception_handler(RequestValidationError, invalid_body)
         app.add_exception_handler(StarletteHTTPException, http_error)
@@ -81,7 +81,12 @@ class HttpApi:
         app.add_api_route("/v1/models/{name:path}", self.model, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
-        wrapped = ApiKeyMiddleware(app, api_key) if api_key else app
+        if tenants is not None:  # the key names the tenant (http_tenants.py); admin routes need an admin
+            from .http_tenants import TenantKeyMiddleware
+
+            wrapped = TenantKeyMiddleware(app, tenants, api_key)
+        else:
+            wrapped = ApiKeyMiddleware(app, api_key) if api_key else app
         return BodyLimitMiddleware(wrapped, max_receive_bytes(self.max_prompt_chars))
 
     # -- plain routes -----------------------------------------------------------------------------

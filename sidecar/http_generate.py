@@ -29,6 +29,7 @@ from pagedserve.runtime.structured_outputs_params import StructuredOutputsParams
 from .http_errors import error_for
 from .http_inputs import Inputs, check_unicode, maybe_off_loop
 from .http_models import ApiError, ChatCompletionRequest, CompletionRequest
+from .tenant_access import scoped_id, scoped_salt
 from .http_outputs import Outputs
 from .http_render import ChatRender, CompletionRender, Render, RenderOptions
 from .tool_calls import plan_tools
@@ -155,7 +156,10 @@ class Generation:
         except ValueError as e:
             raise _error(e, body) from None
         ids = [render.request_id if len(prompts) == 1 else f"{render.request_id}-{i}" for i in range(len(prompts))]
-        outputs = Outputs([engine.generate(rid, p, sp) for rid, p, sp in zip(ids, prompts, params)])
+        tenant = request.scope.get("state", {}).get("tenant")  # with a tenants file (http_tenants.py)
+        outputs = Outputs([engine.generate(scoped_id(tenant, rid), p, sp, cache_salt=scoped_salt(tenant, None),
+                                           tenant=tenant, priority=body.priority)
+                           for rid, p, sp in zip(ids, prompts, params)])
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         start = time.monotonic()
         try:  # every prompt's first output before any header: refusals (bad input, full queue) get their status
