@@ -160,6 +160,7 @@ class Generation:
         outputs = Outputs([engine.generate(scoped_id(tenant, rid), p, sp, cache_salt=scoped_salt(tenant, None),
                                            tenant=tenant, priority=body.priority)
                            for rid, p, sp in zip(ids, prompts, params)])
+        outputs.tenant = tenant
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         start = time.monotonic()
         try:  # every prompt's first output before any header: refusals (bad input, full queue) get their status
@@ -195,6 +196,8 @@ class Generation:
             else:
                 outcome = "abort"  # ended without a final output: the gRPC Abort RPC
             self.server_metrics.observe_request(outcome, time.monotonic() - start, *request_timings(last))
+            if outputs.tenant is not None:
+                self.server_metrics.observe_tenant(outputs.tenant, outcome, *request_timings(last)[2:])
 
     @staticmethod
     async def _until_disconnect(request: Request, fn: Callable[[], Any], body) -> Any:

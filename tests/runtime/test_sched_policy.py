@@ -221,3 +221,18 @@ def test_fair_two_to_one_weights_serve_two_to_one():
         sim.step()
     assert sim.backlogged() == {"a", "b"}  # both still backlogged: the ratio is the policy's, not the arrivals'
     assert sim.served["a"] / sim.served["b"] == pytest.approx(2.0, rel=0.1)
+
+
+def test_llm_generate_honours_priority(data_dir):
+    from pagedserve.runtime.llm import LLM
+
+    llm = LLM(str(data_dir / "tiny-llama"), device="cpu", num_kv_blocks=64, seed=0, max_num_seqs=1,
+              scheduling_policy="priority")
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    outs = llm.generate([[5, 6, 7], [8, 9], [10, 11]], params, priority=[2, 0, 1])
+    started = [o.metrics.first_scheduled_time for o in outs]
+    assert started[1] < started[2] < started[0]  # lower priority value first; outputs still in prompt order
+    with pytest.raises(ValueError, match="got 1 priorities for 3 prompts"):
+        llm.generate([[5], [6], [7]], params, priority=[1])
+    with pytest.raises(ValueError, match="priority must be a 32-bit integer"):
+        llm.generate([[5]], params, priority=[2**40])

@@ -138,7 +138,8 @@ def test_http_identity_by_key_admin_routes_and_metrics(server):
     text = _http(server, "/metrics", OPS_KEY).text
     assert 'pagedserve_tenant_requests_total{outcome="stop",tenant="default"}' in text \
         or 'pagedserve_tenant_requests_total{outcome="length",tenant="default"}' in text
-    assert 'tenant="app"' in text and APP_KEY not in text and OPS_KEY not in text
+    assert 'pagedserve_tenant_tokens_total{kind="generation",tenant="app"}' in text  # HTTP requests count too
+    assert APP_KEY not in text and OPS_KEY not in text
     assert APP_KEY not in server.log() and OPS_KEY not in server.log()
     with client_for(server) as c:
         assert c.health() == "SERVING" and wait_idle(c).kv_blocks_used == 0
