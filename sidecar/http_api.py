@@ -174,6 +174,6 @@ class HttpApi:
 
 async def _answer_error(_request: Request, e: Exception) -> JSONResponse:
     err = error_for(e)  # a ValueError from a route's own checks is still a 400; anything else a logged 500
-    return JSONResponse(err.body(), err.status)
+    return JSONResponse(err.body(), err.status, headers=err.headers)
 
 

@@ -221,3 +221,11 @@ def test_so_peercred_is_read_from_a_second_process_under_another_uid():
 def test_without_a_tenants_file_everyone_is_nobody_in_particular_and_may_do_everything():
     callers = Callers(None)
     assert callers.tenant(None) is None and callers.is_admin(None)
+
+
+def test_a_quota_refusal_is_an_http_429_with_retry_after():
+    from pagedserve.sidecar.http_errors import error_for
+
+    err = error_for(QuotaExceededError("your requests used 120 tokens in the last minute", 12.2))
+    assert (err.status, err.code, err.headers) == (429, "quota_exceeded", {"Retry-After": "13"})
+    assert err.body()["error"]["type"] == "rate_limit_error"

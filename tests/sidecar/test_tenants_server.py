@@ -82,6 +82,13 @@ def test_a_tenant_over_its_quota_gets_resource_exhausted_with_a_retry_hint_other
         assert "max_concurrent_requests=2" in err.value.details() and "app" not in err.value.details()
         assert dict(err.value.trailing_metadata())["retry-after-s"] == "1"
         assert other.generate_text("hello", max_tokens=2, temperature=0.0)  # another tenant: unharmed
+        # The same tenant over HTTP (its key): the same quota, 429 with Retry-After.
+        req = urllib.request.Request(server.http + "/v1/completions", data=json.dumps({"prompt": "hi"}).encode(),
+                                     headers={"Authorization": f"Bearer {APP_KEY}", "Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as http_err:
+            urllib.request.urlopen(req, timeout=60)
+        assert http_err.value.code == 429 and http_err.value.headers["Retry-After"] == "1"
+        assert json.loads(http_err.value.read())["error"]["code"] == "quota_exceeded"
         for i in range(2):
             assert app.abort(f"q{i}") is True
         for s in streams:
