@@ -236,3 +236,15 @@ def test_llm_generate_honours_priority(data_dir):
         llm.generate([[5], [6], [7]], params, priority=[1])
     with pytest.raises(ValueError, match="priority must be a 32-bit integer"):
         llm.generate([[5]], params, priority=[2**40])
+
+
+@pytest.mark.parametrize("policy, first", [(FcfsPolicy(), "a0"), (FairPolicy(), "b0")])
+def test_fair_orders_running_prefill_chunks_by_counter(policy, first):
+    """Two prompts mid-prefill, a budget for one chunk: fcfs serves the older, fair the less-served tenant's."""
+    sim = Sim(policy, budget=16, max_seqs=4)
+    for r in (_request("a0", 64, 4, 0.0, tenant="a"), _request("b0", 64, 4, 1.0, tenant="b")):
+        sim.sched.add_running(r)  # running in this order, neither prefilled yet
+    if isinstance(policy, FairPolicy):
+        policy.counters["a"] = 100.0  # a has been served much more
+    out = sim.step()
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [(first, 16)]
