@@ -33,7 +33,8 @@ moment (it holds at most max_num_seqs of them). While tenants A and B are both b
   - so after A's last admission at t0, c_A(t) - c_B(t) <= c_A(t0) - c_B(t0) + U_A <= U_A; likewise for B.
 When the later of the two becomes backlogged it is lifted to the other's counter (or above it, where its own
 is higher, and then by at most U of its running set: it was last admitted at or below the least counter).
-Over any interval [t1, t2] in which both stay backlogged, with W_X its weighted service in the interval,
+Over any interval [t1, t2] in which both stay backlogged (a request waiting at every moment, right after each
+step's admissions too: a tenant that runs dry and comes back is lifted), with W_X its weighted service in it,
     |W_A / w_A - W_B / w_B| <= |gap(t2)| + |gap(t1)| <= U_A + U_B  (2U for equal weights: VTC's bound).
 tests/runtime/test_sched_policy.py checks it on arbitrary arrivals and lengths with hypothesis.
 """
@@ -130,7 +131,10 @@ class FairPolicy(PriorityPolicy):
     def on_waiting(self, request: Request, backlogged: Iterable[str], running: Iterable[Request]) -> None:
         """`request` joins the waiting queue; if its tenant had nothing waiting, lift its counter (no banked credit)."""
         tenant = tenant_of(request)
-        others = [self.counters[t] for t in backlogged if t != tenant]
+        backlogged = set(backlogged)
+        if tenant in backlogged:  # already backlogged: its counter stands (a lift now would lose it service)
+            return
+        others = [self.counters[t] for t in backlogged]
         if not others:
             others = [self.counters[tenant_of(r)] for r in running if tenant_of(r) != tenant]
         if others:
