@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pagedserve.cupy_kernels.cuda.ops import ATTN_BLOCK_SIZES
 from pagedserve.cupy_kernels.kernel_set import CPU_KERNEL_SETS
 
+from .core.sched_policy import make_policy
 from .spec_decode.config import SpeculativeConfig
 
 # KV cache on the CPU backend when kv_cache_memory_bytes is unset: 4 GiB, vLLM's CPU default (its
@@ -59,6 +60,10 @@ class EngineConfig:
     # Speculative decoding (runtime/spec_decode/config.py): None = off; a SpeculativeConfig or vLLM's dict,
     # e.g. {"method": "ngram", "num_speculative_tokens": 4} or {"model": PATH, "num_speculative_tokens": 4}.
     speculative_config: SpeculativeConfig | dict | None = None
+    # Which waiting request runs next (runtime/core/sched_policy.py): "fcfs", "priority" (the request's priority,
+    # lower first; vLLM's) or "fair" (weighted virtual token counters per tenant, within a priority).
+    scheduling_policy: str = "fcfs"
+    tenant_weights: dict[str, float] | None = None  # "fair": each tenant's share (default 1.0 each)
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -115,6 +120,7 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        make_policy(self.scheduling_policy, self.tenant_weights)  # ValueError names a bad policy or weight
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
 

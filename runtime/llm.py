@@ -65,9 +65,10 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None, priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. A single prompt may be given bare (a str, one id list or one
-        vLLM prompt dict)."""
+        vLLM prompt dict). priority (vLLM's): one per prompt, lower runs first under scheduling_policy
+        "priority" or "fair"; None = 0 each."""
         prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -75,11 +76,15 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        priorities = [0] * len(prompts) if priority is None else list(
+            [priority] * len(prompts) if isinstance(priority, int) else priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, prio in zip(prompts, params, priorities):
                 ids.append(self._next_id())
-                self.engine.add_request(ids[-1], _unwrap_prompt(prompt), p)
+                self.engine.add_request(ids[-1], _unwrap_prompt(prompt), p, priority=prio)
         except ValueError:
             self.engine.abort_request(ids)  # nothing half-queued is left behind
             raise

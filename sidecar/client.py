@@ -106,7 +106,8 @@ class PagedServeClient(_Base):
 
     def generate(self, prompt: Prompt, *, request_id: str = "", timeout: float | None = None,
                  **sampling: Any) -> GenerateStream:
-        """Stream the continuation of `prompt` (text, or token ids used as is)."""
+        """Stream the continuation of `prompt` (text, or token ids used as is). `priority=` (an int, lower first)
+        ranks it under the server's --scheduling-policy priority or fair; the rest are sampling fields."""
         req, want_logprobs = _generate_request("generate", prompt, None, request_id, sampling)
         return GenerateStream(self._stub.Generate(req, **self._kw(timeout, generate=True)), want_logprobs, request_id)
 

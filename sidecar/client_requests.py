@@ -118,8 +118,10 @@ def _chat(messages: Sequence[ChatMessage], add_generation_prompt: bool | None) -
 
 def _generate_request(caller: str, prompt: Prompt | None, chat: pb.ChatMessages | None, request_id: str,
                       sampling: dict[str, Any]) -> tuple[pb.GenerateRequest, bool]:
+    sampling = dict(sampling)
+    priority = sampling.pop("priority", 0)  # not a sampling field: the request's (vLLM's priority, lower first)
     params, want_logprobs = _sampling(caller, sampling)
-    req = pb.GenerateRequest(request_id=request_id or "", sampling=params)
+    req = pb.GenerateRequest(request_id=request_id or "", sampling=params, priority=priority)
     if chat is not None:
         req.chat.CopyFrom(chat)
     elif isinstance(prompt, str):

@@ -65,11 +65,11 @@ class HttpApi:
         self.server_metrics = metrics  # the registry of --metrics-port (the server makes one with --http-port)
         self.created = int(time.time())
 
-    def app(self, api_key: str | None = None):
+    def app(self, api_key: str | None = None, tenants=None):
         from .server import max_receive_bytes  # the gRPC path's cap on a request's bytes
 
         app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
-        app.add_exception_handler(ApiError, lambda _r, e: JSONResponse(e.body(), e.status))
+        app.add_exception_handler(ApiError, lambda _r, e: JSONResponse(e.body(), e.status, headers=e.headers))
         app.add_exception_handler(ClientGone, lambda _r, _e: Response(status_code=499))  # nobody reads it
         app.add_exception_handler(RequestValidationError, invalid_body)
         app.add_exception_handler(StarletteHTTPException, http_error)
@@ -82,7 +82,12 @@ class HttpApi:
         app.add_api_route("/v1/models/{name:path}", self.model, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
-        wrapped = ApiKeyMiddleware(app, api_key) if api_key else app
+        if tenants is not None:  # the key names the tenant (http_tenants.py); admin routes need an admin
+            from .http_tenants import TenantKeyMiddleware
+
+            wrapped = TenantKeyMiddleware(app, tenants, api_key)
+        else:
+            wrapped = ApiKeyMiddleware(app, api_key) if api_key else app
         wrapped = BodyLimitMiddleware(wrapped, max_receive_bytes(self.max_prompt_chars))
         # Outermost: every answer counted, the inner middlewares' refusals too (http_metrics.py).
         return OutcomeMiddleware(wrapped, self.server_metrics) if self.server_metrics is not None else wrapped
@@ -172,6 +177,6 @@ class HttpApi:
 
 async def _answer_error(_request: Request, e: Exception) -> JSONResponse:
     err = error_for(e)  # a ValueError from a route's own checks is still a 400; anything else a logged 500
-    return JSONResponse(err.body(), err.status)
+    return JSONResponse(err.body(), err.status, headers=err.headers)
 
 

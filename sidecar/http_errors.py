@@ -13,6 +13,7 @@ Anything else is a bug in this server: logged, answered 500 with its repr, and t
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
 
@@ -23,6 +24,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.runtime.engine.async_engine import EngineStoppedError, QueueFullError
+from pagedserve.runtime.engine.tenant_quotas import QuotaExceededError
 from pagedserve.runtime.kv_transfer.kv_connector import KVTransferError
 
 from .http_models import ApiError
@@ -45,6 +47,8 @@ def error_for(e: BaseException, fields: set[str] | None = None) -> ApiError:
         return ApiError(400, str(e), param, "invalid_value")
     if isinstance(e, QueueFullError):
         return ApiError(429, str(e), None, "queue_full")
+    if isinstance(e, QuotaExceededError):  # this tenant's quota (runtime/engine/tenant_quotas.py)
+        return ApiError(429, str(e), None, "quota_exceeded", {"Retry-After": str(math.ceil(e.retry_after_s))})
     if isinstance(e, (EngineStoppedError, KVTransferError)):
         return ApiError(503, str(e), None, "unavailable")
     log.error("http.request_failed", error=repr(e))

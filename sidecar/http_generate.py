@@ -30,6 +30,7 @@ from .http_errors import error_for
 from .http_inputs import Inputs, check_unicode, maybe_off_loop
 from .http_metrics import OUTCOMES_KEY
 from .http_models import ApiError, ChatCompletionRequest, CompletionRequest
+from .tenant_access import scoped_id, scoped_salt
 from .http_outputs import Outputs
 from .http_render import ChatRender, CompletionRender, Render, RenderOptions
 from .tool_calls import plan_tools
@@ -156,7 +157,11 @@ class Generation:
         except ValueError as e:
             raise _error(e, body) from None
         ids = [render.request_id if len(prompts) == 1 else f"{render.request_id}-{i}" for i in range(len(prompts))]
-        outputs = Outputs([engine.generate(rid, p, sp) for rid, p, sp in zip(ids, prompts, params)])
+        tenant = request.scope.get("state", {}).get("tenant")  # with a tenants file (http_tenants.py)
+        outputs = Outputs([engine.generate(scoped_id(tenant, rid), p, sp, cache_salt=scoped_salt(tenant, None),
+                                           tenant=tenant, priority=body.priority)
+                           for rid, p, sp in zip(ids, prompts, params)])
+        outputs.tenant = tenant
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         start = time.monotonic()
         try:  # every prompt's first output before any header: refusals (bad input, full queue) get their status
@@ -198,6 +203,8 @@ class Generation:
                 recorded.append(outcome)
             else:  # an app without the middleware (tests build one): counted at once
                 self.server_metrics.count_request("http", outcome)
+            if outputs.tenant is not None:
+                self.server_metrics.observe_tenant(outputs.tenant, outcome, *request_timings(last)[2:])
 
     @staticmethod
     async def _until_disconnect(request: Request, fn: Callable[[], Any], body) -> Any:

@@ -21,11 +21,14 @@ class ApiError(Exception):
     """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
+             413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable",
+             403: "permission_error"}
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # e.g. Retry-After on a 429
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
@@ -127,6 +130,7 @@ class _Common(BaseModel):
     return_token_ids: bool = False  # vLLM's extra: the prompt's and each choice's token ids in the answer
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
+    priority: int = 0  # vLLM's extra: lower runs first under --scheduling-policy priority or fair
 
     SAMPLING: ClassVar[tuple[str, ...]] = (
         "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",

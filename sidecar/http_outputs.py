@@ -31,6 +31,7 @@ class Outputs:
 
     def __init__(self, gens: list[AsyncIterator[RequestOutput]]) -> None:
         self.num_prompts = len(gens)
+        self.tenant: str | None = None  # whose requests (a tenants file's name), for the per-tenant metrics
         self.last: list[RequestOutput | None] = [None] * len(gens)
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
         self._slots = [asyncio.Semaphore(self.AHEAD) for _ in gens]

@@ -22,6 +22,9 @@ Names follow vLLM's where vLLM has one (vllm:time_to_first_token_seconds -> page
     pagedserve_prefix_cache_hit_rate               gauge: hits / queries since start
     pagedserve_memory_budget_bytes                 gauge: the engine's memory budget (runtime/worker/memory_budget.py);
                                                    compare with process_resident_memory_bytes, exported too
+    pagedserve_tenant_requests_total{tenant,outcome}, pagedserve_tenant_tokens_total{tenant,kind}
+                                                   with a tenants file: per tenant; `tenant` is only ever a name
+                                                   from the file or "default" (bounded), never an API key
 
 Engine figures are read at scrape time through AsyncEngine's read API: the worker's published snapshot
 (AsyncEngine.stats, an EngineStats) and a few live counters, never live engine state. ENGINE_METRICS below
@@ -121,6 +124,10 @@ class ServerMetrics:
         self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("pagedserve_generation_tokens", "Tokens generated for finished requests",
                                          registry=r)
+        self.tenant_requests = Counter("pagedserve_tenant_requests", "Generate requests by tenant and outcome",
+                                       ["tenant", "outcome"], registry=r)
+        self.tenant_tokens = Counter("pagedserve_tenant_tokens", "Prompt and generated tokens by tenant",
+                                     ["tenant", "kind"], registry=r)
         r.register(_EngineCollector(get_engine))
         ProcessCollector(registry=r)  # process_resident_memory_bytes, open fds, CPU seconds
         self._http = None
@@ -147,6 +154,13 @@ class ServerMetrics:
             self.tpot.observe(tpot_s)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generation_tokens)
+
+    def observe_tenant(self, tenant: str, outcome: str, prompt_tokens: int, generation_tokens: int) -> None:
+        """`tenant` comes from the tenants file (or is "default"), never from what a caller sent."""
+        outcome = outcome if outcome in OUTCOMES else "internal"
+        self.tenant_requests.labels(tenant=tenant, outcome=outcome).inc()
+        self.tenant_tokens.labels(tenant=tenant, kind="prompt").inc(prompt_tokens)
+        self.tenant_tokens.labels(tenant=tenant, kind="generation").inc(generation_tokens)
 
     def serve(self, port: int) -> int:
         """Start the HTTP endpoint on 127.0.0.1:port (0 = any free port); returns the port bound."""

@@ -9,6 +9,7 @@ gRPC, then HTTP (uvicorn closes idle keep-alive connections), exit 0.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -27,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from pagedserve.runtime.engine.async_engine import AsyncEngine
 from pagedserve.runtime.engine.gc_heap import freeze_startup_heap
 from pagedserve.runtime.engine.llm_engine import LLMEngine
+from pagedserve.runtime.engine.tenant_quotas import TenantQuotas
 from pagedserve.runtime.kv_transfer.kv_connector import KVTransferSpec
 from pagedserve.runtime.sampling_params import SamplingParams
 
@@ -36,9 +38,12 @@ from .pb import generation_pb2_grpc as pb_grpc
 from .pb import kv_transfer_pb2 as kv_pb
 from .pb import kv_transfer_pb2_grpc as kv_pb_grpc
 from .metrics import ServerMetrics
+from .peer_proxy import PeerProxy, private_socket_path
 from .sd_notify import SystemdNotifier, watchdog_loop
 from .servicer import GenerationServicer
 from .settings import Settings
+from .tenant_access import AdminGuard, Callers
+from .tenants import load_tenants
 
 if TYPE_CHECKING:
     from .http_api import HttpServer
@@ -101,6 +106,10 @@ class SidecarServer:
         self.metrics = ServerMetrics(lambda: self.engine) if wants_metrics else None
         self.serving = False  # what health says; the HTTP API answers 503 while False
         self.http: HttpServer | None = None  # the OpenAI-compatible HTTP API, when --http-port is set
+        # --tenants: read now, so a file the server cannot use stops it before it binds anything.
+        self.tenants = load_tenants(settings.tenants) if settings.tenants else None
+        self.callers = Callers(self.tenants)
+        self.proxy: PeerProxy | None = None  # the socket's peer credentials (peer_proxy.py), with a tenants file
 
     async def _set_health(self, serving: bool) -> None:
         self.serving = serving
@@ -112,9 +121,10 @@ class SidecarServer:
         s = self.settings
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_receive_bytes(s.max_prompt_chars)),
                                           ("grpc.max_send_message_length", MAX_SEND_BYTES),
-                                          ("grpc.so_reuseport", 0)])
+                                          ("grpc.so_reuseport", 0)],
+                                 interceptors=[AdminGuard(self.callers)])  # pagedserve.v1.Admin: admins only
         servicer = GenerationServicer(lambda: self.engine, lambda: self.model_name, s.max_prompt_chars,
-                                      s.max_chat_messages, s.slow_reader_timeout, self.metrics)
+                                      s.max_chat_messages, s.slow_reader_timeout, self.metrics, self.callers)
         pb_grpc.add_GenerationServicer_to_server(servicer, server)
         kv_pb_grpc.add_KVTransferServicer_to_server(
             KVTransferServicer(lambda: self.engine, lambda: self.kv_spec, s.kv_test_fault), server)
@@ -126,7 +136,13 @@ class SidecarServer:
         await self._set_health(False)
         if s.socket:
             prepare_socket_path(s.socket)
-            server.add_insecure_port(f"unix:{s.socket}")
+            if self.tenants is not None:  # gRPC on a private socket; the public one reads each caller's credentials
+                private = private_socket_path(s.socket)
+                self.proxy = self.callers.proxy = PeerProxy(
+                    s.socket, private, lambda cred: self.tenants.for_peer(cred.uid, cred.gid))
+                server.add_insecure_port(f"unix:{private}")
+            else:
+                server.add_insecure_port(f"unix:{s.socket}")
             self.addresses.append(f"unix:{s.socket}")
         if tcp := s.tcp_address():
             port = server.add_insecure_port(tcp)
@@ -134,6 +150,8 @@ class SidecarServer:
                 raise ValueError(f"could not bind TCP address {tcp}")
             self.addresses.append(tcp.rsplit(":", 1)[0] + f":{port}")
         await server.start()
+        if self.proxy is not None:
+            await self.proxy.start()
         if s.socket:
             os.chmod(s.socket, SOCKET_MODE)  # owner and group (the app pods' group) may connect
         self.server = server
@@ -151,7 +169,7 @@ class SidecarServer:
         s = self.settings
         api = HttpApi(lambda: self.engine, lambda: self.model_name, lambda: self.serving, s.max_prompt_chars,
                       s.max_chat_messages, self.metrics, s.slow_reader_timeout)
-        self.http = HttpServer(api.app(s.api_key), s.http_host, s.http_port)
+        self.http = HttpServer(api.app(s.api_key, self.tenants), s.http_host, s.http_port)
         self.http.start()
         self.addresses.append(self.http.address)
 
@@ -159,14 +177,22 @@ class SidecarServer:
         if self.http is not None:
             await self.http.stop()
 
+    async def _stop_proxy(self) -> None:
+        if self.proxy is not None:
+            await self.proxy.stop()
+
     async def load(self) -> None:
         t0 = time.monotonic()
         config = self.settings.engine_config()
+        if self.tenants is not None:
+            config = dataclasses.replace(config, tenant_weights=self.tenants.weights)
         engine = await anyio.to_thread.run_sync(LLMEngine, config)
         await anyio.to_thread.run_sync(self._warm_up, engine)
         self.model_name = engine.model_name
         await anyio.to_thread.run_sync(self._setup_disaggregation, engine)
         self.engine = AsyncEngine(engine, self.settings.max_waiting_requests)
+        if self.tenants is not None:
+            self.engine.quotas = TenantQuotas(self.tenants.quotas)
         frozen = freeze_startup_heap()  # full collections no longer walk start-up's objects (gc_heap.py)
         log.info("server.model_loaded", model=engine.model_name, seconds=round(time.monotonic() - t0, 2),
                  num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size, backend=engine.backend.name,
@@ -202,6 +228,7 @@ class SidecarServer:
             except BaseException:
                 await self.server.stop(None)
                 await self._stop_http()
+                await self._stop_proxy()
                 raise
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._run_engine, tg.cancel_scope)
@@ -232,6 +259,7 @@ class SidecarServer:
         self.notifier.stopping("engine failed")
         await self.server.stop(grace=1.0)
         await self._stop_http()
+        await self._stop_proxy()
         self.engine.shutdown()
         if self.settings.socket:
             Path(self.settings.socket).unlink(missing_ok=True)
@@ -246,6 +274,7 @@ class SidecarServer:
         aborted = await self.engine.drain(timeout)
         await self.server.stop(grace=2.0)
         await self._stop_http()
+        await self._stop_proxy()
         self.engine.stop()
         self.engine.shutdown()  # tensor-parallel rank processes
         if self.kv_connector is not None:

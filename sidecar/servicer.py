@@ -20,6 +20,7 @@ import structlog
 from google.protobuf.message import Message
 
 from pagedserve.runtime.engine.async_engine import LONG_PROMPT_CHARS, AsyncEngine, EngineStoppedError, QueueFullError
+from pagedserve.runtime.engine.tenant_quotas import QuotaExceededError
 from pagedserve.runtime.kv_transfer.kv_connector import KVTransferError
 from pagedserve.runtime.outputs import RequestOutput
 from pagedserve.runtime.sampling_params import SamplingParams
@@ -30,6 +31,7 @@ from .client_types import PROMPT_TOKENS_HEADER, REQUEST_ID_HEADER
 from .pb import generation_pb2 as pb
 from .pb import generation_pb2_grpc as pb_grpc
 from .stats_schema import server_stats_message
+from .tenant_access import Callers, scoped_id, scoped_salt
 
 if TYPE_CHECKING:
     from .metrics import ServerMetrics
@@ -89,8 +91,9 @@ class SlowReaderError(Exception):
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, get_engine: Callable[[], AsyncEngine | None], model_name: Callable[[], str],
                  max_prompt_chars: int, max_chat_messages: int = 1024, slow_reader_timeout: float = 30.0,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None, callers: Callers | None = None) -> None:
         self._get_engine = get_engine
+        self.callers = callers or Callers(None)  # who calls (tenant_access.py); no tenants file: nobody in particular
         self.metrics = metrics  # None when --metrics-port is unset
         self.slow_reader_timeout = slow_reader_timeout
         self._model_name = model_name
@@ -143,6 +146,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # reading fills its HTTP/2 window, the write blocks, and the request is ended RESOURCE_EXHAUSTED
         # (its blocks freed) instead of holding a running slot and a growing buffer.
         request_id = request.request_id or uuid.uuid4().hex
+        tenant = self.callers.tenant(context)
         start = time.monotonic()
         last: RequestOutput | None = None
         outcome = "internal"
@@ -153,8 +157,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             params = sampling_params_from_proto(request.sampling)
             prompt = await _off_loop_if_large(request, self._prompt, engine, request)
             whole = (params.best_of or params.n) > params.n  # best_of: only the chosen n, at the end
-            outputs = engine.generate(request_id, prompt, params, cache_salt=request.cache_salt or None,
-                                      on_admitted=lambda group: self._send_headers(context, request_id, group))
+            outputs = engine.generate(scoped_id(tenant, request_id), prompt, params,
+                                      cache_salt=scoped_salt(tenant, request.cache_salt or None),
+                                      on_admitted=lambda group: self._send_headers(context, request_id, group),
+                                      tenant=tenant, priority=request.priority)
             warnings = params.structured_outputs.warnings if params.structured_outputs is not None else []
             async with contextlib.aclosing(outputs):  # leaving early aborts the request at once
                 async for out in outputs:
@@ -173,6 +179,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except ValueError as e:
             outcome = "invalid_argument"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QuotaExceededError as e:  # this tenant is over a quota; the hint in seconds, as trailing metadata
+            outcome = "resource_exhausted"
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),
+                                trailing_metadata=(("retry-after-s", f"{e.retry_after_s:g}"),))
         except (QueueFullError, SlowReaderError) as e:
             outcome = "resource_exhausted"
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
@@ -191,9 +201,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"request failed: {e!r}")
         finally:
             if self.metrics is not None:
-                self._observe(outcome, start, last)
+                self._observe(outcome, start, last, tenant)
 
-    def _observe(self, outcome: str, start: float, last: RequestOutput | None) -> None:
+    def _observe(self, outcome: str, start: float, last: RequestOutput | None, tenant: str | None = None) -> None:
         ttft = tpot = None
         prompt_tokens = generated = 0
         if last is not None and last.finished:
@@ -205,6 +215,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if n0 > 1 and m.first_token_time is not None and m.finished_time is not None:
                 tpot = (m.finished_time - m.first_token_time) / (n0 - 1)
         self.metrics.observe_request(outcome, time.monotonic() - start, ttft, tpot, prompt_tokens, generated)
+        if tenant is not None:
+            self.metrics.observe_tenant(tenant, outcome, prompt_tokens, generated)
 
     async def _send_headers(self, context, request_id: str, group) -> None:
         """Answer at once, before any generation: the request passed every check and is in the engine.
@@ -303,4 +315,5 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Abort(self, request: pb.AbortRequest, context):
         engine = await self._engine(context)
-        return pb.AbortResponse(found=engine.abort(request.request_id))
+        # Another tenant's request is out of reach: its scoped id is not this caller's, so found=false.
+        return pb.AbortResponse(found=engine.abort(scoped_id(self.callers.tenant(context), request.request_id)))

@@ -77,6 +77,9 @@ class Settings:
     prefill_timeout: float = opt(60.0, "decode: seconds a remote prefill (compute + transfer) may take")
     kv_transport: str = opt("auto", "decode: auto (shared memory on one host, else gRPC) | shm | grpc")
     kv_test_fault: str | None = opt(None, "prefill, testing only: corrupt | cut | delay:SECONDS")
+    # -- tenants (docs/tenants.md) --
+    tenants: str | None = opt(None, "tenants.toml: callers by socket uid/gid or HTTP key, weights, quotas, admins")
+    scheduling_policy: str = opt("fcfs", "fcfs | priority (the request's priority, lower first) | fair (per tenant)")
 
     def engine_config(self) -> EngineConfig:
         names = {f.name for f in fields(EngineConfig)}

@@ -46,6 +46,8 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     prompt: str | None = None
     cache_salt: str | None = None  # keeps tenants' prefix-cache entries apart
+    tenant: str | None = None  # who asked (the sidecar's tenants file); None = the one default tenant
+    priority: int = 0  # --scheduling-policy priority/fair: lower runs first (vLLM's)
     generator: np.random.Generator | None = None
     detokenizer: Any = None  # runtime.detokenizer.IncrementalDetokenizer, set by the engine
     status: RequestStatus = RequestStatus.WAITING

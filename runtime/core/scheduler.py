@@ -4,7 +4,10 @@
     1. running decodes          1 token each, plus its draft tokens when it speculates (a lookahead:
                                 as many drafts as the budget and the free blocks allow, else none)
     2. running prefills         the rest of the prompt, cut to what the budget has left (chunked prefill)
-    3. waiting requests (FCFS)  the same, while the budget, the seat count and the free blocks allow
+    3. waiting requests         the same, while the budget, the seat count and the free blocks allow
+
+Which waiting request comes next, the order of the running prefills' chunks and which request preemption
+takes are the policy's (sched_policy.py: fcfs, priority, fair); the rules below are fcfs's.
 
 Cost-aware chunking (on unless keys_per_token is None): a token's attention grows with the keys before
 it, so a chunk deep in a long prompt costs more than one at its start. While the step carries decodes,
@@ -45,6 +48,7 @@ from dataclasses import dataclass, field
 from .chunking import attention_cost, chunk_within
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
+from .sched_policy import FcfsPolicy, tenant_of
 
 
 @dataclass
@@ -97,8 +101,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 enable_chunked_prefill: bool = True, keys_per_token: float | None = None) -> None:
+                 enable_chunked_prefill: bool = True, keys_per_token: float | None = None,
+                 policy: FcfsPolicy | None = None) -> None:
         self.kv = kv_manager
+        self.policy = policy or FcfsPolicy()  # admission order, prefill-chunk order, preemption victim
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -122,6 +128,7 @@ class Scheduler:
         self.num_admitted_with_hit = 0
 
     def add_request(self, request: Request) -> None:
+        self.policy.on_waiting(request, (tenant_of(r) for r in self.waiting), self.running)
         self.waiting.append(request)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
@@ -243,6 +250,7 @@ class Scheduler:
             m.status = RequestStatus.WAITING
             m.num_computed_tokens = 0
             m.num_preemptions += 1
+            self.policy.on_waiting(m, (tenant_of(r) for r in self.waiting), self.running)
             self.waiting.appendleft(m)
             out.preempted.append(m)
         return members
@@ -269,9 +277,11 @@ class Scheduler:
         # Cost-sized chunks' cost beyond their token counts, so far this step (kept when a chunk is un-scheduled
         # again: the rest of the step is then sized a little small).
         self._step_extra_cost = 0.0
-        # Decodes first, then prefills; each group oldest first (the running list is in admission order).
+        # Decodes first (in admission order), then prefills in the policy's order (fcfs: admission order).
         with_decodes = None  # whether the step carries decodes: known once the prefills' turn comes
-        for request in sorted(self.running, key=lambda r: r.is_prefilling):
+        policy = self.policy
+        order = lambda r: (True, policy.prefill_key(r)) if r.is_prefilling else (False,)  # noqa: E731
+        for request in sorted(self.running, key=order):
             if request not in self.running:  # preempted earlier in this loop
                 continue
             budget = self._budget(out)
@@ -293,7 +303,7 @@ class Scheduler:
                     if spec:  # the lookahead goes before anyone is preempted for it
                         spec = []
                         continue
-                    if request in self._preempt(self.running[-1], out):  # newest first
+                    if request in self._preempt(policy.victim(self.running), out):  # fcfs: newest first
                         break
                 else:
                     if len(spec) < len(request.spec_token_ids):
@@ -315,6 +325,8 @@ class Scheduler:
             except Exception as e:
                 self._fail(unit, e, out)
         out.blocks_to_copy = self.kv.take_pending_copies()
+        for s in out.scheduled:  # fair share counts the work each tenant got (admissions were counted already)
+            policy.charge(s.request, s.num_new_tokens, s.num_real_tokens)
         return out
 
     @staticmethod
@@ -330,9 +342,9 @@ class Scheduler:
             out.failed.append((r, error))
 
     def _admission_unit(self) -> list[Request] | None:
-        """The first request of the queue whose grammar (if any) is compiled, with its sibling beams: a beam
-        group is admitted whole or not at all. None: every waiting request still waits for its grammar."""
-        head = next((r for r in self.waiting if not r.waiting_for_grammar), None)
+        """The policy's next request (fcfs: the queue's first) whose grammar (if any) is compiled, with its sibling
+        beams: a beam group is admitted whole or not at all. None: every waiting request still waits for its grammar."""
+        head = self.policy.pick(self.waiting)
         if head is None:
             return None
         if head.group is None or head.group.beam is None:
@@ -371,6 +383,7 @@ class Scheduler:
                 self.num_admitted += 1
                 self.num_admitted_with_hit += num_cached > 0
             self.waiting.remove(request)
+            self.policy.charge(request, num_new, num_new)  # now: the next pick this step sees it (fair share)
             request.status = RequestStatus.RUNNING
             if request.timings.first_scheduled is None:
                 request.timings.first_scheduled = now

@@ -30,6 +30,7 @@ import structlog
 from .engine_view import EngineView
 from .llm_engine import LLMEngine
 from .stats import stats_log_fields
+from .tenant_quotas import TenantQuotas
 from ..executor import WorkerFailedError
 from ..kv_transfer.kv_connector import KVExport
 from ..outputs import EngineStats, RequestOutput
@@ -97,6 +98,7 @@ class AsyncEngine(EngineView):
         # The worker publishes a stats snapshot; readers on the event loop never touch live engine state.
         self.stats: EngineStats = engine.get_stats()
         self._stats_at = 0.0
+        self.quotas: TenantQuotas | None = None  # per-tenant quotas (tenant_quotas.py), set by the server
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -160,7 +162,7 @@ class AsyncEngine(EngineView):
     async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                        cache_salt: str | None = None, kv_export: KVExport | None = None,
                        on_admitted: Callable[[SequenceGroup], Awaitable[None]] | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
+                       tenant: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step. Leaving early (cancel, break) aborts it.
 
         on_admitted(group) is awaited once the request passed every check and was handed to the engine,
@@ -176,6 +178,9 @@ class AsyncEngine(EngineView):
         if self.num_waiting >= self.max_waiting_requests:
             raise QueueFullError(f"{self.num_waiting} requests are already waiting "
                                  f"(max_waiting_requests={self.max_waiting_requests}); retry later")
+        quotas, started, last = (self.quotas if tenant is not None else None), False, None
+        if quotas is not None:
+            quotas.admit(tenant)  # QuotaExceededError: over one of its quotas
         send, receive = anyio.create_memory_object_stream[object](self.stream_buffer_size)
         self._streams[request_id] = send  # the id is taken from here on, while the prompt is tokenized
         try:
@@ -183,9 +188,11 @@ class AsyncEngine(EngineView):
                 # Seconds of tokenizing: in a thread, with the GIL released (Tokenizer.encode), so the
                 # event loop keeps serving every other stream meanwhile.
                 request = await anyio.to_thread.run_sync(
-                    lambda: self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt))
+                    lambda: self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt,
+                                                     tenant=tenant, priority=priority))
             else:
-                request = self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt)
+                request = self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt,
+                                                   tenant=tenant, priority=priority)
             if request.grammar is not None:  # compiled off the loop; a grammar the tokenizer refuses is bad input
                 await asyncio.shield(asyncio.wrap_future(request.grammar))  # shield: the Future is shared
         except BaseException:
@@ -193,6 +200,8 @@ class AsyncEngine(EngineView):
                 del self._streams[request_id]
             send.close()
             receive.close()
+            if quotas is not None:
+                quotas.release(tenant, False, 0)
             raise
         request.seqs[0].kv_export = kv_export  # a prefill instance's request: its blocks are sent on
         self._submit("add", request)
@@ -206,6 +215,10 @@ class AsyncEngine(EngineView):
                         raise item
                     self._flush_overflow(request_id, send)
                     finished = item.finished
+                    if quotas is not None and not started:
+                        started = True
+                        quotas.started(tenant)
+                    last = item
                     yield item
                     if finished:
                         return
@@ -217,6 +230,9 @@ class AsyncEngine(EngineView):
             self._errors.pop(request_id, None)
             if not finished:
                 self._submit("abort", request_id)
+            if quotas is not None:
+                used = len(last.prompt_token_ids) + sum(len(c.token_ids) for c in last.outputs) if last else 0
+                quotas.release(tenant, started, used)
 
     def _flush_overflow(self, request_id: str, send: anyio.abc.ObjectSendStream) -> None:
         """The reader took an output: move the merged overflow into the room it made."""

@@ -30,11 +30,14 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
 
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                     arrival_time: float | None = None, cache_salt: str | None = None) -> SequenceGroup:
+                     arrival_time: float | None = None, cache_salt: str | None = None,
+                     tenant: str | None = None, priority: int = 0) -> SequenceGroup:
         """Validate a request and build it (sequence 0; its other samples fork when its prefill completes)."""
         params = params or SamplingParams()
         # Limits first, tokenizing after: nothing is allocated for a request the server would refuse.
         check_ids(self.limits, request_id, cache_salt)
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -2**31 <= priority < 2**31:
+            raise ValueError(f"priority must be a 32-bit integer, got {str(priority)[:40]!r}")
         check_params(self.limits, self.shape, params)
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
@@ -47,7 +50,7 @@ class InputProcessor:
         if params.structured_outputs is not None:
             group.grammar = self.structured.compile(params.structured_outputs)
         first = self.new_seq(group, request_id, 0)
-        first.cache_salt = cache_salt
+        first.cache_salt, first.tenant, first.priority = cache_salt, tenant, priority
         group.seqs.append(first)
         group.first = first
         return group
@@ -72,6 +75,8 @@ class InputProcessor:
         p = group.params
         r = Request(seq_id, group.prompt_token_ids, p, group.arrival_time, eos_token_ids=group.eos_token_ids,
                     prompt=group.prompt, generator=sample_generator(p.seed, index), sample_index=index, group=group)
+        if group.first is not None:  # a fork: the same owner, priority and cache salt as sequence 0
+            r.cache_salt, r.tenant, r.priority = group.first.cache_salt, group.first.tenant, group.first.priority
         r.detokenizer = IncrementalDetokenizer(
             self.tokenizer, group.prompt_token_ids, skip_special_tokens=p.skip_special_tokens, stop=p.stop,
             include_stop_str_in_output=p.include_stop_str_in_output, min_tokens=p.min_tokens)

@@ -28,6 +28,7 @@ from .model_runner import ModelRunner, StepResult
 from .output_processor import OutputProcessor
 from ..outputs import CompletionOutput, EngineStats, RequestOutput
 from ..core.request import Request, RequestStatus
+from ..core.sched_policy import make_policy
 from ..kv_transfer.remote_prefill import RemotePrefill, export_blocks
 from .request_events import RequestEvents
 from .stats import Throughput, engine_stats
@@ -99,7 +100,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_chunked_prefill,
                                    keys_per_token(self.model_config, self.backend.ops.attention_cost)
-                                   if config.cost_aware_chunking else None)
+                                   if config.cost_aware_chunking else None,
+                                   make_policy(config.scheduling_policy, config.tenant_weights))
         # Speculative decoding (None = off): proposes drafts after each step; a draft model brings its own pool.
         # A self-draft needs the target's whole weights, which the workers do not keep: loaded again (cached).
         self.spec = build_spec_decoder(
@@ -169,9 +171,10 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> SequenceGroup:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    tenant: str | None = None, priority: int = 0) -> SequenceGroup:
         """Validate and queue a request; raises ValueError with a precise message on bad input."""
-        group = self.make_request(request_id, prompt, params, arrival_time, cache_salt)
+        group = self.make_request(request_id, prompt, params, arrival_time, cache_salt, tenant, priority)
         self.add_prepared(group)
         return group
 
@@ -183,9 +186,10 @@ class LLMEngine:
         return group
 
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                     arrival_time: float | None = None, cache_salt: str | None = None) -> SequenceGroup:
+                     arrival_time: float | None = None, cache_salt: str | None = None,
+                     tenant: str | None = None, priority: int = 0) -> SequenceGroup:
         """Validate a request and build it, touching no engine state (safe from another thread)."""
-        return self.inputs.make_request(request_id, prompt, params, arrival_time, cache_salt)
+        return self.inputs.make_request(request_id, prompt, params, arrival_time, cache_salt, tenant, priority)
 
     def add_prepared(self, group: SequenceGroup) -> None:
         """Queue a request built by make_request."""

@@ -124,6 +124,7 @@ class GenerationServicer:
     def Abort(self, request, context):
         """Abort a running or waiting request by its id (say, from another connection than the one that
         started it). The request's stream then ends with a chunk whose finish_reason is "abort".
+        With a tenants file a request id belongs to its tenant: another tenant's Abort answers found=false.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

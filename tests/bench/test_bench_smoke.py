@@ -331,3 +331,14 @@ def test_cold_start_times_a_real_server_to_serving(tmp_path: Path) -> None:
     assert 0 < r["socket_s"] <= r["serving_s"] < 120
     names = [name for name, _, _ in cold_start.cases(str(tmp_path))]
     assert len(names) == len(set(names)) == 4  # the four cache states, each its own row in the summary
+
+
+def test_tenants(tmp_path: Path) -> None:
+    r = run_bench("tenants", tmp_path, "--model", TINY)
+    res, s = r["results"], r["summary"]
+    assert set(res) == {"alone", "fcfs", "fair", "equal", "2to1"}
+    # Every run serves every token it was given: 12 flood requests of 24 + 8, 4 interactive of 8 + 4.
+    assert res["fcfs"]["served_tokens"] == res["fair"]["served_tokens"] == {"flood": 12 * 32, "interactive": 4 * 12}
+    assert res["equal"]["served_tokens"] == {"a": 12 * 32, "b": 12 * 32}
+    assert set(s["interactive_p99_ttft_s"]) == {"alone", "fcfs", "fair"} and s["fair_throughput_over_fcfs"] > 0
+    assert s["served_ratio_2to1_weights"] > s["served_ratio_equal_weights"]  # the weights show (timing-free)

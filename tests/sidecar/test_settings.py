@@ -24,8 +24,9 @@ def test_every_engine_knob_a_server_needs_is_a_setting():
     # weight cache; log_requests is a setting but with the server's own meaning (False = events, no text).
     offline_only = {"num_kv_blocks", "use_weight_cache"}
     renamed = {"distributed_executor_backend": "distributed_executor"}  # the flag is --distributed-executor
-    # speculative_config is built from the speculative_* / *_speculative_* / prompt_lookup_* settings.
-    built = {"speculative_config"}
+    # speculative_config is built from the speculative_* / *_speculative_* / prompt_lookup_* settings;
+    # tenant_weights from the --tenants file.
+    built = {"speculative_config", "tenant_weights"}
     assert {renamed.get(n, n) for n in engine - offline_only - built} <= {f.name for f in dataclasses.fields(Settings)}
 
 
