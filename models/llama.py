@@ -65,6 +65,9 @@ class LlamaForCausalLM:
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend: Backend | None = None,
                  source: str = "weights", shard: TPShard | None = None, comm: Any = None) -> None:
         self.shard = shard = shard or TPShard()
+        if self.silu_gated_mlp and config.hidden_act != "silu":  # a config made by hand (the loaders refuse it)
+            raise ValueError(f"{source}: hidden_act={config.hidden_act!r}: the {config.architecture} model computes "
+                             f"silu")
         check_weights(config, weights, source, shard)
         self.config = config
         self.backend = backend or get_backend("cpu")
