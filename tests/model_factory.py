@@ -41,12 +41,19 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(path, cfg: ModelConfig, weights: dict[str, np.ndarray], qtype_name: str = "F32",
-               arch: str = "llama") -> None:
-    """Write a llama GGUF the way llama.cpp's converter would (matrices in `qtype_name`, norms F32)."""
+               arch: str = "llama", extra_meta=None, extra_tensors: dict[str, np.ndarray] | None = None,
+               rope_dims: int | None = None) -> None:
+    """Write a llama GGUF the way llama.cpp's converter would (matrices in `qtype_name`, norms F32).
+    extra_meta(writer) adds metadata; extra_tensors (GGUF names) are written as float32; rope_dims: the rotary
+    width written (head_dim by default)."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType[qtype_name]
     w = gguf.GGUFWriter(str(path), arch)
+    if extra_meta is not None:
+        extra_meta(w)
+    for gname, t in (extra_tensors or {}).items():
+        w.add_tensor(gname, np.ascontiguousarray(t, dtype=np.float32))
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -55,7 +62,7 @@ def write_gguf(path, cfg: ModelConfig, weights: dict[str, np.ndarray], qtype_nam
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_dimension_count(rope_dims or cfg.head_dim)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)

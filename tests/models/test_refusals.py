@@ -1,0 +1,193 @@
+"""The loaders refuse what they cannot run (issue 60, item 5): each tiny checkpoint below, given one config key
+the model does not implement (and the tensors that key brings), loaded and ran wrongly before; now the load
+fails with a ValueError naming the key, its value and the architecture. Tensors the model would not use are
+refused in both formats, and tie_word_embeddings must agree with the checkpoint's lm_head.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+from model_factory import random_model, write_gguf
+
+from pagedserve.models.config import config_from_hf_dict
+from pagedserve.models.loading.gguf_loader import load_gguf_weights
+from pagedserve.models.loading.hf_loader import INDEX_FILE, load_hf_weights
+from pagedserve.models.loading.loader import load_model
+from pagedserve.models.loading.safetensors_io import read_safetensors
+
+
+def tiny(data_dir, tmp_path, name: str, edit: dict | None = None, tensors: dict | None = None):
+    """A copy of tests/data/<name> with config.json keys set by `edit` and `tensors` added in a file of their
+    own (named in the shard index when there is one)."""
+    from safetensors.numpy import save_file
+
+    d = tmp_path / name
+    shutil.copytree(data_dir / name, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(edit or {})
+    (d / "config.json").write_text(json.dumps(cfg))
+    if tensors:
+        save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},
+                  str(d / "extra.safetensors"))
+        index = d / INDEX_FILE
+        if index.is_file():
+            data = json.loads(index.read_text())
+            data["weight_map"].update({k: "extra.safetensors" for k in tensors})
+            index.write_text(json.dumps(data))
+    return d
+
+
+def stored(data_dir, name: str) -> dict[str, np.ndarray]:
+    out = {}
+    for f in sorted((data_dir / name).glob("*.safetensors")):
+        out.update(read_safetensors(f))
+    return out
+
+
+def biases(data_dir, name: str, modules: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Random biases of `modules` ("self_attn.o_proj", ...) for every layer of tests/data/<name>, sized from the
+    stored weights."""
+    weights, rng = stored(data_dir, name), np.random.default_rng(0)
+    out = {}
+    for key, w in weights.items():
+        layer_leaf = key.split(".", 3)
+        if len(layer_leaf) == 4 and layer_leaf[3].removesuffix(".weight") in modules:
+            out[key.removesuffix(".weight") + ".bias"] = 0.5 * rng.standard_normal(w.shape[0])
+    return out
+
+
+def refused(key_value: str, arch: str):
+    return pytest.raises(ValueError, match=rf"\({arch}\): .*{re.escape(key_value)} is not supported")
+
+
+QKVO = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+@pytest.mark.parametrize("name, arch", [("tiny-llama32", "LlamaForCausalLM"), ("tiny-qwen3", "Qwen3ForCausalLM"),
+                                        ("tiny-gemma3", "Gemma3ForCausalLM")])
+def test_attention_bias_with_its_tensors_is_refused(data_dir, tmp_path, name, arch):
+    """q/k/v and o_proj biases: before, q/k/v were loaded and o_proj's ignored."""
+    d = tiny(data_dir, tmp_path, name, {"attention_bias": True}, biases(data_dir, name, QKVO))
+    with refused("attention_bias=True", arch):
+        load_model(d)
+
+
+def test_llama_mlp_bias_is_refused(data_dir, tmp_path):
+    d = tiny(data_dir, tmp_path, "tiny-llama32", {"mlp_bias": True}, biases(data_dir, "tiny-llama32", MLP))
+    with refused("mlp_bias=True", "LlamaForCausalLM"):
+        load_model(d)
+
+
+@pytest.mark.parametrize("name, edit, key_value, arch", [
+    ("tiny-llama32", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5", "LlamaForCausalLM"),
+    ("tiny-qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}},
+     "rope_parameters.partial_rotary_factor=0.25", "Qwen3ForCausalLM"),
+    ("tiny-llama", {"hidden_act": "gelu_pytorch_tanh"}, "hidden_act='gelu_pytorch_tanh'", "LlamaForCausalLM"),
+    ("tiny-qwen2", {"hidden_act": "gelu"}, "hidden_act='gelu'", "Qwen2ForCausalLM"),
+    ("tiny-gemma3", {"hidden_activation": "silu"}, "hidden_activation='silu'", "Gemma3ForCausalLM"),
+    ("tiny-qwen3", {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+     "quantization_config={'quant_method': 'gptq'}", "Qwen3ForCausalLM"),
+    ("tiny-gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0", "Gemma3ForCausalLM"),
+    ("tiny-qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+     "rope_parameters.rope_type='yarn'", "Qwen3ForCausalLM"),
+    ("tiny-llama", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.type='dynamic'",
+     "LlamaForCausalLM"),
+])
+def test_a_config_key_the_model_does_not_implement_is_refused(data_dir, tmp_path, name, edit, key_value, arch):
+    d = tiny(data_dir, tmp_path, name, edit)
+    with refused(key_value, arch):
+        load_model(d)
+
+
+def test_tied_config_with_a_different_lm_head_is_refused(data_dir, tmp_path):
+    embed = stored(data_dir, "tiny-llama32")["model.embed_tokens.weight"]
+    d = tiny(data_dir, tmp_path, "tiny-llama32", tensors={"lm_head.weight": embed[::-1]})
+    with pytest.raises(ValueError, match="tie_word_embeddings=True, but the checkpoint's lm_head.weight is not"):
+        load_model(d)
+    same = tiny(data_dir, tmp_path / "same", "tiny-llama32", tensors={"lm_head.weight": embed})
+    cfg, weights = load_hf_weights(same)  # a tied checkpoint that stores the embedding twice is fine
+    assert cfg.tie_word_embeddings and "lm_head.weight" not in weights
+
+
+def test_untied_config_without_lm_head_is_refused(data_dir, tmp_path):
+    d = tiny(data_dir, tmp_path, "tiny-qwen3", {"tie_word_embeddings": False})
+    with pytest.raises(ValueError, match=r"tie_word_embeddings=False .* has no lm_head.weight"):
+        load_model(d)
+
+
+def test_an_extra_tensor_in_a_safetensors_file_is_refused(data_dir, tmp_path):
+    """Sharded (an index names the extra file) and single-file checkpoints alike; up to three names are given."""
+    extra = {f"model.layers.0.mlp.extra_{i}.weight": np.ones(4) for i in range(5)}
+    for name in ("tiny-llama", "tiny-qwen2"):
+        d = tiny(data_dir, tmp_path, name, tensors=extra)
+        with pytest.raises(ValueError, match=r"5 tensor\(s\) this .* config does not use: "
+                                             r"'model.layers.0.mlp.extra_0.weight', .* and 2 more"):
+            load_model(d)
+
+
+def test_rotary_inv_freq_buffers_are_ignored_as_transformers_does(data_dir, tmp_path):
+    d = tiny(data_dir, tmp_path, "tiny-llama32", tensors={"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(32)})
+    _, weights = load_hf_weights(d)
+    assert not any("rotary_emb" in n for n in weights)
+
+
+def test_qwen2_sliding_window_is_honoured_not_ignored():
+    base = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "sliding_window": 32}
+    cfg = config_from_hf_dict({**base, "use_sliding_window": True, "max_window_layers": 1})
+    assert [cfg.layer_window(n) for n in range(2)] == [None, 32]
+    assert config_from_hf_dict({**base, "use_sliding_window": False}).layer_types == ()
+
+
+def test_mistral_and_phi3_ignore_attention_bias_as_transformers_does():
+    """Their attention has no bias whatever the key says: no bias tensors are expected."""
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "attention_bias": True}
+    for arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        assert not config_from_hf_dict({**base, "architectures": [arch]}).attention_bias
+
+
+# -- GGUF: the same facts, where the metadata carries them ---------------------------------------
+
+
+def test_gguf_tensor_the_config_does_not_use_is_refused(tmp_path):
+    cfg, weights = random_model("llama", seed=3, layers=1)
+    path = tmp_path / "bias.gguf"
+    write_gguf(path, cfg, weights, extra_tensors={"blk.0.attn_output.bias": np.ones(cfg.hidden_size)})
+    with pytest.raises(ValueError, match=r"config does not use: 'model.layers.0.self_attn.o_proj.bias'"):
+        load_gguf_weights(path)
+
+
+def test_gguf_partial_rotary_and_unknown_rope_scaling_are_refused(tmp_path):
+    import gguf
+
+    cfg, weights = random_model("llama", seed=3, layers=1)
+    path = tmp_path / "partial.gguf"
+    write_gguf(path, cfg, weights, rope_dims=cfg.head_dim // 2)
+    with pytest.raises(ValueError, match=r"llama.rope.dimension_count=8 is not supported"):
+        load_gguf_weights(path)
+    yarn = tmp_path / "yarn.gguf"
+    write_gguf(yarn, cfg, weights, extra_meta=lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN))
+    with pytest.raises(ValueError, match=r"llama.rope.scaling.type='yarn' is not supported"):
+        load_gguf_weights(yarn)
+
+
+def test_gguf_linear_rope_scaling_is_honoured(tmp_path):
+    import gguf
+
+    cfg, weights = random_model("llama", seed=3, layers=1)
+    path = tmp_path / "linear.gguf"
+
+    def meta(w):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(4.0)
+
+    write_gguf(path, cfg, weights, extra_meta=meta)
+    gcfg, _ = load_gguf_weights(path)
+    assert gcfg.rope_scaling == {"rope_type": "linear", "factor": 4.0}
