@@ -48,6 +48,7 @@ class ModelConfig:
     rope_local_theta: float | None = None  # the sliding layers' rope base (Gemma 3), else rope_theta
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma), else head_dim ** -0.5
     hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_pytorch_tanh"
+    o_proj_bias: bool = False  # o_proj carries a bias (Llama's attention_bias, with q/k/v's: attention_bias)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -168,6 +169,11 @@ def _sliding_layers(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"layer_types": types, "sliding_window": window}
 
 
+def _llama_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Llama's attention_bias: a bias on q, k, v and o_proj (transformers' LlamaAttention)."""
+    return {"attention_bias": True, "o_proj_bias": True} if cfg.get("attention_bias") else {}
+
+
 def _qwen3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """Qwen3's sliding layers, and its head_dim of 128 when config.json omits it (transformers' default)."""
     return {**_sliding_layers(cfg), "head_dim": int(cfg.get("head_dim") or 128)}
@@ -209,7 +215,7 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 # What a family reads from config.json beyond the Llama block's keys (its values win over the common ones).
 _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "qwen2": _sliding_layers, "qwen3": _qwen3_fields, "phi3": _window_on_every_layer,
+    "llama": _llama_fields, "qwen2": _sliding_layers, "qwen3": _qwen3_fields, "phi3": _window_on_every_layer,
     "mistral": _window_on_every_layer, "gemma3": _gemma3_fields,
 }
 
@@ -244,7 +250,7 @@ def config_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Mod
             rope_theta=theta,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias (its entry's flag); attention_bias (q/k/v and o_proj) is refused.
+            # Qwen2 always has q/k/v bias (its entry's flag); Llama's attention_bias: _llama_fields.
             attention_bias=entry.qkv_bias,
             rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),

@@ -7,7 +7,7 @@ it into ModelConfig) or refused here, with a ValueError naming the key and its v
 the file and the architecture). docs/models.md lists, per family, the keys honoured and the ones refused.
 
     key                           families (those whose transformers modeling reads it)   refused when
-    attention_bias                llama, qwen3, gemma3 (bias on q, k, v and o_proj)       true
+    attention_bias                qwen3, gemma3 (bias on q, k, v and o_proj; Llama's runs)  true
     mlp_bias                      llama (bias on gate, up, down)                          true
     partial_rotary_factor         all (rotary on part of each head; also in rope_*)       != 1
     quantization_config           all (packed GPTQ / AWQ / FP8 / bitsandbytes weights)    present
@@ -37,7 +37,7 @@ _ALL = None  # every family
 
 # key -> (families that read it, whether a value is one we run, what the key does)
 REFUSED_KEYS: dict[str, tuple[frozenset[str] | None, Callable[[Any], bool], str]] = {
-    "attention_bias": (frozenset({"llama", "qwen3", "gemma3"}), lambda v: not v, "a bias on q, k, v and o_proj"),
+    "attention_bias": (frozenset({"qwen3", "gemma3"}), lambda v: not v, "a bias on q, k, v and o_proj"),
     "mlp_bias": (frozenset({"llama"}), lambda v: not v, "a bias on gate_proj, up_proj and down_proj"),
     "partial_rotary_factor": (_ALL, lambda v: v is None or float(v) == 1.0, "rotary on part of each head"),
     "quantization_config": (_ALL, lambda v: v is None, "quantized weights"),

@@ -86,6 +86,7 @@ def gguf_config(reader, path: str | Path) -> ModelConfig:
         max_position_embeddings=int(field_value(reader, f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias=entry.qkv_bias or "blk.0.attn_q.bias" in tensor_names,
+        o_proj_bias=entry.name == "llama" and "blk.0.attn_output.bias" in tensor_names,  # as llama.cpp's llama
         bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
         name=str(field_value(reader, "general.name", "")),

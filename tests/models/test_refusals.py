@@ -69,10 +69,9 @@ QKVO = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o
 MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-@pytest.mark.parametrize("name, arch", [("tiny-llama32", "LlamaForCausalLM"), ("tiny-qwen3", "Qwen3ForCausalLM"),
-                                        ("tiny-gemma3", "Gemma3ForCausalLM")])
+@pytest.mark.parametrize("name, arch", [("tiny-qwen3", "Qwen3ForCausalLM"), ("tiny-gemma3", "Gemma3ForCausalLM")])
 def test_attention_bias_with_its_tensors_is_refused(data_dir, tmp_path, name, arch):
-    """q/k/v and o_proj biases: before, q/k/v were loaded and o_proj's ignored."""
+    """q/k/v and o_proj biases: before, q/k/v were loaded and o_proj's ignored (Llama's now run: below)."""
     d = tiny(data_dir, tmp_path, name, {"attention_bias": True}, biases(data_dir, name, QKVO))
     with refused("attention_bias=True", arch):
         load_model(d)
@@ -159,8 +158,8 @@ def test_mistral_and_phi3_ignore_attention_bias_as_transformers_does():
 def test_gguf_tensor_the_config_does_not_use_is_refused(tmp_path):
     cfg, weights = random_model("llama", seed=3, layers=1)
     path = tmp_path / "bias.gguf"
-    write_gguf(path, cfg, weights, extra_tensors={"blk.0.attn_output.bias": np.ones(cfg.hidden_size)})
-    with pytest.raises(ValueError, match=r"config does not use: 'model.layers.0.self_attn.o_proj.bias'"):
+    write_gguf(path, cfg, weights, extra_tensors={"blk.0.ffn_down.bias": np.ones(cfg.hidden_size)})
+    with pytest.raises(ValueError, match=r"config does not use: 'model.layers.0.mlp.down_proj.bias'"):
         load_gguf_weights(path)
 
 
@@ -191,3 +190,94 @@ def test_gguf_linear_rope_scaling_is_honoured(tmp_path):
     write_gguf(path, cfg, weights, extra_meta=meta)
     gcfg, _ = load_gguf_weights(path)
     assert gcfg.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+
+
+# -- Llama's attention_bias is implemented: q/k/v bias (Qwen2's path) and an o_proj bias -------------
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def reference_logits(cfg, w: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
+    """A plain float64 Llama forward over one sequence (no paging, no fusing), every bias the weights hold
+    added where transformers' LlamaAttention adds it; rotary frequencies from rope.py (goldens check them)."""
+    from pagedserve.models.rope import rope_inv_freq
+
+    w = {k: v.astype(np.float64) for k, v in w.items()}
+    t, hd, heads, kv_heads = len(ids), cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    ang = np.outer(np.arange(t), rope_inv_freq(cfg))
+    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+
+    def rotate(x):  # [t, heads, hd], rotate-half
+        half = np.concatenate([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+        return x * cos[:, None] + half * sin[:, None]
+
+    x = w["model.embed_tokens.weight"][ids]
+    mask = np.triu(np.full((t, t), -np.inf), 1)
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}."
+
+        def proj(name, h):
+            return h @ w[p + name + ".weight"].T + w.get(p + name + ".bias", 0.0)
+
+        h = _rms(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+        q = rotate(proj("self_attn.q_proj", h).reshape(t, heads, hd))
+        k = np.repeat(rotate(proj("self_attn.k_proj", h).reshape(t, kv_heads, hd)), heads // kv_heads, axis=1)
+        v = np.repeat(proj("self_attn.v_proj", h).reshape(t, kv_heads, hd), heads // kv_heads, axis=1)
+        s = np.einsum("thd,shd->hts", q, k) * hd ** -0.5 + mask
+        prob = np.exp(s - s.max(-1, keepdims=True))
+        prob /= prob.sum(-1, keepdims=True)
+        x = x + proj("self_attn.o_proj", np.einsum("hts,shd->thd", prob, v).reshape(t, heads * hd))
+        h = _rms(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+        gate = proj("mlp.gate_proj", h)
+        x = x + proj("mlp.down_proj", gate / (1 + np.exp(-gate)) * proj("mlp.up_proj", h))
+    head = w["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"]
+    return _rms(x, w["model.norm.weight"], cfg.rms_norm_eps) @ head.T
+
+
+def _model_logits(cfg, weights, ids, kernels: str) -> np.ndarray:
+    from pagedserve.cupy_kernels.backend import get_backend
+    from pagedserve.models.batch import SeqChunk, build_forward_batch
+    from pagedserve.models.kv_cache import allocate_kv_caches
+    from pagedserve.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM(cfg, weights, get_backend("cpu", kernels))
+    kv = allocate_kv_caches(cfg, 16, 16, model.backend)
+    batch = build_forward_batch([SeqChunk(ids, 0, list(range(-(-len(ids) // 16))), num_logits=len(ids))], 16)
+    return np.asarray(model.forward(batch, kv), dtype=np.float64)
+
+
+def test_the_reference_forward_is_transformers_on_tiny_llama32(data_dir):
+    """The hand-written reference below is itself checked against transformers' logits (the goldens)."""
+    golden = np.load(data_dir / "goldens" / "tiny-llama32.npz")
+    cfg, weights = load_hf_weights(data_dir / "tiny-llama32")
+    ids = [int(i) for i in golden["prompt_ids_2"]]
+    ref = reference_logits(cfg, weights, ids)
+    top = golden["topk_ids_2"]
+    np.testing.assert_allclose(ref[np.arange(len(ids))[:, None], top], golden["topk_logits_2"], atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kernels", ["numpy", "numba"])
+def test_llama_attention_bias_runs_q_k_v_and_o_proj_biases(data_dir, tmp_path, kernels):
+    golden = np.load(data_dir / "goldens" / "tiny-llama32.npz")
+    ids = [int(i) for i in golden["prompt_ids_2"]]
+    d = tiny(data_dir, tmp_path, "tiny-llama32", {"attention_bias": True},
+             biases(data_dir, "tiny-llama32", QKVO))
+    cfg, weights = load_hf_weights(d)
+    assert cfg.attention_bias and cfg.o_proj_bias and "model.layers.1.self_attn.o_proj.bias" in weights
+    ref = reference_logits(cfg, weights, ids)
+    got = _model_logits(cfg, weights, ids, kernels)
+    np.testing.assert_allclose(got, ref, atol=2e-3, rtol=1e-4)
+    # the o_proj bias matters: without it the logits are far from these
+    no_o = {k: v for k, v in weights.items() if not k.endswith("o_proj.bias")}
+    assert np.abs(reference_logits(cfg, no_o, ids) - ref).max() > 0.5
+
+
+def test_llama_gguf_with_an_o_proj_bias_loads_it(tmp_path):
+    cfg, weights = random_model("llama", seed=3, layers=1)
+    path = tmp_path / "bias.gguf"
+    write_gguf(path, cfg, weights, extra_tensors={"blk.0.attn_output.bias": np.arange(cfg.hidden_size)})
+    gcfg, gw = load_gguf_weights(path)
+    assert gcfg.o_proj_bias and not gcfg.attention_bias
+    np.testing.assert_array_equal(gw["model.layers.0.self_attn.o_proj.bias"], np.arange(cfg.hidden_size))
