@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 
 from pagedserve.models.config import ModelConfig
@@ -91,3 +94,47 @@ def write_gguf(path, cfg: ModelConfig, weights: dict[str, np.ndarray], qtype_nam
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def edited_copy(data_dir, tmp_path, name: str, edit: dict | None = None, tensors: dict | None = None):
+    """A copy of tests/data/<name> with config.json keys set by `edit` and `tensors` added in a file of their
+    own (named in the shard index when there is one)."""
+    from safetensors.numpy import save_file
+
+    from pagedserve.models.loading.hf_loader import INDEX_FILE
+
+    d = tmp_path / name
+    shutil.copytree(data_dir / name, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(edit or {})
+    (d / "config.json").write_text(json.dumps(cfg))
+    if tensors:
+        save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},
+                  str(d / "extra.safetensors"))
+        index = d / INDEX_FILE
+        if index.is_file():
+            data = json.loads(index.read_text())
+            data["weight_map"].update({k: "extra.safetensors" for k in tensors})
+            index.write_text(json.dumps(data))
+    return d
+
+
+def stored_weights(data_dir, name: str) -> dict[str, np.ndarray]:
+    from pagedserve.models.loading.safetensors_io import read_safetensors
+
+    out = {}
+    for f in sorted((data_dir / name).glob("*.safetensors")):
+        out.update(read_safetensors(f))
+    return out
+
+
+def random_biases(data_dir, name: str, modules: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Random biases of `modules` ("self_attn.o_proj", ...) for every layer of tests/data/<name>, sized from the
+    stored weights."""
+    weights, rng = stored_weights(data_dir, name), np.random.default_rng(0)
+    out = {}
+    for key, w in weights.items():
+        layer_leaf = key.split(".", 3)
+        if len(layer_leaf) == 4 and layer_leaf[3].removesuffix(".weight") in modules:
+            out[key.removesuffix(".weight") + ".bias"] = 0.5 * rng.standard_normal(w.shape[0])
+    return out

@@ -6,59 +6,16 @@ refused in both formats, and tie_word_embeddings must agree with the checkpoint'
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 
 import numpy as np
 import pytest
-from model_factory import random_model, write_gguf
+from model_factory import edited_copy as tiny, random_biases, random_model, stored_weights as stored, write_gguf
 
 from pagedserve.models.config import config_from_hf_dict
 from pagedserve.models.loading.gguf_loader import load_gguf_weights
-from pagedserve.models.loading.hf_loader import INDEX_FILE, load_hf_weights
+from pagedserve.models.loading.hf_loader import load_hf_weights
 from pagedserve.models.loading.loader import load_model
-from pagedserve.models.loading.safetensors_io import read_safetensors
-
-
-def tiny(data_dir, tmp_path, name: str, edit: dict | None = None, tensors: dict | None = None):
-    """A copy of tests/data/<name> with config.json keys set by `edit` and `tensors` added in a file of their
-    own (named in the shard index when there is one)."""
-    from safetensors.numpy import save_file
-
-    d = tmp_path / name
-    shutil.copytree(data_dir / name, d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg.update(edit or {})
-    (d / "config.json").write_text(json.dumps(cfg))
-    if tensors:
-        save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},
-                  str(d / "extra.safetensors"))
-        index = d / INDEX_FILE
-        if index.is_file():
-            data = json.loads(index.read_text())
-            data["weight_map"].update({k: "extra.safetensors" for k in tensors})
-            index.write_text(json.dumps(data))
-    return d
-
-
-def stored(data_dir, name: str) -> dict[str, np.ndarray]:
-    out = {}
-    for f in sorted((data_dir / name).glob("*.safetensors")):
-        out.update(read_safetensors(f))
-    return out
-
-
-def biases(data_dir, name: str, modules: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """Random biases of `modules` ("self_attn.o_proj", ...) for every layer of tests/data/<name>, sized from the
-    stored weights."""
-    weights, rng = stored(data_dir, name), np.random.default_rng(0)
-    out = {}
-    for key, w in weights.items():
-        layer_leaf = key.split(".", 3)
-        if len(layer_leaf) == 4 and layer_leaf[3].removesuffix(".weight") in modules:
-            out[key.removesuffix(".weight") + ".bias"] = 0.5 * rng.standard_normal(w.shape[0])
-    return out
 
 
 def refused(key_value: str, arch: str):
@@ -72,13 +29,13 @@ MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 @pytest.mark.parametrize("name, arch", [("tiny-qwen3", "Qwen3ForCausalLM"), ("tiny-gemma3", "Gemma3ForCausalLM")])
 def test_attention_bias_with_its_tensors_is_refused(data_dir, tmp_path, name, arch):
     """q/k/v and o_proj biases: before, q/k/v were loaded and o_proj's ignored (Llama's now run: below)."""
-    d = tiny(data_dir, tmp_path, name, {"attention_bias": True}, biases(data_dir, name, QKVO))
+    d = tiny(data_dir, tmp_path, name, {"attention_bias": True}, random_biases(data_dir, name, QKVO))
     with refused("attention_bias=True", arch):
         load_model(d)
 
 
 def test_llama_mlp_bias_is_refused(data_dir, tmp_path):
-    d = tiny(data_dir, tmp_path, "tiny-llama32", {"mlp_bias": True}, biases(data_dir, "tiny-llama32", MLP))
+    d = tiny(data_dir, tmp_path, "tiny-llama32", {"mlp_bias": True}, random_biases(data_dir, "tiny-llama32", MLP))
     with refused("mlp_bias=True", "LlamaForCausalLM"):
         load_model(d)
 
@@ -259,11 +216,11 @@ def test_the_reference_forward_is_transformers_on_tiny_llama32(data_dir):
 
 
 @pytest.mark.parametrize("kernels", ["numpy", "numba"])
-def test_llama_attention_bias_runs_q_k_v_and_o_proj_biases(data_dir, tmp_path, kernels):
+def test_llama_attention_bias_runs_q_k_v_and_o_proj_random_biases(data_dir, tmp_path, kernels):
     golden = np.load(data_dir / "goldens" / "tiny-llama32.npz")
     ids = [int(i) for i in golden["prompt_ids_2"]]
     d = tiny(data_dir, tmp_path, "tiny-llama32", {"attention_bias": True},
-             biases(data_dir, "tiny-llama32", QKVO))
+             random_biases(data_dir, "tiny-llama32", QKVO))
     cfg, weights = load_hf_weights(d)
     assert cfg.attention_bias and cfg.o_proj_bias and "model.layers.1.self_attn.o_proj.bias" in weights
     ref = reference_logits(cfg, weights, ids)
