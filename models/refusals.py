@@ -110,7 +110,11 @@ def check_gguf_metadata(arch: str, family: str, value: Callable[..., Any], head_
         raise gguf_refused("expert_count", int(experts), "a mixture of experts")
     fields: dict[str, Any] = {}
     kind = value(f"{arch}.rope.scaling.type", None)
-    if family in ("gemma3", "phi3") or kind in (None, "none"):  # their own fields read it (registry.py)
+    if family == "gemma3" or kind in (None, "none"):  # Gemma 3's own fields read it (registry.py)
+        return fields
+    if family == "phi3":  # LongRoPE, from the context lengths (registry.phi3_gguf_fields)
+        if kind not in ("longrope", "su"):
+            raise gguf_refused("rope.scaling.type", kind, "Phi-3 runs longrope")
         return fields
     if kind != "linear":
         raise gguf_refused("rope.scaling.type", kind, "implemented: none, linear; llama3 comes as rope_freqs")
