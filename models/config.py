@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from . import registry
+from . import refusals, registry
 
 
 ROPE_TYPES = ("default", "llama3", "longrope", "linear")
@@ -48,6 +48,7 @@ class ModelConfig:
     rope_local_theta: float | None = None  # the sliding layers' rope base (Gemma 3), else rope_theta
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma), else head_dim ** -0.5
     hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_pytorch_tanh"
+    o_proj_bias: bool = False  # o_proj carries a bias (Llama's attention_bias, with q/k/v's: attention_bias)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -123,7 +124,11 @@ def _rope_from_hf(cfg: dict[str, Any], params: dict[str, Any] | None = None,
     if rope_type in (None, "default"):
         return float(theta), None
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
+        key = "rope_parameters" if params.get("rope_type") else "rope_scaling"
+        key += ".rope_type" if (params or scaling or {}).get("rope_type") else ".type"
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}: config key {key}={rope_type!r} is not "
+                         f"supported (implemented: {', '.join(ROPE_TYPES)}); pagedserve refuses a model it would "
+                         f"run wrongly")
     source = params if params.get("rope_type") in (rope_type, "su") else scaling
     keys = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
             "linear": ("factor",), "longrope": ("short_factor", "long_factor")}[rope_type]
@@ -146,8 +151,6 @@ def _longrope_extras(cfg: dict[str, Any], source: dict[str, Any]) -> dict[str, A
     attention_factor = source.get("attention_factor")
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    if float(source.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
-        raise ValueError("longrope with partial_rotary_factor != 1 is not supported")
     return {"original_max_position_embeddings": original, "attention_factor": float(attention_factor)}
 
 
@@ -166,6 +169,16 @@ def _sliding_layers(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"layer_types": types, "sliding_window": window}
 
 
+def _llama_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Llama's attention_bias: a bias on q, k, v and o_proj (transformers' LlamaAttention)."""
+    return {"attention_bias": True, "o_proj_bias": True} if cfg.get("attention_bias") else {}
+
+
+def _qwen3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3's sliding layers, and its head_dim of 128 when config.json omits it (transformers' default)."""
+    return {**_sliding_layers(cfg), "head_dim": int(cfg.get("head_dim") or 128)}
+
+
 def _window_on_every_layer(cfg: dict[str, Any]) -> dict[str, Any]:
     """Phi-3 and Mistral apply their sliding_window (2047 in Phi-3-mini-4k, 4096 in Mistral-7B-v0.1; null in
     the later ones) to every layer, as transformers does."""
@@ -178,11 +191,6 @@ def _window_on_every_layer(cfg: dict[str, Any]) -> dict[str, Any]:
 def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """Gemma 3 (text): local layers with their own rope base and a window, query_pre_attn_scalar, GELU-tanh.
     transformers 5 writes rope_parameters per layer type; older configs rope_theta + rope_local_base_freq."""
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if cfg.get(key) is not None:
-            raise ValueError(f"Gemma 3 with {key}={cfg[key]} is not supported")
-    if cfg.get("use_bidirectional_attention"):
-        raise ValueError("Gemma 3 with use_bidirectional_attention is not supported (an encoder, not a decoder)")
     params = cfg.get("rope_parameters") or {}
     if "full_attention" in params:
         theta, scaling = _rope_from_hf({}, params["full_attention"], default_theta=1e6)
@@ -207,8 +215,8 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 # What a family reads from config.json beyond the Llama block's keys (its values win over the common ones).
 _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "qwen3": _sliding_layers, "phi3": _window_on_every_layer, "mistral": _window_on_every_layer,
-    "gemma3": _gemma3_fields,
+    "llama": _llama_fields, "qwen2": _sliding_layers, "qwen3": _qwen3_fields, "phi3": _window_on_every_layer,
+    "mistral": _window_on_every_layer, "gemma3": _gemma3_fields,
 }
 
 
@@ -221,6 +229,7 @@ def config_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Mod
             f"supported: {registry.supported_hf()}"
         )
     try:
+        refusals.check_hf_keys(entry.name, cfg)
         family = _FAMILY_FIELDS.get(entry.name, lambda _: {})(cfg)
         theta, scaling = (None, None) if "rope_theta" in family else _rope_from_hf(cfg)
         heads = int(cfg["num_attention_heads"])
@@ -241,19 +250,22 @@ def config_from_hf_dict(cfg: dict[str, Any], source: str = "config.json") -> Mod
             rope_theta=theta,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias (its entry's flag); the others only when attention_bias says so.
-            attention_bias=entry.qkv_bias or bool(cfg.get("attention_bias", False)),
+            # Qwen2 always has q/k/v bias (its entry's flag); Llama's attention_bias: _llama_fields.
+            attention_bias=entry.qkv_bias,
             rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=str(cfg.get("_name_or_path", "")),
             hidden_act=act,
         )
-        return ModelConfig(**{**fields, **family})
+        fields.update(family)
+        act_key = "hidden_activation" if cfg.get("hidden_activation") and entry.name == "gemma3" else "hidden_act"
+        refusals.check_hidden_act(entry.name, fields["hidden_act"], act_key)
+        return ModelConfig(**fields)
     except KeyError as e:
         raise ValueError(f"{source}: missing required field {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{source}: {e}") from None
+        raise ValueError(f"{source} ({entry.hf_names[0]}): {e}") from None
 
 
 def load_hf_config(model_dir: str | Path) -> ModelConfig:

@@ -1,8 +1,9 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2, Phi-3) over a paged KV cache, written against the op layer.
 
 The registry (models/registry.py) names this class for those families and holds their shape table. Qwen2
-only adds q/k/v bias; Phi-3's fused qkv_proj / gate_up_proj are split at load (hf_loader) and its LongRoPE
-lives in rope.py; Mistral and Phi-3 may attend over a sliding window on every layer (config.sliding_window).
+only adds q/k/v bias (Llama's attention_bias: q/k/v and o_proj bias); Phi-3's fused qkv_proj / gate_up_proj
+are split at load (hf_loader) and its LongRoPE lives in rope.py; Mistral and Phi-3 may attend over a sliding
+window on every layer (config.sliding_window).
 Weights arrive with Hugging Face names; at construction q/k/v are fused into one matrix and gate/up into
 another, so each layer does four matmuls.
 
@@ -48,6 +49,7 @@ class LayerWeights:
     o_proj_q: QuantWeight | None = None
     gate_up_q: QuantWeight | None = None
     down_q: QuantWeight | None = None
+    o_proj_bias: Any | None = None  # [hidden] (Llama's attention_bias), added once after the all-reduce
 
 
 class LlamaForCausalLM:
@@ -65,6 +67,9 @@ class LlamaForCausalLM:
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend: Backend | None = None,
                  source: str = "weights", shard: TPShard | None = None, comm: Any = None) -> None:
         self.shard = shard = shard or TPShard()
+        if self.silu_gated_mlp and config.hidden_act != "silu":  # a config made by hand (the loaders refuse it)
+            raise ValueError(f"{source}: hidden_act={config.hidden_act!r}: the {config.architecture} model computes "
+                             f"silu")
         check_weights(config, weights, source, shard)
         self.config = config
         self.backend = backend or get_backend("cpu")
@@ -119,6 +124,7 @@ class LlamaForCausalLM:
             gate_up=put_t(weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"],
                           gated=self.silu_gated_mlp),
             down=put_t(weights[p + "mlp.down_proj.weight"]),
+            o_proj_bias=put(weights[a + "o_proj.bias"]) if self.config.o_proj_bias else None,
         )
 
     def _attach_quant(self, weights: dict[str, np.ndarray]) -> None:
@@ -227,9 +233,12 @@ class LlamaForCausalLM:
         attn = attn.reshape(batch.num_tokens, self.q_size)
         if rows is not None:
             attn = attn[rows]
-        if add_to is not None:
+        if add_to is not None:  # (never with an o_proj bias: forward does not fuse then)
             return ops.linear_add(attn, layer.o_proj, add_to, quant=layer.o_proj_q)
-        return self.comm.all_reduce(ops.linear(attn, layer.o_proj, quant=layer.o_proj_q))
+        out = self.comm.all_reduce(ops.linear(attn, layer.o_proj, quant=layer.o_proj_q))
+        if layer.o_proj_bias is not None:
+            out += layer.o_proj_bias
+        return out
 
     def _mlp(self, layer: LayerWeights, x: Any, add_to: Any = None) -> Any:
         """The gated MLP: down(silu(gate x) * up x), all-reduced (down is row-parallel); add_to: as _attention's."""
@@ -267,7 +276,7 @@ class LlamaForCausalLM:
         keep = rows_wanting_logits(batch)
         # A set whose GEMM adds into its output (ops.linear_add: numba) takes o_proj's and down's outputs straight
         # into the residual; then only the norms remain (one rank: with several, the add follows the all-reduce).
-        fused = ops.linear_add is not None and self.comm.world_size == 1
+        fused = ops.linear_add is not None and self.comm.world_size == 1 and not cfg.o_proj_bias
         for n, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             if fused and residual is not None:  # the previous layer's down added its output already
                 x = ops.rms_norm(residual, layer.input_norm, cfg.rms_norm_eps)

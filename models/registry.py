@@ -176,6 +176,8 @@ def llama_layer_shapes(config: ModelConfig) -> dict[str, Shape]:
     if config.attention_bias:
         shapes.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
                        "self_attn.v_proj.bias": (kv,)})
+    if config.o_proj_bias:
+        shapes["self_attn.o_proj.bias"] = (h,)
     return shapes
 
 

@@ -427,6 +427,18 @@ def check_ops_return_device_arrays():
 
 
 def load_tiny(name: str):
+    """A committed tiny checkpoint; "<name>-bias": that Llama with attention_bias (random q/k/v and o_proj biases)."""
+    if name.endswith("-bias"):
+        import dataclasses
+
+        cfg, weights = load_tiny(name.removesuffix("-bias"))
+        rng = np.random.default_rng(2)
+        sizes = {"q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size, "o_proj": cfg.hidden_size}
+        for n in range(cfg.num_hidden_layers):
+            for proj, size in sizes.items():
+                bias = 0.5 * rng.standard_normal(size)
+                weights[f"model.layers.{n}.self_attn.{proj}.bias"] = bias.astype(np.float32)
+        return dataclasses.replace(cfg, attention_bias=True, o_proj_bias=True), weights
     try:  # the loader needs tokenizers; the GPU box may only have numpy + CuPy
         from pagedserve.models.loading.loader import load_model
     except ImportError:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 
 from pagedserve.models.config import ModelConfig
@@ -41,12 +44,19 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(path, cfg: ModelConfig, weights: dict[str, np.ndarray], qtype_name: str = "F32",
-               arch: str = "llama") -> None:
-    """Write a llama GGUF the way llama.cpp's converter would (matrices in `qtype_name`, norms F32)."""
+               arch: str = "llama", extra_meta=None, extra_tensors: dict[str, np.ndarray] | None = None,
+               rope_dims: int | None = None) -> None:
+    """Write a llama GGUF the way llama.cpp's converter would (matrices in `qtype_name`, norms F32).
+    extra_meta(writer) adds metadata; extra_tensors (GGUF names) are written as float32; rope_dims: the rotary
+    width written (head_dim by default)."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType[qtype_name]
     w = gguf.GGUFWriter(str(path), arch)
+    if extra_meta is not None:
+        extra_meta(w)
+    for gname, t in (extra_tensors or {}).items():
+        w.add_tensor(gname, np.ascontiguousarray(t, dtype=np.float32))
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -55,7 +65,7 @@ def write_gguf(path, cfg: ModelConfig, weights: dict[str, np.ndarray], qtype_nam
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_dimension_count(rope_dims or cfg.head_dim)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
@@ -84,3 +94,47 @@ def write_gguf(path, cfg: ModelConfig, weights: dict[str, np.ndarray], qtype_nam
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def edited_copy(data_dir, tmp_path, name: str, edit: dict | None = None, tensors: dict | None = None):
+    """A copy of tests/data/<name> with config.json keys set by `edit` and `tensors` added in a file of their
+    own (named in the shard index when there is one)."""
+    from safetensors.numpy import save_file
+
+    from pagedserve.models.loading.hf_loader import INDEX_FILE
+
+    d = tmp_path / name
+    shutil.copytree(data_dir / name, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(edit or {})
+    (d / "config.json").write_text(json.dumps(cfg))
+    if tensors:
+        save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},
+                  str(d / "extra.safetensors"))
+        index = d / INDEX_FILE
+        if index.is_file():
+            data = json.loads(index.read_text())
+            data["weight_map"].update({k: "extra.safetensors" for k in tensors})
+            index.write_text(json.dumps(data))
+    return d
+
+
+def stored_weights(data_dir, name: str) -> dict[str, np.ndarray]:
+    from pagedserve.models.loading.safetensors_io import read_safetensors
+
+    out = {}
+    for f in sorted((data_dir / name).glob("*.safetensors")):
+        out.update(read_safetensors(f))
+    return out
+
+
+def random_biases(data_dir, name: str, modules: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Random biases of `modules` ("self_attn.o_proj", ...) for every layer of tests/data/<name>, sized from the
+    stored weights."""
+    weights, rng = stored_weights(data_dir, name), np.random.default_rng(0)
+    out = {}
+    for key, w in weights.items():
+        layer_leaf = key.split(".", 3)
+        if len(layer_leaf) == 4 and layer_leaf[3].removesuffix(".weight") in modules:
+            out[key.removesuffix(".weight") + ".bias"] = 0.5 * rng.standard_normal(w.shape[0])
+    return out

@@ -27,7 +27,7 @@ from pagedserve.cupy_kernels.reference.quant import (
     KQUANT_TYPES, QUANT_TYPES, QuantWeight, dequantize, dequantize_kquant, kind_of, make_quant_weight, split_blocks,
 )
 
-from .. import registry
+from .. import refusals, registry
 from ..config import ModelConfig
 from .gguf_metadata import GGUFFile, GGUFTensor, read_gguf
 
@@ -64,6 +64,12 @@ def gguf_config(reader, path: str | Path) -> ModelConfig:
     vocab = field_value(reader, f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
     if vocab is None:
         raise ValueError(f"{path}: GGUF metadata gives no vocab size")
+    head_dim = int(field_value(reader, f"{arch}.attention.key_length", hidden // heads))
+    try:  # the facts config.json would refuse, where the metadata carries them
+        checked = refusals.check_gguf_metadata(arch, entry.name, lambda key, default=None:
+                                               field_value(reader, key, default), head_dim)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     tensor_names = {t.name for t in reader.tensors}
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")
     fields = dict(
@@ -74,15 +80,17 @@ def gguf_config(reader, path: str | Path) -> ModelConfig:
         num_hidden_layers=int(need("block_count")),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=int(field_value(reader, f"{arch}.attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(field_value(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
         max_position_embeddings=int(field_value(reader, f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias=entry.qkv_bias or "blk.0.attn_q.bias" in tensor_names,
+        o_proj_bias=entry.name == "llama" and "blk.0.attn_output.bias" in tensor_names,  # as llama.cpp's llama
         bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
         name=str(field_value(reader, "general.name", "")),
+        **checked,
     )
     if entry.gguf_config_fields is not None:  # what the family reads beyond the Llama block's keys
         fields.update(entry.gguf_config_fields(arch, lambda key, default=None: field_value(reader, key, default)))
@@ -187,4 +195,5 @@ def load_gguf_weights(path: str | Path, reader: GGUFFile | None = None) -> tuple
         weights.update(blocks)
     if entry.load_transform is not None:  # the family's reshaping of its checkpoint (registry.py)
         entry.load_transform(config, weights, "gguf")
+    refusals.check_tensors(config, weights, str(path))  # a mapped name the config does not use (an o_proj bias)
     return config, weights

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import registry
+from .. import refusals, registry
 from ..config import ModelConfig, load_hf_config
 from .safetensors_io import read_safetensors
 from ..tensor_parallel import TPShard, check_tensor_parallel
@@ -71,4 +71,5 @@ def load_hf_weights(model_dir: str | Path, shard: TPShard | None = None) -> tupl
                 index = shard.index_for(config, name)
                 if index is not None:
                     weights[name] = np.ascontiguousarray(weights[name][index])
+    refusals.check_tensors(config, weights, str(model_dir), shard)  # nothing left unused, as in a GGUF file
     return config, weights

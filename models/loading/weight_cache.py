@@ -31,7 +31,9 @@ from ..config import ModelConfig
 from .safetensors_io import read_safetensors
 from ..tensor_parallel import TPShard, check_tensor_parallel
 
-CACHE_FORMAT = 2  # 2: the GGUF blocks of quantized matmul weights are kept too (gguf_loader.quant_names)
+# 2: the GGUF blocks of quantized matmul weights are kept too (gguf_loader.quant_names); 3: written only after
+# the loader's refusals (models/refusals.py) passed, so an entry of a file they now refuse is not read
+CACHE_FORMAT = 3
 
 
 def file_sha256(path: str | Path) -> str:

@@ -260,7 +260,7 @@ def test_ops_return_device_arrays():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-llama32", "tiny-gemma3",
-                                  "random-smollm2"])
+                                  "random-smollm2", "tiny-llama32-bias"])
 def test_model_logits_match_numpy(name):
     gpu_helpers.check_model_logits_match_numpy(name)
 

@@ -405,7 +405,7 @@ def test_embedding_and_validation_on_host(emulated):
     gpu_helpers.check_paged_attention_strided_query_view()
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-gemma3", "tiny-llama32-bias"])
 def test_model_forward_on_host(emulated, name):
     """The forward with get_backend("cuda") (float16, every op through cuda_ops) vs numpy float32. tiny-gemma3: head
     dim 256, a sliding layer (window 8) and a full one; its GELU-tanh gate is CuPy array code (models/layers.py), here

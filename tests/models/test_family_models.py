@@ -71,8 +71,8 @@ def test_gemma3_4b_linear_rope_on_the_global_layers_only():
 
 @pytest.mark.parametrize("key, value, match", [
     ("final_logit_softcapping", 30.0, "final_logit_softcapping=30.0 is not supported"),
-    ("use_bidirectional_attention", True, "use_bidirectional_attention is not supported"),
-    ("hidden_activation", "relu", "unsupported hidden_act 'relu'"),
+    ("use_bidirectional_attention", True, "use_bidirectional_attention=True is not supported"),
+    ("hidden_activation", "relu", "hidden_activation='relu' is not supported"),
 ])
 def test_gemma3_what_it_cannot_run_is_refused_by_name(key, value, match):
     with pytest.raises(ValueError, match=match):

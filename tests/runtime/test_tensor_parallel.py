@@ -81,6 +81,15 @@ def test_tp3_is_the_same_model_on_tiny_qwen2_with_biases(data_dir):
     _check_same_model(data_dir / "tiny-qwen2", 3)
 
 
+def test_tp2_is_the_same_model_with_llama_attention_bias(data_dir, tmp_path):
+    # q/k/v biases sliced with their rows; the o_proj bias replicated and added once, after the all-reduce
+    from model_factory import edited_copy, random_biases
+
+    modules = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+    _check_same_model(edited_copy(data_dir, tmp_path, "tiny-llama32", {"attention_bias": True},
+                                  random_biases(data_dir, "tiny-llama32", modules)), 2)
+
+
 @pytest.mark.slow
 def test_tp3_is_the_same_model_on_the_embedded_smollm2(smollm2_path):
     _check_same_model(smollm2_path, 3)  # 9 heads, 3 KV heads: one each (TP=2 cannot split 9 heads)
