@@ -164,6 +164,7 @@ class ToolCallParser:
         self._content: list[str] = []
         self.tool_calls: list[dict] = []
         self._finished = False
+        self.ended_in_call = False  # finish() found the text inside a call (its tag or arguments) unclosed
 
     # -- public -------------------------------------------------------------------------------------------
 
@@ -172,6 +173,7 @@ class ToolCallParser:
         fresh = ToolCallParser(self.names, self.max_calls)
         fresh.feed(text)
         fresh.finish()
+        self.ended_in_call = fresh.ended_in_call
         content = fresh.content
         return (None if fresh.tool_calls and not content else content), fresh.tool_calls
 
@@ -187,6 +189,7 @@ class ToolCallParser:
         if self._finished:
             return []
         out: list[dict] = []
+        self.ended_in_call = self._state != _TEXT
         self._run(out, final=True)
         if self._ws and not self.tool_calls:  # whitespace ending a reply without calls is the reply's own
             self._send_content(self._ws, out)

@@ -11,11 +11,12 @@ import re
 import threading
 
 import jsonschema
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.runtime.structured_outputs_params import MAX_CONSTRAINT_CHARS
+from pagedserve.runtime.structured_outputs_params import MAX_CONSTRAINT_CHARS, StructuredOutputsParams
 from pagedserve.sidecar.tool_calls import MAX_TOOLS, ToolCallParser, plan_tools
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
@@ -84,12 +85,13 @@ def test_bad_input_names_the_field(tools, tool_choice, parallel, match) -> None:
     assert len(str(e.value)) < 400
 
 
-def test_a_grammar_over_the_size_limit_is_refused_naming_tools() -> None:
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_a_grammar_over_the_size_limit_is_refused_naming_tools(tool_choice) -> None:
     big = {"type": "object", "properties": {f"p{i}_{'x' * 60}": {"type": "string"} for i in range(2000)}}
     assert len(json.dumps(big)) > MAX_CONSTRAINT_CHARS / 2
     many = [fn(name=f"f{i}", parameters=big) for i in range(2)]
     with pytest.raises(ValueError, match=r"^tools \(the tool-call grammar\) is \d+ characters; the limit"):
-        plan_tools(many, "required")
+        plan_tools(many, tool_choice)
 
 
 def test_the_chat_endpoint_plans_tools_off_the_event_loop(monkeypatch) -> None:
@@ -134,14 +136,21 @@ def test_none_puts_no_tools_in_the_prompt_and_parses_nothing() -> None:
     assert plan_tools(TOOLS, "none").finish_reason("stop", []) == "stop"
 
 
-def test_auto_prompts_with_the_tools_and_parses_without_a_grammar() -> None:
+def test_auto_prompts_with_the_tools_and_carries_a_lazy_grammar() -> None:
     for plan in (plan_tools(TOOLS), plan_tools(TOOLS, "auto")):
-        assert plan.mode == "auto" and plan.structured_outputs is None
+        assert plan.mode == "auto" and not plan.forces_calls
+        assert plan.structured_outputs.kind == "grammar" and "[lazy]" in plan.structured_outputs.grammar
         assert [t["function"]["name"] for t in plan.template_tools] == list(NAMES)
         assert plan.parser().names == NAMES
-    calls = plan.parser().parse(call("ping", "{}"))[1]
-    assert plan.finish_reason("stop", calls) == "tool_calls"
-    assert plan.finish_reason("stop", []) == "stop" and plan.finish_reason("length", calls) == "length"
+    parser = plan.parser()
+    calls = parser.parse(call("ping", "{}"))[1]
+    assert not parser.ended_in_call
+    assert plan.finish_reason("stop", calls) == "tool_calls" and plan.finish_reason("length", calls) == "tool_calls"
+    assert plan.finish_reason("stop", []) == "stop" and plan.finish_reason("length", []) == "length"
+    # max_tokens cut inside a call: "length", and ChatRender returns the text, no call
+    cut = parser.parse(call("ping", "{}") + "\n" + call("get_weather", WEATHER_ARGS)[:40])
+    assert parser.ended_in_call and len(cut[1]) == 1
+    assert plan.finish_reason("length", cut[1], parser.ended_in_call) == "length"
 
 
 def test_required_and_named_carry_a_grammar() -> None:
@@ -391,6 +400,60 @@ def test_grammar_accepts_exactly_the_valid_calls(compiler, choice, parallel, tex
         for c in calls:
             schema = {t["function"]["name"]: t["function"].get("parameters") for t in TOOLS}[c["function"]["name"]]
             jsonschema.validate(json.loads(c["function"]["arguments"]), schema or {"type": "object"})
+
+
+# The call SmolLM2 wrote in auto mode on main (#60): "arguments" missing, the required keys with it.
+BAD_AUTO_CALL = '<tool_call>\n{"name": "get_weather", "additionalProperties": true}\n</tool_call>'
+
+
+@pytest.mark.parametrize(("parallel", "text", "ok"), [
+    (True, "", True),
+    (True, "Paris is sunny today, I think.\n\nNo tool needed <tool> here", True),  # free text stays free
+    (True, PARIS, True),
+    (True, "Let me check.\n" + PARIS, True),  # free text before the marker
+    (True, PARIS + "\n\n", True),  # whitespace after a call, then the end
+    (True, PARIS + "\n" + call("get_time", '{"zone": "Asia/Tokyo"}') + "\n" + call("ping", "{}"), True),
+    (False, PARIS + "\n" + call("ping", "{}"), False),  # parallel_tool_calls false: one call
+    (True, PARIS + " And more text.", False),  # after a call: another call or the end
+    (True, BAD_AUTO_CALL, False),
+    (True, "Sure: " + BAD_AUTO_CALL, False),
+    (True, call("get_weather", '{"city": "Paris"}'), False),  # a required key missing
+    (True, call("get_weather", '{"city": "Paris", "unit": "kelvin"}'), False),
+    (True, call("get_time", '{"zone": "paris"}'), False),
+    (True, call("launch", "{}"), False),  # not one of the tools
+    (True, "<tool_call>\nthe weather in Paris\n</tool_call>", False),
+])
+def test_auto_grammar_constrains_only_what_follows_the_marker(compiler, parallel, text, ok) -> None:
+    plan = plan_tools(TOOLS, "auto", parallel)
+    assert accepts(compiler, plan, text) is ok
+    if ok:  # what the grammar lets through parses into calls that match their schemas
+        parser = plan.parser()
+        content, calls = parser.parse(text)
+        assert len(calls) == text.count("<tool_call>") and not parser.ended_in_call
+        assert plan.finish_reason("stop", calls) == ("tool_calls" if calls else "stop")
+        for c in calls:
+            jsonschema.validate(json.loads(c["function"]["arguments"]), SCHEMAS[c["function"]["name"]])
+
+
+def test_auto_grammar_masks_the_wrong_tokens_once_the_marker_is_written(compiler) -> None:
+    # Token by token, as the sampler sees it: in free text the mask is that of any text (all but the special
+    # tokens besides EOS, and lone bytes that are no UTF-8); once the marker is written, the token that began
+    # the bad call above ("additional") is masked, "arguments" is not, nor is EOS.
+    tok, gc = compiler
+
+    def allowed(matcher) -> np.ndarray:
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")
+        return bits[:tok.vocab_size].astype(bool)
+
+    text = gc.submit(StructuredOutputsParams(grammar="start: /(.|\\n)*/").grammar_text).result(timeout=60)
+    matcher = gc.submit(plan_tools(TOOLS, "auto").structured_outputs.grammar_text).result(timeout=60).deep_copy()
+    assert (allowed(matcher) == allowed(text)).all() and allowed(text).sum() > tok.vocab_size - 200
+    assert matcher.consume_tokens(tok.encode("Sure, let me look that up.", add_special_tokens=False))
+    assert (allowed(matcher) == allowed(text)).all()
+    assert matcher.consume_tokens(tok.encode('<tool_call>\n{"name": "get_weather", "', add_special_tokens=False))
+    mask = allowed(matcher)
+    [good], [bad, _] = (tok.encode(w, add_special_tokens=False) for w in ("arguments", "additionalProperties"))
+    assert mask[good] and not mask[bad] and not mask[tok.eos_token_ids[0]] and mask.sum() < 10
 
 
 # -- the embedded model -----------------------------------------------------------------------------------------
