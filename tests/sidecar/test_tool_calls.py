@@ -151,6 +151,11 @@ def test_auto_prompts_with_the_tools_and_carries_a_lazy_grammar() -> None:
     cut = parser.parse(call("ping", "{}") + "\n" + call("get_weather", WEATHER_ARGS)[:40])
     assert parser.ended_in_call and len(cut[1]) == 1
     assert plan.finish_reason("length", cut[1], parser.ended_in_call) == "length"
+    for tail in ("\n<", "\n\n<tool_ca"):  # cut on the next call's marker: cut inside a call too
+        assert parser.parse(call("ping", "{}") + tail)[1] and parser.ended_in_call
+    for whole in ("a < b", "Sure.\n\n" + call("ping", "{}") + "\n\n"):
+        parser.parse(whole)
+        assert not parser.ended_in_call
 
 
 def test_required_and_named_carry_a_grammar() -> None:
