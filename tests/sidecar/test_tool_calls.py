@@ -501,6 +501,45 @@ def test_smollm2_required_and_named_calls_parse_and_match_their_schemas(smollm2_
                 jsonschema.validate(json.loads(c["function"]["arguments"]), schemas[c["function"]["name"]])
 
 
+@pytest.mark.slow
+def test_smollm2_auto_greedy_call_is_constrained_and_free_text_unchanged(smollm2_loaded) -> None:
+    # Greedy, so deterministic: asked about two cities after a one-call example, SmolLM2 opens a call and,
+    # unconstrained (main), names a tool that does not exist ("get_weather_and_temperature") and repeats a key.
+    # With the lazy grammar the call is one of the tools with valid arguments, and the reply ends after it
+    # (parallel_tool_calls false). Replies that open no call are token for token those of the same request
+    # without the grammar.
+    from engine_helpers import drain
+
+    from pagedserve.runtime.config import EngineConfig
+    from pagedserve.runtime.engine.llm_engine import LLMEngine
+    from pagedserve.runtime.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(device="cpu", seed=0, kv_cache_memory_bytes=128 << 20), loaded=smollm2_loaded)
+    tok = smollm2_loaded.tokenizer
+    plan = plan_tools(TOOLS, "auto", False)
+    asks = {"call": [FEW_SHOT[0], {"role": "user", "content": "weather in Berlin and Madrid?"}]}
+    for i, question in enumerate(["Is it raining in London?", "What time is it in Tokyo?", "Tell me a joke.",
+                                  "What is the capital of France?", "How hot is it in Cairo today?"]):
+        asks[f"text{i}"] = [{"role": "user", "content": question}]
+    for rid, messages in asks.items():
+        prompt = tok.apply_chat_template(messages, tools=plan.template_tools, tokenize=True)
+        for label, so in (("lazy", plan.structured_outputs), ("free", None)):
+            engine.add_request(f"{rid}-{label}", prompt,
+                               SamplingParams(temperature=0, max_tokens=48, structured_outputs=so))
+    finished = drain(engine, max_steps=2_000)
+    out = finished["call-lazy"].outputs[0]
+    parser = plan.parser()
+    content, calls = parser.parse(out.text)
+    assert out.finish_reason == "stop" and not parser.ended_in_call, out.text
+    assert plan.finish_reason(out.finish_reason, calls) == "tool_calls" and content is None and len(calls) == 1
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), SCHEMAS[calls[0]["function"]["name"]])
+    for rid in asks:
+        if rid.startswith("text"):
+            lazy, free = finished[f"{rid}-lazy"].outputs[0], finished[f"{rid}-free"].outputs[0]
+            assert "<tool_call>" not in free.text
+            assert (lazy.token_ids, lazy.finish_reason) == (free.token_ids, free.finish_reason), rid
+
+
 # -- through the HTTP API with the official openai client, on the embedded model --------------------------------
 # (tests/sidecar/test_http_tools.py runs every mode on the tiny model; here the real model writes its own calls)
 
