@@ -25,7 +25,7 @@ Interface (what the chat endpoint calls; everything raises ValueError naming the
     parser.feed(delta) -> [delta, ...]               streaming: OpenAI `delta` dicts for chunks, in order
     parser.finish()    -> [delta, ...]               end of stream: what was held back
     parser.tool_calls                                the calls so far, in the non-streaming shape
-    parser.ended_in_call                             after parse/finish: the text ended inside a call's tag
+    parser.ended_in_call                             after parse/finish: the text ended inside a call or its marker
 
 The parser (its formats, shapes and streaming) is sidecar/tool_parser.py; the schema checks and the grammar,
 through llguidance and cached, sidecar/tool_grammar.py.
