@@ -94,7 +94,7 @@ class Generation:
             raise _error(e, body) from None
         constrained = body.structured_outputs is not None or (body.response_format is not None
                                                                 and body.response_format.type != "text")
-        if plan.structured_outputs is not None and constrained:
+        if plan.forces_calls and constrained:
             raise ApiError(400, f"tool_choice {body.tool_choice if isinstance(body.tool_choice, str) else 'function'}"
                            f" constrains the reply to tool calls; it cannot be combined with response_format or "
                            f"structured_outputs", "tool_choice", "invalid_value")
@@ -110,7 +110,9 @@ class Generation:
                              token_text=self._token_text(engine), tool_plan=plan if plan.mode != "none" else None,
                              warnings=list(plan.warnings))
         render = ChatRender(f"chatcmpl-{uuid.uuid4().hex}", self._model_name(), opts)
-        return await self._generate(request, engine, body, [ids], limit, render, plan.structured_outputs)
+        # auto: the lazy tool-call grammar, unless the request brings its own constraint (which then wins)
+        so = None if constrained else plan.structured_outputs
+        return await self._generate(request, engine, body, [ids], limit, render, so)
 
     def _token_text(self, engine: AsyncEngine) -> Callable[[int], str]:
         texts = self._token_texts  # the vocabulary, decoded once per token id as logprobs need it

@@ -17,7 +17,9 @@ Extra fields beyond OpenAI's, each present only when it has something to say:
     choices[].token_ids, prompt_token_ids   with return_token_ids (vLLM's extra)
 
 Chat requests with tools (sidecar/tool_calls.py's ToolPlan) get the model's tool-call text parsed out of each
-choice: `message.tool_calls` and finish_reason "tool_calls" whole, `delta.tool_calls` streamed.
+choice: `message.tool_calls` and finish_reason "tool_calls" whole, `delta.tool_calls` streamed. A choice that
+max_tokens cut inside a call says "length": whole, its text is the content and no call is returned (vLLM's
+Hermes parser does the same); streamed, the call's deltas already sent stay incomplete (as OpenAI's do).
 
 Logprobs are the model's raw ones (runtime/sample/sampler.py); a token's text is the token decoded alone,
 its bytes that text's UTF-8 (a token that is part of a character decodes to U+FFFD, as in vLLM).
@@ -244,10 +246,12 @@ class ChatRender(Render):
         parser = self._parser(index)
         if parser is not None:  # the model's tool-call text as OpenAI's tool_calls
             content, calls = parser.parse(text)
+            if reason == "length" and parser.ended_in_call:  # max_tokens cut a call: no call, the text
+                content, calls = text, []
             message = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
-            reason = self.opts.tool_plan.finish_reason(reason, calls)
+            reason = self.opts.tool_plan.finish_reason(reason, calls, parser.ended_in_call)
         return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
 
     def _delta(self, index: int, text: str, finish_reason: str | None) -> dict:
@@ -263,7 +267,7 @@ class ChatRender(Render):
             deltas += parser.finish()
         choices = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
         if c.finish_reason:
-            reason = self.opts.tool_plan.finish_reason(c.finish_reason, parser.tool_calls)
+            reason = self.opts.tool_plan.finish_reason(c.finish_reason, parser.tool_calls, parser.ended_in_call)
             choices.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
         return choices
 

@@ -8,18 +8,24 @@ Interface (what the chat endpoint calls; everything raises ValueError naming the
     plan.template_tools       the tools for the chat template (None: no tools in the prompt); render with
                               tokenize_chat(messages, tools=plan.template_tools): a template without a tools
                               branch gets the Hermes block (models/tokenizer/chat_template.py)
-    plan.structured_outputs   StructuredOutputsParams for SamplingParams (None unless required/function: a
-                              grammar forcing `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
-                              so the arguments always parse and match the tool's schema); it cannot be
-                              combined with response_format / structured_outputs
+    plan.structured_outputs   StructuredOutputsParams for SamplingParams: required/function, a grammar forcing
+                              `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, so the arguments
+                              always parse and match the tool's schema (it cannot be combined with
+                              response_format / structured_outputs); auto, the same grammar behind a lazy
+                              trigger: text is free until the model writes `<tool_call>`, then only a valid call
+                              (more with parallel_tool_calls) and the end (a request's own response_format /
+                              structured_outputs takes its place: plan.forces_calls is False)
     plan.warnings             "tools[i].function.parameters: keyword: what" for schema parts only approximated
     plan.parser()             a fresh ToolCallParser per choice (None for "none")
-    plan.finish_reason(reason, tool_calls)   "tool_calls" for auto/required replies that called tools
+    plan.finish_reason(reason, tool_calls, parser.ended_in_call)   "tool_calls" for auto/required replies that
+                              called tools; "length" when max_tokens cut a call (the reply is then its text:
+                              parser.ended_in_call, what ChatRender checks, as vLLM's Hermes parser does)
 
     parser.parse(text) -> (content, tool_calls)      a whole reply; content None when only tools were called
     parser.feed(delta) -> [delta, ...]               streaming: OpenAI `delta` dicts for chunks, in order
     parser.finish()    -> [delta, ...]               end of stream: what was held back
     parser.tool_calls                                the calls so far, in the non-streaming shape
+    parser.ended_in_call                             after parse/finish: the text ended inside a call or its marker
 
 The parser (its formats, shapes and streaming) is sidecar/tool_parser.py; the schema checks and the grammar,
 through llguidance and cached, sidecar/tool_grammar.py.
@@ -58,6 +64,11 @@ class ToolPlan:
     warnings: list[str] = field(default_factory=list)
 
     @property
+    def forces_calls(self) -> bool:
+        """The reply is nothing but calls (required, a named function)."""
+        return self.mode in ("required", "function")
+
+    @property
     def template_tools(self) -> list[dict] | None:
         return self.tools if self.mode != "none" and self.tools else None
 
@@ -68,10 +79,14 @@ class ToolPlan:
         single = not self.parallel_tool_calls or self.mode == "function"
         return ToolCallParser(names, max_calls=1 if single else None)
 
-    def finish_reason(self, reason: str | None, tool_calls: list[dict]) -> str | None:
-        """OpenAI's finish_reason: "tool_calls" when a reply that stopped by itself called tools in auto or
-        required mode; a named function's reply keeps "stop" (as OpenAI's does), a cut one "length"."""
-        if tool_calls and reason == "stop" and self.mode in ("auto", "required"):
+    def finish_reason(self, reason: str | None, tool_calls: list[dict], ended_in_call: bool = False) -> str | None:
+        """OpenAI's finish_reason: "tool_calls" whenever an auto or required reply returns calls (stopped by
+        itself, or max_tokens reached just after a call: vLLM's rule); "length" when max_tokens cut a call
+        (ended_in_call: the reply is then returned as its text, without tool_calls); a named function's reply
+        keeps "stop" (as OpenAI's does)."""
+        if reason == "length" and ended_in_call:
+            return reason
+        if tool_calls and reason in ("stop", "length") and self.mode in ("auto", "required"):
             return "tool_calls"
         return reason
 
@@ -105,9 +120,9 @@ def plan_tools(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = N
         parameters, strict = params[names.index(named)]
         plan.function_name = named
         plan.structured_outputs = grammar([(named, parameters, strict)], parallel=False)
-    elif mode == "required":
+    elif mode in ("required", "auto"):
         plan.structured_outputs = grammar([(n, p, s) for n, (p, s) in zip(names, params)],
-                                           parallel=parallel_tool_calls)
+                                           parallel=parallel_tool_calls, lazy=mode == "auto")
     if mode == "none":
         plan.warnings = []
     return plan

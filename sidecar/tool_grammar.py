@@ -1,6 +1,7 @@
 """What llguidance makes of a request's tools: each parameters schema checked (with the parts it only
 approximates, as warnings), and the grammar that forces a reply to be tool calls (tool_choice "required" or a
-named function). Both are cached by text, since clients send the same tools with every request."""
+named function; for "auto", lazily: once the model opens a call). Both are cached by text, since clients send
+the same tools with every request."""
 
 from __future__ import annotations
 
@@ -62,13 +63,18 @@ def check_parameters(parameters: dict, strict: bool, i: int) -> list[str]:
     return [f"{where}: {w}" for w in warnings]
 
 
-def grammar(tools: list[tuple[str, dict, bool]], parallel: bool) -> StructuredOutputsParams:
+def grammar(tools: list[tuple[str, dict, bool]], parallel: bool, lazy: bool = False) -> StructuredOutputsParams:
     """A Lark grammar (llguidance's dialect) for one call, or one or more when parallel, of these tools
     (name, parameters, strict).
 
     Each tool's arguments are their own `%json` document, so `$ref`s inside a parameters schema resolve
     as they do alone; the name and the braces around are literals written the way the fallback prompt
     shows them (compact JSON, ", " and ": ").
+
+    lazy (tool_choice "auto"): any text is free until the model writes the `<tool_call>` marker; llguidance's
+    lazy lexeme `opened` ends at the marker's first occurrence, and from there only a call of these tools can
+    follow, then (parallel) more calls, whitespace between and after, and the end of the reply: no text after
+    a call. A reply without the marker is its own, as if unconstrained.
     """
     rules = []
     for k, (name, parameters, strict) in enumerate(tools):
@@ -79,7 +85,13 @@ def grammar(tools: list[tuple[str, dict, bool]], parallel: bool) -> StructuredOu
         schema = json.dumps({**parameters, "x-guidance": guidance})
         rules.append(f'call_{k}: {head} args_{k} "}}"\nargs_{k}: %json {schema}')
     calls = " | ".join(f"call_{k}" for k in range(len(tools)))
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    text = "\n".join([start, f'call: "{TAG}\\n" ({calls}) "\\n{END}"', *rules])
+    body = f'body: "\\n" ({calls}) "\\n{END}"'
+    if lazy:
+        more = "(GAP? call)* GAP?" if parallel else "GAP?"
+        start = [f"%llguidance {{}}\nstart: TEXT | opened body {more}", f'opened[lazy]: TEXT "{TAG}"',
+                 "TEXT: /(.|\\n)*/", "GAP: /[ \\t\\r\\n]{1,4}/"]
+    else:
+        start = ['start: call ("\\n" call)*' if parallel else "start: call"]
+    text = "\n".join([*start, f'call: "{TAG}" body', body, *rules])
     return _GRAMMARS.get(text, lambda: StructuredOutputsParams(grammar=text), "structured_outputs.grammar",
                          "tools (the tool-call grammar)")

@@ -19,8 +19,8 @@ own templates use, and the grammar forces) and the formats of the other families
 Streaming holds back only what could still become a call: a suffix that may start `<tool_call>`, trailing
 whitespace (dropped before a call), a bare `{"name": ...` (or `[{"name": ...`) head until it is one, and an
 uncommitted tag's inside. Once `"arguments": {` of a known name is seen, the call is announced and its
-arguments stream as they come (a reply cut by max_tokens leaves them incomplete, as OpenAI's do). With
-parallel_tool_calls false only the first call is kept.
+arguments stream as they come (a reply cut by max_tokens leaves them incomplete, as OpenAI's do; `ended_in_call`
+then says so). With parallel_tool_calls false only the first call is kept.
 """
 
 from __future__ import annotations
@@ -164,6 +164,7 @@ class ToolCallParser:
         self._content: list[str] = []
         self.tool_calls: list[dict] = []
         self._finished = False
+        self.ended_in_call = False  # finish() found the text inside a call, or a call's marker, unclosed
 
     # -- public -------------------------------------------------------------------------------------------
 
@@ -172,6 +173,7 @@ class ToolCallParser:
         fresh = ToolCallParser(self.names, self.max_calls)
         fresh.feed(text)
         fresh.finish()
+        self.ended_in_call = fresh.ended_in_call
         content = fresh.content
         return (None if fresh.tool_calls and not content else content), fresh.tool_calls
 
@@ -187,6 +189,8 @@ class ToolCallParser:
         if self._finished:
             return []
         out: list[dict] = []
+        # inside a call's tag or arguments, or on a marker's first characters (all that may follow a call)
+        self.ended_in_call = self._state != _TEXT or bool(self._buf) and TAG.startswith(self._buf)
         self._run(out, final=True)
         if self._ws and not self.tool_calls:  # whitespace ending a reply without calls is the reply's own
             self._send_content(self._ws, out)

@@ -97,6 +97,33 @@ def test_auto_parses_the_models_call_out_of_its_text(oai):
     assert plain.message.content == text and not plain.message.tool_calls and plain.finish_reason == "stop"
 
 
+def test_auto_call_cut_by_max_tokens_is_no_call(oai):
+    # max_tokens cuts the call inside its arguments: whole, the reply is its text with no tool_calls (as vLLM's
+    # Hermes parser answers) and "length"; streamed, the call's deltas already sent are incomplete and the
+    # stream ends "length" (as OpenAI's do). On main the cut call came back whole as a call, arguments broken.
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    kw = dict(model="tiny-llama", messages=MESSAGES, tools=TOOLS, tool_choice="auto", max_tokens=50,
+              temperature=0, extra_body={"structured_outputs": {"choice": [text]}})
+    choice = oai.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls, choice
+    assert text.startswith(choice.message.content) and '"arguments": {"' in choice.message.content
+    chunks = list(oai.chat.completions.create(stream=True, **kw))
+    [streamed] = streamed_calls(chunks).values()
+    assert streamed["name"] == "get_weather" and streamed["arguments"] and streamed["arguments"] in text
+    assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == ["length"]
+
+
+def test_auto_with_response_format_keeps_the_requests_constraint(oai):
+    # A request's own constraint takes the place of the auto tool-call grammar (required refuses the pair).
+    kw = dict(model="tiny-llama", messages=MESSAGES, tools=TOOLS, max_tokens=20, temperature=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object", "properties": {
+        "ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}}}
+    choice = oai.chat.completions.create(tool_choice="auto", response_format=fmt, **kw).choices[0]
+    assert choice.finish_reason == "stop" and json.loads(choice.message.content) in ({"ok": True}, {"ok": False})
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        oai.chat.completions.create(tool_choice="required", response_format=fmt, **kw)
+
+
 def test_tools_reach_the_prompt_unless_none(oai):
     def prompt_tokens(**kw) -> int:
         out = oai.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=1, **kw)

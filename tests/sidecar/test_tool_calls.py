@@ -11,11 +11,12 @@ import re
 import threading
 
 import jsonschema
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.runtime.structured_outputs_params import MAX_CONSTRAINT_CHARS
+from pagedserve.runtime.structured_outputs_params import MAX_CONSTRAINT_CHARS, StructuredOutputsParams
 from pagedserve.sidecar.tool_calls import MAX_TOOLS, ToolCallParser, plan_tools
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
@@ -84,12 +85,13 @@ def test_bad_input_names_the_field(tools, tool_choice, parallel, match) -> None:
     assert len(str(e.value)) < 400
 
 
-def test_a_grammar_over_the_size_limit_is_refused_naming_tools() -> None:
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_a_grammar_over_the_size_limit_is_refused_naming_tools(tool_choice) -> None:
     big = {"type": "object", "properties": {f"p{i}_{'x' * 60}": {"type": "string"} for i in range(2000)}}
     assert len(json.dumps(big)) > MAX_CONSTRAINT_CHARS / 2
     many = [fn(name=f"f{i}", parameters=big) for i in range(2)]
     with pytest.raises(ValueError, match=r"^tools \(the tool-call grammar\) is \d+ characters; the limit"):
-        plan_tools(many, "required")
+        plan_tools(many, tool_choice)
 
 
 def test_the_chat_endpoint_plans_tools_off_the_event_loop(monkeypatch) -> None:
@@ -134,14 +136,26 @@ def test_none_puts_no_tools_in_the_prompt_and_parses_nothing() -> None:
     assert plan_tools(TOOLS, "none").finish_reason("stop", []) == "stop"
 
 
-def test_auto_prompts_with_the_tools_and_parses_without_a_grammar() -> None:
+def test_auto_prompts_with_the_tools_and_carries_a_lazy_grammar() -> None:
     for plan in (plan_tools(TOOLS), plan_tools(TOOLS, "auto")):
-        assert plan.mode == "auto" and plan.structured_outputs is None
+        assert plan.mode == "auto" and not plan.forces_calls
+        assert plan.structured_outputs.kind == "grammar" and "[lazy]" in plan.structured_outputs.grammar
         assert [t["function"]["name"] for t in plan.template_tools] == list(NAMES)
         assert plan.parser().names == NAMES
-    calls = plan.parser().parse(call("ping", "{}"))[1]
-    assert plan.finish_reason("stop", calls) == "tool_calls"
-    assert plan.finish_reason("stop", []) == "stop" and plan.finish_reason("length", calls) == "length"
+    parser = plan.parser()
+    calls = parser.parse(call("ping", "{}"))[1]
+    assert not parser.ended_in_call
+    assert plan.finish_reason("stop", calls) == "tool_calls" and plan.finish_reason("length", calls) == "tool_calls"
+    assert plan.finish_reason("stop", []) == "stop" and plan.finish_reason("length", []) == "length"
+    # max_tokens cut inside a call: "length", and ChatRender returns the text, no call
+    cut = parser.parse(call("ping", "{}") + "\n" + call("get_weather", WEATHER_ARGS)[:40])
+    assert parser.ended_in_call and len(cut[1]) == 1
+    assert plan.finish_reason("length", cut[1], parser.ended_in_call) == "length"
+    for tail in ("\n<", "\n\n<tool_ca"):  # cut on the next call's marker: cut inside a call too
+        assert parser.parse(call("ping", "{}") + tail)[1] and parser.ended_in_call
+    for whole in ("a < b", "Sure.\n\n" + call("ping", "{}") + "\n\n"):
+        parser.parse(whole)
+        assert not parser.ended_in_call
 
 
 def test_required_and_named_carry_a_grammar() -> None:
@@ -393,6 +407,60 @@ def test_grammar_accepts_exactly_the_valid_calls(compiler, choice, parallel, tex
             jsonschema.validate(json.loads(c["function"]["arguments"]), schema or {"type": "object"})
 
 
+# The call SmolLM2 wrote in auto mode on main (#60): "arguments" missing, the required keys with it.
+BAD_AUTO_CALL = '<tool_call>\n{"name": "get_weather", "additionalProperties": true}\n</tool_call>'
+
+
+@pytest.mark.parametrize(("parallel", "text", "ok"), [
+    (True, "", True),
+    (True, "Paris is sunny today, I think.\n\nNo tool needed <tool> here", True),  # free text stays free
+    (True, PARIS, True),
+    (True, "Let me check.\n" + PARIS, True),  # free text before the marker
+    (True, PARIS + "\n\n", True),  # whitespace after a call, then the end
+    (True, PARIS + "\n" + call("get_time", '{"zone": "Asia/Tokyo"}') + "\n" + call("ping", "{}"), True),
+    (False, PARIS + "\n" + call("ping", "{}"), False),  # parallel_tool_calls false: one call
+    (True, PARIS + " And more text.", False),  # after a call: another call or the end
+    (True, BAD_AUTO_CALL, False),
+    (True, "Sure: " + BAD_AUTO_CALL, False),
+    (True, call("get_weather", '{"city": "Paris"}'), False),  # a required key missing
+    (True, call("get_weather", '{"city": "Paris", "unit": "kelvin"}'), False),
+    (True, call("get_time", '{"zone": "paris"}'), False),
+    (True, call("launch", "{}"), False),  # not one of the tools
+    (True, "<tool_call>\nthe weather in Paris\n</tool_call>", False),
+])
+def test_auto_grammar_constrains_only_what_follows_the_marker(compiler, parallel, text, ok) -> None:
+    plan = plan_tools(TOOLS, "auto", parallel)
+    assert accepts(compiler, plan, text) is ok
+    if ok:  # what the grammar lets through parses into calls that match their schemas
+        parser = plan.parser()
+        content, calls = parser.parse(text)
+        assert len(calls) == text.count("<tool_call>") and not parser.ended_in_call
+        assert plan.finish_reason("stop", calls) == ("tool_calls" if calls else "stop")
+        for c in calls:
+            jsonschema.validate(json.loads(c["function"]["arguments"]), SCHEMAS[c["function"]["name"]])
+
+
+def test_auto_grammar_masks_the_wrong_tokens_once_the_marker_is_written(compiler) -> None:
+    # Token by token, as the sampler sees it: in free text the mask is that of any text (all but the special
+    # tokens besides EOS, and lone bytes that are no UTF-8); once the marker is written, the token that began
+    # the bad call above ("additional") is masked, "arguments" is not, nor is EOS.
+    tok, gc = compiler
+
+    def allowed(matcher) -> np.ndarray:
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")
+        return bits[:tok.vocab_size].astype(bool)
+
+    text = gc.submit(StructuredOutputsParams(grammar="start: /(.|\\n)*/").grammar_text).result(timeout=60)
+    matcher = gc.submit(plan_tools(TOOLS, "auto").structured_outputs.grammar_text).result(timeout=60).deep_copy()
+    assert (allowed(matcher) == allowed(text)).all() and allowed(text).sum() > tok.vocab_size - 200
+    assert matcher.consume_tokens(tok.encode("Sure, let me look that up.", add_special_tokens=False))
+    assert (allowed(matcher) == allowed(text)).all()
+    assert matcher.consume_tokens(tok.encode('<tool_call>\n{"name": "get_weather", "', add_special_tokens=False))
+    mask = allowed(matcher)
+    [good], [bad, _] = (tok.encode(w, add_special_tokens=False) for w in ("arguments", "additionalProperties"))
+    assert mask[good] and not mask[bad] and not mask[tok.eos_token_ids[0]] and mask.sum() < 10
+
+
 # -- the embedded model -----------------------------------------------------------------------------------------
 
 
@@ -431,6 +499,45 @@ def test_smollm2_required_and_named_calls_parse_and_match_their_schemas(smollm2_
                 assert calls[0]["function"]["name"] == "get_time"
             for c in calls:
                 jsonschema.validate(json.loads(c["function"]["arguments"]), schemas[c["function"]["name"]])
+
+
+@pytest.mark.slow
+def test_smollm2_auto_greedy_call_is_constrained_and_free_text_unchanged(smollm2_loaded) -> None:
+    # Greedy, so deterministic: asked about two cities after a one-call example, SmolLM2 opens a call and,
+    # unconstrained (main), names a tool that does not exist ("get_weather_and_temperature") and repeats a key.
+    # With the lazy grammar the call is one of the tools with valid arguments, and the reply ends after it
+    # (parallel_tool_calls false). Replies that open no call are token for token those of the same request
+    # without the grammar.
+    from engine_helpers import drain
+
+    from pagedserve.runtime.config import EngineConfig
+    from pagedserve.runtime.engine.llm_engine import LLMEngine
+    from pagedserve.runtime.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(device="cpu", seed=0, kv_cache_memory_bytes=128 << 20), loaded=smollm2_loaded)
+    tok = smollm2_loaded.tokenizer
+    plan = plan_tools(TOOLS, "auto", False)
+    asks = {"call": [FEW_SHOT[0], {"role": "user", "content": "weather in Berlin and Madrid?"}]}
+    for i, question in enumerate(["Is it raining in London?", "What time is it in Tokyo?", "Tell me a joke.",
+                                  "What is the capital of France?", "How hot is it in Cairo today?"]):
+        asks[f"text{i}"] = [{"role": "user", "content": question}]
+    for rid, messages in asks.items():
+        prompt = tok.apply_chat_template(messages, tools=plan.template_tools, tokenize=True)
+        for label, so in (("lazy", plan.structured_outputs), ("free", None)):
+            engine.add_request(f"{rid}-{label}", prompt,
+                               SamplingParams(temperature=0, max_tokens=48, structured_outputs=so))
+    finished = drain(engine, max_steps=2_000)
+    out = finished["call-lazy"].outputs[0]
+    parser = plan.parser()
+    content, calls = parser.parse(out.text)
+    assert out.finish_reason == "stop" and not parser.ended_in_call, out.text
+    assert plan.finish_reason(out.finish_reason, calls) == "tool_calls" and content is None and len(calls) == 1
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), SCHEMAS[calls[0]["function"]["name"]])
+    for rid in asks:
+        if rid.startswith("text"):
+            lazy, free = finished[f"{rid}-lazy"].outputs[0], finished[f"{rid}-free"].outputs[0]
+            assert "<tool_call>" not in free.text
+            assert (lazy.token_ids, lazy.finish_reason) == (free.token_ids, free.finish_reason), rid
 
 
 # -- through the HTTP API with the official openai client, on the embedded model --------------------------------
@@ -499,6 +606,51 @@ def test_http_auto_parses_the_models_own_call(oai) -> None:
     assert check_calls(choice.message) == [("get_weather", WEATHER_ARGS)]  # the example's unit, copied
     assert streamed(oai, FEW_SHOT, tool_choice="auto", max_tokens=40, stop=["\n\n"]) == (
         None, [("get_weather", WEATHER_ARGS)], "tool_calls")
+
+
+def sampled_choices(oai, stream: bool, **kwargs) -> list[tuple[str | None, list[tuple[str, str]], str]]:
+    """(content, [(name, arguments)], finish_reason) per choice of one sampled request, whole or streamed."""
+    out = oai.chat.completions.create(model=oai.model_name, messages=FEW_SHOT, tools=TOOLS, stream=stream, **kwargs)
+    if not stream:
+        return [(c.message.content, [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []],
+                 c.finish_reason) for c in sorted(out.choices, key=lambda c: c.index)]
+    content, calls, finish = {}, {}, {}
+    for chunk in out:
+        for choice in chunk.choices:
+            i = choice.index
+            content[i] = content.get(i, "") + (choice.delta.content or "")
+            for tc in choice.delta.tool_calls or []:
+                if tc.id is not None:
+                    calls.setdefault(i, {})[tc.index] = [tc.function.name, ""]
+                calls[i][tc.index][1] += tc.function.arguments or ""
+            finish[i] = choice.finish_reason or finish.get(i)
+    return [(content[i] or None, [tuple(c) for _, c in sorted(calls.get(i, {}).items())], finish[i])
+            for i in sorted(finish)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stream", "parallel"), [(False, False), (True, False), (False, True)])
+def test_http_auto_calls_over_many_samples_validate_and_say_tool_calls(oai, stream, parallel) -> None:
+    # #60: sampled in auto mode, the model opens a call in many replies and, unconstrained, wanders inside it
+    # (the schema's own keywords as arguments, a key twice, text after the call) until max_tokens cuts it: on
+    # main these replies returned calls whose arguments do not parse or match, with finish_reason "length".
+    # The lazy grammar keeps whatever follows the marker a valid call of the tools, then the end (or, parallel,
+    # more calls: this model tends to chain them until max_tokens cuts one, and such a reply is its text).
+    choices = sampled_choices(oai, stream, tool_choice="auto", parallel_tool_calls=parallel, n=16, seed=2,
+                              temperature=0.7, max_tokens=40)
+    assert len(choices) == 16
+    with_calls = 0
+    for content, calls, finish in choices:
+        assert parallel or len(calls) <= 1
+        if finish == "length":  # max_tokens cut the reply, maybe inside a call: whole, its text and no call (as
+            assert stream or not calls, (content, calls)  # vLLM answers); streamed, the call's deltas already
+            calls = calls[:-1]  # sent stay incomplete (as OpenAI's do): the calls before it are whole
+        elif calls or finish == "tool_calls":
+            with_calls += 1
+            assert calls and finish == "tool_calls", (content, calls, finish)
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+    assert with_calls >= (1 if parallel else 2), choices  # the model did call: the checks above ran
 
 
 @pytest.mark.slow
