@@ -3,11 +3,12 @@
 Field names and defaults follow OpenAI's Completions and Chat Completions APIs, plus vLLM's extras
 (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
 return_token_ids, structured_outputs). Types are checked here, strictly as OpenAI types them (pydantic's
-strict mode: no `true` for an int, no "2" for a number; an int is a number); ranges are SamplingParams' own
-checks and the engine's limits (one ValueError naming the field, answered 400). Unknown top-level fields are ignored,
-as OpenAI's SDKs send new ones before servers know them; known fields this server does not implement are
-refused by name (`unsupported`), never ignored. Nested objects this server reads (response_format,
-structured_outputs, tools) refuse unknown keys, so a typo is not silently a request without its constraint.
+strict mode: no `true` for an int, no "2" for a number; an int is a number, 2.0 an int, as in JSON Schema);
+ranges are SamplingParams' own checks and the engine's limits (one ValueError naming the field, answered
+400). Unknown top-level fields are ignored, as OpenAI's SDKs send new ones before servers know them; known
+fields this server does not implement are refused by name (`unsupported`), never ignored. Nested objects
+this server reads (response_format, structured_outputs, stream_options, messages: http_messages.py) refuse
+unknown keys, so a typo is not silently a request without its constraint.
 """
 
 from __future__ import annotations

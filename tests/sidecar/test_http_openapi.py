@@ -148,7 +148,7 @@ def test_assistant_turns_may_omit_content_when_they_call_tools(server):
 
 # -- fuzzing from the document --------------------------------------------------------------------------------
 
-FUZZ_EXAMPLES = 60  # per route (half as many refused ones): about 30 s in all on 2 busy cores
+FUZZ_EXAMPLES = 400  # per route (half as many refused ones): about 30 s in all on 2 busy cores
 
 
 @functools.cache
