@@ -51,6 +51,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's padding of stream events against size analysis: none here
 
 
 class JsonSchemaFormat(_Strict):
