@@ -27,6 +27,7 @@ from pagedserve.runtime.engine.async_engine import EngineStoppedError, QueueFull
 from pagedserve.runtime.engine.tenant_quotas import QuotaExceededError
 from pagedserve.runtime.kv_transfer.kv_connector import KVTransferError
 
+from .http_messages import ROLES, TEXT_ONLY
 from .http_models import ApiError
 
 log = structlog.get_logger("pagedserve.http")
@@ -58,16 +59,36 @@ def error_for(e: BaseException, fields: set[str] | None = None) -> ApiError:
 async def invalid_body(_request: Request, exc: RequestValidationError) -> JSONResponse:
     """pydantic's first complaint, with its field path as `param` (messages[0].role, tools[1].function)."""
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-    loc = [p for p in first.get("loc", ()) if p != "body" and not _TYPE_TAG.fullmatch(str(p))]
+    loc = _field_path(first.get("loc", ()))
     if first.get("type") == "json_invalid" or (loc and isinstance(loc[0], int)):
         return JSONResponse(ApiError(400, f"the body is not valid JSON: {first['msg']}", None,
                                      "invalid_json").body(), 400)
     if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
         return JSONResponse(ApiError(400, "the body must be a JSON object, sent with Content-Type: "
                                      "application/json", None, "invalid_json").body(), 400)
-    param = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(loc))
+    kind = str(first.get("type"))
+    if kind in ("union_tag_invalid", "union_tag_not_found"):  # a message's role: name the field it is read from
+        loc.append(str(first.get("ctx", {}).get("discriminator", "")).strip("'") or "role")
+    elif kind == TEXT_ONLY:  # an image/audio/file part: its type is what is refused
+        loc.append("type")
+    param = "".join(f"[{p}]" if isinstance(p, int) or (i and str(p).isdigit()) else (f".{p}" if i else str(p))
+                    for i, p in enumerate(loc))  # a digit key is a token id: logit_bias[5], as the engine names it
     message = f"{param}: {first['msg']}" if param else str(first["msg"])
-    return JSONResponse(ApiError(400, message, param or None, "invalid_value").body(), 400)
+    code = "unsupported" if kind == TEXT_ONLY else "invalid_type" if kind.endswith("_type") else "invalid_value"
+    return JSONResponse(ApiError(400, message, param or None, code).body(), 400)
+
+
+def _field_path(loc) -> list:
+    """pydantic's error location as the body's field path: without "body", the union members pydantic names
+    ("str", "list[int]", "NamedToolChoice") and the role a message was read as (messages.0.user.content)."""
+    path: list = []
+    for p in loc:
+        if p == "body" and not path or _TYPE_TAG.fullmatch(str(p)):
+            continue
+        if p in ROLES and len(path) >= 2 and isinstance(path[-1], int) and path[-2] == "messages":
+            continue
+        path.append(p)
+    return path
 
 
 async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

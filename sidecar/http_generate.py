@@ -80,7 +80,8 @@ class Generation:
                            "compute", "echo", "unsupported")
         echo = None
         if body.echo:
-            echo = [p if isinstance(p, str) else engine.detokenize(p, skip_special_tokens=False) for p in prompts]
+            echo = [p if isinstance(p, str) else _echo_text(engine, p, "prompt" if len(prompts) == 1 else
+                                                            f"prompt[{i}]") for i, p in enumerate(prompts)]
         opts = RenderOptions(n=body.n, num_prompts=len(prompts), return_token_ids=body.return_token_ids,
                              logprobs=body.logprobs, token_text=self._token_text(engine), echo=echo)
         render = CompletionRender(f"cmpl-{uuid.uuid4().hex}", self._model_name(), opts)
@@ -278,13 +279,24 @@ def request_timings(last: RequestOutput | None) -> tuple[float | None, float | N
     return m.ttft, tpot, len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs)
 
 
+def _echo_text(engine: AsyncEngine, ids: list[int], field: str) -> str:
+    """A token prompt's text for echo; ids the tokenizer cannot decode are refused naming the prompt."""
+    try:
+        return engine.detokenize(ids, skip_special_tokens=False)
+    except ValueError as e:
+        raise ApiError(400, f"{field}: {e}", field, "invalid_value") from None
+
+
 def _error(e: BaseException, body) -> ApiError:
     """error_for, with `param` the body's own name for what the engine's message names."""
     err = error_for(e, set(type(body).model_fields))
     if err.param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
         err.param = "max_completion_tokens"
-    if err.param == "logprobs" and isinstance(body, ChatCompletionRequest):  # chat's count is top_logprobs
-        err.param = "top_logprobs"
+    if isinstance(body, ChatCompletionRequest):
+        if err.param == "logprobs":  # chat's count is top_logprobs
+            err.param = "top_logprobs"
+        if err.param is None and err.status == 400 and err.message.startswith("prompt "):  # the rendered messages
+            err.param = "messages"
     return err
 
 

@@ -10,7 +10,8 @@ from typing import Any, Callable
 
 from pagedserve.runtime.engine.async_engine import LONG_PROMPT_CHARS, AsyncEngine
 
-from .http_models import ApiError, ChatMessage
+from .http_messages import ChatMessage
+from .http_models import ApiError
 from .servicer import CHAT_ROLES
 
 
@@ -45,15 +46,20 @@ class Inputs:
                            "messages", "invalid_value")
         out, total = [], 0
         for i, m in enumerate(messages):
-            if m.role not in CHAT_ROLES:
+            role = m.template_role  # developer: OpenAI's newer name for system
+            if role not in CHAT_ROLES:  # the models' roles are the chat templates'; kept in step with gRPC's
                 raise ApiError(400, f"messages[{i}].role {m.role[:40]!r} is not one of {list(CHAT_ROLES)}",
                                f"messages[{i}].role", "invalid_value")
+            tool_calls = getattr(m, "tool_calls", None)
+            if m.content is None and not tool_calls:
+                raise ApiError(400, f"messages[{i}]: an assistant message needs content or tool_calls",
+                               f"messages[{i}].content", "invalid_value")
             text = m.text()
             self.check_text(text, f"messages[{i}].content")
             total += len(text)
-            message: dict[str, Any] = {"role": m.role, "content": text}
-            if m.tool_calls:
-                calls = [c.model_dump() for c in m.tool_calls]
+            message: dict[str, Any] = {"role": role, "content": text}
+            if tool_calls:
+                calls = [c.model_dump() for c in tool_calls]
                 for j, c in enumerate(calls):
                     self.check_text(c["function"]["arguments"], f"messages[{i}].tool_calls[{j}].function.arguments")
                     total += len(c["function"]["arguments"])
@@ -61,7 +67,7 @@ class Inputs:
                 if m.content is None:
                     message["content"] = None
             for key in ("tool_call_id", "name"):  # rendered by templates: text like the content
-                value = getattr(m, key)
+                value = getattr(m, key, None)
                 if value is not None:
                     self.check_text(value, f"messages[{i}].{key}")
                     total += len(value)

@@ -2,19 +2,32 @@
 
 Field names and defaults follow OpenAI's Completions and Chat Completions APIs, plus vLLM's extras
 (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
-return_token_ids, structured_outputs). Types are checked here; ranges are SamplingParams' own checks and
-the engine's limits (one ValueError naming the field, answered 400). Unknown top-level fields are ignored,
-as OpenAI's SDKs send new ones before servers know them; known fields this server does not implement are
-refused by name (`unsupported`), never ignored. Nested objects this server reads (response_format,
-structured_outputs, tools) refuse unknown keys, so a typo is not silently a request without its constraint.
+return_token_ids, structured_outputs). Types are checked here, strictly as OpenAI types them (pydantic's
+strict mode: no `true` for an int, no "2" for a number; an int is a number, 2.0 an int, as in JSON Schema);
+ranges are SamplingParams' own checks and the engine's limits (one ValueError naming the field, answered
+400). Unknown top-level fields are ignored, as OpenAI's SDKs send new ones before servers know them; known
+fields this server does not implement are refused by name (`unsupported`), never ignored. Nested objects
+this server reads (response_format, structured_outputs, stream_options, messages: http_messages.py) refuse
+unknown keys, so a typo is not silently a request without its constraint.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from .http_messages import ChatMessage
+
+
+def _integral(value: Any) -> Any:
+    """2.0 as 2: JSON Schema (and so the OpenAPI document) counts a number with no fraction as an integer."""
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
+# An integer, strictly (not true, not "2", not 2.5), as JSON Schema's `integer` (2.0 is one).
+Int = Annotated[int, BeforeValidator(_integral)]
 
 
 class ApiError(Exception):
@@ -36,11 +49,12 @@ class ApiError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's padding of stream events against size analysis: none here
 
 
 class JsonSchemaFormat(_Strict):
@@ -82,7 +96,7 @@ class StructuredOutputsBody(_Strict):
 class FunctionDef(BaseModel):
     """OpenAI's function definition; its name and parameters are checked by sidecar/tool_calls.plan_tools."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
     name: str
     description: str | None = None
     parameters: dict | None = None
@@ -90,7 +104,7 @@ class FunctionDef(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["function"]
     function: FunctionDef
 
@@ -105,21 +119,21 @@ class NamedToolChoice(_Strict):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
 
     model: str | None = None
-    n: int = 1
+    n: Int = 1
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    min_tokens: int | None = None
+    stop_token_ids: list[Int] | None = None
+    min_tokens: Int | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
@@ -130,13 +144,17 @@ class _Common(BaseModel):
     return_token_ids: bool = False  # vLLM's extra: the prompt's and each choice's token ids in the answer
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
-    priority: int = 0  # vLLM's extra: lower runs first under --scheduling-policy priority or fair
+    priority: Int = 0  # vLLM's extra: lower runs first under --scheduling-policy priority or fair
 
     SAMPLING: ClassVar[tuple[str, ...]] = (
         "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
         "seed", "min_tokens", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "stop_token_ids")
     # Known OpenAI fields this server does not implement: refused by name when set to anything but "off".
     UNSUPPORTED: ClassVar[tuple[str, ...]] = ()
+    # Fields whose values are checked beyond their types (ranges, limits, unsupported): the OpenAPI document's
+    # x-checked-by-server. The sampling fields are SamplingParams'.
+    CHECKED: ClassVar[tuple[str, ...]] = SAMPLING + ("stop", "logit_bias", "max_tokens", "response_format",
+                                                     "structured_outputs")
 
     def unsupported(self) -> str | None:
         """The first field set that this server does not implement over HTTP, or None."""
@@ -169,15 +187,16 @@ class CompletionRequest(_Common):
     """POST /v1/completions. prompt: a string, a list of token ids, or a list of either (several prompts:
     the choices of prompt i are indexed i * n .. i * n + n - 1, as OpenAI does)."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)  # extras kept to name unsupported ones
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)  # extras kept: unsupported()
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    prompt: str | list[Int] | list[str] | list[list[Int]]
+    max_tokens: Int | None = 16
     echo: bool = False
-    best_of: int | None = None
-    logprobs: int | None = None  # how many top logprobs per token (0: the chosen token's only)
+    best_of: Int | None = None
+    logprobs: Int | None = None  # how many top logprobs per token (0: the chosen token's only)
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = ("suffix",)
+    CHECKED = _Common.CHECKED + UNSUPPORTED + ("prompt", "best_of", "logprobs", "echo")
 
     def sampling_kwargs(self) -> dict[str, Any]:
         kwargs = super().sampling_kwargs()
@@ -188,56 +207,25 @@ class CompletionRequest(_Common):
         return kwargs
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class ToolCallFunction(BaseModel):
-    name: str
-    arguments: str
-
-
-class ToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: str
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
-    tool_call_id: str | None = None  # a tool turn: the call it answers
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
 class ChatCompletionRequest(_Common):
     """POST /v1/chat/completions. max_completion_tokens is OpenAI's newer name for max_tokens; unset, a
     reply may fill the rest of the context (max_model_len less the prompt), as in vLLM."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     add_generation_prompt: bool = True
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = ("audio", "modalities", "prediction", "web_search_options")
+    CHECKED = _Common.CHECKED + UNSUPPORTED + ("messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                                               "tools", "tool_choice", "parallel_tool_calls")
 
     def check(self) -> None:
         """Checks across fields, as ApiError naming the field (a pydantic validator could not name it). tools,

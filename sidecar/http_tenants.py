@@ -31,12 +31,15 @@ class TenantKeyMiddleware:
             return await self.app(scope, receive, send)
         key = _bearer(scope)
         tenant = self.tenants.for_api_key(key)
-        if tenant is None and ((key and key != self.api_key) or (not key and self.api_key)):
+        path = scope.get("path", "")
+        # As ApiKeyMiddleware: without a key, only /v1/* and admin routes need --api-key (/health stays open).
+        guarded = path.startswith("/v1") or is_admin_path(path)
+        if tenant is None and ((key and key != self.api_key) or (not key and self.api_key and guarded)):
             err = ApiError(401, "a valid API key is required: send 'Authorization: Bearer KEY'", None,
                            "invalid_api_key")
             return await JSONResponse(err.body(), 401)(scope, receive, send)
         tenant = tenant or DEFAULT_TENANT
-        if is_admin_path(scope.get("path", "")) and not self.tenants.is_admin(tenant):
+        if is_admin_path(path) and not self.tenants.is_admin(tenant):
             err = ApiError(403, "this route is for admin tenants only", None, "permission_denied")
             return await JSONResponse(err.body(), 403)(scope, receive, send)
         scope.setdefault("state", {})["tenant"] = tenant

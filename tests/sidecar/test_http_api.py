@@ -14,7 +14,7 @@ import urllib.request
 import openai
 import pytest
 from engine_helpers import wait_until
-from http_helpers import grpc_greedy_ids, http_address
+from http_helpers import grpc_greedy_ids, http_address, recording_openai, send
 from server_proc import ServerProcess, client_for, wait_idle
 
 KEY = "test-key"
@@ -32,7 +32,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def oai(server):
-    with openai.OpenAI(base_url=server.http + "/v1", api_key=KEY, max_retries=0, timeout=60) as client:
+    with recording_openai(server.http + "/v1", KEY, max_retries=0, timeout=60) as client:
         yield client
 
 
@@ -42,14 +42,7 @@ def model(oai):
 
 
 def raw(server, method: str, path: str, body: dict | None = None, key: str | None = KEY) -> tuple[int, dict]:
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(server.http + path, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return send(server.http + path, body, method=method, headers={"Authorization": f"Bearer {key}"} if key else None)
 
 
 def test_models_and_health(server, oai, model):

@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 from engine_helpers import wait_until
-from http_helpers import grpc_greedy_ids, http_address
+from http_helpers import grpc_greedy_ids, http_address, recording_openai, send
 from server_proc import TINY, ServerProcess, client_for
 
 PROMPT = [3 + (j * 11) % 500 for j in range(12)]
@@ -35,19 +35,12 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def oai(server):
-    with openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+    with recording_openai(server.http + "/v1", max_retries=0, timeout=60) as client:
         yield client
 
 
 def post(server, path: str, body, raw: bytes | None = None, headers: dict | None = None) -> tuple[int, dict]:
-    data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(server.http + path, data=data, method="POST",
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return send(server.http + path, body, raw=raw, headers=headers)
 
 
 def idle(server) -> None:
@@ -297,7 +290,33 @@ BAD_BODIES = [  # (path, body, the field the 400 names)
      "parallel_tool_calls"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     "messages[0].content"),
+     "messages[0].content[0].type"),
+    # Strict where OpenAI is strict (#60): no coercion of types, a message per role.
+    ("/v1/completions", {"prompt": "hi", "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "hi", "n": "2"}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 2.5}, "n"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "0.5"}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "echo": 1}, "echo"),
+    ("/v1/completions", {"prompt": [1, True]}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": "1"}}, "logit_bias[5]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": None}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "developer"}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant"}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "18 degrees"}]}, "messages[0].tool_call_id"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "tool_call_id": "c1"}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "colour": "red"}]}, "messages[0].colour"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages[0].content[0].text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"prompt": "hi", "add_special_tokens": "no"}, "add_special_tokens"),
+    ("/detokenize", {"tokens": [True]}, "tokens[0]"),
+    ("/detokenize", {"tokens": [1.5]}, "tokens[0]"),
 ]
 
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
-from http_helpers import http_address
+from http_helpers import http_address, recording_openai
 from server_proc import ServerProcess
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -29,7 +28,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 def oai(tmp_path_factory):
     srv = ServerProcess(tmp_path_factory.mktemp("http_tools"), "--max-model-len", "2048", "--http-port", "0")
     srv.wait_serving()
-    with openai.OpenAI(base_url=http_address(srv) + "/v1", api_key="x", max_retries=0, timeout=60) as client:
+    with recording_openai(http_address(srv) + "/v1", "x", max_retries=0, timeout=60) as client:
         yield client
     assert srv.stop() == 0, srv.log()
 
