@@ -42,6 +42,8 @@ _SCALAR_FIELDS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "rep
                   "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens", "ignore_eos",
                   "logprobs", "skip_special_tokens", "include_stop_str_in_output")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# OpenAI's newer names for a role the chat templates know by another: the template sees the value.
+ROLE_ALIASES = {"developer": "system"}
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -118,11 +120,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         messages = []
         total = 0
         for i, m in enumerate(chat.messages):
-            if m.role not in CHAT_ROLES:
-                raise ValueError(f"chat.messages[{i}].role {m.role[:40]!r} is not one of {list(CHAT_ROLES)}")
+            role = ROLE_ALIASES.get(m.role, m.role)
+            if role not in CHAT_ROLES:
+                raise ValueError(f"chat.messages[{i}].role {m.role[:40]!r} is not one of "
+                                 f"{list(CHAT_ROLES) + list(ROLE_ALIASES)}")
             self._check_text(m.content, f"chat.messages[{i}].content")
             total += len(m.content)
-            messages.append({"role": m.role, "content": m.content})
+            messages.append({"role": role, "content": m.content})
         if total > self.max_prompt_chars:  # the rendered conversation is one prompt
             raise ValueError(f"chat.messages hold {total} characters in all; the limit is {self.max_prompt_chars}")
         add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True

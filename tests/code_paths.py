@@ -126,7 +126,7 @@ def main(argv: list[str]) -> int:
             print(f"code path {path}: numba compiled for {compiled!r} under the forced environment", flush=True)
             failed.append(path)
             continue
-        args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FORCED_TESTS,
+        args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "", *FORCED_TESTS,
                 *(f"--ignore={t}" for t in NOT_FORCED)]
         print(f"\n=== code path {path}: {' '.join(FORCED_TESTS)}", flush=True)
         t0 = time.monotonic()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import openai
 import pytest
 from http_helpers import http_address, recording_openai
 from server_proc import ServerProcess

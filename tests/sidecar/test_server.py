@@ -223,6 +223,14 @@ def test_bad_chat_messages(server, offline):
         assert_serves_normally(c, offline)
 
 
+def test_the_developer_role_is_a_system_turn_over_grpc(server):
+    """OpenAI's `developer` role (its newer name for system instructions) reaches the chat template as system."""
+    with client_for(server) as c:
+        as_system = c.tokenize([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+        as_developer = c.tokenize([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+        assert as_developer == as_system
+
+
 def test_tokenize_detokenize_and_abort(server):
     with client_for(server) as c:
         ids = c.tokenize("hello world")
