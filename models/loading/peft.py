@@ -66,6 +66,8 @@ def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
 
 def _read_config(path: Path) -> dict:
     cfg_path = path / "adapter_config.json"
+    if not path.exists():
+        raise ValueError(f"LoRA adapter {path}: directory not found")
     if not path.is_dir():
         raise ValueError(f"LoRA adapter {path}: not a directory")
     if not cfg_path.is_file():

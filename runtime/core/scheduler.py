@@ -120,6 +120,9 @@ class Scheduler:
         self.num_cached_prompt_tokens = 0
         self.num_admitted = 0
         self.num_admitted_with_hit = 0
+        # LoRA (runtime/lora/manager.py; None: off): a request waits until its adapter has a slot.
+        self.lora = None
+        self._lora_failed: list[tuple[Request, Exception]] = []
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -211,7 +214,8 @@ class Scheduler:
         return len(cached), self.kv.block_table(request.request_id)[len(cached):]
 
     def _prefix_key(self, request: Request) -> object:  # its cache_salt; LongRoPE: and its prompt's factor set
-        return self.kv.prefix_key(request.cache_salt, request.num_prompt_tokens)
+        lora = request.lora_request.cache_key if request.lora_request is not None else None  # adapters never share
+        return self.kv.prefix_key(request.cache_salt, request.num_prompt_tokens, lora)
 
     def remote_kv_landed(self, request: Request, num_blocks: int) -> None:
         """Its first `num_blocks` blocks arrived: count them computed, cache them, schedule the rest."""
@@ -314,6 +318,9 @@ class Scheduler:
                     break
             except Exception as e:
                 self._fail(unit, e, out)
+        while self._lora_failed:  # its adapter could not be read: that request fails alone
+            request, error = self._lora_failed.pop()
+            self._fail([request], error, out)
         out.blocks_to_copy = self.kv.take_pending_copies()
         return out
 
@@ -332,12 +339,24 @@ class Scheduler:
     def _admission_unit(self) -> list[Request] | None:
         """The first request of the queue whose grammar (if any) is compiled, with its sibling beams: a beam
         group is admitted whole or not at all. None: every waiting request still waits for its grammar."""
-        head = next((r for r in self.waiting if not r.waiting_for_grammar), None)
+        head = next((r for r in self.waiting if not r.waiting_for_grammar and self._has_lora_slot(r)), None)
         if head is None:
             return None
         if head.group is None or head.group.beam is None:
             return [head]
         return [head] + [r for r in self.waiting if r is not head and r.group is head.group]
+
+    def _has_lora_slot(self, request: Request) -> bool:
+        """LoRA's admission condition: False while the request's adapter has no slot (it waits, the requests
+        behind it do not); an adapter that cannot be read fails the request at the end of the step."""
+        if self.lora is None or request.lora_request is None:
+            return True
+        try:
+            return self.lora.acquire(request.request_id, request.lora_request)
+        except ValueError as e:
+            if all(r is not request for r, _ in self._lora_failed):
+                self._lora_failed.append((request, e))
+            return False
 
     def _admit(self, unit: list[Request], out: SchedulerOutput, now: float, with_decodes: bool) -> bool:
         if self.running and len(self.running) + len(unit) > self.max_num_seqs:

@@ -30,7 +30,8 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
 
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                     arrival_time: float | None = None, cache_salt: str | None = None) -> SequenceGroup:
+                     arrival_time: float | None = None, cache_salt: str | None = None,
+                     lora_request=None) -> SequenceGroup:
         """Validate a request and build it (sequence 0; its other samples fork when its prefill completes)."""
         params = params or SamplingParams()
         # Limits first, tokenizing after: nothing is allocated for a request the server would refuse.
@@ -44,6 +45,7 @@ class InputProcessor:
         arrival = arrival_time or time.monotonic()
         group = SequenceGroup(request_id, text, ids, params, arrival, eos_token_ids=self.eos_token_ids,
                               num_to_fork=(params.best_of or params.n) - 1)
+        group.lora_request = lora_request
         if params.structured_outputs is not None:
             group.grammar = self.structured.compile(params.structured_outputs)
         first = self.new_seq(group, request_id, 0)
@@ -53,11 +55,11 @@ class InputProcessor:
         return group
 
     def make_beam_request(self, request_id: str, prompt: str | Sequence[int], params: BeamSearchParams,
-                          arrival_time: float | None = None) -> SequenceGroup:
+                          arrival_time: float | None = None, lora_request=None) -> SequenceGroup:
         """A beam search; refused when its beams could outgrow the KV pool or the sequence slots."""
         sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True,
                                   structured_outputs=params.structured_outputs)
-        group = self.make_request(request_id, prompt, sampling, arrival_time)
+        group = self.make_request(request_id, prompt, sampling, arrival_time, lora_request=lora_request)
         group.beam = params
         shape = self.shape
         per_beam = -(-(len(group.prompt_token_ids) + params.max_tokens) // shape.block_size)
@@ -71,7 +73,8 @@ class InputProcessor:
         """Sequence `index` of `group` (its sample index: its seed and place among the outputs)."""
         p = group.params
         r = Request(seq_id, group.prompt_token_ids, p, group.arrival_time, eos_token_ids=group.eos_token_ids,
-                    prompt=group.prompt, generator=sample_generator(p.seed, index), sample_index=index, group=group)
+                    prompt=group.prompt, generator=sample_generator(p.seed, index), sample_index=index, group=group,
+                    lora_request=group.lora_request)
         r.detokenizer = IncrementalDetokenizer(
             self.tokenizer, group.prompt_token_ids, skip_special_tokens=p.skip_special_tokens, stop=p.stop,
             include_stop_str_in_output=p.include_stop_str_in_output, min_tokens=p.min_tokens)

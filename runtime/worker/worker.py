@@ -89,6 +89,10 @@ class Worker:
         model_class = registry.for_config(loaded.config).model_class
         self.model = model_class(loaded.config, weights, self.backend, source=str(loaded.path), shard=shard,
                                  comm=comm)
+        if config.enable_lora:  # the adapters' execution slots (models/lora.py), empty until the engine fills them
+            from pagedserve.models import lora as model_lora
+
+            model_lora.attach(self.model, weights, config.max_loras, config.max_lora_rank)
         finish_warm_up(self.backend)
         self.kv_groups = model_kv_groups(self.model, self.model_config.num_hidden_layers)
         self.kv_caches: list[tuple[Any, Any]] | None = None  # per layer (layers of a KV group layout share pairs)

@@ -94,8 +94,11 @@ def test_layer_the_model_lacks(tmp_path, config):
 
 
 def test_missing_and_corrupt_files(tmp_path, config):
-    with pytest.raises(ValueError, match="not a directory"):
+    with pytest.raises(ValueError, match="directory not found"):
         load_peft_adapter(tmp_path / "nowhere", config)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="not a directory"):
+        load_peft_adapter(tmp_path / "file", config)
     path = make_lora(tmp_path / "a", config, rank=4)
     (path / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(ValueError, match="adapter_model.safetensors"):
