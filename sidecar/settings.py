@@ -70,6 +70,13 @@ class Settings:
     prefill_timeout: float = 60.0  # decode: seconds a remote prefill (compute + transfer) may take
     kv_transport: str = "auto"  # decode: auto (shared memory on one host, else gRPC) | shm | grpc
     kv_test_fault: str | None = None  # prefill, testing only: corrupt | cut | delay:SECONDS
+    # -- LoRA adapters (docs/lora.md; vLLM's flags) --
+    enable_lora: bool = False  # serve LoRA adapters per request (the OpenAI model field, gRPC lora_name)
+    lora_modules: str | None = None  # adapters loaded at start: "name=path ..." (PEFT directories)
+    max_loras: int = 1  # adapters one step can run (execution slots)
+    max_lora_rank: int = 16  # the largest adapter rank served (the slots are sized for it)
+    max_cpu_loras: int | None = None  # adapters kept read in host memory (LRU); None = max_loras
+    allow_runtime_lora_updating: bool = False  # load/unload adapters at run time (Admin RPCs, HTTP routes)
 
     def engine_config(self) -> EngineConfig:
         names = {f.name for f in fields(EngineConfig)}
@@ -123,6 +130,11 @@ class Settings:
         if not self.socket and not self.tcp:
             raise ValueError("nothing to listen on: set a unix socket path or a tcp address")
         self._validate_disaggregation()
+        parse_lora_modules(self.lora_modules)
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (--enable-lora)")
+        if self.enable_lora and self.role != "both":
+            raise ValueError(f"enable_lora with role {self.role} (disaggregated prefill/decode) is not supported yet")
 
     def _validate_disaggregation(self) -> None:
         if self.role not in ("both", "prefill", "decode"):
@@ -147,6 +159,19 @@ class Settings:
             kind, _, arg = self.kv_test_fault.partition(":")
             if kind not in ("corrupt", "cut", "delay") or (kind == "delay" and not _is_float(arg)):
                 raise ValueError(f"kv_test_fault must be corrupt, cut or delay:SECONDS, got {self.kv_test_fault!r}")
+
+
+def parse_lora_modules(text: str | None) -> dict[str, str]:
+    """'a=/path/a b=/path/b' (spaces or commas) -> {name: path}; ValueError naming the bad entry."""
+    modules: dict[str, str] = {}
+    for entry in (text or "").replace(",", " ").split():
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"lora_modules: each entry must be name=path, got {entry!r}")
+        if name in modules:
+            raise ValueError(f"lora_modules: adapter name {name!r} is given twice")
+        modules[name] = path
+    return modules
 
 
 def _is_float(text: str) -> bool:
@@ -225,6 +250,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         if typ is bool:
             parser.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
                                 help=help_default)
+        elif f.name == "lora_modules":  # vLLM's --lora-modules a=PATH b=PATH
+            parser.add_argument(flag, dest=f.name, default=None, type=str, nargs="+", help=help_default)
         else:
             parser.add_argument(flag, dest=f.name, default=None, type=str, help=help_default)
 
@@ -238,6 +265,8 @@ def load_settings(args: argparse.Namespace | None = None, environ: Mapping[str, 
         if env is not None:
             values[f.name] = _parse(env, typ, ENV_PREFIX + f.name.upper())
         flag = getattr(args, f.name, None) if args is not None else None
+        if isinstance(flag, list):
+            flag = " ".join(flag)
         if flag is not None:
             values[f.name] = flag if isinstance(flag, bool) else _parse(flag, typ, "--" + f.name.replace("_", "-"))
     settings = Settings(**values)

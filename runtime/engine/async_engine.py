@@ -32,6 +32,7 @@ from .llm_engine import LLMEngine
 from .stats import stats_log_fields
 from ..executor import WorkerFailedError
 from ..kv_transfer.kv_connector import KVExport
+from ..lora.request import LoRARequest
 from ..outputs import EngineStats, RequestOutput
 from ..sampling_params import SamplingParams
 from ..core.sequence_group import SequenceGroup
@@ -160,7 +161,7 @@ class AsyncEngine(EngineView):
     async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                        cache_salt: str | None = None, kv_export: KVExport | None = None,
                        on_admitted: Callable[[SequenceGroup], Awaitable[None]] | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step. Leaving early (cancel, break) aborts it.
 
         on_admitted(group) is awaited once the request passed every check and was handed to the engine,
@@ -183,9 +184,11 @@ class AsyncEngine(EngineView):
                 # Seconds of tokenizing: in a thread, with the GIL released (Tokenizer.encode), so the
                 # event loop keeps serving every other stream meanwhile.
                 request = await anyio.to_thread.run_sync(
-                    lambda: self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt))
+                    lambda: self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt,
+                                                     lora_request=lora_request))
             else:
-                request = self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt)
+                request = self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt,
+                                                   lora_request=lora_request)
             if request.grammar is not None:  # compiled off the loop; a grammar the tokenizer refuses is bad input
                 await asyncio.shield(asyncio.wrap_future(request.grammar))  # shield: the Future is shared
         except BaseException:
