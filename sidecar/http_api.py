@@ -27,6 +27,7 @@ from pagedserve.runtime.engine.async_engine import AsyncEngine
 from .http_errors import ApiKeyMiddleware, BodyLimitMiddleware, error_for, http_error, invalid_body
 from .http_generate import ClientGone, Generation
 from .http_inputs import Inputs, maybe_off_loop
+from .http_lora import LoadLoRAAdapterRequest, LoRARoutes, UnloadLoRAAdapterRequest, adapter_cards, lora_for_model
 from .http_models import ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest
 from .http_server import HttpServer
 
@@ -56,8 +57,10 @@ class DetokenizeRequest(BaseModel):
 class HttpApi:
     def __init__(self, get_engine: Callable[[], AsyncEngine | None], model_name: Callable[[], str],
                  serving: Callable[[], bool], max_prompt_chars: int, max_chat_messages: int,
-                 metrics: ServerMetrics | None = None, slow_reader_timeout: float | None = None) -> None:
+                 metrics: ServerMetrics | None = None, slow_reader_timeout: float | None = None,
+                 allow_runtime_lora_updating: bool = False) -> None:
         self._get_engine, self._model_name, self._serving = get_engine, model_name, serving
+        self.lora = LoRARoutes(allow_runtime_lora_updating)
         self.max_prompt_chars = max_prompt_chars
         self.inputs = Inputs(max_prompt_chars, max_chat_messages)
         self.generation = Generation(self.inputs, model_name, metrics, slow_reader_timeout)
@@ -81,6 +84,10 @@ class HttpApi:
         app.add_api_route("/v1/models/{name:path}", self.model, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"],
+                          response_class=PlainTextResponse)
+        app.add_api_route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"],
+                          response_class=PlainTextResponse)
         wrapped = ApiKeyMiddleware(app, api_key) if api_key else app
         return BodyLimitMiddleware(wrapped, max_receive_bytes(self.max_prompt_chars))
 
@@ -111,17 +118,30 @@ class HttpApi:
                 "root": self._model_name(), "max_model_len": engine.model_info().max_model_len}
 
     async def models(self) -> dict:
-        return {"object": "list", "data": [self._card(self._engine())]}
+        engine = self._engine()
+        adapters = adapter_cards(engine, self._model_name(), self.created)
+        return {"object": "list", "data": [self._card(engine), *adapters]}
 
     async def model(self, name: str) -> dict:
         engine = self._engine()
-        self._check_model(name)
+        if self._check_model(name, engine) is not None:
+            return next(c for c in adapter_cards(engine, self._model_name(), self.created) if c["id"] == name)
         return self._card(engine)
 
-    def _check_model(self, name: str | None) -> None:
-        if name is not None and name != self._model_name():
-            raise ApiError(404, f"model {name[:200]!r} does not exist; this server serves "
-                           f"{self._model_name()!r}", "model", "model_not_found")
+    def _check_model(self, name: str | None, engine: AsyncEngine | None = None):
+        """The LoRA adapter `name` names (None: the base model); 404 when it is neither."""
+        if engine is None or not engine.lora_enabled:
+            if name is not None and name != self._model_name():
+                raise ApiError(404, f"model {name[:200]!r} does not exist; this server serves "
+                               f"{self._model_name()!r}", "model", "model_not_found")
+            return None
+        return lora_for_model(engine, name, self._model_name())
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> str:
+        return await self.lora.load(self._engine(), body)
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> str:
+        return await self.lora.unload(self._engine(), body)
 
     async def tokenize(self, body: TokenizeRequest) -> dict:
         engine = self._engine()
@@ -160,7 +180,7 @@ class HttpApi:
 
     def _prepare(self, body) -> AsyncEngine:
         engine = self._engine()
-        self._check_model(body.model)
+        self._check_model(body.model, engine)
         if (name := body.unsupported()) is not None:
             raise ApiError(400, f"{name} is not supported by this server's HTTP API", name, "unsupported")
         body.check()

@@ -29,6 +29,7 @@ from pagedserve.runtime.structured_outputs_params import StructuredOutputsParams
 from .http_errors import error_for
 from .http_inputs import Inputs, check_unicode, maybe_off_loop
 from .http_models import ApiError, ChatCompletionRequest, CompletionRequest
+from .http_lora import lora_for_model
 from .http_outputs import Outputs
 from .http_render import ChatRender, CompletionRender, Render, RenderOptions
 from .tool_calls import plan_tools
@@ -81,7 +82,7 @@ class Generation:
             echo = [p if isinstance(p, str) else engine.detokenize(p, skip_special_tokens=False) for p in prompts]
         opts = RenderOptions(n=body.n, num_prompts=len(prompts), return_token_ids=body.return_token_ids,
                              logprobs=body.logprobs, token_text=self._token_text(engine), echo=echo)
-        render = CompletionRender(f"cmpl-{uuid.uuid4().hex}", self._model_name(), opts)
+        render = CompletionRender(f"cmpl-{uuid.uuid4().hex}", body.model or self._model_name(), opts)
         return await self._generate(request, engine, body, prompts, body.max_tokens, render)
 
     async def chat_completions(self, engine: AsyncEngine, body: ChatCompletionRequest, request: Request):
@@ -107,7 +108,7 @@ class Generation:
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                              token_text=self._token_text(engine), tool_plan=plan if plan.mode != "none" else None,
                              warnings=list(plan.warnings))
-        render = ChatRender(f"chatcmpl-{uuid.uuid4().hex}", self._model_name(), opts)
+        render = ChatRender(f"chatcmpl-{uuid.uuid4().hex}", body.model or self._model_name(), opts)
         return await self._generate(request, engine, body, [ids], limit, render, plan.structured_outputs)
 
     def _token_text(self, engine: AsyncEngine) -> Callable[[int], str]:
@@ -155,7 +156,8 @@ class Generation:
         except ValueError as e:
             raise _error(e, body) from None
         ids = [render.request_id if len(prompts) == 1 else f"{render.request_id}-{i}" for i in range(len(prompts))]
-        outputs = Outputs([engine.generate(rid, p, sp) for rid, p, sp in zip(ids, prompts, params)])
+        lora = lora_for_model(engine, body.model, self._model_name()) if engine.lora_enabled else None
+        outputs = Outputs([engine.generate(rid, p, sp, lora_request=lora) for rid, p, sp in zip(ids, prompts, params)])
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         start = time.monotonic()
         try:  # every prompt's first output before any header: refusals (bad input, full queue) get their status

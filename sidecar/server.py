@@ -154,7 +154,7 @@ class SidecarServer:
 
         s = self.settings
         api = HttpApi(lambda: self.engine, lambda: self.model_name, lambda: self.serving, s.max_prompt_chars,
-                      s.max_chat_messages, self.metrics, s.slow_reader_timeout)
+                      s.max_chat_messages, self.metrics, s.slow_reader_timeout, s.allow_runtime_lora_updating)
         self.http = HttpServer(api.app(s.api_key), s.http_host, s.http_port)
         self.http.start()
         self.addresses.append(self.http.address)

@@ -6,8 +6,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+import json
+import urllib.error
+import urllib.request
+
 import grpc
 import pytest
+from http_helpers import http_address
 from server_proc import TINY, ServerProcess, client_for, wait_idle
 
 from lora_helpers import make_lora
@@ -28,7 +33,7 @@ def loras(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, loras):
     srv = ServerProcess(tmp_path_factory.mktemp("srv"), "--enable-lora", "--lora-modules", f"a={loras['a']}",
-                        "--max-loras", "2", "--max-lora-rank", "8", "--allow-runtime-lora-updating")
+                        "--max-loras", "2", "--max-lora-rank", "8", "--allow-runtime-lora-updating", "--http-port", "0")
     srv.wait_serving()
     yield srv
     assert srv.stop() == 0, srv.log()
@@ -97,3 +102,42 @@ def test_admin_load_and_unload_need_the_flag():
         code, details = e.value.args
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "allow-runtime-lora-updating" in details
     assert list(asyncio.run(servicer.ListLoRAAdapters(admin_pb2.ListLoRAAdaptersRequest(), _Context())).adapters) == []
+
+
+def call(url: str, path: str, body: dict | None = None) -> tuple[int, object]:
+    """(status, JSON body or text) of a GET (body None) or POST to the HTTP API."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method="GET" if body is None else "POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            status, raw = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read().decode()
+    try:
+        return status, json.loads(raw)
+    except json.JSONDecodeError:
+        return status, raw
+
+
+def test_http_model_field_models_list_and_load_routes(server, loras):
+    url = http_address(server)
+    models = call(url, "/v1/models")[1]["data"]
+    base_id = models[0]["id"]
+    assert {m["id"]: m.get("parent") for m in models}["a"] == base_id
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    status, with_a = call(url, "/v1/completions", {**body, "model": "a"})
+    assert status == 200 and with_a["model"] == "a"
+    with grpc.insecure_channel(f"unix:{server.socket}") as ch:  # the gRPC tokens with adapter a, as text
+        text = call(url, "/detokenize", {"tokens": generate_ids(ch, "a")})[1]["prompt"]
+    assert with_a["choices"][0]["text"] and text.startswith(with_a["choices"][0]["text"])  # (a held-back byte)
+    assert call(url, "/v1/completions", {**body, "model": base_id})[1]["choices"][0]["text"] != text
+    status, missing = call(url, "/v1/completions", {**body, "model": "c"})
+    assert status == 404 and "'c' does not exist" in missing["error"]["message"]
+    status, bad = call(url, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": loras["a"] + "-nope"})
+    assert status == 400 and "directory not found" in bad["error"]["message"]
+    status, ok = call(url, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": loras["b"]})
+    assert status == 200 and "added" in ok
+    assert call(url, "/v1/completions", {**body, "model": "c"})[0] == 200
+    assert call(url, "/v1/unload_lora_adapter", {"lora_name": "c"})[0] == 200
+    assert call(url, "/v1/unload_lora_adapter", {"lora_name": "c"})[0] == 404
