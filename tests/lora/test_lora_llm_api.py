@@ -27,3 +27,5 @@ def test_generate_with_lora_requests(tmp_path):
     with pytest.raises(ValueError, match="'a' is already loaded"):
         llm.generate(prompt, params, lora_request=LoRARequest("a", 1, b.lora_path))
     assert not llm.engine.has_unfinished_requests()
+    # The slots and the host LRU's two adapters are in the memory budget checked at start.
+    assert llm.engine.memory_budget.lora_bytes == 2 * llm.engine.model.lora.nbytes > 0
