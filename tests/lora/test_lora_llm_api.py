@@ -29,3 +29,35 @@ def test_generate_with_lora_requests(tmp_path):
     assert not llm.engine.has_unfinished_requests()
     # The slots and the host LRU's two adapters are in the memory budget checked at start.
     assert llm.engine.memory_budget.lora_bytes == 2 * llm.engine.model.lora.nbytes > 0
+
+
+def test_combinations_not_served_are_refused_at_start():
+    from pagedserve.runtime.config import EngineConfig
+    from pagedserve.sidecar.settings import load_settings
+
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported"):
+        EngineConfig(enable_lora=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="max_lora_rank must be a positive integer"):
+        EngineConfig(enable_lora=True, max_lora_rank=0)
+    env = {"PAGEDSERVE_SOCKET": "/tmp/x.sock"}
+    with pytest.raises(ValueError, match="disaggregated prefill/decode"):
+        load_settings(None, {**env, "PAGEDSERVE_ENABLE_LORA": "1", "PAGEDSERVE_ROLE": "prefill"})
+    with pytest.raises(ValueError, match="lora_modules needs enable_lora"):
+        load_settings(None, {**env, "PAGEDSERVE_LORA_MODULES": "a=/x"})
+    with pytest.raises(ValueError, match="each entry must be name=path, got 'a'"):
+        load_settings(None, {**env, "PAGEDSERVE_ENABLE_LORA": "1", "PAGEDSERVE_LORA_MODULES": "a"})
+    s = load_settings(None, {**env, "PAGEDSERVE_ENABLE_LORA": "1", "PAGEDSERVE_LORA_MODULES": "a=/x, b=/y",
+                             "PAGEDSERVE_MAX_LORAS": "3"})
+    assert s.engine_config().max_loras == 3 and s.engine_config().enable_lora is True
+
+
+def test_lora_modules_flag_takes_several_entries():
+    import argparse
+
+    from pagedserve.sidecar.settings import add_settings_arguments, load_settings, parse_lora_modules
+
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser)
+    args = parser.parse_args(["--enable-lora", "--lora-modules", "a=/x", "b=/y", "--max-lora-rank", "8"])
+    s = load_settings(args, {"PAGEDSERVE_SOCKET": "/tmp/x.sock"})
+    assert parse_lora_modules(s.lora_modules) == {"a": "/x", "b": "/y"} and s.max_lora_rank == 8
