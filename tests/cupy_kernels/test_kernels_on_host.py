@@ -698,3 +698,34 @@ def test_gpu_attention_bench_prefill_case_on_host(emulated, monkeypatch):
     row = bench["_prefill_case"](cp, 20, 256, "fp16", 16, 1, True)  # head dim 256: the paged kernel too (#35)
     assert row["paged"]["finite"] and row["tensor_cores"]["finite"], row
     assert 0 < row["max_abs_diff_tc_vs_paged"] < 0.05, row
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_lora_shrink_expand_on_host(emulated, dtype):
+    """lora.cu (cupy_kernels/cuda/lora.py) against reference/lora.py: per-row slots, a zero-padded rank, base rows
+    left untouched, bit for bit."""
+    from pagedserve.cupy_kernels.cuda import lora as cuda_lora
+    from pagedserve.cupy_kernels.reference import lora as ref
+
+    rng = np.random.default_rng(61)
+    T, L, R, n_in, n_out = 37, 4, 16, 200, 72
+    x = rng.standard_normal((T, n_in)).astype(dtype)
+    a = (rng.standard_normal((L, R, n_in)) * 0.3).astype(dtype)
+    b = (rng.standard_normal((L, n_out, R)) * 0.3).astype(dtype)
+    a[1, 8:], b[1, :, 8:] = 0, 0  # slot 1: rank 8 of 16
+    scale = rng.uniform(0.5, 2.0, L).astype(np.float32)
+    slots = rng.integers(0, L, T).astype(np.int32)
+    slots[::3] = -1
+    slots[10:20] = 2
+    y = rng.standard_normal((T, n_out)).astype(dtype)
+    f32 = lambda v: v.astype(np.float32)  # noqa: E731
+    t_want = ref.lora_shrink(f32(x), f32(a), slots)
+    want = ref.lora_expand(t_want, f32(b), scale, slots, f32(y))
+    t = cuda_lora.lora_shrink(_dev(x), _dev(a), _dev(slots))
+    np.testing.assert_allclose(t.get(), t_want, rtol=0, atol=1e-4 * np.abs(t_want).max())
+    got = cuda_lora.lora_expand(t, _dev(b), _dev(scale), _dev(slots), _dev(y)).get()
+    base = slots < 0
+    np.testing.assert_array_equal(got[base], y[base])
+    atol = (2e-3 if dtype == np.float16 else 1e-5) * np.abs(want).max()  # float16: the output's rounding
+    np.testing.assert_allclose(got.astype(np.float32), want, rtol=0, atol=atol)
+    assert np.abs(want[~base] - f32(y)[~base]).max() > 100 * atol  # the deltas are far above the tolerance
