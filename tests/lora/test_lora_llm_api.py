@@ -61,3 +61,15 @@ def test_lora_modules_flag_takes_several_entries():
     args = parser.parse_args(["--enable-lora", "--lora-modules", "a=/x", "b=/y", "--max-lora-rank", "8"])
     s = load_settings(args, {"PAGEDSERVE_SOCKET": "/tmp/x.sock"})
     assert parse_lora_modules(s.lora_modules) == {"a": "/x", "b": "/y"} and s.max_lora_rank == 8
+
+
+def test_chat_takes_a_lora_request(tmp_path):
+    cfg = load_hf_config(DATA / "tiny-llama")
+    a = LoRARequest("a", 1, str(make_lora(tmp_path / "a", cfg, rank=8, std=0.15, seed=1)))
+    llm = LLM(str(DATA / "tiny-llama"), device="cpu", num_kv_blocks=64, seed=0, enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    chat = [{"role": "user", "content": "Hi"}]
+    with_a = llm.chat(chat, params, lora_request=a)[0].outputs[0].token_ids
+    prompt = llm.get_tokenizer().apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    assert with_a == llm.generate(prompt, params, lora_request=a)[0].outputs[0].token_ids
+    assert with_a != llm.chat(chat, params)[0].outputs[0].token_ids
