@@ -13,6 +13,10 @@ projection's parts side by side: their A rows stacked, their B block-diagonal. W
 so one shrink and one expand (cupy_kernels/reference/lora.py) per fused projection serve every adapter of the
 step, whatever modules each one targets (a module it leaves alone is zeros: its delta is 0). The slot's
 scale (lora_alpha / r, or / sqrt(r)) multiplies in the expand. A step without adapter rows never calls in here.
+
+Under tensor parallelism (models/tensor_parallel.py) A and B are sharded like the layer they attach to: a
+column-parallel projection (qkv, gate_up) keeps its rank's rows of B (A whole); a row-parallel one (o_proj,
+down) its rank's columns of A (B whole), so each rank adds a partial delta that the layer's all-reduce sums.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .loading.peft import LoRAAdapter, module_shape
+from .tensor_parallel import TPShard
 
 # Fused projection -> its PEFT parts, in the order of the fused weight's rows (models/llama.py _layer).
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
@@ -30,23 +35,44 @@ FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate_up"
 _PART = {part: (fused, k) for fused, parts in FUSED.items() for k, part in enumerate(parts)}
 
 
-class LoRASlots:
-    """`max_loras` execution slots of adapters of rank <= `max_lora_rank`, float32 host arrays."""
+def rank_slices(config: ModelConfig, shard: TPShard) -> dict[str, tuple[slice, slice]]:
+    """PEFT module -> (rows of B, columns of A) this rank holds: the rows of its output, the columns of its input."""
+    d, everything = config.head_dim, slice(None)
+    h0, hn = shard.heads(config)
+    k0, kn = shard.kv_heads(config)
+    i0, i_n = shard.intermediate(config)
+    q, kv, mlp = slice(h0 * d, (h0 + hn) * d), slice(k0 * d, (k0 + kn) * d), slice(i0, i0 + i_n)
+    return {"q_proj": (q, everything), "k_proj": (kv, everything), "v_proj": (kv, everything),
+            "o_proj": (everything, q), "gate_proj": (mlp, everything), "up_proj": (mlp, everything),
+            "down_proj": (everything, mlp)}
 
-    def __init__(self, config: ModelConfig, max_loras: int, max_lora_rank: int) -> None:
+
+def _shape_on_rank(config: ModelConfig, shard: TPShard, module: str) -> tuple[int, int]:
+    out, inp = module_shape(config, module)
+    rows, cols = rank_slices(config, shard)[module]
+    return len(range(out)[rows]), len(range(inp)[cols])
+
+
+class LoRASlots:
+    """`max_loras` execution slots of adapters of rank <= `max_lora_rank`, float32 host arrays (this rank's
+    slices under tensor parallelism)."""
+
+    def __init__(self, config: ModelConfig, max_loras: int, max_lora_rank: int, shard: TPShard | None = None) -> None:
         self.config, self.max_loras, self.max_lora_rank = config, max_loras, max_lora_rank
+        self.shard = shard or TPShard()
+        self.slices = rank_slices(config, self.shard)
         r = max_lora_rank
         self.a: list[dict[str, np.ndarray]] = []
         self.b: list[dict[str, np.ndarray]] = []
         self.row_offsets: dict[str, list[int]] = {}  # fused -> each part's first output row
         for fused, parts in FUSED.items():
-            outs = [module_shape(config, p)[0] for p in parts]
+            outs = [_shape_on_rank(config, self.shard, p)[0] for p in parts]
             self.row_offsets[fused] = [sum(outs[:k]) for k in range(len(parts))]
         for _ in range(config.num_hidden_layers):
             a, b = {}, {}
             for fused, parts in FUSED.items():
-                n_in = module_shape(config, parts[0])[1]
-                n_out = sum(module_shape(config, p)[0] for p in parts)
+                n_in = _shape_on_rank(config, self.shard, parts[0])[1]
+                n_out = sum(_shape_on_rank(config, self.shard, p)[0] for p in parts)
                 a[fused] = np.zeros((max_loras, len(parts) * r, n_in), dtype=np.float32)
                 b[fused] = np.zeros((max_loras, n_out, len(parts) * r), dtype=np.float32)
             self.a.append(a)
@@ -72,6 +98,8 @@ class LoRASlots:
         r, big_r = adapter.rank, self.max_lora_rank
         for (layer, module), (a, b) in adapter.weights.items():
             fused, k = _PART[module]
+            rows, cols = self.slices[module]
+            a, b = a[:, cols], b[rows]
             row = self.row_offsets[fused][k]
             self.a[layer][fused][slot, k * big_r:k * big_r + r] = a
             self.b[layer][fused][slot, row:row + b.shape[0], k * big_r:k * big_r + r] = b
@@ -121,8 +149,6 @@ def attach(model: Any, weights: dict[str, np.ndarray], max_loras: int, max_lora_
     ops = model.backend.ops
     if ops.lora_shrink is None or ops.lora_expand is None:
         raise ValueError(f"enable_lora: the {ops.name} kernel set has no LoRA kernels (use the CPU backend)")
-    if model.shard.is_sharded:
-        raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")
     kind = type(model)
     if kind.forward is not LlamaForCausalLM.forward or kind._mlp is not LlamaForCausalLM._mlp:
         raise ValueError(f"enable_lora: {model.config.architecture} models are not served with adapters yet "
@@ -135,5 +161,5 @@ def attach(model: Any, weights: dict[str, np.ndarray], max_loras: int, max_lora_
         if getattr(layer.gate_up, "gated", False):
             p = f"model.layers.{n}.mlp."
             layer.gate_up = model._put_t(weights[p + "gate_proj.weight"], weights[p + "up_proj.weight"])
-    model.lora = LoRASlots(model.config, max_loras, max_lora_rank)
+    model.lora = LoRASlots(model.config, max_loras, max_lora_rank, model.shard)
     return model.lora

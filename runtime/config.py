@@ -146,5 +146,3 @@ def check_lora_config(config: EngineConfig) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:
         raise ValueError(f"max_cpu_loras ({config.max_cpu_loras}) must be >= max_loras ({config.max_loras})")
-    if config.enable_lora and config.tensor_parallel_size > 1:
-        raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")

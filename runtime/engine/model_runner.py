@@ -130,7 +130,8 @@ class ModelRunner:
         masked = seqs + [sched.scheduled[i].request for _, i in beams] + [sched.scheduled[i].request for i, _ in verify]
         drafts = [[]] * (len(seqs) + len(beams)) + [sched.scheduled[i].spec_token_ids for i, _ in verify]
         bitmask = self.structured.start_bitmask(masked, drafts) if self.structured is not None else None
-        logits = self.executor.execute_model(ExecuteModelRequest(batch, sched.blocks_to_copy))
+        updates = self.lora.take_updates() if self.lora is not None else []
+        logits = self.executor.execute_model(ExecuteModelRequest(batch, sched.blocks_to_copy, updates))
         bitmask = bitmask.result() if bitmask is not None else None
         for k, (row, i) in enumerate(beams):
             width = 2 * sched.scheduled[i].request.group.beam.beam_width

@@ -60,6 +60,7 @@ class LoRAManager:
         self._held: dict[str, int] = {}  # sequence id -> slot
         self._errors: dict[str, Exception] = {}
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-lora-read")
+        self._updates: list[tuple[int, LoRAAdapter]] = []  # (slot, adapter) copies for the next forward
         self.hits = self.loads = self.evictions = 0
 
     # -- the registry (any thread) ----------------------------------------------------------------------
@@ -141,7 +142,7 @@ class LoRAManager:
                 slot = self._free_slot()
                 if slot is None:
                     return False
-                self.slots.set(slot, adapter)
+                self._updates.append((slot, adapter))  # every rank copies it in before the next forward
                 self._slot_name[slot] = name
                 self.loads += 1
             self._slot_refs[slot] += 1
@@ -197,6 +198,12 @@ class LoRAManager:
         slot = self._held.pop(seq_id, None)
         if slot is not None:
             self._slot_refs[slot] -= 1
+
+    def take_updates(self) -> list[tuple[int, LoRAAdapter]]:
+        """The slot copies acquire decided since the last step, for ExecuteModelRequest.lora_updates (each rank's
+        worker applies them, its own slices, before the forward)."""
+        updates, self._updates = self._updates, []
+        return updates
 
     def waiting_for_read(self) -> bool:
         with self._lock:

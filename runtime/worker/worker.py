@@ -46,6 +46,8 @@ class ExecuteModelRequest:
 
     batch: ForwardBatch
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the forward
+    # LoRA: (slot, adapter) copies into the model's slots (models/lora.py), before the forward (runtime/lora/)
+    lora_updates: list = field(default_factory=list)
 
 
 class Worker:
@@ -143,6 +145,8 @@ class Worker:
     def execute_model(self, request: ExecuteModelRequest) -> Any:
         """Block copies, then one forward; float32 logits of the batch's logits rows on rank 0, None elsewhere."""
         self.backend.ops.copy_blocks(self.kv_pairs, request.block_copies)  # once per array pair
+        for slot, adapter in request.lora_updates:
+            self.model.lora.set(slot, adapter)
         logits = self.graphs.run(request.batch) if self.graphs is not None else None
         if logits is None:  # no graph for this step (CPU, graphs off, prefill in the batch, too many rows)
             logits = self.model.forward(request.batch, self.kv_caches)

@@ -173,3 +173,21 @@ def test_bad_adapters_are_refused_and_the_engine_serves_on(tmp_path, adapters):
     assert engine.lora.num_held == 0
     with pytest.raises(ValueError, match="max_cpu_loras"):
         lora_engine(max_loras=2, max_cpu_loras=1)
+
+
+def test_tensor_parallel_shards_a_and_b_like_their_layers(adapters):
+    """TP=2 on the tiny Llama (2 heads, its 1 KV head on both ranks, the MLP split 128/128): the same tokens as one
+    rank, for adapters on every projection and on q/v only, mixed with the base."""
+    from lora_helpers import DATA
+    from pagedserve.runtime.config import EngineConfig
+    from pagedserve.runtime.engine.llm_engine import LLMEngine
+
+    items = [(PROMPTS[0], adapters[0]), (PROMPTS[1], adapters[2]), (PROMPTS[2], None), (PROMPTS[3], adapters[1])]
+    engine = LLMEngine(EngineConfig(model=str(DATA / "tiny-llama"), device="cpu", cpu_threads=1, num_kv_blocks=64,
+                                    max_num_batched_tokens=64, seed=0, tensor_parallel_size=2,
+                                    collective_timeout_s=30.0, enable_lora=True, max_loras=2, max_lora_rank=16))
+    try:
+        got = run(engine, items)
+    finally:
+        engine.shutdown()
+    assert got == run(lora_engine(), items)

@@ -35,8 +35,6 @@ def test_combinations_not_served_are_refused_at_start():
     from pagedserve.runtime.config import EngineConfig
     from pagedserve.sidecar.settings import load_settings
 
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported"):
-        EngineConfig(enable_lora=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="max_lora_rank must be a positive integer"):
         EngineConfig(enable_lora=True, max_lora_rank=0)
     env = {"PAGEDSERVE_SOCKET": "/tmp/x.sock"}
