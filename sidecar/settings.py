@@ -133,8 +133,6 @@ class Settings:
         parse_lora_modules(self.lora_modules)
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora (--enable-lora)")
-        if self.enable_lora and self.role != "both":
-            raise ValueError(f"enable_lora with role {self.role} (disaggregated prefill/decode) is not supported yet")
 
     def _validate_disaggregation(self) -> None:
         if self.role not in ("both", "prefill", "decode"):

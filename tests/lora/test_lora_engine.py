@@ -191,3 +191,23 @@ def test_tensor_parallel_shards_a_and_b_like_their_layers(adapters):
     finally:
         engine.shutdown()
     assert got == run(lora_engine(), items)
+
+
+def test_disaggregated_prefill_names_the_adapter_in_the_handoff(adapters):
+    """The decode instance sends the adapter's name with the prompt's blocks to fetch; the prefill instance
+    computes them with that adapter: the same tokens as one instance, every block freed on both sides."""
+    from engine_helpers import InlineConnector
+
+    long_prompts = [(PROMPTS[k % 5] * 4)[:40] for k in range(4)]  # two full blocks before the last token
+    items = [(long_prompts[0], adapters[0]), (long_prompts[1], adapters[2]), (long_prompts[2], None),
+             (long_prompts[3], adapters[1])]
+    want = run(lora_engine(), items)
+    prefill, decode = lora_engine(max_num_batched_tokens=24), lora_engine()
+    for lora in adapters[:3]:
+        prefill.lora.register(lora)
+    conn = InlineConnector(prefill)
+    decode.enable_remote_prefill(conn)
+    assert run(decode, items) == want
+    assert decode.kv_stats.remote_prefills == 4 and decode.kv_stats.local_prefill_fallbacks == 0
+    assert [s.lora_name for s in conn.specs] == ["a0", "a2", None, "a1"]
+    assert decode.kv_manager.usage().num_used_blocks == 0 and prefill.kv_manager.usage().num_used_blocks == 0

@@ -39,9 +39,9 @@ def server(tmp_path_factory, loras):
     assert srv.stop() == 0, srv.log()
 
 
-def generate_ids(channel, lora_name: str = "") -> list[int]:
+def generate_ids(channel, lora_name: str = "", prompt: list[int] = PROMPT) -> list[int]:
     stub = pb_grpc.GenerationStub(channel)
-    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), lora_name=lora_name,
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), lora_name=lora_name,
                              sampling=pb.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     return [t for r in stub.Generate(req, timeout=60) if r.HasField("chunk") for t in r.chunk.token_ids]
 
@@ -141,3 +141,27 @@ def test_http_model_field_models_list_and_load_routes(server, loras):
     assert call(url, "/v1/completions", {**body, "model": "c"})[0] == 200
     assert call(url, "/v1/unload_lora_adapter", {"lora_name": "c"})[0] == 200
     assert call(url, "/v1/unload_lora_adapter", {"lora_name": "c"})[0] == 404
+
+
+@pytest.mark.slow
+def test_disaggregated_prefill_carries_the_adapter_name(tmp_path_factory, server, loras):
+    """A decode instance and a prefill instance that both loaded adapter a: the prompt's blocks are computed on the
+    prefill side with a (PrefillRequest.lora_name), and the tokens are the colocated server's."""
+    long = [3 + (i * 37) % 400 for i in range(40)]  # two full blocks before the last token
+    lora_args = ("--enable-lora", "--lora-modules", f"a={loras['a']}", "--max-lora-rank", "8")
+    prefill = ServerProcess(tmp_path_factory.mktemp("prefill"), "--role", "prefill", *lora_args)
+    prefill.wait_serving()
+    decode = ServerProcess(tmp_path_factory.mktemp("decode"), "--role", "decode", "--prefill-target",
+                           "unix:" + prefill.socket, *lora_args)
+    try:
+        decode.wait_serving()
+        with grpc.insecure_channel(f"unix:{server.socket}") as ch:
+            want = generate_ids(ch, "a", long)
+        with grpc.insecure_channel(f"unix:{decode.socket}") as ch:
+            assert generate_ids(ch, "a", long) == want
+        with client_for(decode) as c:
+            s = wait_idle(c)
+            assert s.remote_prefills == 1 and s.local_prefill_fallbacks == 0 and s.kv_blocks_received == 2
+    finally:
+        assert decode.stop() == 0, decode.log()
+        assert prefill.stop() == 0, prefill.log()
