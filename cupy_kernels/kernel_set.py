@@ -223,10 +223,11 @@ def _device_only(fn: Callable[..., Any], arg: int, op: str) -> Callable[..., Any
 
 @functools.lru_cache(maxsize=None)
 def cuda_kernels() -> KernelSet:
-    from .cuda import ops as cuda_ops
+    from .cuda import lora as cuda_lora, ops as cuda_ops
 
     return KernelSet("cuda", **{op: getattr(cuda_ops, op) if op not in _DEVICE_ARG
-                                else _device_only(getattr(cuda_ops, op), _DEVICE_ARG[op], op) for op in OP_NAMES})
+                                else _device_only(getattr(cuda_ops, op), _DEVICE_ARG[op], op) for op in OP_NAMES},
+                     lora_shrink=cuda_lora.lora_shrink, lora_expand=cuda_lora.lora_expand)
 
 
 def cpu_kernels(choice: str = "auto", finish_warm_up: bool = True) -> KernelSet:

@@ -57,9 +57,13 @@ class LoRASlots:
     """`max_loras` execution slots of adapters of rank <= `max_lora_rank`, float32 host arrays (this rank's
     slices under tensor parallelism)."""
 
-    def __init__(self, config: ModelConfig, max_loras: int, max_lora_rank: int, shard: TPShard | None = None) -> None:
+    def __init__(self, config: ModelConfig, max_loras: int, max_lora_rank: int, shard: TPShard | None = None,
+                 backend: Any = None) -> None:
         self.config, self.max_loras, self.max_lora_rank = config, max_loras, max_lora_rank
         self.shard = shard or TPShard()
+        # The model's array module and dtype (GPU: device arrays in the weights' dtype, as the CUDA kernels take)
+        xp, dtype = (np, np.float32) if backend is None else (backend.xp, backend.dtype)
+        self.xp, self.dtype = xp, dtype
         self.slices = rank_slices(config, self.shard)
         r = max_lora_rank
         self.a: list[dict[str, np.ndarray]] = []
@@ -73,11 +77,11 @@ class LoRASlots:
             for fused, parts in FUSED.items():
                 n_in = _shape_on_rank(config, self.shard, parts[0])[1]
                 n_out = sum(_shape_on_rank(config, self.shard, p)[0] for p in parts)
-                a[fused] = np.zeros((max_loras, len(parts) * r, n_in), dtype=np.float32)
-                b[fused] = np.zeros((max_loras, n_out, len(parts) * r), dtype=np.float32)
+                a[fused] = xp.zeros((max_loras, len(parts) * r, n_in), dtype=dtype)
+                b[fused] = xp.zeros((max_loras, n_out, len(parts) * r), dtype=dtype)
             self.a.append(a)
             self.b.append(b)
-        self.scale = np.zeros(max_loras, dtype=np.float32)
+        self.scale = xp.zeros(max_loras, dtype=np.float32)
 
     @property
     def nbytes(self) -> int:
@@ -101,9 +105,13 @@ class LoRASlots:
             rows, cols = self.slices[module]
             a, b = a[:, cols], b[rows]
             row = self.row_offsets[fused][k]
-            self.a[layer][fused][slot, k * big_r:k * big_r + r] = a
-            self.b[layer][fused][slot, row:row + b.shape[0], k * big_r:k * big_r + r] = b
+            self.a[layer][fused][slot, k * big_r:k * big_r + r] = self._put(a)
+            self.b[layer][fused][slot, row:row + b.shape[0], k * big_r:k * big_r + r] = self._put(b)
         self.scale[slot] = adapter.scale
+
+    def _put(self, w: np.ndarray) -> Any:
+        w = np.ascontiguousarray(w, dtype=self.dtype)
+        return w if self.xp is np else self.xp.asarray(w)
 
 
 class LoRAStep:
@@ -136,7 +144,9 @@ def step_for(slots: LoRASlots | None, row_slots: Any, ops: Any) -> LoRAStep | No
     forward runs exactly as without LoRA)."""
     if slots is None or row_slots is None:
         return None
-    return LoRAStep(slots, np.ascontiguousarray(row_slots, dtype=np.int32), ops)
+    if type(row_slots) is np.ndarray:  # (on the GPU: the device copy device_batch.to_device made)
+        row_slots = np.ascontiguousarray(row_slots, dtype=np.int32)
+    return LoRAStep(slots, row_slots, ops)
 
 
 def attach(model: Any, weights: dict[str, np.ndarray], max_loras: int, max_lora_rank: int) -> LoRASlots:
@@ -148,7 +158,7 @@ def attach(model: Any, weights: dict[str, np.ndarray], max_loras: int, max_lora_
 
     ops = model.backend.ops
     if ops.lora_shrink is None or ops.lora_expand is None:
-        raise ValueError(f"enable_lora: the {ops.name} kernel set has no LoRA kernels (use the CPU backend)")
+        raise ValueError(f"enable_lora: the {ops.name} kernel set has no LoRA kernels")
     kind = type(model)
     if kind.forward is not LlamaForCausalLM.forward or kind._mlp is not LlamaForCausalLM._mlp:
         raise ValueError(f"enable_lora: {model.config.architecture} models are not served with adapters yet "
@@ -161,5 +171,11 @@ def attach(model: Any, weights: dict[str, np.ndarray], max_loras: int, max_lora_
         if getattr(layer.gate_up, "gated", False):
             p = f"model.layers.{n}.mlp."
             layer.gate_up = model._put_t(weights[p + "gate_proj.weight"], weights[p + "up_proj.weight"])
-    model.lora = LoRASlots(model.config, max_loras, max_lora_rank, model.shard)
+    model.lora = LoRASlots(model.config, max_loras, max_lora_rank, model.shard, model.backend)
+    if not model.backend.is_gpu:  # compile (or load) the CPU set's kernels now, not in the first adapter's request
+        layer = model.lora.a[0]["o_proj"], model.lora.b[0]["o_proj"]
+        x = np.zeros((1, layer[0].shape[2]), dtype=np.float32)
+        t = ops.lora_shrink(x, layer[0], np.zeros(1, dtype=np.int32))
+        ops.lora_expand(t, layer[1], model.lora.scale, np.zeros(1, dtype=np.int32),
+                        np.zeros((1, layer[1].shape[1]), dtype=np.float32))
     return model.lora

@@ -164,7 +164,9 @@ def lora_bytes(config: EngineConfig, model) -> int:
     if slots is None:
         return 0
     cpu_loras = config.max_cpu_loras or config.max_loras
-    return slots.nbytes + slots.nbytes // config.max_loras * cpu_loras
+    per_slot = slots.nbytes // config.max_loras
+    on_host = slots.xp.__name__ == "numpy"  # on the GPU the slots are device memory (the KV sizing profiles them)
+    return (slots.nbytes if on_host else 0) + per_slot * cpu_loras
 
 
 def check_engine_memory(config: EngineConfig, model_config: ModelConfig, worker, backend, num_blocks: int,
