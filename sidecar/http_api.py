@@ -145,7 +145,7 @@ class HttpApi:
 
     async def tokenize(self, body: TokenizeRequest) -> dict:
         engine = self._engine()
-        self._check_model(body.model)
+        self._check_model(body.model, engine)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "set one of prompt or messages", "prompt", "invalid_value")
         if body.messages is not None:
@@ -160,7 +160,7 @@ class HttpApi:
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:
         engine = self._engine()
-        self._check_model(body.model)
+        self._check_model(body.model, engine)
         if len(body.tokens) > self.max_prompt_chars:  # every token is at least a character of text
             raise ApiError(400, f"tokens has {len(body.tokens)} ids; the limit is {self.max_prompt_chars} "
                            f"(max_prompt_chars)", "tokens", "invalid_value")

@@ -132,6 +132,7 @@ def test_http_model_field_models_list_and_load_routes(server, loras):
         text = call(url, "/detokenize", {"tokens": generate_ids(ch, "a")})[1]["prompt"]
     assert with_a["choices"][0]["text"] and text.startswith(with_a["choices"][0]["text"])  # (a held-back byte)
     assert call(url, "/v1/completions", {**body, "model": base_id})[1]["choices"][0]["text"] != text
+    assert call(url, "/tokenize", {"model": "a", "prompt": "hi"})[0] == 200  # vLLM's routes take adapter names
     status, missing = call(url, "/v1/completions", {**body, "model": "c"})
     assert status == 404 and "'c' does not exist" in missing["error"]["message"]
     status, bad = call(url, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": loras["a"] + "-nope"})
