@@ -74,7 +74,9 @@ class Adapter:
 
 
 def merged(loaded, path: str):
-    """`loaded` with the adapter at `path` folded into its weights (W + scale B A)."""
+    """`loaded` with the adapter at `path` folded into its weights (W + scale B A). A GGUF model's blocks of a merged
+    projection no longer hold its weight, so they are dropped: those matmuls run on float32 weights."""
+    from pagedserve.models.loading.gguf_loader import is_quant_name
     from pagedserve.models.loading.peft import load_peft_adapter
 
     adapter = load_peft_adapter(path, loaded.config)
@@ -83,6 +85,8 @@ def merged(loaded, path: str):
         block = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
         name = f"model.layers.{n}.{block}.{module}.weight"
         w[name] = (np.asarray(w[name], dtype=np.float32) + adapter.scale * (b @ a)).astype(np.float32)
+        for k in [k for k in w if k.startswith(name + ".") and is_quant_name(k)]:
+            del w[k]
     return dataclasses.replace(loaded, weights=w)
 
 
