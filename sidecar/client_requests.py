@@ -118,8 +118,9 @@ def _chat(messages: Sequence[ChatMessage], add_generation_prompt: bool | None) -
 
 def _generate_request(caller: str, prompt: Prompt | None, chat: pb.ChatMessages | None, request_id: str,
                       sampling: dict[str, Any]) -> tuple[pb.GenerateRequest, bool]:
+    lora_name = sampling.pop("lora_name", None) or ""  # the LoRA adapter to run with (GenerateRequest.lora_name)
     params, want_logprobs = _sampling(caller, sampling)
-    req = pb.GenerateRequest(request_id=request_id or "", sampling=params)
+    req = pb.GenerateRequest(request_id=request_id or "", sampling=params, lora_name=lora_name)
     if chat is not None:
         req.chat.CopyFrom(chat)
     elif isinstance(prompt, str):

@@ -70,11 +70,13 @@ def test_lora_name_admin_and_stats(server, loras):
             admin.UnloadLoRAAdapter(admin_pb2.UnloadLoRAAdapterRequest(lora_name="b"))
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
     with client_for(server) as c:
+        assert [t for ch in c.generate(PROMPT, lora_name="a", temperature=0.0, max_tokens=6, ignore_eos=True)
+                for t in ch.token_ids] == want["a"]  # the client library's lora_name
         wait_idle(c)
         deadline = time.monotonic() + 10  # the idle engine publishes its stats every 0.5 s
         while (s := c.server_stats()).lora_loaded != 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert (s.lora_loaded, s.lora_resident, s.lora_loads, s.lora_hits, s.lora_evictions) == (1, 1, 2, 0, 0)
+        assert (s.lora_loaded, s.lora_resident, s.lora_loads, s.lora_hits, s.lora_evictions) == (1, 1, 2, 1, 0)
 
 
 class _Aborted(Exception):
