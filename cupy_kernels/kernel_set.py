@@ -18,10 +18,10 @@ from __future__ import annotations
 import functools
 import importlib.util
 import threading
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
-from .reference import ops, paged_attention
+from .reference import lora as reference_lora, ops, paged_attention
 
 CPU_KERNEL_SETS = ("auto", "numba", "numpy")
 
@@ -67,6 +67,10 @@ class KernelSet:
     # (numba: no [T, (H + 2 KV) D] output written and read back); None: the model calls linear, then
     # rotary_and_cache (paged_attention.linear_rotary_cache is the reference).
     linear_rotary_cache: Callable[..., Any] | None = None
+    # Batched LoRA (reference/lora.py: Punica's shrink and expand over per-row adapter slots); None: this set
+    # serves no adapters (enable_lora refuses it).
+    lora_shrink: Callable[..., Any] | None = None
+    lora_expand: Callable[..., Any] | None = None
 
 
 # The op names every kernel set provides, in the order of a forward pass.
@@ -95,7 +99,8 @@ def _from_modules(name: str, *modules: Any, attention_cost: float = 1.0, argmax_
 
 @functools.lru_cache(maxsize=None)
 def numpy_kernels() -> KernelSet:
-    return _from_modules("numpy", ops, paged_attention)
+    return replace(_from_modules("numpy", ops, paged_attention), lora_shrink=reference_lora.lora_shrink,
+                   lora_expand=reference_lora.lora_expand)
 
 
 _finish_lock = threading.Lock()
@@ -157,9 +162,12 @@ def _numba_started() -> KernelSet:
     thread = _CompileThread(compile_first_half)
     thread.start()
     _compile_thread.append(thread)
-    return _from_modules("numba", numba_ops, numba_attention, ops, paged_attention, attention_cost=NUMBA_ATTENTION_COST,
-                         argmax_rows=numba_ops.argmax_rows, linear_add=numba_ops.linear_add,
-                         linear_rotary_cache=numba_ops.linear_rotary_cache)
+    kernels = _from_modules("numba", numba_ops, numba_attention, ops, paged_attention,
+                            attention_cost=NUMBA_ATTENTION_COST, argmax_rows=numba_ops.argmax_rows,
+                            linear_add=numba_ops.linear_add, linear_rotary_cache=numba_ops.linear_rotary_cache)
+    from .numba_cpu import lora as numba_lora  # compiled at its first call (an engine with enable_lora warms it)
+
+    return replace(kernels, lora_shrink=numba_lora.lora_shrink, lora_expand=numba_lora.lora_expand)
 
 
 def finish_numba_warm_up() -> None:
@@ -215,10 +223,11 @@ def _device_only(fn: Callable[..., Any], arg: int, op: str) -> Callable[..., Any
 
 @functools.lru_cache(maxsize=None)
 def cuda_kernels() -> KernelSet:
-    from .cuda import ops as cuda_ops
+    from .cuda import lora as cuda_lora, ops as cuda_ops
 
     return KernelSet("cuda", **{op: getattr(cuda_ops, op) if op not in _DEVICE_ARG
-                                else _device_only(getattr(cuda_ops, op), _DEVICE_ARG[op], op) for op in OP_NAMES})
+                                else _device_only(getattr(cuda_ops, op), _DEVICE_ARG[op], op) for op in OP_NAMES},
+                     lora_shrink=cuda_lora.lora_shrink, lora_expand=cuda_lora.lora_expand)
 
 
 def cpu_kernels(choice: str = "auto", finish_warm_up: bool = True) -> KernelSet:

@@ -46,6 +46,7 @@ class ForwardBatch:
     group_slot_mappings: tuple[Any, ...] = ()  # groups 1..G-1: [T] int64 each
     layer_group: tuple[int, ...] = ()  # per layer, its group (empty: group 0 for every layer)
     prompt_lens: Any = None  # [B] int32: each sequence's prompt length (LongRoPE's factors); None: seq_lens
+    lora_slots: Any = None  # [T] int32: each row's LoRA slot, -1 = the base (models/lora.py); None: no adapter rows
 
     def group_of(self, layer: int) -> int:
         """The KV cache group `layer` reads and writes."""
@@ -88,6 +89,7 @@ class SeqChunk:
     num_logits: int = 1
     group_block_tables: Sequence[Sequence[int]] = ()  # the tables of KV cache groups 1.. (none: one group)
     prompt_len: int | None = None  # the sequence's prompt length (LongRoPE's factors); None: its seq_len
+    lora_slot: int = -1  # the LoRA slot its rows run with (models/lora.py); -1: the base model
 
 
 def _tables_and_slots(tables: Sequence[Sequence[int]], seq_lens: np.ndarray, seq_index: np.ndarray,
@@ -144,6 +146,9 @@ def build_forward_batch(chunks: Sequence[SeqChunk], block_size: int,
                                dtype=np.int32)
         if (prompt_lens < 1).any():
             raise ValueError("a sequence's prompt_len must be at least 1")
+    lora_slots = None
+    if any(c.lora_slot >= 0 for c in chunks):
+        lora_slots = np.repeat(np.array([c.lora_slot for c in chunks], dtype=np.int32), counts)
     return ForwardBatch(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
                         logits_indices, tuple(t for t, _ in extra), tuple(s for _, s in extra), tuple(layer_group),
-                        prompt_lens)
+                        prompt_lens, lora_slots)

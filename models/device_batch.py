@@ -204,6 +204,12 @@ def to_device(batch: ForwardBatch, backend: Backend, block_size: int, num_blocks
     """
     if not backend.is_gpu or is_on_device(batch):
         return batch
+    if batch.lora_slots is not None:  # LoRA steps (models/lora.py): each row's adapter slot, one more upload
+        slots = np.ascontiguousarray(batch.lora_slots, dtype=np.int32)
+        if slots.shape != (batch.num_tokens,) or (slots.size and int(slots.min()) < -1):
+            raise ValueError(f"ForwardBatch.lora_slots must be [{batch.num_tokens}] slots >= -1")
+        on_device = to_device(replace(batch, lora_slots=None), backend, block_size, num_blocks, vocab_size)
+        return replace(on_device, lora_slots=_upload(backend.xp, slots)[0])
     check_batch(batch, block_size, num_blocks, vocab_size)
     width = blocks_needed(np.asarray(batch.seq_lens), block_size)
     i64, i32, layout = pack_batch(batch, width)

@@ -23,7 +23,7 @@ from pagedserve.cupy_kernels.backend import Backend, get_backend
 from pagedserve.cupy_kernels.collectives import SingleRank
 from pagedserve.cupy_kernels.reference.quant import QuantWeight, concat_rows
 
-from . import activation_check
+from . import activation_check, lora as lora_slots
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .device_batch import to_device
@@ -106,6 +106,8 @@ class LlamaForCausalLM:
         # Debug mode (models/activation_check.py): inf/NaN in the residual stream raises, per checkpoint.
         self.check_activations = activation_check.enabled_by_env()
         self.activation_peaks: dict[str, float] = {}
+        # LoRA adapters' execution slots (models/lora.py attach); None: the model serves none, and costs nothing.
+        self.lora: lora_slots.LoRASlots | None = None
 
     def _layer(self, n: int, weights: dict[str, np.ndarray]) -> LayerWeights:
         """Layer n's weights as the backend holds them (matmuls fused: qkv, gate_up)."""
@@ -211,21 +213,24 @@ class LlamaForCausalLM:
                                                  slot_mapping)
 
     def _attention(self, n: int, layer: LayerWeights, x: Any, cos_sin: tuple[Any, Any], kv: tuple[Any, Any],
-                   batch: ForwardBatch, plans: dict[int, Any], rows: Any = None, add_to: Any = None) -> Any:
+                   batch: ForwardBatch, plans: dict[int, Any], rows: Any = None, add_to: Any = None,
+                   lora: lora_slots.LoRALayer | None = None) -> Any:
         """Layer n's attention block on its normed input x: qkv, rotary and cache, paged attention (through the
         block tables of the layer's KV cache group, with its window), o_proj (all-reduced over the ranks).
         rows: None, or the rows o_proj (and so the block's output) is computed for (every row's K and V are
         still written: later steps read them). add_to: None, or the residual o_proj adds into (ops.linear_add,
-        one rank), returned."""
+        one rank), returned. lora: a step with adapter rows adds their deltas to qkv and o_proj (models/lora.py)."""
         ops = self.backend.ops
         k_cache, v_cache = kv
         block_tables, slot_mapping = batch.kv_tables(n)
-        if (ops.linear_rotary_cache is not None and layer.qkv_bias is None
+        if (ops.linear_rotary_cache is not None and layer.qkv_bias is None and lora is None
                 and type(self)._query is LlamaForCausalLM._query):  # nothing between the projection and rotary
             q = ops.linear_rotary_cache(x, layer.qkv, self.num_heads, self.num_kv_heads, *cos_sin, k_cache, v_cache,
                                         slot_mapping, quant=layer.qkv_q)
         else:
             qkv = ops.linear(x, layer.qkv, layer.qkv_bias, quant=layer.qkv_q)
+            if lora is not None:
+                lora.add("qkv", x, qkv)
             q = self._query(layer, qkv, *cos_sin, k_cache, v_cache, slot_mapping)
         window = {} if self.windows[n] is None else {"sliding_window": self.windows[n]}
         attn = ops.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, block_tables,
@@ -234,19 +239,32 @@ class LlamaForCausalLM:
         if rows is not None:
             attn = attn[rows]
         if add_to is not None:  # (never with an o_proj bias: forward does not fuse then)
-            return ops.linear_add(attn, layer.o_proj, add_to, quant=layer.o_proj_q)
-        out = self.comm.all_reduce(ops.linear(attn, layer.o_proj, quant=layer.o_proj_q))
+            out = ops.linear_add(attn, layer.o_proj, add_to, quant=layer.o_proj_q)
+            return out if lora is None else lora.add("o_proj", attn, out, rows)
+        out = ops.linear(attn, layer.o_proj, quant=layer.o_proj_q)
+        if lora is not None:
+            lora.add("o_proj", attn, out, rows)
+        out = self.comm.all_reduce(out)
         if layer.o_proj_bias is not None:
             out += layer.o_proj_bias
         return out
 
-    def _mlp(self, layer: LayerWeights, x: Any, add_to: Any = None) -> Any:
-        """The gated MLP: down(silu(gate x) * up x), all-reduced (down is row-parallel); add_to: as _attention's."""
+    def _mlp(self, layer: LayerWeights, x: Any, add_to: Any = None, lora: lora_slots.LoRALayer | None = None,
+             rows: Any = None) -> Any:
+        """The gated MLP: down(silu(gate x) * up x), all-reduced (down is row-parallel); add_to, lora, rows: as
+        _attention's (with LoRA, gate_up is unfused so its delta lands before the SiLU)."""
         ops = self.backend.ops
-        up = ops.linear_silu_and_mul(x, layer.gate_up, quant=layer.gate_up_q)
+        if lora is None:
+            up = ops.linear_silu_and_mul(x, layer.gate_up, quant=layer.gate_up_q)
+        else:
+            up = ops.silu_and_mul(lora.add("gate_up", x, ops.linear(x, layer.gate_up, quant=layer.gate_up_q), rows))
         if add_to is not None:
-            return ops.linear_add(up, layer.down, add_to, quant=layer.down_q)
-        return self.comm.all_reduce(ops.linear(up, layer.down, quant=layer.down_q))
+            out = ops.linear_add(up, layer.down, add_to, quant=layer.down_q)
+            return out if lora is None else lora.add("down", up, out, rows)
+        out = ops.linear(up, layer.down, quant=layer.down_q)
+        if lora is not None:
+            lora.add("down", up, out, rows)
+        return self.comm.all_reduce(out)
 
     def _prepare(self, batch: ForwardBatch, kv_caches: list[tuple[Any, Any]]) -> tuple[ForwardBatch, dict[int, Any]]:
         """The step's batch on the device (checked and uploaded once) and the attention plan of each KV cache
@@ -277,7 +295,9 @@ class LlamaForCausalLM:
         # A set whose GEMM adds into its output (ops.linear_add: numba) takes o_proj's and down's outputs straight
         # into the residual; then only the norms remain (one rank: with several, the add follows the all-reduce).
         fused = ops.linear_add is not None and self.comm.world_size == 1 and not cfg.o_proj_bias
+        lora = lora_slots.step_for(self.lora, batch.lora_slots, ops)  # None: no adapter rows in this step
         for n, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            lk = {} if lora is None else {"lora": lora.layer(n)}
             if fused and residual is not None:  # the previous layer's down added its output already
                 x = ops.rms_norm(residual, layer.input_norm, cfg.rms_norm_eps)
             else:
@@ -287,14 +307,14 @@ class LlamaForCausalLM:
             rows = keep if n == len(self.layers) - 1 else None
             if rows is not None:
                 residual = residual[rows]
-            hidden = self._attention(n, layer, x, cos_sin, kv, batch, plans, rows, residual if fused else None)
+            hidden = self._attention(n, layer, x, cos_sin, kv, batch, plans, rows, residual if fused else None, **lk)
             if fused:
                 x = ops.rms_norm(residual, layer.post_norm, cfg.rms_norm_eps)
             else:
                 x, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
             if check:
                 activation_check.check_residual(residual, self.backend.xp, f"layer {n} after attention", peaks)
-            hidden = self._mlp(layer, x, residual if fused else None)
+            hidden = self._mlp(layer, x, residual if fused else None, **lk, **({"rows": rows} if lk else {}))
         return self._final(hidden, residual, batch, peaks, selected=keep is not None, added=fused)
 
     def _final(self, hidden: Any, residual: Any, batch: ForwardBatch, peaks: dict[str, float],

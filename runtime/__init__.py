@@ -21,6 +21,7 @@ _EXPORTS = {
     "RequestOutput": ".outputs",
     "CompletionOutput": ".outputs",
     "EngineStats": ".outputs",
+    "LoRARequest": ".lora.request",
 }
 
 __all__ = list(_EXPORTS)

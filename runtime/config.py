@@ -64,6 +64,13 @@ class EngineConfig:
     # lower first; vLLM's) or "fair" (weighted virtual token counters per tenant, within a priority).
     scheduling_policy: str = "fcfs"
     tenant_weights: dict[str, float] | None = None  # "fair": each tenant's share (default 1.0 each)
+    # LoRA adapters (runtime/lora/): vLLM's enable_lora, max_loras (execution slots, adapters in one step),
+    # max_lora_rank (slots are sized for it), max_cpu_loras (adapters kept read in host memory, LRU; None:
+    # max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -121,6 +128,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         make_policy(self.scheduling_policy, self.tenant_weights)  # ValueError names a bad policy or weight
+        check_lora_config(self)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
 
@@ -130,3 +138,17 @@ def check_gpu_block_size(block_size: int) -> None:
     if block_size not in ATTN_BLOCK_SIZES:
         raise ValueError(f"block_size {block_size} runs on the CPU backend only; on the GPU it must be one of "
                          f"{', '.join(map(str, ATTN_BLOCK_SIZES))}")
+
+
+def check_lora_config(config: EngineConfig) -> None:
+    """The LoRA knobs (vLLM's bounds); the combinations not served yet are refused by name."""
+    if not isinstance(config.enable_lora, bool):
+        raise ValueError(f"enable_lora must be a bool, got {config.enable_lora!r}")
+    for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+        value = getattr(config, name)
+        if value is None and name == "max_cpu_loras":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:
+        raise ValueError(f"max_cpu_loras ({config.max_cpu_loras}) must be >= max_loras ({config.max_loras})")

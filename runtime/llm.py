@@ -10,6 +10,7 @@ from .core.beam_search import BeamSearchParams
 from .config import EngineConfig
 from .engine.llm_engine import LLMEngine
 from .outputs import RequestOutput
+from .lora.request import LoRARequest
 from .sampling_params import SamplingParams
 
 # vLLM's prompt forms too: {"prompt": text} and {"prompt_token_ids": [...]} (TextPrompt, TokensPrompt).
@@ -34,6 +35,15 @@ def _unwrap_prompt(prompt: PromptType) -> str | Sequence[int]:
         return list(ids)
     raise ValueError(f"a prompt dict must be {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}, "
                      f"got keys {sorted(prompt)}")
+
+
+def _per_prompt(lora_request, n: int) -> list:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"got {len(loras)} lora_request entries for {n} prompts")
+    return loras
 
 
 class LLM:
@@ -65,10 +75,12 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None, priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None, priority: int | Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. A single prompt may be given bare (a str, one id list or one
         vLLM prompt dict). priority (vLLM's): one per prompt, lower runs first under scheduling_policy
-        "priority" or "fair"; None = 0 each."""
+        "priority" or "fair"; None = 0 each. lora_request (with enable_lora=True): one adapter for every prompt,
+        or one per prompt (None: the base model), read from its path the first time its name is seen."""
         prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -80,25 +92,26 @@ class LLM:
             [priority] * len(prompts) if isinstance(priority, int) else priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        loras = _per_prompt(lora_request, len(prompts))
         ids = []
         try:
-            for prompt, p, prio in zip(prompts, params, priorities):
+            for prompt, p, prio, lora in zip(prompts, params, priorities, loras):
                 ids.append(self._next_id())
-                self.engine.add_request(ids[-1], _unwrap_prompt(prompt), p, priority=prio)
+                self.engine.add_request(ids[-1], _unwrap_prompt(prompt), p, priority=prio, lora_request=lora)
         except ValueError:
             self.engine.abort_request(ids)  # nothing half-queued is left behind
             raise
         return self._run(ids, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
-                    use_tqdm: bool | None = None) -> list[RequestOutput]:
+                    use_tqdm: bool | None = None, lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """Beam search for each prompt; each output holds params.beam_width completions, best first."""
         prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
         ids = []
         try:
             for prompt in prompts:
                 ids.append(self._next_id())
-                self.engine.add_beam_request(ids[-1], _unwrap_prompt(prompt), params)
+                self.engine.add_beam_request(ids[-1], _unwrap_prompt(prompt), params, lora_request=lora_request)
         except ValueError:
             self.engine.abort_request(ids)
             raise
@@ -106,13 +119,14 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
         prompts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=True)
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _next_id(self) -> str:
         self._counter += 1

@@ -90,6 +90,13 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_mean_accepted_length: float = 0.0
+    # LoRA (runtime/lora/manager.py; 0 when off): adapters loaded and resident now; since start, admissions
+    # that found their adapter resident, copies into a slot, slots taken from an unheld resident adapter.
+    lora_loaded: int = 0
+    lora_resident: int = 0
+    lora_hits: int = 0
+    lora_loads: int = 0
+    lora_evictions: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

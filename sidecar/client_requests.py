@@ -120,8 +120,9 @@ def _generate_request(caller: str, prompt: Prompt | None, chat: pb.ChatMessages 
                       sampling: dict[str, Any]) -> tuple[pb.GenerateRequest, bool]:
     sampling = dict(sampling)
     priority = sampling.pop("priority", 0)  # not a sampling field: the request's (vLLM's priority, lower first)
+    lora_name = sampling.pop("lora_name", None) or ""  # the LoRA adapter to run with (GenerateRequest.lora_name)
     params, want_logprobs = _sampling(caller, sampling)
-    req = pb.GenerateRequest(request_id=request_id or "", sampling=params, priority=priority)
+    req = pb.GenerateRequest(request_id=request_id or "", sampling=params, priority=priority, lora_name=lora_name)
     if chat is not None:
         req.chat.CopyFrom(chat)
     elif isinstance(prompt, str):

@@ -28,6 +28,7 @@ from pagedserve.runtime.engine.async_engine import AsyncEngine
 from .http_errors import ApiKeyMiddleware, BodyLimitMiddleware, error_for, http_error, invalid_body
 from .http_generate import ClientGone, Generation
 from .http_inputs import Inputs, maybe_off_loop
+from .http_lora import LoadLoRAAdapterRequest, LoRARoutes, UnloadLoRAAdapterRequest, adapter_cards, lora_for_model
 from .http_metrics import OutcomeMiddleware
 from .http_messages import ChatMessage
 from .http_models import ApiError, ChatCompletionRequest, CompletionRequest, Int
@@ -74,8 +75,10 @@ class DetokenizeRequest(BaseModel):
 class HttpApi:
     def __init__(self, get_engine: Callable[[], AsyncEngine | None], model_name: Callable[[], str],
                  serving: Callable[[], bool], max_prompt_chars: int, max_chat_messages: int,
-                 metrics: ServerMetrics | None = None, slow_reader_timeout: float | None = None) -> None:
+                 metrics: ServerMetrics | None = None, slow_reader_timeout: float | None = None,
+                 allow_runtime_lora_updating: bool = False) -> None:
         self._get_engine, self._model_name, self._serving = get_engine, model_name, serving
+        self.lora = LoRARoutes(allow_runtime_lora_updating)
         self.max_prompt_chars = max_prompt_chars
         self.inputs = Inputs(max_prompt_chars, max_chat_messages)
         self.generation = Generation(self.inputs, model_name, metrics, slow_reader_timeout)
@@ -107,6 +110,11 @@ class HttpApi:
               openapi_extra=checked(CompletionRequest.CHECKED))
         route("/v1/chat/completions", self.chat_completions, methods=["POST"], responses=generate,
               openapi_extra=checked(ChatCompletionRequest.CHECKED))
+        lora = errors(400, 401, 403, 404, 413, 503)
+        route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"], response_class=PlainTextResponse,
+              responses=lora, openapi_extra=checked(("lora_name", "lora_path")))
+        route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"], response_class=PlainTextResponse,
+              responses=lora, openapi_extra=checked(("lora_name",)))
         if tenants is not None:  # the key names the tenant (http_tenants.py); admin routes need an admin
             from .http_tenants import TenantKeyMiddleware
 
@@ -144,21 +152,34 @@ class HttpApi:
                 "root": self._model_name(), "max_model_len": engine.model_info().max_model_len}
 
     async def models(self) -> dict:
-        return {"object": "list", "data": [self._card(self._engine())]}
+        engine = self._engine()
+        adapters = adapter_cards(engine, self._model_name(), self.created)
+        return {"object": "list", "data": [self._card(engine), *adapters]}
 
     async def model(self, name: str) -> dict:
         engine = self._engine()
-        self._check_model(name)
+        if self._check_model(name, engine) is not None:
+            return next(c for c in adapter_cards(engine, self._model_name(), self.created) if c["id"] == name)
         return self._card(engine)
 
-    def _check_model(self, name: str | None) -> None:
-        if name is not None and name != self._model_name():
-            raise ApiError(404, f"model {name[:200]!r} does not exist; this server serves "
-                           f"{self._model_name()!r}", "model", "model_not_found")
+    def _check_model(self, name: str | None, engine: AsyncEngine | None = None):
+        """The LoRA adapter `name` names (None: the base model); 404 when it is neither."""
+        if engine is None or not engine.lora_enabled:
+            if name is not None and name != self._model_name():
+                raise ApiError(404, f"model {name[:200]!r} does not exist; this server serves "
+                               f"{self._model_name()!r}", "model", "model_not_found")
+            return None
+        return lora_for_model(engine, name, self._model_name())
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> str:
+        return await self.lora.load(self._engine(), body)
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> str:
+        return await self.lora.unload(self._engine(), body)
 
     async def tokenize(self, body: TokenizeRequest) -> dict:
         engine = self._engine()
-        self._check_model(body.model)
+        self._check_model(body.model, engine)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "set one of prompt or messages", "prompt", "invalid_value")
         if body.messages is not None:
@@ -176,7 +197,7 @@ class HttpApi:
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:
         engine = self._engine()
-        self._check_model(body.model)
+        self._check_model(body.model, engine)
         if len(body.tokens) > self.max_prompt_chars:  # every token is at least a character of text
             raise ApiError(400, f"tokens has {len(body.tokens)} ids; the limit is {self.max_prompt_chars} "
                            f"(max_prompt_chars)", "tokens", "invalid_value")
@@ -196,7 +217,7 @@ class HttpApi:
 
     def _prepare(self, body) -> AsyncEngine:
         engine = self._engine()
-        self._check_model(body.model)
+        self._check_model(body.model, engine)
         if (name := body.unsupported()) is not None:
             raise ApiError(400, f"{name} is not supported by this server's HTTP API", name, "unsupported")
         body.check()

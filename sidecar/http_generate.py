@@ -30,6 +30,7 @@ from .http_errors import error_for
 from .http_inputs import Inputs, check_unicode, maybe_off_loop
 from .http_metrics import OUTCOMES_KEY
 from .http_models import ApiError, ChatCompletionRequest, CompletionRequest
+from .http_lora import lora_for_model
 from .tenant_access import scoped_id, scoped_salt
 from .http_outputs import Outputs
 from .http_render import ChatRender, CompletionRender, Render, RenderOptions
@@ -84,7 +85,7 @@ class Generation:
                                                             f"prompt[{i}]") for i, p in enumerate(prompts)]
         opts = RenderOptions(n=body.n, num_prompts=len(prompts), return_token_ids=body.return_token_ids,
                              logprobs=body.logprobs, token_text=self._token_text(engine), echo=echo)
-        render = CompletionRender(f"cmpl-{uuid.uuid4().hex}", self._model_name(), opts)
+        render = CompletionRender(f"cmpl-{uuid.uuid4().hex}", body.model or self._model_name(), opts)
         return await self._generate(request, engine, body, prompts, body.max_tokens, render)
 
     async def chat_completions(self, engine: AsyncEngine, body: ChatCompletionRequest, request: Request):
@@ -110,7 +111,7 @@ class Generation:
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                              token_text=self._token_text(engine), tool_plan=plan if plan.mode != "none" else None,
                              warnings=list(plan.warnings))
-        render = ChatRender(f"chatcmpl-{uuid.uuid4().hex}", self._model_name(), opts)
+        render = ChatRender(f"chatcmpl-{uuid.uuid4().hex}", body.model or self._model_name(), opts)
         # auto: the lazy tool-call grammar, unless the request brings its own constraint (which then wins)
         so = None if constrained else plan.structured_outputs
         return await self._generate(request, engine, body, [ids], limit, render, so)
@@ -161,8 +162,9 @@ class Generation:
             raise _error(e, body) from None
         ids = [render.request_id if len(prompts) == 1 else f"{render.request_id}-{i}" for i in range(len(prompts))]
         tenant = request.scope.get("state", {}).get("tenant")  # with a tenants file (http_tenants.py)
+        lora = lora_for_model(engine, body.model, self._model_name()) if engine.lora_enabled else None
         outputs = Outputs([engine.generate(scoped_id(tenant, rid), p, sp, cache_salt=scoped_salt(tenant, None),
-                                           tenant=tenant, priority=body.priority)
+                                           tenant=tenant, priority=body.priority, lora_request=lora)
                            for rid, p, sp in zip(ids, prompts, params)])
         outputs.tenant = tenant
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

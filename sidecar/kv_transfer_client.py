@@ -113,7 +113,7 @@ class GrpcKVConnector(KVConnector):
             if self.transport_name == "shm":
                 segment = ShmSegment.create(shape, self.local.dtype)
             request = pb.PrefillRequest(request_id=rid, token_ids=spec.token_ids, cache_salt=spec.cache_salt or "",
-                                        first_block=spec.first_block,
+                                        first_block=spec.first_block, lora_name=spec.lora_name or "",
                                         shm_path=str(segment.path) if segment is not None else "")
             with self._calls_lock:
                 if rid in self._aborted:

@@ -25,6 +25,7 @@ from pagedserve.runtime.kv_transfer.kv_shm import ShmSegment
 from pagedserve.runtime.sampling_params import SamplingParams
 
 from .pb import kv_transfer_pb2 as pb
+from .servicer import AdapterNotFoundError, lora_for
 from .pb import kv_transfer_pb2_grpc as pb_grpc
 
 log = structlog.get_logger("pagedserve.kv")
@@ -103,8 +104,11 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         try:
             async for _ in engine.generate(f"kv-{uuid.uuid4().hex}", ids,
                                            SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
-                                           cache_salt=request.cache_salt or None, kv_export=export):
+                                           cache_salt=request.cache_salt or None, kv_export=export,
+                                           lora_request=lora_for(engine, request.lora_name)):
                 pass
+        except AdapterNotFoundError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFullError as e:

@@ -40,8 +40,10 @@ from .pb import kv_transfer_pb2_grpc as kv_pb_grpc
 from .metrics import ServerMetrics
 from .peer_proxy import PeerProxy, private_socket_path
 from .sd_notify import SystemdNotifier, watchdog_loop
+from .admin_servicer import SERVICE_NAME as ADMIN_SERVICE_NAME, AdminServicer
+from .pb import admin_pb2_grpc as admin_pb_grpc
 from .servicer import GenerationServicer
-from .settings import Settings
+from .settings import Settings, parse_lora_modules
 from .tenant_access import AdminGuard, Callers
 from .tenants import load_tenants
 
@@ -129,9 +131,11 @@ class SidecarServer:
         kv_pb_grpc.add_KVTransferServicer_to_server(
             KVTransferServicer(lambda: self.engine, lambda: self.kv_spec, s.kv_test_fault), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        admin_pb_grpc.add_AdminServicer_to_server(AdminServicer(lambda: self.engine, s.allow_runtime_lora_updating),
+                                                  server)
         reflection.enable_server_reflection(
-            [SERVICE_NAME, KV_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME],
+            [SERVICE_NAME, KV_SERVICE_NAME, ADMIN_SERVICE_NAME,
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             server)
         await self._set_health(False)
         if s.socket:
@@ -168,7 +172,7 @@ class SidecarServer:
 
         s = self.settings
         api = HttpApi(lambda: self.engine, lambda: self.model_name, lambda: self.serving, s.max_prompt_chars,
-                      s.max_chat_messages, self.metrics, s.slow_reader_timeout)
+                      s.max_chat_messages, self.metrics, s.slow_reader_timeout, s.allow_runtime_lora_updating)
         self.http = HttpServer(api.app(s.api_key, self.tenants), s.http_host, s.http_port)
         self.http.start()
         self.addresses.append(self.http.address)
@@ -187,6 +191,7 @@ class SidecarServer:
         if self.tenants is not None:
             config = dataclasses.replace(config, tenant_weights=self.tenants.weights)
         engine = await anyio.to_thread.run_sync(LLMEngine, config)
+        await anyio.to_thread.run_sync(load_lora_modules, engine, self.settings.lora_modules)
         await anyio.to_thread.run_sync(self._warm_up, engine)
         self.model_name = engine.model_name
         await anyio.to_thread.run_sync(self._setup_disaggregation, engine)
@@ -287,6 +292,14 @@ class SidecarServer:
 
 
 EXIT_ENGINE_FAILED = 3
+
+
+def load_lora_modules(engine: LLMEngine, lora_modules: str | None) -> None:
+    """--lora-modules name=path ...: read and registered before the server is ready (a bad one stops the start)."""
+    from pagedserve.runtime.lora import LoRARequest
+
+    for k, (name, path) in enumerate(parse_lora_modules(lora_modules).items()):
+        engine.lora.register(LoRARequest(name, k + 1, path))
 
 
 def run_server(settings: Settings) -> int:

@@ -86,6 +86,24 @@ class ClientGoneError(Exception):
     """A write found the RPC already ended by the client (cancelled, deadline passed)."""
 
 
+class AdapterNotFoundError(Exception):
+    """A request named a LoRA adapter the server has not loaded (NOT_FOUND)."""
+
+
+def lora_for(engine: AsyncEngine, name: str):
+    """The LoRARequest of adapter `name` ("" -> None, the base); AdapterNotFoundError if unknown, ValueError
+    if the server serves no adapters."""
+    if not name:
+        return None
+    if not engine.lora_enabled:
+        raise ValueError(f"lora_name {name[:200]!r}: this server serves no LoRA adapters (start it with --enable-lora)")
+    lora = engine.lora_request(name)
+    if lora is None:
+        raise AdapterNotFoundError(f"LoRA adapter {name[:200]!r} not found; loaded: "
+                                   f"{', '.join(r.lora_name for r in engine.lora_adapters()) or 'none'}")
+    return lora
+
+
 class SlowReaderError(Exception):
     """The client stopped reading its stream for longer than slow_reader_timeout."""
 
@@ -159,12 +177,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if engine is None:  # answered UNAVAILABLE below, and counted as every other outcome is
                 raise EngineStoppedError("the model is still loading; retry shortly")
             params = sampling_params_from_proto(request.sampling)
+            lora = lora_for(engine, request.lora_name)
             prompt = await _off_loop_if_large(request, self._prompt, engine, request)
             whole = (params.best_of or params.n) > params.n  # best_of: only the chosen n, at the end
             outputs = engine.generate(scoped_id(tenant, request_id), prompt, params,
                                       cache_salt=scoped_salt(tenant, request.cache_salt or None),
                                       on_admitted=lambda group: self._send_headers(context, request_id, group),
-                                      tenant=tenant, priority=request.priority)
+                                      tenant=tenant, priority=request.priority, lora_request=lora)
             warnings = params.structured_outputs.warnings if params.structured_outputs is not None else []
             async with contextlib.aclosing(outputs):  # leaving early aborts the request at once
                 async for out in outputs:
@@ -187,6 +206,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             outcome = "resource_exhausted"
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),
                                 trailing_metadata=(("retry-after-s", f"{e.retry_after_s:g}"),))
+        except AdapterNotFoundError as e:
+            outcome = "not_found"
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except (QueueFullError, SlowReaderError) as e:
             outcome = "resource_exhausted"
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))

@@ -80,6 +80,13 @@ class Settings:
     # -- tenants (docs/tenants.md) --
     tenants: str | None = opt(None, "tenants.toml: callers by socket uid/gid or HTTP key, weights, quotas, admins")
     scheduling_policy: str = opt("fcfs", "fcfs | priority (the request's priority, lower first) | fair (per tenant)")
+    # -- LoRA adapters (docs/lora.md; vLLM's flags) --
+    enable_lora: bool = opt(False, "serve LoRA adapters per request (the OpenAI model field, gRPC lora_name)")
+    lora_modules: str | None = opt(None, 'adapters loaded at start: "name=path ..." (PEFT directories)')
+    max_loras: int = opt(1, "adapters one step can run (execution slots)")
+    max_lora_rank: int = opt(16, "the largest adapter rank served (the slots are sized for it)")
+    max_cpu_loras: int | None = opt(None, "adapters kept read in host memory (LRU); unset = max_loras")
+    allow_runtime_lora_updating: bool = opt(False, "load/unload adapters at run time (Admin RPCs, HTTP routes)")
 
     def engine_config(self) -> EngineConfig:
         names = {f.name for f in fields(EngineConfig)}
@@ -133,6 +140,9 @@ class Settings:
         if not self.socket and not self.tcp:
             raise ValueError("nothing to listen on: set a unix socket path or a tcp address")
         self._validate_disaggregation()
+        parse_lora_modules(self.lora_modules)
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (--enable-lora)")
 
     def _validate_disaggregation(self) -> None:
         if self.role not in ("both", "prefill", "decode"):
@@ -157,6 +167,19 @@ class Settings:
             kind, _, arg = self.kv_test_fault.partition(":")
             if kind not in ("corrupt", "cut", "delay") or (kind == "delay" and not _is_float(arg)):
                 raise ValueError(f"kv_test_fault must be corrupt, cut or delay:SECONDS, got {self.kv_test_fault!r}")
+
+
+def parse_lora_modules(text: str | None) -> dict[str, str]:
+    """'a=/path/a b=/path/b' (spaces or commas) -> {name: path}; ValueError naming the bad entry."""
+    modules: dict[str, str] = {}
+    for entry in (text or "").replace(",", " ").split():
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"lora_modules: each entry must be name=path, got {entry!r}")
+        if name in modules:
+            raise ValueError(f"lora_modules: adapter name {name!r} is given twice")
+        modules[name] = path
+    return modules
 
 
 def _is_float(text: str) -> bool:
@@ -237,6 +260,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         if typ is bool:
             parser.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
                                 help=help_default)
+        elif f.name == "lora_modules":  # vLLM's --lora-modules a=PATH b=PATH
+            parser.add_argument(flag, dest=f.name, default=None, type=str, nargs="+", help=help_default)
         else:
             parser.add_argument(flag, dest=f.name, default=None, type=str, help=help_default)
 
@@ -250,6 +275,8 @@ def load_settings(args: argparse.Namespace | None = None, environ: Mapping[str, 
         if env is not None:
             values[f.name] = _parse(env, typ, ENV_PREFIX + f.name.upper())
         flag = getattr(args, f.name, None) if args is not None else None
+        if isinstance(flag, list):
+            flag = " ".join(flag)
         if flag is not None:
             values[f.name] = flag if isinstance(flag, bool) else _parse(flag, typ, "--" + f.name.replace("_", "-"))
     settings = Settings(**values)

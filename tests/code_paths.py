@@ -39,7 +39,8 @@ FORCED = {
 FORCED_TESTS = ["tests/cupy_kernels", "tests/models", "tests/runtime/test_sampler.py",
                 "tests/runtime/test_engine.py", "tests/runtime/test_prefix_cache.py",
                 "tests/runtime/test_parallel_and_beam.py", "tests/runtime/test_spec_decode.py",
-                "tests/runtime/test_tensor_parallel.py"]
+                "tests/runtime/test_tensor_parallel.py", "tests/lora/test_lora_goldens.py",
+                "tests/lora/test_lora_forward.py"]
 # Also left out: the packaged Gemma 3 270M's goldens (the kernels they run are the tiny families' goldens',
 # which are forced; at 2,300 tokens they take minutes a pass, many more on baseline code).
 NOT_FORCED = ["tests/cupy_kernels/test_nvcc_compile.py", "tests/cupy_kernels/test_kernels_on_host.py",

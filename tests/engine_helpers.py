@@ -134,9 +134,10 @@ class InlineConnector(KVConnector):
             return out
 
         export = KVExport(spec.first_block, sink)
+        lora = self.prefill.lora.get(spec.lora_name) if spec.lora_name else None  # the same name there
         group = self.prefill.make_request("p-" + spec.request_id, spec.token_ids,
                                           SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
-                                          cache_salt=spec.cache_salt)
+                                          cache_salt=spec.cache_salt, lora_request=lora)
         group.seqs[0].kv_export = export
         self.prefill.add_prepared(group)
         drain(self.prefill, max_steps=100, leaks=False)  # a prompt of at most a few chunks

@@ -147,6 +147,7 @@ MODULES: dict[str, KernelModule] = {
         KernelModule("rotary", "rotary.cu", (), _typed("rotary_kernel")),
         KernelModule("activation", "activation.cu", (), _typed("silu_and_mul_kernel")),
         KernelModule("sampling", "sampling.cu", (), _typed("argmax_rows_kernel") + _typed("sample_rows_kernel")),
+        KernelModule("lora", "lora.cu", (), _typed("lora_shrink_kernel") + _typed("lora_expand_kernel")),
     )
 }
 # Files that are not modules of their own: prepended to every module's source.

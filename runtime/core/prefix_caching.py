@@ -41,7 +41,7 @@ class PrefixCaching:
     _tables: dict[str, list[list[int]]]
     _hashes: dict[str, list[list[int]]]
 
-    def prefix_key(self, cache_salt: str | None, num_prompt_tokens: int) -> object:
+    def prefix_key(self, cache_salt: str | None, num_prompt_tokens: int, lora_key: object = None) -> object:
         """The extra key a request's block hashes are rooted in: its cache_salt, and for a LongRoPE model also
         whether its prompt is longer than the threshold M (vLLM's extra keys of a block hash).
 
@@ -49,7 +49,10 @@ class PrefixCaching:
         iff P > M or p >= M (models/rope.py). Among requests of one flag that is a function of p alone (True:
         always long; False: long from p = M on, so a short prompt, whose hits all sit at positions < P <= M,
         only ever reads keys rotated short), and a chained hash fixes its block's positions: equal hashes mean
-        equal keys. Without LongRoPE the key is the salt alone, so hashes are unchanged."""
+        equal keys. Without LongRoPE the key is the salt alone, so hashes are unchanged.
+        lora_key: the request's LoRA adapter (LoRARequest.cache_key): two adapters never share KV."""
+        if lora_key is not None:
+            return (self.prefix_key(cache_salt, num_prompt_tokens), lora_key)
         if self.long_prompt_threshold is None:
             return cache_salt
         return (cache_salt, num_prompt_tokens > self.long_prompt_threshold)

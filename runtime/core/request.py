@@ -70,6 +70,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: Any = None
     spec_state: Any = None
+    lora_request: Any = None  # runtime.lora.LoRARequest: the adapter its rows run with; None: the base model
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

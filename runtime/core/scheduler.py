@@ -115,17 +115,17 @@ class Scheduler:
         self._step_extra_cost = 0.0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # Requests whose prompt blocks are being computed by a prefill instance (disaggregated
-        # serving): they hold their destination blocks but are not scheduled until the KV arrives.
+        # Prompt blocks computed by a prefill instance (disaggregated): held, not scheduled until the KV arrives.
         self.waiting_for_kv: dict[str, Request] = {}
-        # Called with a sequence id whenever a sequence stops running (finished, aborted, preempted),
-        # for state kept beside its KV blocks (the draft model's cache).
+        # Called with a sequence id when it stops running: state kept beside its KV blocks (the draft's cache).
         self.release_hooks: list = []
         # Prefix cache hit counters (first admissions only).
         self.num_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0
         self.num_admitted = 0
         self.num_admitted_with_hit = 0
+        # LoRA (runtime/lora/manager.py; None: off): a request waits until its adapter has a slot (lora.admits).
+        self.lora = None
 
     def add_request(self, request: Request) -> None:
         self.policy.on_waiting(request, (tenant_of(r) for r in self.waiting), self.running)
@@ -217,8 +217,9 @@ class Scheduler:
         self.add_waiting_for_kv(request)
         return len(cached), self.kv.block_table(request.request_id)[len(cached):]
 
-    def _prefix_key(self, request: Request) -> object:  # its cache_salt; LongRoPE: and its prompt's factor set
-        return self.kv.prefix_key(request.cache_salt, request.num_prompt_tokens)
+    def _prefix_key(self, request: Request) -> object:  # cache_salt, adapter (never shared); LongRoPE: factor set
+        lora = request.lora_request
+        return self.kv.prefix_key(request.cache_salt, request.num_prompt_tokens, lora and lora.cache_key)
 
     def remote_kv_landed(self, request: Request, num_blocks: int) -> None:
         """Its first `num_blocks` blocks arrived: count them computed, cache them, schedule the rest."""
@@ -324,6 +325,9 @@ class Scheduler:
                     break
             except Exception as e:
                 self._fail(unit, e, out)
+        while self.lora is not None and self.lora.failed:  # its adapter could not be read: that request fails alone
+            request, error = self.lora.failed.pop()
+            self._fail([request], error, out)
         out.blocks_to_copy = self.kv.take_pending_copies()
         for s in out.scheduled:  # fair share counts the work each tenant got (admissions were counted already)
             policy.charge(s.request, s.num_new_tokens, s.num_real_tokens)
@@ -342,9 +346,13 @@ class Scheduler:
             out.failed.append((r, error))
 
     def _admission_unit(self) -> list[Request] | None:
-        """The policy's next request (fcfs: the queue's first) whose grammar (if any) is compiled, with its sibling
-        beams: a beam group is admitted whole or not at all. None: every waiting request still waits for its grammar."""
-        head = self.policy.pick(self.waiting)
+        """The policy's next request whose grammar (if any) is compiled and adapter (if any) has a slot, with its
+        sibling beams (a beam group is admitted whole or not at all). None: every waiting request still waits."""
+        passed: set[int] = set()  # waiting for an adapter's slot: the requests behind them still run
+        while (head := self.policy.pick(r for r in self.waiting if id(r) not in passed)) is not None:
+            if self.lora is None or self.lora.admits(head):
+                break
+            passed.add(id(head))
         if head is None:
             return None
         if head.group is None or head.group.beam is None:

@@ -18,7 +18,7 @@ import copy
 import dataclasses
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -57,6 +57,7 @@ class SequenceGroup:
     aborted: bool = False
     eos_token_ids: tuple[int, ...] = ()
     grammar: Future | None = None  # structured outputs: the compiled template matcher (grammar_compiler.py)
+    lora_request: Any = None  # runtime.lora.LoRARequest: every sequence of the group runs with this adapter
 
     @property
     def n(self) -> int:

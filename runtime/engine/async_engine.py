@@ -33,6 +33,7 @@ from .stats import stats_log_fields
 from .tenant_quotas import TenantQuotas
 from ..executor import WorkerFailedError
 from ..kv_transfer.kv_connector import KVExport
+from ..lora.request import LoRARequest
 from ..outputs import EngineStats, RequestOutput
 from ..sampling_params import SamplingParams
 from ..core.sequence_group import SequenceGroup
@@ -162,7 +163,8 @@ class AsyncEngine(EngineView):
     async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                        cache_salt: str | None = None, kv_export: KVExport | None = None,
                        on_admitted: Callable[[SequenceGroup], Awaitable[None]] | None = None,
-                       tenant: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       tenant: str | None = None, priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step. Leaving early (cancel, break) aborts it.
 
         on_admitted(group) is awaited once the request passed every check and was handed to the engine,
@@ -189,10 +191,10 @@ class AsyncEngine(EngineView):
                 # event loop keeps serving every other stream meanwhile.
                 request = await anyio.to_thread.run_sync(
                     lambda: self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt,
-                                                     tenant=tenant, priority=priority))
+                                                     tenant=tenant, priority=priority, lora_request=lora_request))
             else:
                 request = self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt,
-                                                   tenant=tenant, priority=priority)
+                                                   tenant=tenant, priority=priority, lora_request=lora_request)
             if request.grammar is not None:  # compiled off the loop; a grammar the tokenizer refuses is bad input
                 await asyncio.shield(asyncio.wrap_future(request.grammar))  # shield: the Future is shared
         except BaseException:

@@ -11,13 +11,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..kv_transfer.kv_connector import KVTransferStats
+from ..lora.view import LoRAView
 from ..outputs import EngineInfo
 
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine
 
 
-class EngineView:
+class EngineView(LoRAView):
     engine: LLMEngine
 
     @property

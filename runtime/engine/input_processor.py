@@ -31,7 +31,7 @@ class InputProcessor:
 
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                      arrival_time: float | None = None, cache_salt: str | None = None,
-                     tenant: str | None = None, priority: int = 0) -> SequenceGroup:
+                     tenant: str | None = None, priority: int = 0, lora_request=None) -> SequenceGroup:
         """Validate a request and build it (sequence 0; its other samples fork when its prefill completes)."""
         params = params or SamplingParams()
         # Limits first, tokenizing after: nothing is allocated for a request the server would refuse.
@@ -47,6 +47,7 @@ class InputProcessor:
         arrival = arrival_time or time.monotonic()
         group = SequenceGroup(request_id, text, ids, params, arrival, eos_token_ids=self.eos_token_ids,
                               num_to_fork=params.num_sequences - 1)
+        group.lora_request = lora_request
         if params.structured_outputs is not None:
             group.grammar = self.structured.compile(params.structured_outputs)
         first = self.new_seq(group, request_id, 0)
@@ -56,11 +57,11 @@ class InputProcessor:
         return group
 
     def make_beam_request(self, request_id: str, prompt: str | Sequence[int], params: BeamSearchParams,
-                          arrival_time: float | None = None) -> SequenceGroup:
+                          arrival_time: float | None = None, lora_request=None) -> SequenceGroup:
         """A beam search; refused when its beams could outgrow the KV pool or the sequence slots."""
         sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True,
                                   structured_outputs=params.structured_outputs)
-        group = self.make_request(request_id, prompt, sampling, arrival_time)
+        group = self.make_request(request_id, prompt, sampling, arrival_time, lora_request=lora_request)
         group.beam = params
         shape = self.shape
         per_beam = -(-(len(group.prompt_token_ids) + params.max_tokens) // shape.block_size)
@@ -74,7 +75,8 @@ class InputProcessor:
         """Sequence `index` of `group` (its sample index: its seed and place among the outputs)."""
         p = group.params
         r = Request(seq_id, group.prompt_token_ids, p, group.arrival_time, eos_token_ids=group.eos_token_ids,
-                    prompt=group.prompt, generator=sample_generator(p.seed, index), sample_index=index, group=group)
+                    prompt=group.prompt, generator=sample_generator(p.seed, index), sample_index=index, group=group,
+                    lora_request=group.lora_request)
         if group.first is not None:  # a fork: the same owner, priority and cache salt as sequence 0
             r.cache_salt, r.tenant, r.priority = group.first.cache_salt, group.first.tenant, group.first.priority
         r.detokenizer = IncrementalDetokenizer(

@@ -40,6 +40,7 @@ from ..core.scheduler import Scheduler, SchedulerOutput
 from ..structured_output.manager import StructuredOutputManager
 from ..spec_decode.decoder import build_spec_decoder
 from ..core.sequence_group import SequenceGroup, completion, group_output
+from ..lora.engine_hooks import LoRARequest, check_lora_request, make_lora_manager, register_lora_request
 
 log = structlog.get_logger("pagedserve.engine")
 
@@ -110,6 +111,7 @@ class LLMEngine:
             self.structured)  # guided sequences' drafts are checked against their grammar
         if self.spec is not None:
             self.scheduler.release_hooks.append(self.spec.free)
+        self.lora = make_lora_manager(config, self.executor.driver_worker.model, self.scheduler, self.runner)
         # cpu_threads="auto": the thread count follows measured step cost (runtime/engine/cpu_threads_tuner.py).
         self.threads_tuner = None
         if config.cpu_threads == "auto" and not self.backend.is_gpu:
@@ -172,24 +174,30 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    tenant: str | None = None, priority: int = 0) -> SequenceGroup:
-        """Validate and queue a request; raises ValueError with a precise message on bad input."""
-        group = self.make_request(request_id, prompt, params, arrival_time, cache_salt, tenant, priority)
+                    tenant: str | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> SequenceGroup:
+        """Validate and queue a request (ValueError naming what is wrong); a new lora_request is read first."""
+        register_lora_request(self.lora, lora_request)
+        group = self.make_request(request_id, prompt, params, arrival_time, cache_salt, tenant, priority, lora_request)
         self.add_prepared(group)
         return group
 
     def add_beam_request(self, request_id: str, prompt: str | Sequence[int], params: BeamSearchParams,
-                         arrival_time: float | None = None) -> SequenceGroup:
+                         arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> SequenceGroup:
         """Queue a beam search; its one finished output carries beam_width completions, best first."""
-        group = self.inputs.make_beam_request(request_id, prompt, params, arrival_time)
+        register_lora_request(self.lora, lora_request)
+        group = self.inputs.make_beam_request(request_id, prompt, params, arrival_time, lora_request)
         self.add_prepared(group)
         return group
 
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                      arrival_time: float | None = None, cache_salt: str | None = None,
-                     tenant: str | None = None, priority: int = 0) -> SequenceGroup:
+                     tenant: str | None = None, priority: int = 0,
+                     lora_request: LoRARequest | None = None) -> SequenceGroup:
         """Validate a request and build it, touching no engine state (safe from another thread)."""
-        return self.inputs.make_request(request_id, prompt, params, arrival_time, cache_salt, tenant, priority)
+        check_lora_request(self.lora, lora_request)
+        return self.inputs.make_request(request_id, prompt, params, arrival_time, cache_salt, tenant, priority,
+                                        lora_request)
 
     def add_prepared(self, group: SequenceGroup) -> None:
         """Queue a request built by make_request."""

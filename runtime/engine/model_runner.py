@@ -62,6 +62,7 @@ class ModelRunner:
         self.structured = structured  # the engine's: the token bitmasks of guided rows
         # The sampler's array module: numpy as before, or CuPy with greedy rows through argmax_rows.
         self.xp = _DeviceArrayModule(backend.xp) if backend.is_gpu else np
+        self.lora = None  # runtime/lora/manager.py LoRAManager (enable_lora): each sequence's adapter slot
 
     # The driver worker's model, KV pool and decode graphs (tests and benchmarks look at them).
     @property
@@ -95,8 +96,10 @@ class ModelRunner:
             num_logits = 1 + len(s.spec_token_ids) if completes else 0
             try:
                 tables = self.kv.block_tables(r.request_id)  # one per KV cache group
+                lora_slot = -1 if r.lora_request is None else self.lora.slot_for(r.request_id, r.lora_request)
                 chunk = SeqChunk(r.all_token_ids[start : start + num_real] + s.spec_token_ids, start, tables[0],
-                                 num_logits=num_logits, group_block_tables=tables[1:], prompt_len=r.num_prompt_tokens)
+                                 num_logits=num_logits, group_block_tables=tables[1:], prompt_len=r.num_prompt_tokens,
+                                 lora_slot=lora_slot)
             except Exception as e:  # this sequence alone leaves the batch
                 results[i] = StepResult(error=e, error_stage="prepare")
                 continue
@@ -127,7 +130,8 @@ class ModelRunner:
         masked = seqs + [sched.scheduled[i].request for _, i in beams] + [sched.scheduled[i].request for i, _ in verify]
         drafts = [[]] * (len(seqs) + len(beams)) + [sched.scheduled[i].spec_token_ids for i, _ in verify]
         bitmask = self.structured.start_bitmask(masked, drafts) if self.structured is not None else None
-        logits = self.executor.execute_model(ExecuteModelRequest(batch, sched.blocks_to_copy))
+        updates = self.lora.take_updates() if self.lora is not None else []
+        logits = self.executor.execute_model(ExecuteModelRequest(batch, sched.blocks_to_copy, updates))
         bitmask = bitmask.result() if bitmask is not None else None
         for k, (row, i) in enumerate(beams):
             width = 2 * sched.scheduled[i].request.group.beam.beam_width

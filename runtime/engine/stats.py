@@ -65,7 +65,16 @@ def engine_stats(engine: LLMEngine, window_s: float = 10.0) -> EngineStats:
                                        if sched.num_admitted else 0.0),
         num_shared_blocks=usage.num_shared_blocks, num_exclusive_blocks=usage.num_exclusive_blocks,
         kv_bytes_used=usage.num_used_blocks * per_block, kv_bytes_without_sharing=table_blocks * per_block,
-        kv_transfer=engine.kv_stats.snapshot(), **spec)
+        kv_transfer=engine.kv_stats.snapshot(), **spec, **lora_fields(engine.lora))
+
+
+def lora_fields(manager) -> dict:
+    """EngineStats' lora_* fields (their defaults when LoRA is off)."""
+    if manager is None:
+        return {}
+    s = manager.stats()
+    return dict(lora_loaded=s.loaded, lora_resident=s.resident, lora_hits=s.hits, lora_loads=s.loads,
+                lora_evictions=s.evictions)
 
 
 def stats_log_fields(s: EngineStats) -> dict:

@@ -152,6 +152,7 @@ class KVLoadSpec:
     cache_salt: str | None
     first_block: int  # blocks below this are already here (local prefix-cache hit) and are not sent
     dst_block_ids: list[int]
+    lora_name: str | None = None  # the LoRA adapter the blocks are computed with (None: the base model)
 
     @property
     def num_blocks(self) -> int:

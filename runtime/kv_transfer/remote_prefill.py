@@ -54,14 +54,18 @@ class RemotePrefill:
             # LongRoPE: the prefill instance's prompt (these blocks alone) would take the other factor set
             self._fell_back(request, "its remote blocks alone would be rotated with other LongRoPE factors")
             return False
+        if not self._has_lora_slot(request):  # queued as usual: the scheduler admits it once its adapter has a slot
+            return False
         started = self.scheduler.start_remote_kv(request, n)  # admission: the scheduler's
         if isinstance(started, str):
             if started != "cached":  # "cached": everything but the tail is here already, nothing to fetch
                 self._fell_back(request, started)
             return False
         first_block, dst_block_ids = started
+        lora = request.lora_request
         spec = KVLoadSpec(request.request_id, request.prompt_token_ids[: n * bs], request.cache_salt,
-                          first_block=first_block, dst_block_ids=dst_block_ids)
+                          first_block=first_block, dst_block_ids=dst_block_ids,
+                          lora_name=lora.lora_name if lora is not None else None)
         self._specs[request.request_id] = spec
         try:
             self.connector.start_load(spec)
@@ -70,6 +74,17 @@ class RemotePrefill:
             self._fell_back(request, f"local error: {e!r}")
             self.scheduler.remote_kv_failed(request)  # queued for a local prefill
         return True
+
+    def _has_lora_slot(self, request: Request) -> bool:
+        """A request with a LoRA adapter skips the scheduler's admission when its KV comes from afar: its slot is
+        taken here (runtime/lora/manager.py), or it is prefilled here once it can get one."""
+        lora = self.scheduler.lora
+        if request.lora_request is None or lora is None:
+            return True
+        try:
+            return lora.acquire(request.request_id, request.lora_request)
+        except ValueError:
+            return False  # the scheduler fails it with the reason
 
     def abort(self, request_id: str) -> None:
         if self._specs.pop(request_id, None) is not None:

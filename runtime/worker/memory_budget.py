@@ -49,11 +49,13 @@ class MemoryBudget:
     kv_cache_bytes: int  # host bytes of the KV pool (0 when it lives on the GPU)
     activation_bytes: int
     request_state_bytes: int
+    # LoRA: the execution slots (models/lora.py) and the host LRU's max_cpu_loras adapters of up to max_lora_rank
+    lora_bytes: int = 0
 
     @property
     def to_add_bytes(self) -> int:
         """What the settings will still take beyond what is held now."""
-        return self.kv_cache_bytes + self.activation_bytes + self.request_state_bytes
+        return self.kv_cache_bytes + self.activation_bytes + self.request_state_bytes + self.lora_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -155,6 +157,18 @@ def check_fits_host(budget: MemoryBudget, available: int | None, source: str, se
         f"available ({source}); lower {settings_hint}")
 
 
+def lora_bytes(config: EngineConfig, model) -> int:
+    """The LoRA slots' bytes (zero pages until an adapter is copied in) and, at most, one slot's worth per adapter
+    the host LRU keeps (max_cpu_loras, default max_loras); 0 without enable_lora."""
+    slots = getattr(model, "lora", None)
+    if slots is None:
+        return 0
+    cpu_loras = config.max_cpu_loras or config.max_loras
+    per_slot = slots.nbytes // config.max_loras
+    on_host = slots.xp.__name__ == "numpy"  # on the GPU the slots are device memory (the KV sizing profiles them)
+    return (slots.nbytes if on_host else 0) + per_slot * cpu_loras
+
+
 def check_engine_memory(config: EngineConfig, model_config: ModelConfig, worker, backend, num_blocks: int,
                         max_model_len: int) -> MemoryBudget:
     """Refuse at start settings whose KV pool and activations the host cannot hold; log the budget."""
@@ -170,7 +184,7 @@ def check_engine_memory(config: EngineConfig, model_config: ModelConfig, worker,
         kv_cache_bytes=kv_bytes,
         activation_bytes=activation_bytes(model_config, c.max_num_batched_tokens, c.max_num_seqs, max_model_len,
                                           num_blocks * c.block_size, threads) if cpu else 0,
-        request_state_bytes=c.max_num_seqs * PER_REQUEST_BYTES)
+        request_state_bytes=c.max_num_seqs * PER_REQUEST_BYTES, lora_bytes=lora_bytes(c, worker.model))
     available, source = host_memory_available()
     structlog.get_logger("pagedserve.engine").info(
         "engine.memory_budget", available_gib=round(available / 2**30, 3) if available else None,

@@ -46,6 +46,8 @@ class ExecuteModelRequest:
 
     batch: ForwardBatch
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the forward
+    # LoRA: (slot, adapter) copies into the model's slots (models/lora.py), before the forward (runtime/lora/)
+    lora_updates: list = field(default_factory=list)
 
 
 class Worker:
@@ -89,6 +91,10 @@ class Worker:
         model_class = registry.for_config(loaded.config).model_class
         self.model = model_class(loaded.config, weights, self.backend, source=str(loaded.path), shard=shard,
                                  comm=comm)
+        if config.enable_lora:  # the adapters' execution slots (models/lora.py), empty until the engine fills them
+            from pagedserve.models import lora as model_lora
+
+            model_lora.attach(self.model, weights, config.max_loras, config.max_lora_rank)
         finish_warm_up(self.backend)
         self.kv_groups = model_kv_groups(self.model, self.model_config.num_hidden_layers)
         self.kv_caches: list[tuple[Any, Any]] | None = None  # per layer (layers of a KV group layout share pairs)
@@ -139,7 +145,11 @@ class Worker:
     def execute_model(self, request: ExecuteModelRequest) -> Any:
         """Block copies, then one forward; float32 logits of the batch's logits rows on rank 0, None elsewhere."""
         self.backend.ops.copy_blocks(self.kv_pairs, request.block_copies)  # once per array pair
-        logits = self.graphs.run(request.batch) if self.graphs is not None else None
+        for slot, adapter in request.lora_updates:
+            self.model.lora.set(slot, adapter)
+        # (a step with LoRA rows runs eagerly: the decode graphs were captured without adapters)
+        graphs = self.graphs if request.batch.lora_slots is None else None
+        logits = graphs.run(request.batch) if graphs is not None else None
         if logits is None:  # no graph for this step (CPU, graphs off, prefill in the batch, too many rows)
             logits = self.model.forward(request.batch, self.kv_caches)
         return logits

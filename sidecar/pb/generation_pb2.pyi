@@ -7,13 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "cache_salt", "priority")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "cache_salt", "lora_name", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
@@ -21,8 +22,9 @@ class GenerateRequest(_message.Message):
     chat: ChatMessages
     sampling: SamplingParams
     cache_salt: str
+    lora_name: str
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -254,7 +256,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "kv_utilization", "prefix_cache_hit_rate", "output_tokens_per_s", "total_tokens_per_s", "num_preemptions", "uptime_s", "kv_blocks_sent", "kv_blocks_received", "remote_prefills", "local_prefill_fallbacks", "kv_bytes_sent", "kv_bytes_received", "kv_transfer_s", "spec_method", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_mean_accepted_length")
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "kv_utilization", "prefix_cache_hit_rate", "output_tokens_per_s", "total_tokens_per_s", "num_preemptions", "uptime_s", "kv_blocks_sent", "kv_blocks_received", "remote_prefills", "local_prefill_fallbacks", "kv_bytes_sent", "kv_bytes_received", "kv_transfer_s", "spec_method", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_mean_accepted_length", "lora_loaded", "lora_resident", "lora_hits", "lora_loads", "lora_evictions")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +278,11 @@ class ServerStats(_message.Message):
     SPEC_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    LORA_LOADED_FIELD_NUMBER: _ClassVar[int]
+    LORA_RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    LORA_HITS_FIELD_NUMBER: _ClassVar[int]
+    LORA_LOADS_FIELD_NUMBER: _ClassVar[int]
+    LORA_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_blocks_used: int
@@ -297,7 +304,12 @@ class ServerStats(_message.Message):
     spec_num_draft_tokens: int
     spec_num_accepted_tokens: int
     spec_mean_accepted_length: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., output_tokens_per_s: _Optional[float] = ..., total_tokens_per_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., kv_blocks_sent: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., local_prefill_fallbacks: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ..., spec_method: _Optional[str] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_mean_accepted_length: _Optional[float] = ...) -> None: ...
+    lora_loaded: int
+    lora_resident: int
+    lora_hits: int
+    lora_loads: int
+    lora_evictions: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., output_tokens_per_s: _Optional[float] = ..., total_tokens_per_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., kv_blocks_sent: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., local_prefill_fallbacks: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ..., spec_method: _Optional[str] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_mean_accepted_length: _Optional[float] = ..., lora_loaded: _Optional[int] = ..., lora_resident: _Optional[int] = ..., lora_hits: _Optional[int] = ..., lora_loads: _Optional[int] = ..., lora_evictions: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

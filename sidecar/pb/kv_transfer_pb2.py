@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fpagedserve/v1/kv_transfer.proto\x12\rpagedserve.v1\"\xd1\x01\n\x0bKVHandshake\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x0f\n\x07host_id\x18\n \x01(\t\"r\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\ncache_salt\x18\x03 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\r\x12\x10\n\x08shm_path\x18\x05 \x01(\t\"n\n\x0fPrefillResponse\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.pagedserve.v1.KVChunkH\x00\x12*\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1a.pagedserve.v1.PrefillDoneH\x00\x42\x06\n\x04kind\"F\n\x07KVChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x03 \x01(\x07\x12\x0e\n\x06length\x18\x04 \x01(\x04\"Y\n\x0bPrefillDone\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x10\n\x08\x65xport_s\x18\x04 \x01(\x01\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x32\x9d\x01\n\nKVTransfer\x12\x43\n\tHandshake\x12\x1a.pagedserve.v1.KVHandshake\x1a\x1a.pagedserve.v1.KVHandshake\x12J\n\x07Prefill\x12\x1d.pagedserve.v1.PrefillRequest\x1a\x1e.pagedserve.v1.PrefillResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fpagedserve/v1/kv_transfer.proto\x12\rpagedserve.v1\"\xd1\x01\n\x0bKVHandshake\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x0f\n\x07host_id\x18\n \x01(\t\"\x85\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\ncache_salt\x18\x03 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\r\x12\x10\n\x08shm_path\x18\x05 \x01(\t\x12\x11\n\tlora_name\x18\x06 \x01(\t\"n\n\x0fPrefillResponse\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.pagedserve.v1.KVChunkH\x00\x12*\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1a.pagedserve.v1.PrefillDoneH\x00\x42\x06\n\x04kind\"F\n\x07KVChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x03 \x01(\x07\x12\x0e\n\x06length\x18\x04 \x01(\x04\"Y\n\x0bPrefillDone\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x10\n\x08\x65xport_s\x18\x04 \x01(\x01\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x32\x9d\x01\n\nKVTransfer\x12\x43\n\tHandshake\x12\x1a.pagedserve.v1.KVHandshake\x1a\x1a.pagedserve.v1.KVHandshake\x12J\n\x07Prefill\x12\x1d.pagedserve.v1.PrefillRequest\x1a\x1e.pagedserve.v1.PrefillResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,14 +33,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVHANDSHAKE']._serialized_start=51
   _globals['_KVHANDSHAKE']._serialized_end=260
-  _globals['_PREFILLREQUEST']._serialized_start=262
-  _globals['_PREFILLREQUEST']._serialized_end=376
-  _globals['_PREFILLRESPONSE']._serialized_start=378
-  _globals['_PREFILLRESPONSE']._serialized_end=488
-  _globals['_KVCHUNK']._serialized_start=490
-  _globals['_KVCHUNK']._serialized_end=560
-  _globals['_PREFILLDONE']._serialized_start=562
-  _globals['_PREFILLDONE']._serialized_end=651
-  _globals['_KVTRANSFER']._serialized_start=654
-  _globals['_KVTRANSFER']._serialized_end=811
+  _globals['_PREFILLREQUEST']._serialized_start=263
+  _globals['_PREFILLREQUEST']._serialized_end=396
+  _globals['_PREFILLRESPONSE']._serialized_start=398
+  _globals['_PREFILLRESPONSE']._serialized_end=508
+  _globals['_KVCHUNK']._serialized_start=510
+  _globals['_KVCHUNK']._serialized_end=580
+  _globals['_PREFILLDONE']._serialized_start=582
+  _globals['_PREFILLDONE']._serialized_end=671
+  _globals['_KVTRANSFER']._serialized_start=674
+  _globals['_KVTRANSFER']._serialized_end=831
 # @@protoc_insertion_point(module_scope)

@@ -162,6 +162,13 @@ def test_speculative(tmp_path: Path) -> None:
     assert r["results"]["repetitive"]["streams_2"]["ngram"]["draft_tokens"] > 0
 
 
+def test_lora(tmp_path: Path) -> None:
+    r = run_bench("lora", tmp_path, "--model", TINY)
+    assert set(r["results"]) == {"adapters_0", "adapters_1", "adapters_4", "merged"}
+    assert all(row["output_tokens"] == 8 * 8 and row["output_tokens_per_cpu_s"] > 0 for row in r["results"].values())
+    assert r["summary"]["cold_load_ms"] > 0 and r["summary"]["warm_load_ms"] > 0
+
+
 def test_serve(tmp_path: Path) -> None:
     r = run_bench("serve", tmp_path, "--model", TINY, timeout=180)
     assert r["server"]["exit_code"] == 0

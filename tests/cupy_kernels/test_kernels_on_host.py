@@ -698,3 +698,84 @@ def test_gpu_attention_bench_prefill_case_on_host(emulated, monkeypatch):
     row = bench["_prefill_case"](cp, 20, 256, "fp16", 16, 1, True)  # head dim 256: the paged kernel too (#35)
     assert row["paged"]["finite"] and row["tensor_cores"]["finite"], row
     assert 0 < row["max_abs_diff_tc_vs_paged"] < 0.05, row
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_lora_shrink_expand_on_host(emulated, dtype):
+    """lora.cu (cupy_kernels/cuda/lora.py) against reference/lora.py: per-row slots, a zero-padded rank, base rows
+    left untouched, bit for bit."""
+    from pagedserve.cupy_kernels.cuda import lora as cuda_lora
+    from pagedserve.cupy_kernels.reference import lora as ref
+
+    rng = np.random.default_rng(61)
+    T, L, R, n_in, n_out = 37, 4, 16, 200, 72
+    x = rng.standard_normal((T, n_in)).astype(dtype)
+    a = (rng.standard_normal((L, R, n_in)) * 0.3).astype(dtype)
+    b = (rng.standard_normal((L, n_out, R)) * 0.3).astype(dtype)
+    a[1, 8:], b[1, :, 8:] = 0, 0  # slot 1: rank 8 of 16
+    scale = rng.uniform(0.5, 2.0, L).astype(np.float32)
+    slots = rng.integers(0, L, T).astype(np.int32)
+    slots[::3] = -1
+    slots[10:20] = 2
+    y = rng.standard_normal((T, n_out)).astype(dtype)
+    f32 = lambda v: v.astype(np.float32)  # noqa: E731
+    t_want = ref.lora_shrink(f32(x), f32(a), slots)
+    want = ref.lora_expand(t_want, f32(b), scale, slots, f32(y))
+    t = cuda_lora.lora_shrink(_dev(x), _dev(a), _dev(slots))
+    np.testing.assert_allclose(t.get(), t_want, rtol=0, atol=1e-4 * np.abs(t_want).max())
+    got = cuda_lora.lora_expand(t, _dev(b), _dev(scale), _dev(slots), _dev(y)).get()
+    base = slots < 0
+    np.testing.assert_array_equal(got[base], y[base])
+    atol = (2e-3 if dtype == np.float16 else 1e-5) * np.abs(want).max()  # float16: the output's rounding
+    np.testing.assert_allclose(got.astype(np.float32), want, rtol=0, atol=atol)
+    assert np.abs(want[~base] - f32(y)[~base]).max() > 100 * atol  # the deltas are far above the tolerance
+
+
+def test_lora_model_forward_on_host(emulated, tmp_path):
+    """The CUDA forward (float16, lora.cu through the CUDA op table, the slots uploaded by device_batch) with two
+    adapters and the base in one mixed step, then a decode step, against the numpy float32 model with each adapter
+    merged into its weights (W + scale B A)."""
+    from lora_helpers import make_lora
+    from pagedserve.cupy_kernels.backend import get_backend, to_host
+    from pagedserve.models import lora as model_lora, registry
+    from pagedserve.models.batch import SeqChunk, build_forward_batch
+    from pagedserve.models.kv_cache import allocate_kv_caches
+    from pagedserve.models.loading.peft import load_peft_adapter
+
+    cfg, weights = gpu_helpers.load_tiny("tiny-llama")
+    cls = registry.for_config(cfg).model_class
+    adapters = [load_peft_adapter(make_lora(tmp_path / f"a{k}", cfg, rank=8, std=0.15, seed=k, targets=t), cfg)
+                for k, t in enumerate([("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                                       ("q_proj", "v_proj")])]
+    gpu = cls(cfg, weights, get_backend("cuda"))
+    model_lora.attach(gpu, weights, max_loras=3, max_lora_rank=8)
+    gpu.lora.set(2, adapters[0])
+    gpu.lora.set(0, adapters[1])
+
+    def merged(adapter):
+        w = dict(weights)
+        for (n, module), (a, b) in adapter.weights.items():
+            block = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            name = f"model.layers.{n}.{block}.{module}.weight"
+            w[name] = (w[name] + adapter.scale * (b @ a)).astype(np.float32)
+        return cls(cfg, w, get_backend("cpu"))
+
+    refs = [merged(adapters[0]), cls(cfg, weights, get_backend("cpu")), merged(adapters[1])]
+    slots = [2, -1, 0]
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in (9, 23, 17)]
+    kv_gpu = allocate_kv_caches(cfg, 12, 16, get_backend("cuda"))
+    kv_cpu = [allocate_kv_caches(cfg, 12, 16, get_backend("cpu")) for _ in refs]
+    tables = [[0, 1], [2, 3], [4, 5]]
+    chunks = [SeqChunk(p, 0, t, lora_slot=s) for p, t, s in zip(prompts, tables, slots)]
+    for step in range(2):
+        got = to_host(gpu.forward(build_forward_batch(chunks, 16), kv_gpu))
+        nxt = []
+        for i, (ref, kv) in enumerate(zip(refs, kv_cpu)):
+            c = chunks[i]
+            want = ref.forward(build_forward_batch([SeqChunk(c.token_ids, c.num_computed_tokens, c.block_table)], 16),
+                               kv)
+            gpu_helpers.compare_logits(got[i:i + 1], want, f"lora/step{step}/{i}")
+            nxt.append(int(want[0].argmax()))
+        chunks = [SeqChunk([t], len(p) if step == 0 else len(p) + 1, tb, lora_slot=s)
+                  for t, p, tb, s in zip(nxt, prompts, tables, slots)]
