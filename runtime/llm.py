@@ -75,8 +75,9 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None, priority: int | Sequence[int] | None = None,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. A single prompt may be given bare (a str, one id list or one
         vLLM prompt dict). priority (vLLM's): one per prompt, lower runs first under scheduling_policy
         "priority" or "fair"; None = 0 each. lora_request (with enable_lora=True): one adapter for every prompt,

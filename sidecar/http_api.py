@@ -98,7 +98,7 @@ class HttpApi:
         app.add_exception_handler(Exception, _answer_error)
         route = app.add_api_route
         route("/health", self.health, methods=["GET"], responses=errors(503))
-        route("/metrics", self.metrics_text, methods=["GET"], responses=errors(404))
+        route("/metrics", self.metrics_text, methods=["GET"], responses=errors(403, 404))
         route("/tokenize", self.tokenize, methods=["POST"], responses=errors(400, 404, 413, 503),
               openapi_extra=checked(("prompt", "messages")))
         route("/detokenize", self.detokenize, methods=["POST"], responses=errors(400, 404, 413, 503),

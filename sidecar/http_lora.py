@@ -15,13 +15,13 @@ from .http_models import ApiError
 
 
 class LoadLoRAAdapterRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
     lora_name: str
     lora_path: str
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
     lora_name: str
     lora_int_id: int | None = None  # vLLM's; the name is what counts
 

@@ -33,10 +33,11 @@ class ErrorResponse(BaseModel):
 
 ERRORS = {
     400: "A bad field, named in error.param (its type, its range, a server limit)",
-    401: "With --api-key: no or a wrong 'Authorization: Bearer KEY'",
+    401: "With --api-key or a tenants file: no or a wrong 'Authorization: Bearer KEY'",
+    403: "With a tenants file: an admin route (LoRA loading, /metrics) asked by a tenant that is not an admin",
     404: "An unknown model (error.param: model) or route",
     413: "The body is over 4 bytes x max_prompt_chars + 1 MiB",
-    429: "The queue is full (max_waiting_requests)",
+    429: "The queue is full (max_waiting_requests), or the tenant is over a quota (Retry-After says when to retry)",
     503: "The model is loading or the server is draining",
 }
 

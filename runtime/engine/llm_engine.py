@@ -173,9 +173,8 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None,
-                    tenant: str | None = None, priority: int = 0,
-                    lora_request: LoRARequest | None = None) -> SequenceGroup:
+                    arrival_time: float | None = None, cache_salt: str | None = None, tenant: str | None = None,
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> SequenceGroup:
         """Validate and queue a request (ValueError naming what is wrong); a new lora_request is read first."""
         register_lora_request(self.lora, lora_request)
         group = self.make_request(request_id, prompt, params, arrival_time, cache_salt, tenant, priority, lora_request)
@@ -191,9 +190,8 @@ class LLMEngine:
         return group
 
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                     arrival_time: float | None = None, cache_salt: str | None = None,
-                     tenant: str | None = None, priority: int = 0,
-                     lora_request: LoRARequest | None = None) -> SequenceGroup:
+                     arrival_time: float | None = None, cache_salt: str | None = None, tenant: str | None = None,
+                     priority: int = 0, lora_request: LoRARequest | None = None) -> SequenceGroup:
         """Validate a request and build it, touching no engine state (safe from another thread)."""
         check_lora_request(self.lora, lora_request)
         return self.inputs.make_request(request_id, prompt, params, arrival_time, cache_salt, tenant, priority,

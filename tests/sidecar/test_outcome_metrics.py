@@ -94,6 +94,7 @@ class _FullEngine:
 
     max_waiting_requests = 4
     vocab_size = 100
+    lora_enabled = False
 
     def model_info(self):
         return _Info()
