@@ -101,8 +101,9 @@ class EmulatedKernel:
 
 class EmulatedModule:
     def __init__(self, libs, code, options=(), name_expressions=()):
-        matches = [m for m in cuda_ops.MODULES.values() if m.source() == code]
-        assert len(matches) == 1, "RawModule got a source string that is not one of cuda_ops.MODULES"
+        matches = [m for m in cuda_ops.MODULES.values()
+                   if m.source() == code and m.name_expressions == tuple(name_expressions)]
+        assert len(matches) == 1, "RawModule got a source and names that are not one of cuda_ops.MODULES"
         self.spec = matches[0]
         assert tuple(options) == cuda_ops.NVRTC_OPTIONS
         assert tuple(name_expressions) == self.spec.name_expressions
@@ -302,11 +303,12 @@ def test_shared_memory_opt_in(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setattr(cuda_modules, "_functions", {})
     big, small = cuda_modules.attention_kernel_name(256, 16, 16), cuda_modules.attention_kernel_name(128, 16, 32)
-    monkeypatch.setattr(cuda_modules, "_modules", {("paged_attention", 0): Module(RawKernel)})
+    loaded = {(m, 0): Module(RawKernel) for m in cuda_modules.FAMILIES["paged_attention"]}
+    monkeypatch.setattr(cuda_modules, "_modules", loaded)
     assert cuda_modules._kernel("paged_attention", big).max_dynamic_shared_size_bytes == 52288
     assert cuda_modules._kernel("paged_attention", small).max_dynamic_shared_size_bytes == 0
     monkeypatch.setattr(cuda_modules, "_functions", {})
-    monkeypatch.setattr(cuda_modules, "_modules", {("paged_attention", 0): Module(Function)})
+    monkeypatch.setattr(cuda_modules, "_modules", {k: Module(Function) for k in loaded})
     cuda_modules._kernel("paged_attention", big)
     cuda_modules._kernel("paged_attention", small)
     assert calls == [(1234, 8, 52288)]
@@ -314,7 +316,7 @@ def test_shared_memory_opt_in(monkeypatch):
     limit["optin"] = 50000
     with pytest.raises(ValueError, match="needs 52288 bytes of shared memory a CTA; device 0 allows 50000"):
         cuda_modules._kernel("paged_attention", big)
-    large = dict(cuda_modules.MODULES["paged_attention"].large_shared)
+    large = {n: b for m in cuda_modules.FAMILIES["paged_attention"] for n, b in cuda_modules.MODULES[m].large_shared}
     m = cuda_modules
     shapes = itertools.product(m.ATTN_TYPES, m.ATTN_HEAD_DIMS, m.ATTN_BLOCK_SIZES, m.ATTN_BLOCK_MS)
     for kind, dim, bs, block_m in shapes:

@@ -112,11 +112,13 @@ def test_paged_attention_shared_memory_is_what_the_host_launches(compiled, arch)
     """Static shared memory: attention_static_shared_bytes (the per-row arrays); with the dynamic part the host
     launches (attention_shared_bytes) within what every sm_80+ device lets a CTA opt in to, and the instantiations
     past 48 KB are those the loader opts in (KernelModule.large_shared)."""
-    rc, log = compiled[("paged_attention", arch)]
-    assert rc == 0
-    found = _paged_attention_smem(log)
+    found, large = {}, set()
+    for module in mods.FAMILIES["paged_attention"]:  # one module per (storage type, head dim)
+        rc, log = compiled[(module, arch)]
+        assert rc == 0
+        found.update(_paged_attention_smem(log))
+        large |= {name for name, _ in mods.MODULES[module].large_shared}
     assert {d for d, _ in found} == set(mods.ATTN_HEAD_DIMS) and {m for _, m in found} == set(mods.ATTN_BLOCK_MS)
-    large = {name for name, _ in mods.MODULES["paged_attention"].large_shared}
     for (dim, block_m), static in found.items():
         assert static == mods.attention_static_shared_bytes(block_m), (dim, block_m, static)
         total = static + mods.attention_shared_bytes(dim, block_m)
