@@ -126,3 +126,66 @@ def test_a_static_shared_value_a_cta_never_writes_fails(tmp_path, monkeypatch):
     off, on = _run_both_ways(monkeypatch, name, lib, check)
     assert off is None, f"without poisoning the mutant should pass (the fault was invisible): {off}"
     assert on is not None, "poisoned static shared memory did not catch a value the CTA never wrote"
+
+
+# ---------------------------------------------------------------------------------------------
+# The capture fake: the real decode forward inside a "capture" that fails as the device's would
+# ---------------------------------------------------------------------------------------------
+
+libs, emulated = _host.libs, _host.emulated  # the host emulation's fixtures (every module built once here)
+
+
+def _capture_tiny_llama(capturer):
+    """DecodeGraphs over tiny-llama's CUDA model on the emulation, every (size, width) captured with `capturer`."""
+    from pagedserve.cupy_kernels.backend import get_backend
+    from pagedserve.models.kv_cache import allocate_kv_caches
+    from pagedserve.runtime.worker.decode_graphs import DecodeGraphs
+
+    _, gpu = gpu_helpers.model_pair("tiny-llama")
+    kv = allocate_kv_caches(gpu.config, 64, gpu_helpers.BS, get_backend("cuda"))
+    graphs = DecodeGraphs(gpu, kv, (1, 2), 1024 // gpu_helpers.BS, capturer)
+    return gpu, graphs, graphs.capture_all()
+
+
+class _ReadsBack:
+    """The op table with one mutation: add_rms_norm checks its output on the host (a per-step activation guard)."""
+
+    def __init__(self, ops):
+        self._ops = ops
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+    def add_rms_norm(self, *args, **kwargs):
+        out = self._ops.add_rms_norm(*args, **kwargs)
+        first = out[0] if isinstance(out, tuple) else out
+        if bool((first > 60000).any()):  # a host read of a device value: a sync every step, refused by a capture
+            raise OverflowError("float16 overflow")
+        return out
+
+
+def test_the_captured_decode_forward_makes_no_host_sync_copy_or_read(emulated):
+    """The real forward (tiny-llama, every captured size and width) inside the strict fake: no host sync, no copy
+    either way, no host read of a device value. Pool allocations and array expressions are counted (the graph's
+    private pool takes them on the device) and printed."""
+    capturer = _host.StrictCapturer()
+    _, graphs, ok = _capture_tiny_llama(capturer)
+    assert ok, graphs.disabled_reason
+    assert capturer.counts and len(capturer.counts) == capturer.events.count("capture")
+    fatal = [w for c in capturer.counts for w in c["what"] if not w.startswith(("allocations", "expressions"))]
+    assert fatal == []
+    print("per capture: allocations", [c["allocations"] for c in capturer.counts],
+          "expressions", [c["expressions"] for c in capturer.counts])
+
+
+def test_a_host_read_inside_the_captured_forward_fails_the_capture(emulated, monkeypatch):
+    """The capture fake's mutation test: an op that reads its output back on the host. The old fake (a capture is
+    a call) captured it; the strict fake fails the capture, and DecodeGraphs falls back to eager with the reason."""
+    from dataclasses import replace
+
+    _, gpu = gpu_helpers.model_pair("tiny-llama")
+    monkeypatch.setattr(gpu, "backend", replace(gpu.backend, ops=_ReadsBack(gpu.backend.ops)))
+    _, graphs, ok = _capture_tiny_llama(_host.RecordingCapturer())
+    assert ok, "the old fake should have captured the mutant (the fault was invisible to it)"
+    _, graphs, ok = _capture_tiny_llama(_host.StrictCapturer())
+    assert not ok and "host read of a device value" in str(graphs.disabled_reason), graphs.disabled_reason
