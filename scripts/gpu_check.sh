@@ -71,7 +71,7 @@ PLAN=(  # name cap what
   "environment 30 requirements, carried modules first, every pagedserve module imported"
   "collect 40 every GPU test collected, split into the steps below"
   "preflight 20 CuPy, a device, NVRTC, cuBLAS, cuRAND"
-  "gemm_probe 25 scripts/gpu_gemm_probe.py (which cuBLAS route a capture records); scripts/gpu_precompile.py compiles one model's kernels meanwhile"
+  "gemm_probe 25 scripts/gpu_gemm_probe.py (which cuBLAS route a capture records); meanwhile scripts/gpu_precompile.py compiles one model's kernels, and the rest on other cores"
   "tests_runtime 60 GPU tests: CUDA graphs, the graph arena, the device sampler"
   "tests_kernels 50 GPU tests: tensor-core prefill, bf16, head dim 256, sliding window"
   "bench_decode 40 bench/gpu_decode.py --layers 16 (graphs on)"
@@ -101,8 +101,9 @@ after_cap() {  # the caps of the steps after $1, results included: what a "rest"
   echo "$sum"
 }
 
-host_python() {  # the CPU machine's python with pagedserve installed (the repository venv), else python3
-  if [ -x "$ROOT/.venv/bin/python" ]; then echo "$ROOT/.venv/bin/python"; else command -v python3; fi
+host_python() {  # the CPU machine's python with pagedserve installed: $GPU_CHECK_HOST_PYTHON, the repository venv, python3
+  if [ -n "${GPU_CHECK_HOST_PYTHON:-}" ]; then echo "$GPU_CHECK_HOST_PYTHON"
+  elif [ -x "$ROOT/.venv/bin/python" ]; then echo "$ROOT/.venv/bin/python"; else command -v python3; fi
 }
 
 find_python312() {
@@ -154,16 +155,17 @@ fi
 
 if [ "$MODE" = "--prepare" ]; then
   HOST_PY="$(host_python)"
+  # the reference needs pagedserve and numpy in this python: say which is missing and how to get it, before any
+  # download
+  if [ "$REFERENCE_TOO" = 1 ] && ! why="$("$HOST_PY" -c 'import numpy, pagedserve.models.config' 2>&1)"; then
+    log "--prepare: the seeded reference needs pagedserve and numpy, and $HOST_PY cannot import them:" \
+        "$(echo "$why" | tail -n 1). Make the checkout's venv ($ROOT/.venv, which --prepare uses first):" \
+        "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' - or pass --no-reference"
+    exit 5
+  fi
   mkdir -p "$CHECK_DIR"
   "$HOST_PY" "$KIT" prepare --check-dir "$CHECK_DIR" || { log "--prepare failed (above)"; exit 5; }
   if [ "$REFERENCE_TOO" = 1 ]; then
-    # the reference needs pagedserve and numpy in this python: say which is missing, and how to get it
-    if ! why="$("$HOST_PY" -c 'import numpy, pagedserve.models.config' 2>&1)"; then
-      log "--prepare: the seeded reference needs pagedserve and numpy, and $HOST_PY cannot import them:" \
-          "$(echo "$why" | tail -n 1). Make the checkout's venv ($ROOT/.venv, which --prepare uses first):" \
-          "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' - or pass --no-reference"
-      exit 5
-    fi
     log "computing the seeded models' float32 CPU reference into $REFERENCE (a few minutes on 2 cores)"
     mkdir -p "$REFERENCE"
     if ! "$HOST_PY" "$ROOT/tests/cupy_kernels/seeded_models.py" --write "$REFERENCE"; then

@@ -510,3 +510,17 @@ def test_the_sanitizer_step_reads_its_tools_and_skips_without_compute_sanitizer(
     monkeypatch.setattr(san, "find_sanitizer", lambda: None)
     result = san.run(30)
     assert "compute-sanitizer is not on this image" in result["skipped"] and result.get("ok", True)
+
+
+@needs_bash
+def test_prepare_names_what_it_misses_when_pagedserve_is_not_importable(tmp_path):
+    """A python without pagedserve (here: one whose sys.path cannot reach it) fails --prepare before any download,
+    naming the missing module and the fix."""
+    fake = tmp_path / "python3"
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")  # isolated: no site-packages, no venv
+    fake.chmod(0o755)
+    env = {**os.environ, "GPU_CHECK_HOST_PYTHON": str(fake), "GPU_CHECK_DIR": str(tmp_path / "kit")}
+    proc = subprocess.run(["bash", str(SCRIPT), "--prepare"], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 5, proc.stderr
+    assert "cannot import them: ModuleNotFoundError: No module named" in proc.stderr
+    assert ".venv/bin/pip install -e '.[test]'" in proc.stderr and not (tmp_path / "kit").exists()
