@@ -9,6 +9,11 @@
 #   scripts/gpu_check.sh --dry-run --no-reference   a Python 3.12 venv holding the image's packages plays
 #       the image's python3, and the real run's own install step, requirement check, import of every
 #       pagedserve module and collection of every GPU test run with it until the GPU preflight stops them.
+#   scripts/gpu_check.sh --plan   the real run's steps in order with their caps: the total must fit 480 s (the
+#       8 minutes of device time a lent H200 gives the check, cold caches included); checked first, no Python 3.12
+#       needed;
+#   (inside --dry-run) scripts/gpu_sanitize.py --dry-run with the image's python and the real run's PYTHONPATH: the
+#       sanitizer step's cases collect, and its commands are those the device step would run.
 # Left out (the full --dry-run has them): the seeded models' CPU reference (minutes of CPU) and the CPU tests
 # of the GPU path, which CI's pytest runs anyway.
 # Without Python 3.12 it says so and exits 0: the kit is then NOT checked, and the output says that.
@@ -17,6 +22,23 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 START=$SECONDS
 say() { echo "ci_gpu_kit: $*"; }
+
+# The plan first (bash only: this runs before anything else is known to exist).
+if ! PLAN="$(bash "$ROOT/scripts/gpu_check.sh" --plan)"; then
+  echo "$PLAN"
+  say "FAILED: scripts/gpu_check.sh --plan (above): the caps pass the budget"
+  exit 1
+fi
+TOTAL="" SUMMARY=""
+while read -r name cap _; do
+  if [ "$name" = "total" ]; then TOTAL="$cap"; else SUMMARY+="$name $cap s, "; fi
+done <<< "$PLAN"
+if [ -z "$TOTAL" ] || [ "$TOTAL" -gt 480 ]; then
+  echo "$PLAN"
+  say "FAILED: the real run's plan totals ${TOTAL:-?} s: it must fit 480 s (8 minutes of a lent H200, cold caches)"
+  exit 1
+fi
+say "plan: ${SUMMARY}total $TOTAL s (<= 480)"
 
 if ! PY312="$(bash "$ROOT/scripts/gpu_check.sh" --python312 2>/dev/null)"; then
   say "SKIPPED, the GPU kit was NOT checked: no Python 3.12 on this machine (looked at \$PYTHON312, python3.12," \

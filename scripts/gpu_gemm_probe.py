@@ -9,10 +9,14 @@ GEMMs and of 200 launches of that one-GEMM graph. Also CuPy's own matmul inside 
 `linear_route` what the op table's `linear` actually chose in this process.
 
     python scripts/gpu_gemm_probe.py      # exit 0 when a capturable route exists, 1 when none, 2 without a GPU
+
+With $GPU_STEP_PARTIAL set (scripts/gpu_check.sh sets it), what is known so far is written there after every
+route, so a probe killed at its cap still reports the routes it finished.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -44,6 +48,17 @@ def cupy_capture(cp) -> dict:
     return out
 
 
+def save_partial(result: dict) -> None:
+    """What is known so far, to $GPU_STEP_PARTIAL (written whole, then renamed: never half a file)."""
+    path = os.environ.get("GPU_STEP_PARTIAL")
+    if not path:
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
+
+
 def run() -> dict:
     try:
         import cupy as cp
@@ -52,8 +67,15 @@ def run() -> dict:
             raise RuntimeError("no CUDA device")
     except Exception as e:  # noqa: BLE001
         return {"probe": "gemm_capture", "error": f"no usable GPU: {type(e).__name__}: {e}", "chosen": None}
-    results = [cublas_route.probe_route(route, cp, timing_calls=200) for route in cublas_route.ROUTES]
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())
+    partial = {"probe": "gemm_capture", "cupy": cp.__version__, "routes": [], "unfinished": list(cublas_route.ROUTES)}
+    save_partial(partial)
+    results = []
+    for route in cublas_route.ROUTES:
+        results.append(cublas_route.probe_route(route, cp, timing_calls=200))
+        partial["routes"] = results
+        partial["unfinished"] = [r for r in cublas_route.ROUTES if r not in {x.get("route") for x in results}]
+        save_partial(partial)
     from pagedserve.cupy_kernels.cuda import ops
 
     x = cp.ones((4, 32), dtype=cp.float16)

@@ -8,6 +8,7 @@
     gpu_kit.py link-source --dest S     the checkout's folders as pagedserve.<folder> under S (from pyproject)
     gpu_kit.py check-env --site C --out F   [the run's python] every requirement met by what it imports,
                                          carried packages shadowing the image's, every pagedserve module imported
+    gpu_kit.py select    --collected F --out-dir D   the collected GPU tests split into the run's test steps
     gpu_kit.py results   --work W --out-dir O   gpu_results.json from the run's pieces; exit code of the run
     gpu_kit.py dry-verify --results F    [dry run] what the real run proved before it stopped at "no GPU"
 
@@ -56,7 +57,10 @@ MIB = 1024 * 1024
 # What the kit itself wants on the machine besides the project's requirements: per-test timeouts
 # (the image has pytest-timeout), `packaging` for this module, and nvmath-python, the second cuBLAS route
 # scripts/gpu_gemm_probe.py tries (cupy_kernels/cuda/cublas_route.py). Missing ones are warnings, not failures.
-KIT_REQUIREMENTS = ["pytest-timeout>=2.1", "packaging>=21", "nvmath-python>=1.0.1"]
+# nvmath-python 1.0.1's wheel requires cuda-core >=0.5,<2 and cuda-pathfinder >=1.5.1,<2 (its METADATA): named here
+# too, so that the device's check-env reports the image's versions of them against what the wheel needs.
+KIT_REQUIREMENTS = ["pytest-timeout>=2.1", "packaging>=21", "nvmath-python>=1.0.1", "cuda-core>=0.5,<2",
+                    "cuda-pathfinder>=1.5.1,<2"]
 # Test-extra packages that no GPU test imports (the device runs tests/cupy_kernels -m gpu only): ruff is the
 # house test's linter, kubernetes-validate the manifest test's schema check. Left out, the kit keeps ~13 MiB
 # of its 64 MiB for what the device needs.
@@ -531,6 +535,45 @@ def _default_env() -> dict:
     return default_environment()
 
 
+# -- select: the collected GPU tests split into the run's test steps ----------------------------------------------
+
+# What has never run on a device goes first (issue 59), by node id: (step, [(file, name substrings)]); the first
+# step a test matches takes it, the rest is the regression suite.
+TEST_STEPS = (
+    ("tests_runtime", [("test_gpu_runtime.py", ("graph", "capture", "arena", "sampler")),
+                       ("test_device_sampler.py", ("",))]),
+    ("tests_kernels", [("test_prefill_tc_gpu.py", ("",)),
+                       ("", ("bf16", "bfloat16", "head_dim_256", "sliding_window", "window"))]),
+)
+REGRESSION_STEP = "tests_regression"
+
+
+def split_tests(nodeids: list[str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {name: [] for name, _ in TEST_STEPS}
+    out[REGRESSION_STEP] = []
+    for nodeid in nodeids:
+        path, _, test = nodeid.partition("::")
+        for name, rules in TEST_STEPS:
+            if any(path.endswith(f) and any(k in test for k in keys) for f, keys in rules):
+                out[name].append(nodeid)
+                break
+        else:
+            out[REGRESSION_STEP].append(nodeid)
+    return out
+
+
+def select(collected: Path, out_dir: Path) -> int:
+    rec = read_test_records(collected)
+    if not rec["collected"]:
+        log(f"select: no collected tests in {collected}")
+        return 3
+    parts = split_tests(rec["collected"])
+    for name, ids in parts.items():
+        (out_dir / f"{name}.txt").write_text("".join(i + "\n" for i in ids))
+    log("split " + ", ".join(f"{name} {len(ids)}" for name, ids in parts.items()))
+    return 0
+
+
 # -- results ---------------------------------------------------------------------------------------------------
 
 def _read_json(path: Path):
@@ -619,22 +662,27 @@ def test_summary(records: dict, rc: int | None) -> dict:
             "slowest": [{"test": n, "seconds": s} for s, n in slowest]}
 
 
-def bench_result(work: Path, name: str) -> dict:
-    """A benchmark's stdout must be exactly one JSON object; anything else fails the run, loudly."""
-    rc_text = (work / f"bench_{name}.rc").read_text().strip() if (work / f"bench_{name}.rc").exists() else None
+def bench_result(work: Path, name: str, final: bool = True) -> dict:
+    """A benchmark's stdout must be exactly one JSON object; anything else fails the run, loudly. A step that
+    wrote $GPU_STEP_PARTIAL as it went (the GEMM probe, route by route) keeps that part when it is killed."""
+    rc_text = (work / f"{name}.rc").read_text().strip() if (work / f"{name}.rc").exists() else None
     if rc_text is None:
-        return {"ok": False, "error": "not run: the time budget ran out"}
+        return {"ok": False, "error": "not run: the time budget ran out" if final else "not run yet"}
     rc = int(rc_text)
-    raw = (work / f"bench_{name}.out").read_text(errors="replace") if (work / f"bench_{name}.out").exists() else ""
-    stderr_tail = _tail(work / f"bench_{name}.err", 15)
+    raw = (work / f"{name}.out").read_text(errors="replace") if (work / f"{name}.out").exists() else ""
+    stderr_tail = _tail(work / f"{name}.err", 15)
     try:
         value = json.loads(raw)
         if not isinstance(value, dict):
             raise ValueError("not a JSON object")
     except ValueError as e:
-        return {"ok": False, "exit_code": rc,
-                "error": f"stdout did not parse as JSON ({e})" + (" - timed out" if rc in (124, 137) else ""),
-                "stdout_head": raw.splitlines()[:5], "stderr_tail": stderr_tail}
+        out = {"ok": False, "exit_code": rc,
+               "error": f"stdout did not parse as JSON ({e})" + (" - timed out" if rc in (124, 137) else ""),
+               "stdout_head": raw.splitlines()[:5], "stderr_tail": stderr_tail}
+        partial = _read_json(work / f"{name}.partial.json")
+        if isinstance(partial, dict):
+            out["partial"] = partial
+        return out
     if rc != 0:
         return {"ok": False, "exit_code": rc, "error": "non-zero exit", "output": value, "stderr_tail": stderr_tail}
     return value
@@ -674,6 +722,9 @@ def steps(work: Path) -> dict:
 
 
 GRAVITY = {0: 0, 1: 1, 3: 2, 4: 3, 2: 4}
+# The run's JSON-printing steps (scripts/gpu_check.sh's run_bench), in the order they run.
+BENCH_STEPS = ("gemm_probe", "bench_decode", "bench_prefill", "bench_sampler", "bench_attention", "sanitizer",
+               "bench_throughput")
 
 
 def results(work: Path, out_dir: Path, meta: dict) -> int:
@@ -721,42 +772,46 @@ def results(work: Path, out_dir: Path, meta: dict) -> int:
     elif any(str(v).startswith("FAILED") for v in pre.values()):
         fail(4, "CUDA libraries did not all load: "
              + "; ".join(f"{k}: {v}" for k, v in pre.items() if str(v).startswith("FAILED")))
-    if "tests" in st:
-        rec = read_test_records(work / "tests.jsonl")
-        tests = test_summary(rec, st["tests"]["exit_code"])
-        tests.update({"budget_s": meta.get("tests_budget_s"), "per_test_timeout_s": meta.get("per_test_timeout_s"),
-                      "seconds": st["tests"]["seconds"], "log": "gpu_tests.log", "junit": "gpu_tests.xml"})
-        result["tests"] = tests
-        if st["tests"]["exit_code"] in (124, 137):
-            fail(1, f"the GPU tests ran out of their {meta.get('tests_budget_s')} s: {tests['unfinished']} unfinished")
+    final = meta.get("final", True)
+    past_preflight = bool(pre) and "no_gpu" not in pre and not any(str(v).startswith("FAILED") for v in pre.values())
+    per_test = meta.get("per_test_timeout_s")
+    for name in [n for n, _ in TEST_STEPS] + [REGRESSION_STEP]:
+        if name not in st:
+            if past_preflight and final:
+                fail(1, f"{name}: not run, the time budget ran out")
+                result[name] = {"error": "not run: the time budget ran out"}
+            continue
+        rec = read_test_records(work / f"{name}.jsonl")
+        tests = test_summary(rec, st[name]["exit_code"])
+        tests.update({"per_test_timeout_s": per_test, "seconds": st[name]["seconds"], "log": f"gpu_{name}.log",
+                      "junit": f"gpu_{name}.xml"})
+        result[name] = tests
+        if st[name]["exit_code"] in (124, 137):
+            fail(1, f"{name} ran out of its time: {tests['unfinished']} unfinished")
         if tests["failed"] or tests["errors"]:
-            fail(1, f"{tests['failed']} GPU test(s) failed, {tests['errors']} errored: "
+            fail(1, f"{name}: {tests['failed']} GPU test(s) failed, {tests['errors']} errored: "
                  + ", ".join(t["test"] for t in tests["failed_tests"] + tests["error_tests"]))
         if tests["skipped"]:
-            fail(1, f"GPU tests SKIPPED on the GPU machine ({tests['skipped']}): a skipped GPU test checked nothing")
-        if not tests["collected"]:
-            fail(1, "no GPU test ran: " + " / ".join(_tail(work / "tests.log", 5)))
-        elif st["tests"]["exit_code"] not in (0, 124, 137) and not (tests["failed"] or tests["errors"]):
-            fail(1, f"pytest exited {st['tests']['exit_code']}: " + " / ".join(_tail(work / "tests.log", 3)))
+            fail(1, f"{name}: GPU tests SKIPPED on the GPU machine ({tests['skipped']}): a skipped GPU test checked "
+                 "nothing")
+        if not tests["collected"] and st[name].get("note") != "no tests":
+            fail(1, f"{name}: no GPU test ran: " + " / ".join(_tail(out_dir / f"gpu_{name}.log", 5)))
+        elif st[name]["exit_code"] not in (0, 124, 137) and not (tests["failed"] or tests["errors"]):
+            fail(1, f"{name}: pytest exited {st[name]['exit_code']}: "
+                 + " / ".join(_tail(out_dir / f"gpu_{name}.log", 3)))
+    if past_preflight:
         result["kernel_errors"] = kernel_errors(work / "errors.jsonl")
-    for name in ("gemm_probe", "throughput", "attention", "decode", "sampler", "attention_prefill"):
-        if "tests" in st:  # past the preflight: every benchmark is due, run or not
-            value = bench_result(work, name)
+        for name in BENCH_STEPS:
+            value = bench_result(work, name, final)
             result[name] = value
-            if value.get("ok") is False:
-                fail(1, f"bench {name}: {value['error']}")
-                log(f"BENCHMARK {name.upper()} FAILED: {value['error']}"
+            if value.get("ok") is False and (final or (work / f"{name}.rc").exists()):
+                fail(1, f"{name}: {value['error']}")
+                log(f"{name.upper()} FAILED: {value['error']}"
                     + (f"; stdout began {value['stdout_head'][:2]}" if value.get("stdout_head") else ""))
-    if "tensor_parallel" in st:
-        rec = read_test_records(work / "tp.jsonl")
-        tp = test_summary(rec, st["tensor_parallel"]["exit_code"])
-        result["tensor_parallel"] = {"gpus": meta.get("gpus"), "status": meta.get("tp_status"),
-                                     **{k: tp[k] for k in ("exit_code", "passed", "failed", "errors", "skipped",
-                                                           "failed_tests", "error_tests", "skipped_tests",
-                                                           "unfinished_tests")},
-                                     "log_tail": _tail(work / "tp.log", 12)}
-        if st["tensor_parallel"]["exit_code"] != 0:
-            fail(1, f"tensor parallelism: pytest exited {st['tensor_parallel']['exit_code']}")
+        for name in ("precompile", "precompile_rest"):  # NVRTC per module, into the kernel cache (not a failure)
+            pre_out = _read_json(work / f"{name}.out")
+            result[name] = pre_out if pre_out is not None else {
+                "exit_code": _tail(work / f"{name}.rc", 1), "stderr_tail": _tail(work / f"{name}.err", 12)}
     result["failures"] = failures
     result["exit_code"] = exit_code
     result["seconds"] = meta.get("seconds")
@@ -828,6 +883,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, required=True)
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--meta", default="{}", help="JSON: the run's settings and figures from the shell")
+    p = sub.add_parser("select")
+    p.add_argument("--collected", type=Path, required=True)
+    p.add_argument("--out-dir", type=Path, required=True)
     p = sub.add_parser("dry-verify")
     p.add_argument("--results", type=Path, required=True)
     p.add_argument("--expect-carried", type=int, required=True)
@@ -842,6 +900,8 @@ def main(argv: list[str] | None = None) -> int:
         return check_env(a.site, a.out, a.root)
     if a.cmd == "results":
         return results(a.work, a.out_dir, json.loads(a.meta))
+    if a.cmd == "select":
+        return select(a.collected, a.out_dir)
     if a.cmd == "dry-verify":
         return dry_verify(a.results, a.expect_carried)
     return 2

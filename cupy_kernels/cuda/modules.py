@@ -112,6 +112,11 @@ class KernelModule:
     # (name expression, bytes of dynamic shared memory its launches use) where that and the static shared memory
     # pass DEFAULT_SHARED_LIMIT: _kernel opts those functions in to that much
     large_shared: tuple[tuple[str, int], ...] = ()
+    family: str = ""  # the kernel family callers name (_kernel): "" for a module that is its own family
+
+    @property
+    def family_name(self) -> str:
+        return self.family or self.name
 
     def source(self) -> str:
         """The exact string compiled, by CuPy on a GPU machine and by nvcc in the compile test."""
@@ -121,27 +126,41 @@ class KernelModule:
         return defines + common + "\n" + preludes + (KERNEL_DIR / self.source_file).read_text()
 
 
+def attention_module_name(family: str, dtype: str, head_dim: int) -> str:
+    """The module holding `family`'s kernels (paged_attention, prefill_attention) for one storage type and head dim:
+    "paged_attention_f16_d128". The sliding window is a run-time argument of both kernels, not an instantiation, so
+    one module serves every window."""
+    return f"{family}_{dtype}_d{head_dim}"
+
+
+def _paged_attention_module(dtype: str, dim: int) -> KernelModule:
+    names = tuple(attention_kernel_name(dim, bs, m, dtype) for bs in ATTN_BLOCK_SIZES for m in ATTN_BLOCK_MS)
+    names += (attention_reduce_name(dim, dtype),)
+    return KernelModule(
+        attention_module_name("paged_attention", dtype, dim), "paged_attention.cu",
+        (("PS_ATTN_THREADS", ATTN_THREADS), ("PS_TILE_N", ATTN_TILE_N), ("PS_PARTITION_SIZE", PARTITION_SIZE)),
+        names, preludes=("tensor_core.cuh",), family="paged_attention",
+        large_shared=tuple((n, b) for n, b in _large_attention_shared() if n in names))
+
+
+def _prefill_attention_module(dtype: str, dim: int) -> KernelModule:
+    return KernelModule(
+        attention_module_name("prefill_attention", dtype, dim), "prefill_attention.cu",
+        (("PS_PREFILL_THREADS", PREFILL_THREADS), ("PS_PREFILL_BLOCK_Q", PREFILL_BLOCK_Q)),
+        tuple(prefill_kernel_name(dim, bs, dtype) for bs in ATTN_BLOCK_SIZES), preludes=("tensor_core.cuh",),
+        family="prefill_attention")
+
+
+# The attention families are split into one module per (storage type, head dim), each compiled on first use: a
+# float16 head-dim-128 model never compiles the bfloat16 or head-dim-256 kernels (issue 59: one module of all 54
+# paged attention instantiations took 94 s of nvcc for sm_90). A storage type added to ATTN_TYPES / PREFILL_TYPES
+# adds its modules here.
+_ATTENTION_MODULES = tuple(_paged_attention_module(t, d) for t in ATTN_TYPES for d in ATTN_HEAD_DIMS) + tuple(
+    _prefill_attention_module(t, d) for t in PREFILL_TYPES for d in PREFILL_HEAD_DIMS)
+
 MODULES: dict[str, KernelModule] = {
     m.name: m
-    for m in (
-        KernelModule(
-            "paged_attention",
-            "paged_attention.cu",
-            (("PS_ATTN_THREADS", ATTN_THREADS), ("PS_TILE_N", ATTN_TILE_N), ("PS_PARTITION_SIZE", PARTITION_SIZE)),
-            tuple(attention_kernel_name(d, bs, m, t) for t in ATTN_TYPES for d in ATTN_HEAD_DIMS
-                  for bs in ATTN_BLOCK_SIZES for m in ATTN_BLOCK_MS)
-            + tuple(attention_reduce_name(d, t) for t in ATTN_TYPES for d in ATTN_HEAD_DIMS),
-            preludes=("tensor_core.cuh",),
-            large_shared=_large_attention_shared(),
-        ),
-        KernelModule(
-            "prefill_attention",
-            "prefill_attention.cu",
-            (("PS_PREFILL_THREADS", PREFILL_THREADS), ("PS_PREFILL_BLOCK_Q", PREFILL_BLOCK_Q)),
-            tuple(prefill_kernel_name(d, bs, t) for d in PREFILL_HEAD_DIMS for bs in ATTN_BLOCK_SIZES
-                  for t in PREFILL_TYPES),
-            preludes=("tensor_core.cuh",),
-        ),
+    for m in _ATTENTION_MODULES + (
         KernelModule("cache_ops", "cache_ops.cu", (), _typed("reshape_and_cache_kernel") + ("copy_blocks_kernel",)),
         KernelModule("norm", "norm.cu", (), _typed("add_rms_norm_kernel")),
         KernelModule("rotary", "rotary.cu", (), _typed("rotary_kernel")),
@@ -150,6 +169,33 @@ MODULES: dict[str, KernelModule] = {
         KernelModule("lora", "lora.cu", (), _typed("lora_shrink_kernel") + _typed("lora_expand_kernel")),
     )
 }
+# Kernel families -> their modules: _kernel(family, name expression) finds the module that holds the name.
+FAMILIES: dict[str, tuple[str, ...]] = {}
+for _m in MODULES.values():
+    FAMILIES[_m.family_name] = FAMILIES.get(_m.family_name, ()) + (_m.name,)
+_MODULE_OF: dict[tuple[str, str], str] = {(f, n): m for f, ms in FAMILIES.items() for m in ms
+                                          for n in MODULES[m].name_expressions}
+
+
+def family_name_expressions(family: str) -> tuple[str, ...]:
+    """Every instantiation of a kernel family, over all its modules."""
+    return tuple(n for m in FAMILIES[family] for n in MODULES[m].name_expressions)
+
+
+def model_modules(dtype: str, head_dim: int) -> tuple[str, ...]:
+    """The modules one model's forward and sampler load: its storage type's and head dim's attention modules (the
+    tensor-core prefill's where that head dim has one), and every elementwise family (their float16 and float32
+    instantiations are one module each). What scripts/gpu_precompile.py compiles ahead."""
+    if dtype not in ATTN_TYPES or head_dim not in ATTN_HEAD_DIMS:
+        raise ValueError(f"dtype/head_dim: no paged attention kernels for ({dtype!r}, {head_dim}); "
+                         f"types {ATTN_TYPES}, head dims {ATTN_HEAD_DIMS}")
+    out = [attention_module_name("paged_attention", dtype, head_dim)]
+    if dtype in PREFILL_TYPES and head_dim in PREFILL_HEAD_DIMS:
+        out.append(attention_module_name("prefill_attention", dtype, head_dim))
+    return tuple(out) + tuple(m for f, ms in FAMILIES.items() if f not in ("paged_attention", "prefill_attention")
+                              for m in ms)
+
+
 # Files that are not modules of their own: prepended to every module's source.
 SHARED_SOURCES = ("common.cu",)
 
@@ -217,18 +263,20 @@ def _allow_shared(fn, nbytes: int, device: int) -> None:
 
 
 def _kernel(module: str, name: str):
-    """The function of one name expression, loaded once per device; opted in to its dynamic shared memory
-    (KernelModule.large_shared) when that is above DEFAULT_SHARED_LIMIT."""
+    """The function of one name expression of a module or a kernel family (FAMILIES: paged_attention's module for
+    that name's storage type and head dim), its module loaded on first use, once per device; opted in to its
+    dynamic shared memory (KernelModule.large_shared) when that is above DEFAULT_SHARED_LIMIT."""
     import cupy
 
     device = cupy.cuda.runtime.getDevice()
     key = (module, name, device)
     fn = _functions.get(key)
     if fn is None:
-        spec = MODULES[module]
-        mod = _modules.get((module, device))
+        module_name = _MODULE_OF.get((module, name), module)  # a family's name: the module holding `name`
+        spec = MODULES[module_name]
+        mod = _modules.get((module_name, device))
         if mod is None:
-            mod = _modules[(module, device)] = _load_module(spec)
+            mod = _modules[(module_name, device)] = _load_module(spec)
         fn = mod.get_function(name)
         shared = dict(spec.large_shared).get(name, 0)
         if shared:

@@ -32,7 +32,7 @@ from .launch import is_cupy_array  # noqa: F401
 from .modules import (ATTN_BLOCK_MS, ATTN_BLOCK_SIZES, ATTN_HEAD_DIMS, ATTN_THREADS, ATTN_TILE_N,  # noqa: F401
                       CUPY_IMPLICIT_OPTIONS, KERNEL_DIR, LOG2E, MAX_QUERIES_PER_KV, MODULES, NVRTC_OPTIONS,
                       PARTITION_SIZE, SHARED_SOURCES, STORAGE_TYPES, KernelModule, attention_kernel_name,
-                      attention_reduce_name)
+                      attention_module_name, attention_reduce_name, family_name_expressions)
 
 
 # ---------------------------------------------------------------------------------------------

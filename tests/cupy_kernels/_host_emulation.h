@@ -6,8 +6,19 @@
 // are barriers that switch fibers, so the kernels' real control flow, indexing and synchronisation
 // run, CTA after CTA (a fiber is entered once with setcontext, then switched with _setjmp/_longjmp,
 // which skip the signal-mask system calls of swapcontext). A barrier that can never complete (a divergent __syncthreads) aborts with a
-// message. cp.async copies happen at once; the wait/commit calls are no-ops. Dynamic shared memory
-// (dynamic_shared_memory below) is a buffer of exactly the launch's shared_mem bytes.
+// message. Dynamic shared memory (dynamic_shared_memory below) is a buffer of exactly the launch's shared_mem bytes.
+//
+// What the device would get wrong, made to fail here (issue 59):
+// - cp.async: a copy's destination is poisoned (0xFF bytes: NaN) when it is issued, and its data lands only at the
+//   issuing thread's cp.async.wait_group that retires its group (wait_group N lands every committed group but the
+//   newest N; copies not yet committed never land); a CTA ending with copies in flight aborts. So a wait that lets
+//   a tile still in flight be read (wait<2> for wait<1>) reads NaN, as the device may read stale data.
+// - static __shared__ arrays (C++ statics here: the loader registers their addresses from the library's symbol
+//   table, ps_add_static_shared) are refilled before every CTA, alternately with 0xFF bytes (NaN, -1) and 0x7F
+//   bytes (f16 NaN, float 3.4e38, int 2139062143): a CTA reads back nothing plausible that it did not write itself,
+//   where a C++ static would hand it the previous CTA's values.
+// ps_set_hazards(0) turns both models off (copies land at once, statics carried over): the mutation tests show
+// that a fault passes without them and fails with them.
 //
 // Not emulated: timing, memory-model races between CTAs, fast-math approximations (exp2f is libm's).
 #pragma once
@@ -18,10 +29,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <type_traits>
 #include <utility>
 #include <vector>
+#include <dlfcn.h>
 #include <setjmp.h>
 #include <ucontext.h>
 
@@ -40,7 +53,14 @@ struct alignas(16) float4 { float x, y, z, w; };
 
 // ---- the fiber scheduler -------------------------------------------------------------------------
 
+struct PsCopy {  // one cp.async of 16 bytes: where it lands and what (read at issue: the sources are read-only)
+    void* dst;
+    unsigned char data[16];
+};
+
 struct PsFiber {
+    std::vector<PsCopy> uncommitted;          // issued since the last commit_group
+    std::deque<std::vector<PsCopy>> groups;   // committed, not yet landed; oldest first
     ucontext_t ctx;
     jmp_buf env;
     bool started = false;
@@ -81,8 +101,23 @@ inline unsigned char* dynamic_shared_memory(int bytes) {
     }
     return reinterpret_cast<unsigned char*>(ps_dynamic_buf.data());
 }
+static int ps_hazards = 1;
+extern "C" void ps_set_hazards(int on) { ps_hazards = on; }
+struct PsRange { unsigned char* p; std::size_t n; };
+static std::vector<PsRange> ps_static_shared;
+static unsigned long ps_cta_count = 0;
+// offset: the static's address in the library's symbol table (nm), relative to where the library is loaded.
+extern "C" void ps_add_static_shared(unsigned long offset, unsigned long bytes) {
+    Dl_info info;
+    if (!dladdr(reinterpret_cast<void*>(&ps_add_static_shared), &info)) std::abort();
+    ps_static_shared.push_back({static_cast<unsigned char*>(info.dli_fbase) + offset, (std::size_t)bytes});
+}
+extern "C" int ps_static_shared_count() { return (int)ps_static_shared.size(); }
 static void ps_dynamic_reset() {
     std::memset(ps_dynamic_buf.data(), 0xFF, (std::size_t)ps_dynamic_bytes + PS_DYNAMIC_GUARD);
+    if (!ps_hazards) return;
+    const int poison = (ps_cta_count++ & 1) ? 0x7F : 0xFF;
+    for (const PsRange& r : ps_static_shared) std::memset(r.p, poison, r.n);
 }
 static void ps_dynamic_check_guard() {
     const unsigned char* guard = reinterpret_cast<const unsigned char*>(ps_dynamic_buf.data()) + ps_dynamic_bytes;
@@ -181,6 +216,8 @@ static void ps_run_cta(const std::function<void()>& body) {
         f.tid.y = (i / ps_block_dim.x) % ps_block_dim.y;
         f.tid.z = i / (ps_block_dim.x * ps_block_dim.y);
         f.done = f.waiting = f.started = false;
+        f.uncommitted.clear();
+        f.groups.clear();
         getcontext(&f.ctx);
         f.ctx.uc_stack.ss_sp = f.stack.data();
         f.ctx.uc_stack.ss_size = f.stack.size();
@@ -196,7 +233,15 @@ static void ps_run_cta(const std::function<void()>& body) {
             ran = true;
             ps_resume(i);
         }
-        if (!pending) return;
+        if (!pending) {
+            for (int i = 0; i < n; ++i)
+                if (!ps_fibers[i].groups.empty() || !ps_fibers[i].uncommitted.empty()) {
+                    std::fprintf(stderr, "host emulation: thread %d of CTA (%u, %u, %u) ended with cp.async copies "
+                                         "never waited for\n", i, ps_block_idx.x, ps_block_idx.y, ps_block_idx.z);
+                    std::abort();
+                }
+            return;
+        }
         if (!ran) {
             std::fprintf(stderr, "host emulation: deadlock in CTA (%u, %u, %u): a barrier is never reached by all "
                                  "threads\n", ps_block_idx.x, ps_block_idx.y, ps_block_idx.z);
@@ -303,11 +348,31 @@ inline float warp_max(float x) {
     return x;
 }
 inline void cp_async_16(void* smem, const void* gmem, int src_bytes) {
-    std::memset(smem, 0, 16);
-    if (src_bytes) std::memcpy(smem, gmem, (std::size_t)src_bytes);
+    if (!ps_hazards) {  // the model off: the copy lands at once
+        std::memset(smem, 0, 16);
+        if (src_bytes) std::memcpy(smem, gmem, (std::size_t)src_bytes);
+        return;
+    }
+    PsCopy c;
+    c.dst = smem;
+    std::memset(c.data, 0, 16);  // bytes past src_bytes are zero-filled, as cp.async's src-size does
+    if (src_bytes) std::memcpy(c.data, gmem, (std::size_t)src_bytes);
+    std::memset(smem, 0xFF, 16);  // in flight: whoever reads it before the wait reads NaN
+    ps_fibers[ps_cur].uncommitted.push_back(c);
 }
-inline void cp_async_commit() {}
-template <int N> inline void cp_async_wait() {}
+inline void cp_async_commit() {
+    PsFiber& f = ps_fibers[ps_cur];
+    f.groups.push_back(std::move(f.uncommitted));
+    f.uncommitted.clear();
+}
+// cp.async.wait_group N: every committed group of this thread but the newest N has landed.
+template <int N> inline void cp_async_wait() {
+    PsFiber& f = ps_fibers[ps_cur];
+    while ((int)f.groups.size() > N) {
+        for (const PsCopy& c : f.groups.front()) std::memcpy(c.dst, c.data, 16);
+        f.groups.pop_front();
+    }
+}
 
 // ---- stand-ins for tensor_core.cuh: bfloat16 and the warp-level mma fragment model -----------------
 

@@ -193,7 +193,7 @@ def test_launch_shapes():
 
 
 def test_every_reachable_instantiation_is_in_the_table():
-    names = set(cuda_ops.MODULES["paged_attention"].name_expressions)
+    names = set(cuda_ops.family_name_expressions("paged_attention"))
     for group in range(1, cuda_ops.MAX_QUERIES_PER_KV + 1):
         for tokens, seqs in ((4, 4), (9, 4)):
             bm = cuda_ops.attention_launch(group, 1, tokens, seqs).block_m

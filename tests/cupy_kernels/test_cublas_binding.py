@@ -214,7 +214,7 @@ def emulation_libs(tmp_path_factory):
     mods = list(cuda_modules.MODULES.values())
     with ThreadPoolExecutor(max_workers=2) as pool:
         paths = list(pool.map(lambda m: host._build(m, workdir), mods))
-    return host, {m.name: ctypes.CDLL(str(p)) for m, p in zip(mods, paths)}
+    return host, {m.name: host.load(p) for m, p in zip(mods, paths)}
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ chi-square test against that distribution (tests/chi_square.py). On a device: th
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ _spec = importlib.util.spec_from_file_location("pagedserve_host_emulation_helper
                                                Path(__file__).with_name("test_kernels_on_host.py"))
 _host = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_host)
-GXX, _build, _dev, fake_cupy = _host.GXX, _host._build, _host._dev, _host.fake_cupy
+GXX, _build, _dev, fake_cupy, load = _host.GXX, _host._build, _host._dev, _host.fake_cupy, _host.load
 
 # (temperature, top_k, top_p, min_p): each mode alone and mixed
 MODES = [(1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (1.3, 0, 1.0, 0.05), (0.8, 20, 0.9, 0.02),
@@ -80,7 +79,7 @@ def sampling_lib(tmp_path_factory):
     if GXX is None:
         pytest.skip("g++ not found (needed to run the kernels on the CPU)")
     path = _build(cuda_modules.MODULES["sampling"], tmp_path_factory.mktemp("sampling_emulation"))
-    return ctypes.CDLL(str(path))
+    return load(path)
 
 
 @pytest.fixture

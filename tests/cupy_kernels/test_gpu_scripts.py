@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from pagedserve.cupy_kernels.cuda import modules as cuda_modules
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 KIT = ROOT / "scripts" / "gpu_kit.py"
@@ -45,7 +47,7 @@ def _real_run_env(tmp_path: Path, **extra) -> dict:
     """The real run with this interpreter, an empty .gpu_check (nothing carried) and OUT in tmp_path."""
     (tmp_path / "kit").mkdir(exist_ok=True)
     return {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
-            "GPU_CHECK_DIR": str(tmp_path / "kit"), **extra}
+            "GPU_CHECK_DIR": str(tmp_path / "kit"), "GPU_CHECK_SLOW_HOST": "1", **extra}
 
 
 @needs_bash
@@ -62,7 +64,12 @@ def test_without_cupy_the_real_run_checks_everything_before_the_gpu_then_exits_2
     assert result["imports"]["failed"] == {} and result["imports"]["imported"] > 50
     assert result["environment"]["requirements"]["numpy"]["ok"]
     assert result["collected"]["exit_code"] == 0 and result["collected"]["gpu_tests"] > 20
-    assert "tests" not in result  # stopped before them
+    assert not any(k.startswith("tests_") for k in result)  # stopped before them
+    # the collection split into the run's test steps, as lists of node ids next to the step records
+    steps = tmp_path / "out" / "steps"
+    split = {n: (steps / f"{n}.txt").read_text().split()
+             for n in ("tests_runtime", "tests_kernels", "tests_regression")}
+    assert all(split.values()) and sum(map(len, split.values())) == result["collected"]["gpu_tests"]
     assert "gpu_check: no usable GPU" in (tmp_path / "out" / "gpu_check.log").read_text()
 
 
@@ -271,8 +278,8 @@ def test_the_record_plugin_keeps_failures_and_unfinished_tests_when_the_budget_k
 def _work_dir(tmp_path: Path) -> Path:
     work = tmp_path / "work"
     work.mkdir()
-    (work / "steps.txt").write_text("install 0 1\nenvironment 0 2\ncollect 0 3\npreflight 0 4\ntests 124 260\n"
-                                    "bench_attention 0 20\nbench_decode 0 30\n")
+    (work / "steps.txt").write_text("install 0 1\nenvironment 0 2\ncollect 0 3\npreflight 0 4\ngemm_probe 124 25\n"
+                                    "tests_runtime 124 60\nbench_attention 0 20\nbench_decode 0 30\n")
     (work / "preflight.json").write_text(json.dumps({"device": "Fake H200", "nvrtc": "ok", "cublas": "ok",
                                                      "curand": "ok"}))
     (work / "environment.json").write_text(json.dumps({"ok": True, "problems": [], "requirements": {},
@@ -286,7 +293,8 @@ def _work_dir(tmp_path: Path) -> Path:
               "message": "AssertionError: capture failed", "detail": "E   AssertionError: capture failed"},
              {"event": "report", "nodeid": "t.py::a", "when": "teardown", "outcome": "passed", "duration": 0.0},
              {"event": "start", "nodeid": "t.py::b"}]
-    (work / "tests.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + '\n{"event": "rep')  # cut by a kill
+    cut = '\n{"event": "rep'  # a line cut by a kill
+    (work / "tests_runtime.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + cut)
     (work / "bench_attention.out").write_text(json.dumps({"benchmark": "paged_attention",
                                                           "headline_pct_of_peak_bandwidth": 54.3}))
     (work / "bench_attention.rc").write_text("0\n")
@@ -294,25 +302,77 @@ def _work_dir(tmp_path: Path) -> Path:
     (work / "bench_decode.out").write_text("2026-12-04 18:41:10 [warning  ] cuda_graphs.capture_failed\n"
                                            + json.dumps({"benchmark": "decode_step"}))
     (work / "bench_decode.rc").write_text("0\n")
+    # the probe killed at its cap after one route: stdout empty, its partial JSON kept
+    (work / "gemm_probe.out").write_text("")
+    (work / "gemm_probe.rc").write_text("124\n")
+    (work / "gemm_probe.partial.json").write_text(json.dumps({"probe": "gemm_capture", "routes": [
+        {"route": "ctypes", "capture_ok": True}], "unfinished": ["nvmath"]}))
     return work
 
 
 def test_results_name_every_unfinished_test_and_fail_loudly_on_a_benchmark_that_does_not_parse(tmp_path, capsys):
     work = _work_dir(tmp_path)
-    rc = gpu_kit.results(work, tmp_path / "out", {"tests_budget_s": 260, "per_test_timeout_s": 60})
+    rc = gpu_kit.results(work, tmp_path / "out", {"per_test_timeout_s": 45})
     result = json.loads((tmp_path / "out" / "gpu_results.json").read_text())
     assert rc == 1 and result["exit_code"] == 1
-    tests = result["tests"]
+    tests = result["tests_runtime"]
     assert tests["failed_tests"] == [{"test": "t.py::a", "message": "AssertionError: capture failed",
                                       "detail": "E   AssertionError: capture failed"}]
     assert [(t["test"], t["state"]) for t in tests["unfinished_tests"]] == [
         ("t.py::b", "running when the run stopped"), ("t.py::c", "not started")]
-    assert result["attention"]["headline_pct_of_peak_bandwidth"] == 54.3
-    assert result["decode"]["ok"] is False and "did not parse as JSON" in result["decode"]["error"]
-    assert "cuda_graphs.capture_failed" in result["decode"]["stdout_head"][0]
-    assert result["sampler"] == {"ok": False, "error": "not run: the time budget ran out"}
-    assert any("ran out of their 260 s" in f for f in result["failures"])
-    assert "BENCHMARK DECODE FAILED" in capsys.readouterr().err
+    assert result["bench_attention"]["headline_pct_of_peak_bandwidth"] == 54.3
+    assert result["bench_decode"]["ok"] is False and "did not parse as JSON" in result["bench_decode"]["error"]
+    assert "cuda_graphs.capture_failed" in result["bench_decode"]["stdout_head"][0]
+    assert result["bench_sampler"] == {"ok": False, "error": "not run: the time budget ran out"}
+    assert any("tests_runtime ran out of its time" in f for f in result["failures"])
+    assert any("tests_kernels: not run" in f for f in result["failures"])
+    probe = result["gemm_probe"]
+    assert probe["ok"] is False and "timed out" in probe["error"]
+    assert probe["partial"]["routes"] == [{"route": "ctypes", "capture_ok": True}]
+    assert "BENCH_DECODE FAILED" in capsys.readouterr().err
+
+
+def test_after_a_step_the_results_say_not_run_yet_and_fail_nothing_that_has_not_had_its_turn(tmp_path):
+    work = _work_dir(tmp_path)
+    gpu_kit.results(work, tmp_path / "out", {"per_test_timeout_s": 45, "final": False})
+    result = json.loads((tmp_path / "out" / "gpu_results.json").read_text())
+    assert result["bench_sampler"] == {"ok": False, "error": "not run yet"}
+    assert not any("bench_sampler" in f or "tests_kernels" in f for f in result["failures"])
+    assert any("bench_decode" in f for f in result["failures"])  # it ran, and its output did not parse
+
+
+def test_the_collection_splits_into_the_steps_new_evidence_first():
+    ids = ["tests/cupy_kernels/test_gpu_runtime.py::test_decode_graph_replays_match_eager_steps[tiny-llama]",
+           "tests/cupy_kernels/test_gpu_runtime.py::test_graph_pool_draws_only_from_the_reserved_arena",
+           "tests/cupy_kernels/test_gpu_runtime.py::test_sampler_on_device_matches_numpy",
+           "tests/cupy_kernels/test_gpu_runtime.py::test_kv_sizing_fills_gpu_memory_utilization",
+           "tests/cupy_kernels/test_device_sampler.py::test_kernel_on_gpu_matches_the_reference_and_passes_chi_square",
+           "tests/cupy_kernels/test_prefill_tc_gpu.py::test_prefill_attention_tensor_cores_gpu[64-16-2-None-f16]",
+           "tests/cupy_kernels/test_cuda_ops.py::test_paged_attention_head_dim_256[4-16]",
+           "tests/cupy_kernels/test_cuda_ops.py::test_sliding_window_head_dim_256[37]",
+           "tests/cupy_kernels/test_cuda_ops.py::test_paged_attention_matches_reference[64-16-1]",
+           "tests/cupy_kernels/test_seeded_models.py::test_seeded_model_on_gpu_matches_the_cpu_reference[x]"]
+    split = gpu_kit.split_tests(ids)
+    assert [i.split("::")[1][:22] for i in split["tests_runtime"]] == [
+        "test_decode_graph_repl", "test_graph_pool_draws_", "test_sampler_on_device", "test_kernel_on_gpu_mat"]
+    assert split["tests_kernels"] == ids[5:8]
+    assert split["tests_regression"] == [ids[3]] + ids[8:]
+
+
+@needs_bash
+def test_the_plan_runs_the_new_evidence_first_and_fits_eight_minutes():
+    proc = subprocess.run(["bash", str(SCRIPT), "--plan"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    steps = [ln.split()[0] for ln in lines[:-1]]
+    assert steps == ["install", "environment", "collect", "preflight", "gemm_probe", "tests_runtime",
+                     "tests_kernels", "bench_decode", "bench_prefill", "bench_sampler", "bench_attention",
+                     "sanitizer", "tests_regression", "bench_throughput", "results"]
+    caps = [int(ln.split()[1]) for ln in lines[:-1]]
+    assert lines[-1] == f"total {sum(caps)} s" and sum(caps) <= 480
+    assert all(c > 0 for c in caps)
+    # every step the kit records is one the results read (a renamed step would silently vanish from them)
+    assert set(gpu_kit.BENCH_STEPS) | {n for n, _ in gpu_kit.TEST_STEPS} | {gpu_kit.REGRESSION_STEP} <= set(steps)
 
 
 # -- the real run with a stand-in CuPy ---------------------------------------------------------------------------
@@ -388,12 +448,18 @@ def test_gpu_tests_that_skip_on_the_gpu_machine_fail_the_run(tmp_path):
     out = tmp_path / "out"
     result = json.loads((out / "gpu_results.json").read_text())
     assert result["preflight"]["nvrtc"].startswith("ok") and result["preflight"]["cublas"] == "ok"
-    tests = result["tests"]
-    assert tests["skipped"] > 0 and tests["skipped"] == tests["collected"]
-    assert all("needs a GPU" in t["message"] for t in tests["skipped_tests"])
-    assert (out / "gpu_tests.xml").exists() and "SKIPPED" in (out / "gpu_tests.log").read_text()
+    for step in ("tests_runtime", "tests_kernels", "tests_regression"):
+        tests = result[step]
+        assert tests["skipped"] > 0 and tests["skipped"] == tests["collected"], step
+        assert all("needs a GPU" in t["message"] for t in tests["skipped_tests"])
+        assert (out / f"gpu_{step}.xml").exists() and "SKIPPED" in (out / f"gpu_{step}.log").read_text()
     # the benchmarks fail with the stand-in CuPy: named, not silently dropped
-    assert result["attention"]["ok"] is False and any("bench attention" in f for f in result["failures"])
+    assert result["bench_attention"]["ok"] is False and any("bench_attention" in f for f in result["failures"])
+    # the steps ran in the plan's order, each with its record on disk
+    order = [ln.split()[0] for ln in (out / "steps" / "steps.txt").read_text().splitlines()]
+    assert order == ["install", "environment", "collect", "preflight", "gemm_probe", "tests_runtime",
+                     "tests_kernels", "bench_decode", "bench_prefill", "bench_sampler", "bench_attention",
+                     "sanitizer", "tests_regression", "bench_throughput"], order
 
 
 @needs_bash
@@ -406,3 +472,55 @@ def test_a_cuda_library_that_does_not_load_fails_the_preflight(tmp_path):
     result = json.loads((tmp_path / "out" / "gpu_results.json").read_text())
     assert result["preflight"]["nvrtc"].startswith("FAILED") and result["preflight"]["curand"] == "ok"
     assert result["exit_code"] == 4
+
+
+# -- the precompile and the sanitizer steps -------------------------------------------------------------------------
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_model_compiles_only_its_own_attention_modules():
+    pre = _script("gpu_precompile")
+    f16 = pre.module_names(["f16"], [128])
+    assert f16[:2] == ["paged_attention_f16_d128", "prefill_attention_f16_d128"]
+    assert not any("bf16" in n or "d256" in n or "d64" in n for n in f16)
+    assert {"cache_ops", "norm", "rotary", "activation", "sampling"} <= set(f16) and len(f16) == 7
+    rest = pre.module_names(["f16", "bf16"], [64, 128, 256], ["f16:128", "f16:64"])
+    assert not set(rest) & set(f16 + pre.module_names(["f16"], [64]))
+    every = {m for m in cuda_modules.MODULES}
+    assert set(rest) | set(f16) | set(pre.module_names(["f16"], [64])) == every  # the two runs cover every module
+    with pytest.raises(ValueError, match="dtype/head_dim"):
+        cuda_modules.model_modules("f16", 96)
+
+
+def test_the_sanitizer_step_reads_its_tools_and_skips_without_compute_sanitizer(monkeypatch):
+    san = _script("gpu_sanitize")
+    race = "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n1 passed in 3.1s\n"
+    assert san.read_run("racecheck", "prefill", 0, race, 4.0)["state"] == "clean"
+    hazard = race.replace("0 hazards", "3 hazards")
+    assert san.read_run("racecheck", "prefill", san.ERROR_EXIT, hazard, 4.0)["state"] == "found problems"
+    mem = "========= ERROR SUMMARY: 2 errors\n1 failed in 2.0s\n"
+    assert san.read_run("memcheck", "paged_decode", san.ERROR_EXIT, mem, 4.0)["state"] == "found problems"
+    assert san.read_run("memcheck", "prefill", 0, "1 skipped in 0.5s\n", 1.0)["state"] == "the case failed"
+    assert san.read_run("memcheck", "prefill", None, "", 9.0)["state"] == "timed out"
+    monkeypatch.setattr(san, "find_sanitizer", lambda: None)
+    result = san.run(30)
+    assert "compute-sanitizer is not on this image" in result["skipped"] and result.get("ok", True)
+
+
+@needs_bash
+def test_prepare_names_what_it_misses_when_pagedserve_is_not_importable(tmp_path):
+    """A python without pagedserve (here: one whose sys.path cannot reach it) fails --prepare before any download,
+    naming the missing module and the fix."""
+    fake = tmp_path / "python3"
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")  # isolated: no site-packages, no venv
+    fake.chmod(0o755)
+    env = {**os.environ, "GPU_CHECK_HOST_PYTHON": str(fake), "GPU_CHECK_DIR": str(tmp_path / "kit")}
+    proc = subprocess.run(["bash", str(SCRIPT), "--prepare"], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 5, proc.stderr
+    assert "cannot import them: ModuleNotFoundError: No module named" in proc.stderr
+    assert ".venv/bin/pip install -e '.[test]'" in proc.stderr and not (tmp_path / "kit").exists()

@@ -65,7 +65,6 @@ def test_run_on_the_host_emulation_of_the_kernels(tmp_path, monkeypatch):
     the device run would trip over first. Its figures mean nothing."""
     pytest.importorskip("tokenizers")
     pytest.importorskip("structlog")
-    import ctypes
     import importlib.util
     import types
     from concurrent.futures import ThreadPoolExecutor
@@ -85,7 +84,7 @@ def test_run_on_the_host_emulation_of_the_kernels(tmp_path, monkeypatch):
     mods = list(cuda_modules.MODULES.values())
     with ThreadPoolExecutor(max_workers=2) as pool:
         paths = list(pool.map(lambda m: host._build(m, tmp_path), mods))
-    cp = host.fake_cupy({m.name: ctypes.CDLL(str(p)) for m, p in zip(mods, paths)})
+    cp = host.fake_cupy({m.name: host.load(p) for m, p in zip(mods, paths)})
     cp.__getattr__ = lambda name: getattr(np, name)
     cp.cuda.Device = lambda: types.SimpleNamespace(synchronize=lambda: None)
     rng = np.random.default_rng(0)

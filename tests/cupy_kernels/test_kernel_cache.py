@@ -116,9 +116,11 @@ def test_cuda_ops_loads_its_modules_through_the_cache(monkeypatch, tmp_path):
         assert fn == ("function", f"_Z{len(name)}" + name.replace("<", "_").replace(">", "_"))
     assert len(compiler.calls) == 1 and not raw
     source, options, arch, names = compiler.calls[0]
-    assert source == cuda_ops.MODULES["paged_attention"].source()
+    module = cuda_ops.MODULES[cuda_ops.attention_module_name("paged_attention", "f16", 128)]
+    assert source == module.source()
     assert options == cuda_ops.NVRTC_OPTIONS + cuda_ops.CUPY_IMPLICIT_OPTIONS and arch == "sm_90"
-    assert names == cuda_ops.MODULES["paged_attention"].name_expressions
+    assert names == module.name_expressions and name in names
+    assert all("256" not in n and "bf16" not in n for n in names)  # only what a float16 head-dim-128 model needs
 
 
 def test_cuda_ops_falls_back_to_rawmodule_when_the_cache_fails_or_is_off(monkeypatch):

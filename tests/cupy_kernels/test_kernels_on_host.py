@@ -39,6 +39,25 @@ HARNESS = Path(__file__).with_name("_host_emulation.h")
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not found (needed to run the kernels on the CPU)")
 
 
+class CaptureViolation(RuntimeError):
+    """What a stream capture on the device refuses, or would record wrong: raised by the stand-in inside a capture."""
+
+
+# While StrictCapturer captures: host syncs, device-to-host copies and host reads of a device value raise
+# CaptureViolation; CuPy pool allocations and array expressions are counted (and raise too with strict=True).
+CAPTURE = {"on": False, "strict": False, "allocations": 0, "expressions": 0, "what": []}
+
+
+def _capture_event(kind: str, what: str, fatal: bool) -> None:
+    if not CAPTURE["on"]:
+        return
+    CAPTURE["what"].append(f"{kind}: {what}")
+    if kind in ("allocations", "expressions"):
+        CAPTURE[kind] += 1
+    if fatal or CAPTURE["strict"]:
+        raise CaptureViolation(f"{kind} inside a stream capture: {what}")
+
+
 class EmulatedArray(np.ndarray):
     """A numpy array that cuda_ops takes for a CuPy one (is_cupy_array looks at the type's module)."""
 
@@ -49,7 +68,56 @@ class EmulatedArray(np.ndarray):
         return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
 
     def get(self):
+        _capture_event("device-to-host copy", "ndarray.get()", fatal=True)
         return np.array(self.view(np.ndarray))
+
+    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
+        _capture_event("expressions", f"{ufunc.__name__}.{method}", fatal=False)
+        plain = [x.view(np.ndarray) if isinstance(x, EmulatedArray) else x for x in inputs]
+        if out is not None:
+            kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, EmulatedArray) else o for o in out)
+        result = getattr(ufunc, method)(*plain, **kwargs)
+        if out is not None or method == "at":
+            return None if method == "at" else (out[0] if len(out) == 1 else out)
+
+        def wrap(r):  # in a capture a reduction stays on the device (CuPy's 0-d array): reading it is a host read
+            if type(r) is np.ndarray or (CAPTURE["on"] and isinstance(r, np.generic)):
+                return np.asarray(r).view(EmulatedArray)
+            return r
+        return tuple(map(wrap, result)) if isinstance(result, tuple) else wrap(result)
+
+    def __getitem__(self, key):
+        out = super().__getitem__(key)
+        if CAPTURE["on"] and not isinstance(out, np.ndarray):  # one element: CuPy's 0-d array, read on the host
+            self._host_value(f"element [{key}]")
+        return out
+
+    def _host_value(self, how):
+        _capture_event("host read of a device value", how, fatal=True)
+
+    def __bool__(self):
+        self._host_value("bool()")
+        return super().__bool__()
+
+    def __int__(self):
+        self._host_value("int()")
+        return super().__int__()
+
+    def __float__(self):
+        self._host_value("float()")
+        return super().__float__()
+
+    def __index__(self):
+        self._host_value("operator.index()")
+        return super().__index__()
+
+    def item(self, *args):
+        self._host_value("item()")
+        return super().item(*args)
+
+    def tolist(self):
+        self._host_value("tolist()")
+        return super().tolist()
 
 
 def _dev(a, dtype=None) -> EmulatedArray:
@@ -101,8 +169,9 @@ class EmulatedKernel:
 
 class EmulatedModule:
     def __init__(self, libs, code, options=(), name_expressions=()):
-        matches = [m for m in cuda_ops.MODULES.values() if m.source() == code]
-        assert len(matches) == 1, "RawModule got a source string that is not one of cuda_ops.MODULES"
+        matches = [m for m in cuda_ops.MODULES.values()
+                   if m.source() == code and m.name_expressions == tuple(name_expressions)]
+        assert len(matches) == 1, "RawModule got a source and names that are not one of cuda_ops.MODULES"
         self.spec = matches[0]
         assert tuple(options) == cuda_ops.NVRTC_OPTIONS
         assert tuple(name_expressions) == self.spec.name_expressions
@@ -118,12 +187,26 @@ def fake_cupy(libs) -> types.ModuleType:
     cp.ndarray = EmulatedArray
     for name in ("float16", "float32", "float64", "int32", "int64", "uint8", "uint64"):
         setattr(cp, name, getattr(np, name))
-    cp.empty = lambda shape, dtype=np.float64: _garbage(shape, dtype)
-    cp.zeros = lambda shape, dtype=np.float64: np.zeros(shape, dtype).view(EmulatedArray)
-    cp.ones = lambda shape, dtype=np.float64: np.ones(shape, dtype).view(EmulatedArray)
-    cp.asarray = lambda a, dtype=None: (a if isinstance(a, EmulatedArray) and dtype in (None, a.dtype)
-                                        else _dev(a, dtype))
-    cp.ascontiguousarray = lambda a, dtype=None: np.ascontiguousarray(a, dtype=dtype).view(EmulatedArray)
+    def alloc(what, make):
+        def f(*args, **kwargs):
+            _capture_event("allocations", what, fatal=False)
+            return make(*args, **kwargs)
+        return f
+
+    def asarray(a, dtype=None):
+        if isinstance(a, EmulatedArray) and dtype in (None, a.dtype):
+            return a
+        if not isinstance(a, EmulatedArray):
+            _capture_event("host-to-device copy", "cupy.asarray(host array)", fatal=True)
+        _capture_event("allocations", "cupy.asarray", fatal=False)
+        return _dev(a, dtype)
+
+    cp.empty = alloc("cupy.empty", lambda shape, dtype=np.float64: _garbage(shape, dtype))
+    cp.zeros = alloc("cupy.zeros", lambda shape, dtype=np.float64: np.zeros(shape, dtype).view(EmulatedArray))
+    cp.ones = alloc("cupy.ones", lambda shape, dtype=np.float64: np.ones(shape, dtype).view(EmulatedArray))
+    cp.asarray = asarray
+    cp.ascontiguousarray = alloc("cupy.ascontiguousarray",
+                                 lambda a, dtype=None: np.ascontiguousarray(a, dtype=dtype).view(EmulatedArray))
     cp.take = lambda a, ids, axis=None: np.take(a.view(np.ndarray), np.asarray(ids), axis=axis).view(EmulatedArray)
     cp.cos = lambda x: np.cos(np.asarray(x)).view(EmulatedArray)
     cp.sin = lambda x: np.sin(np.asarray(x)).view(EmulatedArray)
@@ -159,13 +242,35 @@ def _build(module: cuda_ops.KernelModule, workdir: Path) -> Path:
     return lib
 
 
+def _static_shared(lib: Path) -> list[tuple[int, int]]:
+    """(offset, bytes) of every function-local static in the library: the kernels' static __shared__ arrays (the
+    harness has no function-local statics; guard variables, _ZGV..., are not among them)."""
+    nm = shutil.which("nm")
+    assert nm, "nm (binutils) not found: the host emulation needs it to poison static shared memory per CTA"
+    out = subprocess.run([nm, "-S", "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[3].startswith("_ZZ") and parts[2] in "bBuVdD" and int(parts[1], 16):
+            found.append((int(parts[0], 16), int(parts[1], 16)))
+    return found
+
+
+def load(lib: Path) -> ctypes.CDLL:
+    """The emulated module, its static shared memory registered for poisoning before every CTA."""
+    handle = ctypes.CDLL(str(lib))
+    for offset, size in _static_shared(lib):
+        handle.ps_add_static_shared(ctypes.c_ulong(offset), ctypes.c_ulong(size))
+    return handle
+
+
 @pytest.fixture(scope="module")
 def libs(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("host_emulation")
     mods = list(cuda_ops.MODULES.values())
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
         paths = list(pool.map(lambda m: _build(m, workdir), mods))
-    return {m.name: ctypes.CDLL(str(p)) for m, p in zip(mods, paths)}
+    return {m.name: load(p) for m, p in zip(mods, paths)}
 
 
 @pytest.fixture
@@ -302,11 +407,12 @@ def test_shared_memory_opt_in(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setattr(cuda_modules, "_functions", {})
     big, small = cuda_modules.attention_kernel_name(256, 16, 16), cuda_modules.attention_kernel_name(128, 16, 32)
-    monkeypatch.setattr(cuda_modules, "_modules", {("paged_attention", 0): Module(RawKernel)})
+    loaded = {(m, 0): Module(RawKernel) for m in cuda_modules.FAMILIES["paged_attention"]}
+    monkeypatch.setattr(cuda_modules, "_modules", loaded)
     assert cuda_modules._kernel("paged_attention", big).max_dynamic_shared_size_bytes == 52288
     assert cuda_modules._kernel("paged_attention", small).max_dynamic_shared_size_bytes == 0
     monkeypatch.setattr(cuda_modules, "_functions", {})
-    monkeypatch.setattr(cuda_modules, "_modules", {("paged_attention", 0): Module(Function)})
+    monkeypatch.setattr(cuda_modules, "_modules", {k: Module(Function) for k in loaded})
     cuda_modules._kernel("paged_attention", big)
     cuda_modules._kernel("paged_attention", small)
     assert calls == [(1234, 8, 52288)]
@@ -314,7 +420,7 @@ def test_shared_memory_opt_in(monkeypatch):
     limit["optin"] = 50000
     with pytest.raises(ValueError, match="needs 52288 bytes of shared memory a CTA; device 0 allows 50000"):
         cuda_modules._kernel("paged_attention", big)
-    large = dict(cuda_modules.MODULES["paged_attention"].large_shared)
+    large = {n: b for m in cuda_modules.FAMILIES["paged_attention"] for n, b in cuda_modules.MODULES[m].large_shared}
     m = cuda_modules
     shapes = itertools.product(m.ATTN_TYPES, m.ATTN_HEAD_DIMS, m.ATTN_BLOCK_SIZES, m.ATTN_BLOCK_MS)
     for kind, dim, bs, block_m in shapes:
@@ -453,6 +559,30 @@ class RecordingCapturer:
 
     def release(self):
         self.events.append("release")
+
+
+class StrictCapturer(RecordingCapturer):
+    """Runs the real forward inside a "capture" that fails as a device's would: a host sync, a device-to-host copy,
+    a host-to-device copy from pageable memory or a host read of a device value raises CaptureViolation; CuPy pool
+    allocations and array expressions are counted per capture (`counts`), and raise too with strict=True."""
+
+    def __init__(self, strict: bool = False):
+        super().__init__()
+        self.strict = strict
+        self.counts = []
+
+    def capture(self, fn):
+        self.events.append("capture")
+        CAPTURE.update(on=True, strict=self.strict, allocations=0, expressions=0, what=[])
+        try:
+            fn()
+        finally:
+            self.counts.append({k: CAPTURE[k] for k in ("allocations", "expressions", "what")})
+            CAPTURE.update(on=False, strict=False, what=[])
+        return fn
+
+    def synchronize(self):
+        _capture_event("host sync", "synchronize()", fatal=True)
 
 
 @pytest.mark.slow

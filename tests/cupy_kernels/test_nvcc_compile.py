@@ -112,11 +112,13 @@ def test_paged_attention_shared_memory_is_what_the_host_launches(compiled, arch)
     """Static shared memory: attention_static_shared_bytes (the per-row arrays); with the dynamic part the host
     launches (attention_shared_bytes) within what every sm_80+ device lets a CTA opt in to, and the instantiations
     past 48 KB are those the loader opts in (KernelModule.large_shared)."""
-    rc, log = compiled[("paged_attention", arch)]
-    assert rc == 0
-    found = _paged_attention_smem(log)
+    found, large = {}, set()
+    for module in mods.FAMILIES["paged_attention"]:  # one module per (storage type, head dim)
+        rc, log = compiled[(module, arch)]
+        assert rc == 0
+        found.update(_paged_attention_smem(log))
+        large |= {name for name, _ in mods.MODULES[module].large_shared}
     assert {d for d, _ in found} == set(mods.ATTN_HEAD_DIMS) and {m for _, m in found} == set(mods.ATTN_BLOCK_MS)
-    large = {name for name, _ in mods.MODULES["paged_attention"].large_shared}
     for (dim, block_m), static in found.items():
         assert static == mods.attention_static_shared_bytes(block_m), (dim, block_m, static)
         total = static + mods.attention_shared_bytes(dim, block_m)
@@ -124,6 +126,123 @@ def test_paged_attention_shared_memory_is_what_the_host_launches(compiled, arch)
         names = {mods.attention_kernel_name(dim, bs, block_m, t) for bs in mods.ATTN_BLOCK_SIZES
                  for t in mods.ATTN_TYPES}
         assert (names <= large) == (total > STATIC_SMEM_LIMIT) and (names & large in (set(), names)), (dim, block_m)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registers, shared memory and occupancy against the launches (issue 59: what only a device showed until now)
+# ---------------------------------------------------------------------------------------------
+
+REGS_PER_SM = 65536
+THREADS_PER_SM = 2048
+SMEM_PER_SM = {"sm_80": 167936, "sm_90": 233472}  # the shared memory an SM gives its CTAs (164 KB / 228 KB)
+PAGED_MIN_BLOCKS = 4  # PS_ATTN_MIN_BLOCKS in paged_attention.cu
+
+
+def _launch_of(name: str) -> tuple[int, int, int]:
+    """(threads a launch uses at most, CTAs per SM __launch_bounds__ promises, dynamic shared bytes) of one entry,
+    by its demangled name (the launches in cupy_kernels/cuda/ops.py and attention.py)."""
+    base = name.split("<")[0].split("(")[0]
+    args = [a.strip() for a in name[name.index("<") + 1:name.index(">")].split(",")] if "<" in name else []
+    if base == "paged_attention_kernel":
+        dim, block_m = int(args[0]), int(args[2])
+        return mods.ATTN_THREADS, PAGED_MIN_BLOCKS, mods.attention_shared_bytes(dim, block_m)
+    if base == "paged_attention_reduce_kernel":
+        return int(args[0]), 1, 0
+    if base == "prefill_attention_kernel":
+        return mods.PREFILL_THREADS, 3 if int(args[0]) <= 64 else 1, 0
+    if base == "sample_rows_kernel":
+        return cuda_ops.SAMPLE_THREADS, 1, 0
+    if base in ("argmax_rows_kernel", "add_rms_norm_kernel"):
+        return 1024, 1, 0
+    return 256, 1, 0  # rotary, silu_and_mul, reshape_and_cache, copy_blocks: at most 256 threads
+
+
+def ptxas_entries(log: str) -> dict[str, dict]:
+    """{demangled entry: {"registers", "spill_stores", "spill_loads", "smem"}} from nvcc --resource-usage."""
+    entries, current = {}, None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            current = m.group(1)
+            entries[current] = {"registers": 0, "spill_stores": 0, "spill_loads": 0, "smem": 0}
+            continue
+        if current is None:
+            continue
+        if (m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)):
+            entries[current]["spill_stores"], entries[current]["spill_loads"] = int(m.group(1)), int(m.group(2))
+        if (m := re.search(r"Used (\d+) registers", line)):
+            entries[current]["registers"] = int(m.group(1))
+            smem = re.search(r"(\d+) bytes smem", line)
+            entries[current]["smem"] = int(smem.group(1)) if smem else 0
+    if entries and shutil.which("c++filt"):
+        names = subprocess.run(["c++filt"], input="\n".join(entries), capture_output=True, text=True).stdout.split("\n")
+        entries = {demangled.removeprefix("void "): v for demangled, v in zip(names, entries.values())}
+    return entries
+
+
+def resource_problems(log: str, arch: str) -> list[str]:
+    """What the device would refuse or run slowly: a launch of more threads than the registers allow, fewer CTAs per
+    SM than __launch_bounds__ promises (registers or shared memory), a CTA's shared memory past the SM's, spills in
+    a hot kernel (every entry but paged attention's BLOCK_M 32 tile, MAX_SPILL_BYTES)."""
+    problems = []
+    for name, e in ptxas_entries(log).items():
+        if name.startswith("_Z"):
+            problems.append(f"{name}: not demangled (c++filt missing?)")
+            continue
+        threads, min_blocks, dynamic = _launch_of(name)
+        regs = -(-max(e["registers"], 1) // 8) * 8  # allocated per thread in units of 8
+        by_regs = REGS_PER_SM // (regs * threads)
+        smem = e["smem"] + dynamic
+        by_smem = SMEM_PER_SM[arch] // smem if smem else THREADS_PER_SM
+        blocks = min(by_regs, by_smem, THREADS_PER_SM // threads)
+        if by_regs < 1:
+            problems.append(f"{name}: {e['registers']} registers x {threads} threads pass the SM's {REGS_PER_SM}")
+        elif by_regs < min_blocks:
+            problems.append(f"{name}: {e['registers']} registers leave {by_regs} CTAs of {threads} threads per SM, "
+                            f"__launch_bounds__ promises {min_blocks}")
+        if smem > SMEM_PER_SM[arch]:
+            problems.append(f"{name}: {smem} bytes of shared memory a CTA, the SM has {SMEM_PER_SM[arch]}")
+        elif name.startswith("paged_attention_kernel<") and int(name.split("<")[1].split(",")[0]) <= 128 \
+                and blocks < min_blocks:
+            problems.append(f"{name}: {blocks} CTAs per SM ({smem} bytes of shared memory each), the decode path "
+                            f"wants {min_blocks}")
+        hot = not (name.startswith("paged_attention_kernel<") and name.split(",")[2].strip() == "32")
+        spill = e["spill_stores"] + e["spill_loads"]
+        if (hot and spill) or spill > 2 * MAX_SPILL_BYTES:
+            problems.append(f"{name}: spills {e['spill_stores']} bytes (stores) / {e['spill_loads']} (loads)")
+    return problems
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_registers_shared_memory_and_occupancy_fit_the_launches(compiled, arch):
+    """ptxas's figures for every entry against its launch: __launch_bounds__' CTAs per SM reachable by registers,
+    shared memory per CTA within the SM's, the decode path's paged attention (head dim <= 128) at its 4 CTAs per SM,
+    no spills in the hot kernels."""
+    found = 0
+    for module in cuda_ops.MODULES:
+        rc, log = compiled[(module, arch)]
+        assert rc == 0
+        found += len(ptxas_entries(log))
+        assert resource_problems(log, arch) == [], module
+    assert found == sum(len(m.name_expressions) for m in cuda_ops.MODULES.values())
+
+
+def test_the_resource_check_catches_spills_registers_and_shared_memory():
+    """The checker's mutation test, on ptxas lines as nvcc prints them: a hot kernel that spills, a paged attention
+    tile past its launch bound's registers, a CTA past the SM's shared memory - each is named."""
+    def entry(mangled: str, regs: int, spill: int, smem: int) -> str:
+        return (f"ptxas info    : Compiling entry function '{mangled}' for 'sm_90'\n"
+                f"ptxas info    : Function properties for {mangled}\n"
+                f"    0 bytes stack frame, {spill} bytes spill stores, {spill} bytes spill loads\n"
+                f"ptxas info    : Used {regs} registers, used 1 barriers, {smem} bytes smem, 400 bytes cmem[0]\n")
+    paged = "_Z22paged_attention_kernelILi128ELi16ELi8E3f16EvPT2_PfS3_PKS1_xxS5_S5_PKiS7_S7_xiiiiifiiii"
+    norm = "_Z19add_rms_norm_kernelI3f16EvPT_S2_PKS1_xS4_xS4_ifi"
+    good = entry(paged, 128, 0, 160) + entry(norm, 32, 0, 68) + entry("copy_blocks_kernel", 30, 0, 0)
+    assert resource_problems(good, "sm_90") == []
+    assert any("spills" in p for p in resource_problems(entry(paged, 128, 8, 160), "sm_90"))
+    assert any("__launch_bounds__ promises 4" in p for p in resource_problems(entry(paged, 168, 0, 160), "sm_90"))
+    assert any("pass the SM" in p for p in resource_problems(entry(norm, 72, 0, 68), "sm_90"))
+    assert any("shared memory a CTA" in p for p in resource_problems(entry(norm, 32, 0, 240000), "sm_90"))
 
 
 def test_every_cu_file_is_compiled():
