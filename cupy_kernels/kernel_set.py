@@ -67,8 +67,14 @@ class KernelSet:
     # (numba: no [T, (H + 2 KV) D] output written and read back); None: the model calls linear, then
     # rotary_and_cache (paged_attention.linear_rotary_cache is the reference).
     linear_rotary_cache: Callable[..., Any] | None = None
+    # The kv_cache_dtypes (cupy_kernels/kv_layout.py) this set's cache writes and attention read and write; the
+    # first is what "auto" means for its backend. Any other is refused at start (kv_layout.check_kv_cache_dtype).
+    kv_cache_dtypes: tuple[str, ...] = ("float32",)
 
 
+# The numpy reference stores float32, bfloat16 (uint16 bits) and float16 (reference/kv_convert.py); the numba set
+# runs 16-bit caches through the reference's cache write and attention (its compiled kernels take float32 caches).
+CPU_KV_CACHE_DTYPES = ("float32", "bfloat16", "float16")
 # The op names every kernel set provides, in the order of a forward pass.
 OP_NAMES = tuple(f.name for f in fields(KernelSet) if "device_arg" in f.metadata)  # the _op fields
 # numba's attention runs at ~0.44x its matmuls' FLOP rate deep in a prompt (SmolLM2, 2 threads, AVX-512: 88
@@ -80,7 +86,8 @@ _DEVICE_ARG = {f.name: f.metadata["device_arg"] for f in fields(KernelSet)
 
 
 def _from_modules(name: str, *modules: Any, attention_cost: float = 1.0, argmax_rows: Any = None,
-                  linear_add: Any = None, linear_rotary_cache: Any = None) -> KernelSet:
+                  linear_add: Any = None, linear_rotary_cache: Any = None,
+                  kv_cache_dtypes: tuple[str, ...] = CPU_KV_CACHE_DTYPES) -> KernelSet:
     """Each op from the first module that defines it."""
     def pick(op: str) -> Callable[..., Any]:
         for m in modules:
@@ -90,7 +97,7 @@ def _from_modules(name: str, *modules: Any, attention_cost: float = 1.0, argmax_
         raise AssertionError(f"kernel set {name}: no module defines {op}")
 
     return KernelSet(name, **{op: pick(op) for op in OP_NAMES}, attention_cost=attention_cost, argmax_rows=argmax_rows,
-                     linear_add=linear_add, linear_rotary_cache=linear_rotary_cache)
+                     linear_add=linear_add, linear_rotary_cache=linear_rotary_cache, kv_cache_dtypes=kv_cache_dtypes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -218,7 +225,8 @@ def cuda_kernels() -> KernelSet:
     from .cuda import ops as cuda_ops
 
     return KernelSet("cuda", **{op: getattr(cuda_ops, op) if op not in _DEVICE_ARG
-                                else _device_only(getattr(cuda_ops, op), _DEVICE_ARG[op], op) for op in OP_NAMES})
+                                else _device_only(getattr(cuda_ops, op), _DEVICE_ARG[op], op) for op in OP_NAMES},
+                     kv_cache_dtypes=("float16",))  # the .cu kernels read and write the backend's float16
 
 
 def cpu_kernels(choice: str = "auto", finish_warm_up: bool = True) -> KernelSet:

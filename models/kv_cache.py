@@ -1,4 +1,5 @@
-"""Allocating the per-layer paged KV cache arrays: [num_blocks, block_size, num_kv_heads, head_dim]."""
+"""Allocating the per-layer paged KV cache arrays: [num_blocks, block_size, num_kv_heads, head_dim], each value in
+the pool's kv_cache_dtype (its layout: cupy_kernels/kv_layout.py; "auto" = the backend's dtype)."""
 
 from __future__ import annotations
 
@@ -30,13 +31,16 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, itemsize: int, shar
 
 
 def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, backend: Backend,
-                       shard: TPShard | None = None, num_arrays: int | None = None) -> list[tuple[Any, Any]]:
-    """A K/V array pair per layer, or `num_arrays` pairs when layers share them (KV cache groups)."""
+                       shard: TPShard | None = None, num_arrays: int | None = None,
+                       storage: Any = None) -> list[tuple[Any, Any]]:
+    """A K/V array pair per layer, or `num_arrays` pairs when layers share them (KV cache groups). `storage`: the
+    arrays' dtype (KVCacheLayout.storage; None: the backend's dtype)."""
     if num_blocks <= 0 or block_size <= 0:
         raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
     shape = kv_cache_shape(config, num_blocks, block_size, shard)
     zeros = backend.xp.zeros if backend.xp is not np else host_zeros
-    return [(zeros(shape, dtype=backend.dtype), zeros(shape, dtype=backend.dtype))
+    dtype = backend.dtype if storage is None else storage
+    return [(zeros(shape, dtype=dtype), zeros(shape, dtype=dtype))
             for _ in range(config.num_hidden_layers if num_arrays is None else num_arrays)]
 
 

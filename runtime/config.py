@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pagedserve.cupy_kernels.cuda.ops import ATTN_BLOCK_SIZES
 from pagedserve.cupy_kernels.kernel_set import CPU_KERNEL_SETS
+from pagedserve.cupy_kernels.kv_layout import normalize_kv_cache_dtype
 
 from .spec_decode.config import SpeculativeConfig
 
@@ -59,6 +60,10 @@ class EngineConfig:
     # Speculative decoding (runtime/spec_decode/config.py): None = off; a SpeculativeConfig or vLLM's dict,
     # e.g. {"method": "ngram", "num_speculative_tokens": 4} or {"model": PATH, "num_speculative_tokens": 4}.
     speculative_config: SpeculativeConfig | dict | None = None
+    # What the KV pool stores each value as (vLLM's names, cupy_kernels/kv_layout.py): "auto" (the backend's
+    # dtype: float32 on the CPU, float16 on the GPU), "float32", "bfloat16", "float16", or the 8-bit "int8",
+    # "fp8_e4m3" ("fp8"), "fp8_e5m2"; one the kernel set cannot run is refused when the engine starts.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -115,6 +120,7 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        self.kv_cache_dtype = normalize_kv_cache_dtype(self.kv_cache_dtype)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
 

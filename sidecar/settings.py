@@ -70,6 +70,8 @@ class Settings:
     prefill_timeout: float = 60.0  # decode: seconds a remote prefill (compute + transfer) may take
     kv_transport: str = "auto"  # decode: auto (shared memory on one host, else gRPC) | shm | grpc
     kv_test_fault: str | None = None  # prefill, testing only: corrupt | cut | delay:SECONDS
+    # -- KV cache dtype (cupy_kernels/kv_layout.py) --
+    kv_cache_dtype: str = "auto"  # KV pool values: auto | float32 | bfloat16 | float16 (8-bit: not yet, refused)
 
     def engine_config(self) -> EngineConfig:
         names = {f.name for f in fields(EngineConfig)}

@@ -6,7 +6,6 @@ import os
 import time
 from typing import Iterable, Sequence
 
-import numpy as np
 import structlog
 
 from pagedserve.cupy_kernels.backend import to_host
@@ -136,8 +135,11 @@ class LLMEngine:
             self.inputs.new_seq, self.spec, lambda r: export_blocks(r, self.kv_manager, self.block_io, self.kv_stats))
         self.blas = blas_info()  # numpy's BLAS: its kernel ("architecture") and threads, for logs and stats
         self.numba_code_path = None if self.backend.is_gpu else numba_code_path()  # avx512 / avx2 / baseline
+        self.kv_layout = worker.kv_layout  # the pool's kv_cache_dtype, "auto" resolved
         log.info("engine.kv_pool", num_blocks=num_blocks, block_size=self.block_size,
-                 num_token_slots=num_blocks * self.block_size, backend=self.backend.name,
+                 num_token_slots=num_blocks * self.block_size, kv_cache_dtype=self.kv_layout.dtype,
+                 kv_cache_dtype_requested=self.kv_layout.requested, kv_bytes_per_block=worker.kv_bytes_per_block(),
+                 backend=self.backend.name,
                  kernels=self.backend.ops.name, model=self.model_name,
                  blas_threads=(self.blas or {}).get("num_threads"), blas_kernel=(self.blas or {}).get("architecture"),
                  numba_code_path=self.numba_code_path,
@@ -379,7 +381,7 @@ class LLMEngine:
         c = self.model_config
         embed = to_host(self.model.embed_tokens[:4])
         return KVTransferSpec(role, self.model_name, model_fingerprint(self.model_name, c, embed), self.block_size,
-                              str(np.dtype(self.backend.dtype)), c.num_hidden_layers, c.num_key_value_heads,
+                              self.kv_layout.dtype, c.num_hidden_layers, c.num_key_value_heads,
                               c.head_dim, self.max_model_len, host_id)
 
     # -- observability ---------------------------------------------------------------------------

@@ -1,0 +1,101 @@
+"""The KV pool's element layout (`kv_cache_dtype`, vLLM's names), described once: the pool allocates by it, the
+memory budget counts its bytes, and every kernel set reads the dtype back from the cache arrays it is handed.
+
+    kv_cache_dtype   stored as (array dtype)        bytes a value   scales
+    float32          float32                        4               none
+    float16          float16 (IEEE binary16)        2               none
+    bfloat16         uint16: the float32's high     2               none
+                     half, rounded to nearest even
+    int8, fp8_e4m3,  (not yet stored by any kernel set: refused at start, see check_kv_cache_dtype)
+    fp8_e5m2
+
+A cache array's dtype says what it holds (uint16 is bfloat16's bits: no kernel set keeps anything else in
+uint16), so the kernels' signatures stay the numpy reference's and a layout never needs to travel beside the
+arrays. "auto" is the backend's own storage dtype (float32 on the CPU, float16 on the GPU), as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# vLLM's names; "fp8" is vLLM's alias of fp8_e4m3.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")
+_ALIASES = {"fp8": "fp8_e4m3"}
+_STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16),
+            "int8": np.dtype(np.int8), "fp8_e4m3": np.dtype(np.uint8), "fp8_e5m2": np.dtype(np.uint8)}
+# The scale granularity an 8-bit dtype would carry (one float32 per token and kv head): named here so the bytes
+# per value and the docs agree; no kernel set stores 8-bit KV yet.
+_SCALED = ("int8", "fp8_e4m3", "fp8_e5m2")
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """One KV dtype's layout: what a value is stored as and what a token of one kv head costs in bytes."""
+
+    dtype: str  # the resolved kv_cache_dtype (never "auto")
+    requested: str  # what was asked for ("auto", or the same as dtype; "fp8" comes back as fp8_e4m3)
+
+    @property
+    def storage(self) -> np.dtype:
+        """The cache arrays' numpy dtype."""
+        return _STORAGE[self.dtype]
+
+    @property
+    def element_bytes(self) -> int:
+        return self.storage.itemsize
+
+    @property
+    def scale_granularity(self) -> str | None:
+        """None (no scales), or "token_head": one float32 scale per token and kv head beside its values."""
+        return "token_head" if self.dtype in _SCALED else None
+
+    def bytes_per_token_head(self, head_dim: int) -> int:
+        """One token's K (or V) of one kv head, its scale included."""
+        return head_dim * self.element_bytes + (4 if self.scale_granularity else 0)
+
+    def describe(self) -> str:
+        """For logs: "bfloat16", or "float32 (auto)"."""
+        return self.dtype if self.requested == self.dtype else f"{self.dtype} ({self.requested})"
+
+
+def normalize_kv_cache_dtype(value: object) -> str:
+    """The canonical name of `value` (the alias "fp8" is fp8_e4m3); ValueError naming the field, the value and the
+    choices for anything else."""
+    if isinstance(value, str) and value.strip().lower() in _ALIASES:
+        return _ALIASES[value.strip().lower()]
+    if not isinstance(value, str) or value.strip().lower() not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (or fp8 = fp8_e4m3), "
+                         f"got {value!r}")
+    return value.strip().lower()
+
+
+def kv_cache_layout(value: object, backend_dtype: np.dtype) -> KVCacheLayout:
+    """The layout `value` asks for on a backend whose storage dtype is `backend_dtype` ("auto" takes it)."""
+    name = normalize_kv_cache_dtype(value)
+    if name == "auto":
+        resolved = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}[np.dtype(backend_dtype)]
+        return KVCacheLayout(resolved, "auto")
+    return KVCacheLayout(name, name)
+
+
+def layout_of_array(a: object) -> str:
+    """The kv_cache_dtype a cache array holds, from its dtype (uint16: bfloat16's bits)."""
+    dtype = np.dtype(getattr(a, "dtype"))
+    for name, storage in _STORAGE.items():
+        if storage == dtype and name not in _SCALED:
+            return name
+    raise ValueError(f"no KV cache layout is stored as {dtype}")
+
+
+def check_kv_cache_dtype(layout: KVCacheLayout, kernels_name: str, supported: tuple[str, ...],
+                         head_dim: int | None) -> None:
+    """Refuse at start a dtype the kernel set cannot run, or one whose rows the model's head_dim cannot fill
+    (a 16-bit row of an odd head_dim would split its last 4-byte word: no model has one, but the kernels assume it)."""
+    if layout.dtype not in supported:
+        raise ValueError(f"kv_cache_dtype {layout.requested!r} ({layout.dtype}) is not supported by the "
+                         f"{kernels_name} kernel set; choose one of auto, {', '.join(supported)}")
+    if head_dim is not None and layout.element_bytes < 4 and head_dim % 2:
+        raise ValueError(f"kv_cache_dtype {layout.dtype!r} needs an even head_dim, the model's is {head_dim}; "
+                         f"choose one of {', '.join(supported)} with 4-byte values (float32)")

@@ -1,0 +1,107 @@
+"""kv_cache_dtype through the engine (tiny committed Llama): 16-bit pools give float32's greedy tokens here, hold
+twice the blocks in the same bytes, and everything that moves KV (prefix cache, copy-on-write of n > 1,
+preemption, disaggregated transfer) moves 16-bit blocks as they are; unsupported dtypes are refused at start."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import engine_helpers
+from engine_helpers import InlineConnector, drain
+from pagedserve.runtime.config import EngineConfig
+from pagedserve.runtime.engine.engine_view import EngineView
+from pagedserve.runtime.kv_transfer.kv_connector import KVHandshakeError, check_compatible
+from pagedserve.runtime.sampling_params import SamplingParams
+
+make_engine = functools.partial(engine_helpers.make_engine, num_kv_blocks=256, block_size=8)
+SIXTEEN = ("bfloat16", "float16")
+
+
+def workload():
+    """Greedy and seeded requests sharing a prompt's prefix (prefix-cache hits), n = 3 (forks: copy-on-write)."""
+    rng = np.random.default_rng(3)
+    long = [int(t) for t in rng.integers(3, 500, 90)]
+    return [
+        ("greedy", long, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)),
+        ("seeded", long[:41], SamplingParams(temperature=0.9, seed=7, max_tokens=10, ignore_eos=True)),
+        ("n3", long[:33], SamplingParams(temperature=1.0, n=3, seed=11, max_tokens=8, ignore_eos=True)),
+        ("short", long[:5], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)),
+        ("greedy2", long[:60] + [7, 8, 9], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)),
+    ]
+
+
+def run(engine, requests):
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    return {rid: [c.token_ids for c in out.outputs] for rid, out in drain(engine).items()}
+
+
+def test_unknown_dtype_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of auto, float32, bfloat16, float16, int8, "
+                                         r"fp8_e4m3, fp8_e5m2 \(or fp8 = fp8_e4m3\), got 'bf16'"):
+        EngineConfig(kv_cache_dtype="bf16")
+    assert EngineConfig(kv_cache_dtype="FP8").kv_cache_dtype == "fp8_e4m3"
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8", "fp8_e5m2"])
+def test_8_bit_is_refused_at_start(tiny, dtype):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype '.*' .* is not supported by the numpy kernel set; choose "
+                                         r"one of auto, float32, bfloat16, float16"):
+        make_engine(tiny, kv_cache_dtype=dtype, cpu_kernels="numpy")
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN)
+def test_16_bit_pool_holds_twice_the_blocks_and_says_so(tiny, dtype):
+    budget = 1 << 20
+    f32 = make_engine(tiny, num_kv_blocks=None, kv_cache_memory_bytes=budget)
+    half = make_engine(tiny, num_kv_blocks=None, kv_cache_memory_bytes=budget, kv_cache_dtype=dtype)
+    w32, w16 = f32.executor.driver_worker, half.executor.driver_worker
+    assert w32.kv_bytes_per_block() == 2 * w16.kv_bytes_per_block()
+    assert half.num_kv_blocks == budget // w16.kv_bytes_per_block() >= 2 * f32.num_kv_blocks - 1
+    assert w16.kv_caches[0][0].dtype == w16.kv_layout.storage and w16.kv_caches[0][0].itemsize == 2
+    assert half.memory_budget.kv_cache_bytes <= budget  # the memory budget counts the pool's real bytes
+    view = EngineView()
+    view.engine = half
+    assert view.model_info().kv_cache_dtype == dtype  # GetModelInfo's field 13, `pagedserve stats`
+    assert f32.kv_layout.dtype == "float32"
+    assert f32.kv_layout.requested == "auto"
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN)
+def test_16_bit_greedy_tokens_equal_float32_on_the_tiny_model(tiny, dtype):
+    greedy = [r for r in workload() if r[2].temperature == 0.0]
+    assert run(make_engine(tiny, kv_cache_dtype=dtype), greedy) == run(make_engine(tiny), greedy)
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN)
+def test_prefix_cache_forks_preemption_and_transfer_carry_16_bit_blocks(tiny, dtype):
+    """Each path that moves or shares blocks gives the tokens of each request run alone in a 16-bit pool: a block
+    copied or shared wrong, a preempted request recomputed into another layout, or a transferred block written
+    back other than it was read would change them."""
+    alone = {}
+    for req in workload():  # each request in its own engine: no sharing, no preemption
+        alone.update(run(make_engine(tiny, kv_cache_dtype=dtype), [req]))
+    e = make_engine(tiny, kv_cache_dtype=dtype)
+    assert run(e, workload()) == alone  # prefix hits and n = 3's forks in one pool
+    assert e.scheduler.num_cached_prompt_tokens > 0
+    small = make_engine(tiny, kv_cache_dtype=dtype, num_kv_blocks=16, max_num_batched_tokens=16)
+    assert run(small, workload()) == alone
+    assert small.num_preemptions > 0, "the pool was meant to be small enough to force preemption"
+    decode = make_engine(tiny, kv_cache_dtype=dtype)
+    conn = InlineConnector(make_engine(tiny, kv_cache_dtype=dtype, max_num_batched_tokens=24))
+    decode.enable_remote_prefill(conn)
+    assert run(decode, workload()) == alone
+    assert decode.kv_stats.remote_prefills > 0 and decode.kv_stats.local_prefill_fallbacks == 0
+
+
+def test_decode_refuses_a_prefill_instance_of_another_dtype(tiny):
+    decode = make_engine(tiny, kv_cache_dtype="bfloat16").kv_transfer_spec("decode")
+    assert decode.dtype == "bfloat16" and decode.storage == np.uint16
+    prefill = make_engine(tiny).kv_transfer_spec("prefill")
+    with pytest.raises(KVHandshakeError, match=r"keeps its KV cache in float32 \(kv_cache_dtype\) and this instance "
+                                               r"in bfloat16.*same --kv-cache-dtype"):
+        check_compatible(decode, prefill, "unix:/p")
+    check_compatible(decode, make_engine(tiny, kv_cache_dtype="bfloat16").kv_transfer_spec("prefill"), "unix:/p")
