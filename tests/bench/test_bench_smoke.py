@@ -72,6 +72,14 @@ def test_memory(tmp_path: Path) -> None:
     # The last block of a request is on average half empty: waste grows with the block size.
     assert res["paged_8"]["waste_pct"] < res["paged_32"]["waste_pct"]
     assert res["paged_16"]["waste_pct"] < 4.0
+    # KV cache dtypes: a 16-bit pool holds twice float32's blocks (and at least twice its 4,096-token sequences) a GiB,
+    # and the pool allocated to check it holds exactly the bytes the layout says.
+    kv = r["kv_dtypes"]["dtypes"]
+    for dtype in ("bfloat16", "float16"):
+        assert kv[dtype]["bytes_per_block"] * 2 == kv["float32"]["bytes_per_block"]
+        assert kv[dtype]["blocks_vs_float32"] == 2.0
+        assert kv[dtype]["sequences_4096_per_gib"] >= 2 * kv["float32"]["sequences_4096_per_gib"]
+        assert kv[dtype]["checked_pool_blocks"] == 2 * kv["float32"]["checked_pool_blocks"]
     # Reserving max_model_len wastes more than reserving prompt + max_tokens.
     assert res["contiguous_max_model_len"]["waste_pct"] > res["contiguous_max_tokens"]["waste_pct"]
     assert r["workload"]["num_requests"] == 40
