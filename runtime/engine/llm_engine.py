@@ -104,7 +104,8 @@ class LLMEngine:
         self.spec = build_spec_decoder(
             config.speculative_config, lambda: loaded or load_model(config.model, use_cache=config.use_weight_cache),
             self.backend, num_blocks, self.block_size, self.max_model_len, config.seed, config.use_weight_cache,
-            self.structured)  # guided sequences' drafts are checked against their grammar
+            self.structured,  # guided sequences' drafts are checked against their grammar
+            kv_storage=self.executor.driver_worker.kv_layout.storage)  # the draft's pool in the target's kv dtype
         if self.spec is not None:
             self.scheduler.release_hooks.append(self.spec.free)
         # cpu_threads="auto": the thread count follows measured step cost (runtime/engine/cpu_threads_tuner.py).

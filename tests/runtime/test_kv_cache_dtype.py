@@ -105,3 +105,12 @@ def test_decode_refuses_a_prefill_instance_of_another_dtype(tiny):
                                                r"in bfloat16.*same --kv-cache-dtype"):
         check_compatible(decode, prefill, "unix:/p")
     check_compatible(decode, make_engine(tiny, kv_cache_dtype="bfloat16").kv_transfer_spec("prefill"), "unix:/p")
+
+
+def test_draft_model_pool_takes_the_targets_dtype(tiny):
+    greedy = [r for r in workload() if r[2].temperature == 0.0]
+    spec = {"method": "draft", "draft_num_layers": 1, "num_speculative_tokens": 3, "min_acceptance_rate": 0.0}
+    e = make_engine(tiny, kv_cache_dtype="bfloat16", speculative_config=spec)
+    assert e.spec.draft.kv_caches[0][0].dtype == np.uint16  # bfloat16's bits, as the target's pool
+    assert run(e, greedy) == run(make_engine(tiny, kv_cache_dtype="bfloat16"), greedy)
+    assert e.spec.stats.num_draft_tokens > 0
