@@ -73,7 +73,8 @@ class KernelSet:
 
 
 # The numpy reference stores float32, bfloat16 (uint16 bits) and float16 (reference/kv_convert.py); the numba set
-# runs 16-bit caches through the reference's cache write and attention (its compiled kernels take float32 caches).
+# reads 16-bit caches in its attention loop nest (numba_cpu/attention16.py: converted in registers) and writes them
+# through the reference's cache write (rounding on write), as it does a long prefill's attention over them.
 CPU_KV_CACHE_DTYPES = ("float32", "bfloat16", "float16")
 # The op names every kernel set provides, in the order of a forward pass.
 OP_NAMES = tuple(f.name for f in fields(KernelSet) if "device_arg" in f.metadata)  # the _op fields

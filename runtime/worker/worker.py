@@ -95,7 +95,7 @@ class Worker:
                                  comm=comm)
         check_kv_cache_dtype(self.kv_layout, self.backend.ops.name, self.backend.ops.kv_cache_dtypes,
                              self.model_config.head_dim)
-        finish_warm_up(self.backend)
+        finish_warm_up(self.backend, self.kv_layout.dtype)
         self.kv_groups = model_kv_groups(self.model, self.model_config.num_hidden_layers)
         self.kv_caches: list[tuple[Any, Any]] | None = None  # per layer (layers of a KV group layout share pairs)
         self.kv_pairs: list[tuple[Any, Any]] | None = None  # the distinct pairs (block copies go through these)

@@ -12,7 +12,7 @@ from pagedserve.cupy_kernels.kv_layout import (KV_CACHE_DTYPES, check_kv_cache_d
                                                 layout_of_array, normalize_kv_cache_dtype)
 from pagedserve.cupy_kernels.reference import ops, paged_attention as ref
 from pagedserve.cupy_kernels.reference.kv_convert import bf16_bits_to_float32, decode, encode, float32_to_bf16_bits
-from tests.numerics import KV_UNIT_ROUNDOFF, kv_storage_tol
+from tests.numerics import KV_UNIT_ROUNDOFF, f32_tol, kv_storage_tol
 from tests.paged_batches import make_batch
 
 SIXTEEN = ("bfloat16", "float16")
@@ -73,8 +73,8 @@ def test_refusals_name_the_value_and_what_the_set_runs():
 
 
 def _cpu_sets():
-    """The numpy reference's modules and the numba set's (imported, not compiled: 16-bit caches take the
-    reference's ops today, and this checks that they do and give its bits)."""
+    """The numpy reference's cache writes and the numba set's (imported, not compiled: 16-bit caches take the
+    reference's writes today, and this checks that they do and give its bits)."""
     sets = [("numpy", ref.reshape_and_cache, ref.rotary_and_cache, ref.paged_attention)]
     if kernel_set.numba_code_path() is not None:
         from pagedserve.cupy_kernels.numba_cpu import attention, cache_write
@@ -117,9 +117,8 @@ def test_attention_reads_16_bit_caches(dtype, window):
     scale = 32 ** -0.5
     # The same stored values decoded to float32: what every set must give bits-for-bits or within float32 rounding.
     exact = ref.paged_attention(q, decode(k16), decode(v16), qsl, lens, tables, scale, sliding_window=window)
-    for name, _, _, attention in _cpu_sets():
-        out = attention(q, k16, v16, qsl, lens, tables, scale, sliding_window=window)
-        np.testing.assert_array_equal(out, exact, err_msg=name)
+    out = ref.paged_attention(q, k16, v16, qsl, lens, tables, scale, sliding_window=window)
+    np.testing.assert_array_equal(out, exact)
     # Against float32 K/V: within the bound storage rounding allows, and not equal (the rounding is real).
     f32 = ref.paged_attention(q, k, v, qsl, lens, tables, scale, sliding_window=window)
     tol = kv_storage_tol(dtype, q, k, v, scale)
@@ -137,3 +136,26 @@ def test_copy_blocks_moves_16_bit_blocks_whole(dtype):
     for a, b in zip(pair, before):
         np.testing.assert_array_equal(a[3], b[1])
         np.testing.assert_array_equal(a[:3], b[:3])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(kernel_set.numba_code_path() is None, reason="numba is not installed")
+@pytest.mark.parametrize("dtype", SIXTEEN)
+def test_numba_loop_nest_reads_16_bit_caches(dtype):
+    """numba_cpu/attention16.py: the loop nest converting 16-bit K/V as it loads them gives the float32 loop nest's
+    bits over the same values decoded, and the reference's within float32 rounding; a decode-only step over long
+    contexts (the loop nest, several chunks on the threads) and a mixed one with a sliding window."""
+    from pagedserve.cupy_kernels.numba_cpu import attention
+
+    storage = kv_cache_layout(dtype, np.float32).storage
+    for seed, seqs, window in ((4, [(300, 1), (20, 1), (129, 1), (64, 1)] * 4, None),
+                               (5, [(37, 5), (20, 1), (45, 6), (9, 1), (64, 1)], 12)):
+        q, k, v, qsl, lens, tables = make_batch(np.random.default_rng(seed), seqs, num_kv=2, group=2, head_dim=32,
+                                                block_size=8)
+        k16, v16 = encode(k, storage), encode(v, storage)
+        scale = 32 ** -0.5
+        got = attention.paged_attention(q, k16, v16, qsl, lens, tables, scale, sliding_window=window)
+        f32 = attention.paged_attention(q, decode(k16), decode(v16), qsl, lens, tables, scale, sliding_window=window)
+        np.testing.assert_array_equal(got, f32)
+        want = ref.paged_attention(q, decode(k16), decode(v16), qsl, lens, tables, scale, sliding_window=window)
+        assert np.abs(got - want).max() <= f32_tol(np.abs(want).max(), max(lens) + 32)

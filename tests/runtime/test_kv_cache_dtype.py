@@ -11,12 +11,14 @@ import pytest
 
 import engine_helpers
 from engine_helpers import InlineConnector, drain
+from pagedserve.cupy_kernels import kernel_set
 from pagedserve.runtime.config import EngineConfig
 from pagedserve.runtime.engine.engine_view import EngineView
 from pagedserve.runtime.kv_transfer.kv_connector import KVHandshakeError, check_compatible
 from pagedserve.runtime.sampling_params import SamplingParams
 
-make_engine = functools.partial(engine_helpers.make_engine, num_kv_blocks=256, block_size=8)
+# The numpy set: the numba set compiles its 16-bit attention loop nest at start (seconds); it has its own test below.
+make_engine = functools.partial(engine_helpers.make_engine, num_kv_blocks=256, block_size=8, cpu_kernels="numpy")
 SIXTEEN = ("bfloat16", "float16")
 
 
@@ -114,3 +116,15 @@ def test_draft_model_pool_takes_the_targets_dtype(tiny):
     assert e.spec.draft.kv_caches[0][0].dtype == np.uint16  # bfloat16's bits, as the target's pool
     assert run(e, greedy) == run(make_engine(tiny, kv_cache_dtype="bfloat16"), greedy)
     assert e.spec.stats.num_draft_tokens > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", SIXTEEN)
+def test_numba_set_gives_the_reference_sets_tokens(tiny, dtype):
+    """The numba set (its 16-bit loop nest, compiled at start) against the numpy set over the same 16-bit pool:
+    the attention differs by float32 rounding only, so the tokens are the same."""
+    if kernel_set.numba_code_path() in (None, "baseline"):
+        pytest.skip("the numba set is not taken here")
+    e = make_engine(tiny, kv_cache_dtype=dtype, cpu_kernels="numba")
+    assert e.backend.ops.name == "numba"
+    assert run(e, workload()) == run(make_engine(tiny, kv_cache_dtype=dtype), workload())
