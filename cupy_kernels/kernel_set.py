@@ -73,8 +73,8 @@ class KernelSet:
 
 
 # The numpy reference stores float32, bfloat16 (uint16 bits) and float16 (reference/kv_convert.py); the numba set
-# reads 16-bit caches in its attention loop nest (numba_cpu/attention16.py: converted in registers) and writes them
-# through the reference's cache write (rounding on write), as it does a long prefill's attention over them.
+# reads 16-bit caches in its attention loop nest (numba_cpu/attention16.py: converted in registers) and rounds as
+# it writes them (numba_cpu/cache_write16.py); a long prefill's attention over them takes the reference.
 CPU_KV_CACHE_DTYPES = ("float32", "bfloat16", "float16")
 # The op names every kernel set provides, in the order of a forward pass.
 OP_NAMES = tuple(f.name for f in fields(KernelSet) if "device_arg" in f.metadata)  # the _op fields

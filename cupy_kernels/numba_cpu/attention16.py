@@ -18,7 +18,7 @@ import types as pytypes
 import numpy as np
 
 from . import attention, attention_ir as ir_loops, launch
-from .setup import JIT, numba
+from .setup import CODE_PATH, JIT, numba
 
 RUN = ir_loops.RUN
 _U16 = np.dtype(np.uint16)
@@ -105,6 +105,8 @@ def kind_of(k_cache, v_cache) -> str | None:
     (the reference then runs them)."""
     if k_cache.dtype != v_cache.dtype or not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
         return None
+    if k_cache.dtype == np.float16 and CODE_PATH == "baseline":  # no F16C: LLVM would call a runtime helper
+        return None
     return {_U16: "bfloat16", np.dtype(np.float16): "float16"}.get(k_cache.dtype)
 
 
@@ -115,7 +117,12 @@ def as_bits(cache):
 
 def warm_up(kind: str) -> None:
     """Compile the loop nest for `kind` caches (and the launcher's item for it), as attention.warm_up does for
-    float32: on this thread and on the launcher."""
+    float32: on this thread and on the launcher; and the 16-bit cache write (cache_write16.py)."""
+    from . import cache_write16
+
+    cache_write16.warm_up()
+    if kind == "float16" and CODE_PATH == "baseline":
+        return
     storage = np.uint16 if kind == "bfloat16" else np.float16
     cache = np.zeros((2, 4, 1, 16), dtype=storage)
     qsl, lens = np.array([0, 2, 3], dtype=np.int64), np.array([2, 5], dtype=np.int64)

@@ -73,8 +73,8 @@ def test_refusals_name_the_value_and_what_the_set_runs():
 
 
 def _cpu_sets():
-    """The numpy reference's cache writes and the numba set's (imported, not compiled: 16-bit caches take the
-    reference's writes today, and this checks that they do and give its bits)."""
+    """The numpy reference's cache writes and the numba set's (cache_write.py: its 16-bit rotary_and_cache is
+    cache_write16.py's kernel; reshape_and_cache takes the reference's)."""
     sets = [("numpy", ref.reshape_and_cache, ref.rotary_and_cache, ref.paged_attention)]
     if kernel_set.numba_code_path() is not None:
         from pagedserve.cupy_kernels.numba_cpu import attention, cache_write
@@ -104,6 +104,27 @@ def test_cache_write_converts_on_write(dtype):
         write(key, value, k2, v2, slots)
         np.testing.assert_array_equal(k2, k, err_msg=name)
         np.testing.assert_array_equal(v2, v, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN)
+def test_cache_write_rounds_special_values_as_the_reference(dtype):
+    """Ties, NaN, infinities, values past float16's range, a subnormal and -0 through every set's rotary_and_cache
+    (numba: cache_write16.py's IR rounding) give the reference's bits."""
+    storage = kv_cache_layout(dtype, np.float32).storage
+    rng = np.random.default_rng(6)
+    nh, kv, d = 2, 1, 16
+    qkv = (rng.standard_normal((6, (nh + 2 * kv) * d)) * 1e3).astype(np.float32)
+    qkv[0, -3:] = [np.nan, np.inf, 7e4]
+    qkv[1, -4:] = _bits([0x3F808000, 0x3F818000, 0x00000001, 0x80000000])
+    cos, sin = ops.rope_cos_sin(1.0 / (10000.0 ** (np.arange(0, d, 2) / d)), np.arange(6))
+    slots = np.arange(6, dtype=np.int64)
+    want = [np.zeros((2, 4, kv, d), storage) for _ in range(2)]
+    ref.rotary_and_cache(qkv, nh, kv, cos, sin, *want, slots)
+    for name, _, rotary_write, _ in _cpu_sets():
+        got = [np.zeros((2, 4, kv, d), storage) for _ in range(2)]
+        rotary_write(qkv, nh, kv, cos, sin, *got, slots)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g.view(np.uint16), w.view(np.uint16), err_msg=name)
 
 
 @pytest.mark.parametrize("dtype", SIXTEEN)
