@@ -116,6 +116,7 @@ def run(args: argparse.Namespace) -> dict:
     ref = None
     for dtype in ["float32", *args.dtypes]:
         engine = _engine(loaded, dtype, args.cpu_kernels, max_model_len)
+        kernels = engine.backend.ops.name  # the set that ran ("numba" or "numpy")
         t = time.perf_counter()
         runs = greedy(engine, prompts, args.max_tokens)
         row = {"perplexity": perplexity(engine, ppl_ids, args.ppl_chunk), "seconds": 0.0}
@@ -129,8 +130,7 @@ def run(args: argparse.Namespace) -> dict:
     return {"benchmark": NAME, "quick": args.quick,
             "config": {"model": loaded.name, "prompts": args.prompts, "prompt_len": args.prompt_len,
                        "max_tokens": args.max_tokens, "ppl_tokens": len(ppl_ids), "ppl_chunk": args.ppl_chunk,
-                       "text": TEXT.name, "cpu_kernels": args.cpu_kernels,
-                       "kernels": "the numpy reference's cache write and attention for 16-bit pools"},
+                       "text": TEXT.name, "cpu_kernels": args.cpu_kernels, "kernels": kernels},
             "environment": plots.environment(args.quick), "results": results}
 
 
