@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens, 512 perplexity tokens")
     ap.add_argument("--model", default=None, help="a GGUF file or HF directory (default: the embedded SmolLM2)")
-    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"], help="kv_cache_dtypes against float32")
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"],
+                    help="kv_cache_dtypes against float32 (int8: with --cpu-kernels numpy)")
     ap.add_argument("--prompts", type=int, default=None, help="default 64 (8 with --quick)")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=None, help="default 128 (16 with --quick)")

@@ -295,7 +295,7 @@ def kv_dtype_capacity(model: str | None, block_size: int, seq_len: int, check_by
     """Per kv_cache_dtype: bytes a block, blocks and concurrent seq_len-token sequences per GiB (from the layout),
     and a pool allocated from check_bytes whose arrays hold exactly the bytes the arithmetic says."""
     from pagedserve.cupy_kernels.backend import get_backend
-    from pagedserve.cupy_kernels.kernel_set import CPU_KV_CACHE_DTYPES
+    from pagedserve.cupy_kernels.kernel_set import NUMPY_KV_CACHE_DTYPES
     from pagedserve.cupy_kernels.kv_layout import kv_cache_layout
     from pagedserve.models.kv_cache import allocate_kv_caches, kv_bytes_per_block
     from pagedserve.models.loading.gguf_loader import gguf_config
@@ -307,9 +307,9 @@ def kv_dtype_capacity(model: str | None, block_size: int, seq_len: int, check_by
     backend = get_backend("cpu", "numpy")
     blocks_per_seq = -(-seq_len // block_size)
     out = {}
-    for dtype in CPU_KV_CACHE_DTYPES:
+    for dtype in NUMPY_KV_CACHE_DTYPES:
         layout = kv_cache_layout(dtype, np.float32)
-        per_block = kv_bytes_per_block(cfg, block_size, layout.element_bytes)
+        per_block = kv_bytes_per_block(cfg, block_size, layout)
         blocks_per_gib = (1 << 30) // per_block
         num_blocks = check_bytes // per_block  # as the worker sizes a CPU pool
         pool = allocate_kv_caches(cfg, num_blocks, block_size, backend, storage=layout.storage)

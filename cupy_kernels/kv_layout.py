@@ -6,12 +6,21 @@ memory budget counts its bytes, and every kernel set reads the dtype back from t
     float16          float16 (IEEE binary16)        2               none
     bfloat16         uint16: the float32's high     2               none
                      half, rounded to nearest even
-    int8, fp8_e4m3,  (not yet stored by any kernel set: refused at start, see check_kv_cache_dtype)
+    int8             int8, each row of head_dim     1 (+ 4 a row)   one float32 per token and kv head:
+                     values followed by its scale's                   amax / 127 of the row
+                     4 bytes: [..., head_dim + 4]
+    fp8_e4m3,        (not yet stored by any kernel set: refused at start, see check_kv_cache_dtype)
     fp8_e5m2
 
-A cache array's dtype says what it holds (uint16 is bfloat16's bits: no kernel set keeps anything else in
-uint16), so the kernels' signatures stay the numpy reference's and a layout never needs to travel beside the
-arrays. "auto" is the backend's own storage dtype (float32 on the CPU, float16 on the GPU), as before.
+A cache array's dtype says what it holds (uint16 is bfloat16's bits, int8 the scaled rows: no kernel set keeps
+anything else in them), so the kernels' signatures stay the numpy reference's and a layout never needs to travel
+beside the arrays. "auto" is the backend's own storage dtype (float32 on the CPU, float16 on the GPU), as before.
+
+int8's scale is per token and kv head, stored at the end of the row it scales: a fused cache write holds exactly
+that row (a per-block scale would change as the block fills, and rewriting the earlier rows would break a shared
+block's copy), the scale factors out of attention's dot products (one multiply a key's score, one a key's weight),
+and because it lives inside the block's own bytes, copy-on-write, prefix caching, eviction, preemption and
+transfer move it with the values by construction.
 """
 
 from __future__ import annotations
@@ -55,6 +64,10 @@ class KVCacheLayout:
         """One token's K (or V) of one kv head, its scale included."""
         return head_dim * self.element_bytes + (4 if self.scale_granularity else 0)
 
+    def row_elements(self, head_dim: int) -> int:
+        """Elements of the cache arrays' last axis: head_dim, and 4 more int8 for a row's scale."""
+        return row_elements(self.storage, head_dim)
+
     def describe(self) -> str:
         """For logs: "bfloat16", or "float32 (auto)"."""
         return self.dtype if self.requested == self.dtype else f"{self.dtype} ({self.requested})"
@@ -80,11 +93,22 @@ def kv_cache_layout(value: object, backend_dtype: np.dtype) -> KVCacheLayout:
     return KVCacheLayout(name, name)
 
 
+def row_elements(storage: object, head_dim: int) -> int:
+    """The last axis of a cache of `storage` dtype for `head_dim` values (int8: 4 more, the row's float32 scale)."""
+    return head_dim + 4 if np.dtype(storage) == _STORAGE["int8"] else head_dim
+
+
+def head_dim_of(cache: object) -> int:
+    """The values a cache row holds (its last axis, less an int8 row's scale)."""
+    last = int(getattr(cache, "shape")[-1])
+    return last - 4 if np.dtype(getattr(cache, "dtype")) == _STORAGE["int8"] else last
+
+
 def layout_of_array(a: object) -> str:
     """The kv_cache_dtype a cache array holds, from its dtype (uint16: bfloat16's bits)."""
     dtype = np.dtype(getattr(a, "dtype"))
     for name, storage in _STORAGE.items():
-        if storage == dtype and name not in _SCALED:
+        if storage == dtype and name not in ("fp8_e4m3", "fp8_e5m2"):
             return name
     raise ValueError(f"no KV cache layout is stored as {dtype}")
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from ..kv_layout import head_dim_of
 from . import kv_convert, ops
 
 
@@ -85,10 +86,10 @@ def linear_rotary_cache(x: np.ndarray, weight_t: Any, num_heads: int, num_kv_hea
 def compose_rotary_and_cache(apply_rotary: Any, write_cache: Any, qkv: Any, num_heads: int, num_kv_heads: int,
                              cos: Any, sin: Any, k_cache: Any, v_cache: Any, slot_mapping: Any) -> Any:
     """rotary_and_cache from a kernel set's own apply_rotary and reshape_and_cache (the numpy and CUDA sets)."""
-    if qkv.ndim != 2 or k_cache.ndim != 4 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * k_cache.shape[3]:
+    if qkv.ndim != 2 or k_cache.ndim != 4 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim_of(k_cache):
         raise ValueError(f"rotary_and_cache: qkv {tuple(qkv.shape)} is not {num_heads} query and {num_kv_heads} kv "
                          f"heads of a cache {tuple(k_cache.shape)}")
-    query, key, value = split_qkv(qkv, num_heads, num_kv_heads, k_cache.shape[3])
+    query, key, value = split_qkv(qkv, num_heads, num_kv_heads, head_dim_of(k_cache))
     write_cache(apply_rotary(key, cos, sin), value, k_cache, v_cache, slot_mapping)
     return apply_rotary(query, cos, sin)
 
@@ -177,7 +178,7 @@ def _decode_group(query, k_cache, v_cache, rows, seq_lens, block_tables, scale, 
     nb = int((-(-seq_lens // block_size) - first).max())
     padded = nb * block_size
     tables = np.take_along_axis(block_tables, first[:, None] + np.arange(nb)[None, :], axis=1)  # [b, nb]
-    k = kv_convert.decode(k_cache[tables].reshape(b, padded, num_kv_heads, head_dim))
+    k = kv_convert.decode(k_cache[tables].reshape(b, padded, num_kv_heads, k_cache.shape[3]))
     q = query[rows].astype(np.float32, copy=False).reshape(b, num_kv_heads, group, head_dim)
     scores = np.matmul(q, k.transpose(0, 2, 3, 1))  # [b, KV, G, padded]
     scores *= np.float32(scale)
@@ -186,7 +187,7 @@ def _decode_group(query, k_cache, v_cache, rows, seq_lens, block_tables, scale, 
     hidden = (k_pos >= seq_lens[:, None]) | (k_pos < window_start(seq_lens - 1, window)[:, None])
     scores = np.where(hidden[:, None, None, :], np.float32(-np.inf), scores)  # whatever the slot holds
     del k
-    v = kv_convert.decode(v_cache[tables].reshape(b, padded, num_kv_heads, head_dim))
+    v = kv_convert.decode(v_cache[tables].reshape(b, padded, num_kv_heads, v_cache.shape[3]))
     v = np.where(hidden[:, :, None, None], np.float32(0.0), v)  # p = 0 there: 0 * v must be 0, not NaN
     out[rows] = np.matmul(_softmax_rows(scores), v.transpose(0, 2, 1, 3)).reshape(b, num_heads, head_dim)
 

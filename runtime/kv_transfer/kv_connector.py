@@ -77,7 +77,8 @@ class KVTransferSpec:
     @property
     def block_shape(self) -> tuple[int, ...]:
         """One block on the wire: every layer's K and V, [layers, 2, block_size, kv_heads, head_dim]."""
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        row = kv_cache_layout(self.dtype, np.float32).row_elements(self.head_dim)  # int8: the row's scale too
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, row)
 
     @property
     def storage(self) -> np.dtype:

@@ -104,7 +104,7 @@ class Worker:
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block on this rank (its KV heads only), all layers, K and V."""
-        return kv_bytes_per_block(self.model_config, self.config.block_size, self.kv_layout.element_bytes, self.shard,
+        return kv_bytes_per_block(self.model_config, self.config.block_size, self.kv_layout, self.shard,
                                   self.kv_groups.num_tensors)
 
     def determine_num_kv_blocks(self, max_model_len: int) -> int:

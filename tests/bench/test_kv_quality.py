@@ -3,8 +3,9 @@ dtype's figures against float32 KV held within stated bounds, so a regression in
 
 The bounds: float16 keeps 11 significand bits, so on this model its logprobs move by at most a few hundredths and
 no greedy token flips; bfloat16 keeps 8, so a token may flip, but only at a near tie (float32's top-2 margin under
-0.25 nats), its logprobs move by well under a nat, and perplexity by under 2%. A conversion with a wrong exponent,
-byte order or rounding direction moves these by far more."""
+0.25 nats), its logprobs move by well under a nat, and perplexity by under 2%; int8 (7 bits and a sign a row, scaled
+by the row's largest) is coarser still: a few more flips, at margins under 1 nat, perplexity within 8%. A
+conversion with a wrong exponent, byte order, scale or rounding direction moves these by far more."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def _bench():
 def test_16_bit_kv_quality_within_bounds(tmp_path):
     kv_quality = _bench()
     args = kv_quality.build_parser().parse_args(["--quick", "--model", str(TINY), "--cpu-kernels", "numpy",
-                                                 "--out-dir", str(tmp_path)])
+                                                 "--dtypes", "bfloat16", "float16", "int8", "--out-dir", str(tmp_path)])
     kv_quality.plots.fill_defaults(args, quick={"prompts": 8, "max_tokens": 16, "ppl_tokens": 512}, full={})
     res = kv_quality.run(args)["results"]
     f16, bf16 = res["float16"], res["bfloat16"]
@@ -38,3 +39,9 @@ def test_16_bit_kv_quality_within_bounds(tmp_path):
     assert bf16["max_abs_delta_logprob"] < 1.0 and bf16["mean_abs_delta_logprob"] < 0.05
     assert abs(bf16["perplexity_vs_float32"]) < 0.02
     assert bf16["mean_abs_delta_logprob"] > f16["mean_abs_delta_logprob"] > 0  # the rounding is real, bf16 coarser
+    i8 = res["int8"]
+    assert i8["greedy_agreement"] >= 0.25
+    assert all(m is not None and m < 1.0 for m in i8["float32_top2_margin_at_divergences"])
+    assert i8["max_abs_delta_logprob"] < 1.5 and i8["mean_abs_delta_logprob"] < 0.1
+    assert abs(i8["perplexity_vs_float32"]) < 0.08
+    assert i8["mean_abs_delta_logprob"] > bf16["mean_abs_delta_logprob"]

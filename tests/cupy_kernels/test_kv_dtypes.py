@@ -16,6 +16,7 @@ from tests.numerics import KV_UNIT_ROUNDOFF, f32_tol, kv_storage_tol
 from tests.paged_batches import make_batch
 
 SIXTEEN = ("bfloat16", "float16")
+REDUCED = (*SIXTEEN, "int8")
 
 
 def _bits(values):
@@ -60,15 +61,17 @@ def test_unknown_dtype_names_the_value_and_the_choices(bad):
 
 def test_refusals_name_the_value_and_what_the_set_runs():
     numpy_set = kernel_set.numpy_kernels()
-    for dtype in ("int8", "fp8_e4m3", "fp8", "fp8_e5m2"):
-        with pytest.raises(ValueError, match=r"kv_cache_dtype '(int8|fp8.*)'.*numpy kernel set; choose one of auto, "
-                                             r"float32, bfloat16, float16"):
+    for dtype in ("fp8_e4m3", "fp8", "fp8_e5m2"):
+        with pytest.raises(ValueError, match=r"kv_cache_dtype 'fp8.*'.*numpy kernel set; choose one of auto, "
+                                             r"float32, bfloat16, float16, int8"):
             check_kv_cache_dtype(kv_cache_layout(dtype, np.float32), "numpy", numpy_set.kv_cache_dtypes, 64)
+    with pytest.raises(ValueError, match=r"'int8'.*numba kernel set; choose one of auto, float32, bfloat16, float16$"):
+        check_kv_cache_dtype(kv_cache_layout("int8", np.float32), "numba", kernel_set.CPU_KV_CACHE_DTYPES, 64)
     with pytest.raises(ValueError, match="'bfloat16'.*cuda kernel set; choose one of auto, float16"):
         check_kv_cache_dtype(kv_cache_layout("bfloat16", np.float16), "cuda", ("float16",), 64)
     with pytest.raises(ValueError, match="needs an even head_dim, the model's is 7"):
         check_kv_cache_dtype(kv_cache_layout("float16", np.float32), "numpy", numpy_set.kv_cache_dtypes, 7)
-    for dtype in ("auto", "float32", *SIXTEEN):
+    for dtype in ("auto", "float32", *REDUCED):
         check_kv_cache_dtype(kv_cache_layout(dtype, np.float32), "numpy", numpy_set.kv_cache_dtypes, 64)
 
 
@@ -83,7 +86,7 @@ def _cpu_sets():
     return sets
 
 
-@pytest.mark.parametrize("dtype", SIXTEEN)
+@pytest.mark.parametrize("dtype", REDUCED)
 def test_cache_write_converts_on_write(dtype):
     rng = np.random.default_rng(1)
     storage = kv_cache_layout(dtype, np.float32).storage
@@ -93,8 +96,9 @@ def test_cache_write_converts_on_write(dtype):
     slots = np.array([3, -1, 9, 17, 0], dtype=np.int64)
     want_k, want_v = np.zeros((4, bs, kv, d), np.float32), np.zeros((4, bs, kv, d), np.float32)
     want_q = ref.rotary_and_cache(qkv, num_heads, kv, cos, sin, want_k, want_v, slots)
+    row = kv_cache_layout(dtype, np.float32).row_elements(d)
     for name, write, rotary_write, _ in _cpu_sets():
-        k, v = np.zeros((4, bs, kv, d), storage), np.zeros((4, bs, kv, d), storage)
+        k, v = np.zeros((4, bs, kv, row), storage), np.zeros((4, bs, kv, row), storage)
         q = rotary_write(qkv, num_heads, kv, cos, sin, k, v, slots)
         np.testing.assert_array_equal(q, want_q, err_msg=name)
         np.testing.assert_array_equal(k, encode(want_k, storage), err_msg=name)  # the float32 rotation, then rounded
@@ -127,16 +131,16 @@ def test_cache_write_rounds_special_values_as_the_reference(dtype):
             np.testing.assert_array_equal(g.view(np.uint16), w.view(np.uint16), err_msg=name)
 
 
-@pytest.mark.parametrize("dtype", SIXTEEN)
+@pytest.mark.parametrize("dtype", REDUCED)
 @pytest.mark.parametrize("window", [None, 12])
-def test_attention_reads_16_bit_caches(dtype, window):
+def test_attention_reads_reduced_caches(dtype, window):
     rng = np.random.default_rng(2)
     storage = kv_cache_layout(dtype, np.float32).storage
     seqs = [(37, 37), (20, 1), (45, 6), (9, 1), (64, 1)]
     q, k, v, qsl, lens, tables = make_batch(rng, seqs, num_kv=2, group=2, head_dim=32, block_size=8)
     k16, v16 = encode(k, storage), encode(v, storage)
     scale = 32 ** -0.5
-    # The same stored values decoded to float32: what every set must give bits-for-bits or within float32 rounding.
+    # The same stored values decoded to float32: the reference over the stored form gives its bits.
     exact = ref.paged_attention(q, decode(k16), decode(v16), qsl, lens, tables, scale, sliding_window=window)
     out = ref.paged_attention(q, k16, v16, qsl, lens, tables, scale, sliding_window=window)
     np.testing.assert_array_equal(out, exact)
@@ -180,3 +184,17 @@ def test_numba_loop_nest_reads_16_bit_caches(dtype):
         np.testing.assert_array_equal(got, f32)
         want = ref.paged_attention(q, decode(k16), decode(v16), qsl, lens, tables, scale, sliding_window=window)
         assert np.abs(got - want).max() <= f32_tol(np.abs(want).max(), max(lens) + 32)
+
+
+def test_int8_rows_keep_their_scale_and_half_a_step():
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((50, 3, 32)) * rng.uniform(0.01, 100, (50, 3, 1))).astype(np.float32)
+    x[0, 0] = 0.0  # a row of zeros: scale 0, decoded to zeros
+    rows = encode(x, np.dtype(np.int8))
+    assert rows.dtype == np.int8 and rows.shape == (50, 3, 36)
+    scale = np.ascontiguousarray(rows[..., 32:]).view(np.float32)[..., 0]
+    np.testing.assert_allclose(scale, np.abs(x).max(-1) / 127, rtol=1e-6)
+    assert np.abs(rows[..., :32]).max() == 127  # each row's largest takes the whole range
+    err = np.abs(decode(rows) - x)
+    assert (err <= np.abs(x).max(-1, keepdims=True) * KV_UNIT_ROUNDOFF["int8"] * (1 + 1e-5)).all()
+    np.testing.assert_array_equal(decode(rows)[0, 0], 0.0)

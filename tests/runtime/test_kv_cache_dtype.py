@@ -20,6 +20,7 @@ from pagedserve.runtime.sampling_params import SamplingParams
 # The numpy set: the numba set compiles its 16-bit attention loop nest at start (seconds); it has its own test below.
 make_engine = functools.partial(engine_helpers.make_engine, num_kv_blocks=256, block_size=8, cpu_kernels="numpy")
 SIXTEEN = ("bfloat16", "float16")
+REDUCED = (*SIXTEEN, "int8")
 
 
 def workload():
@@ -48,11 +49,19 @@ def test_unknown_dtype_is_refused_naming_the_choices():
     assert EngineConfig(kv_cache_dtype="FP8").kv_cache_dtype == "fp8_e4m3"
 
 
-@pytest.mark.parametrize("dtype", ["int8", "fp8", "fp8_e5m2"])
-def test_8_bit_is_refused_at_start(tiny, dtype):
+@pytest.mark.parametrize("dtype", ["fp8", "fp8_e5m2"])
+def test_fp8_is_refused_at_start(tiny, dtype):
     with pytest.raises(ValueError, match=r"kv_cache_dtype '.*' .* is not supported by the numpy kernel set; choose "
-                                         r"one of auto, float32, bfloat16, float16"):
+                                         r"one of auto, float32, bfloat16, float16, int8"):
         make_engine(tiny, kv_cache_dtype=dtype, cpu_kernels="numpy")
+
+
+def test_int8_is_refused_by_the_numba_set(tiny):
+    if kernel_set.numba_code_path() in (None, "baseline"):
+        pytest.skip("the numba set is not taken here")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype 'int8' \(int8\) is not supported by the numba kernel set; "
+                                         r"choose one of auto, float32, bfloat16, float16"):
+        make_engine(tiny, kv_cache_dtype="int8", cpu_kernels="numba")
 
 
 @pytest.mark.parametrize("dtype", SIXTEEN)
@@ -78,9 +87,9 @@ def test_16_bit_greedy_tokens_equal_float32_on_the_tiny_model(tiny, dtype):
     assert run(make_engine(tiny, kv_cache_dtype=dtype), greedy) == run(make_engine(tiny), greedy)
 
 
-@pytest.mark.parametrize("dtype", SIXTEEN)
+@pytest.mark.parametrize("dtype", REDUCED)
 def test_prefix_cache_forks_preemption_and_transfer_carry_16_bit_blocks(tiny, dtype):
-    """Each path that moves or shares blocks gives the tokens of each request run alone in a 16-bit pool: a block
+    """Each path that moves or shares blocks gives the tokens of each request run alone in a reduced pool: a block
     copied or shared wrong, a preempted request recomputed into another layout, or a transferred block written
     back other than it was read would change them."""
     alone = {}
@@ -128,3 +137,15 @@ def test_numba_set_gives_the_reference_sets_tokens(tiny, dtype):
     e = make_engine(tiny, kv_cache_dtype=dtype, cpu_kernels="numba")
     assert e.backend.ops.name == "numba"
     assert run(e, workload()) == run(make_engine(tiny, kv_cache_dtype=dtype), workload())
+
+
+def test_int8_pool_holds_its_scales_in_its_blocks(tiny):
+    """An int8 pool: rows of head_dim values and their float32 scale (4 bytes), ~4x float32's blocks; the scales are
+    in the blocks' own bytes, so a block's copy (copy-on-write, transfer) carries them."""
+    f32 = make_engine(tiny)
+    i8 = make_engine(tiny, kv_cache_dtype="int8")
+    w32, w8 = f32.executor.driver_worker, i8.executor.driver_worker
+    d = tiny.config.head_dim
+    assert w8.kv_caches[0][0].dtype == np.int8 and w8.kv_caches[0][0].shape[-1] == d + 4
+    assert w8.kv_bytes_per_block() * 4 * d == w32.kv_bytes_per_block() * (d + 4)
+    assert i8.kv_transfer_spec("decode").block_bytes == w8.kv_bytes_per_block()
