@@ -149,3 +149,18 @@ def test_int8_pool_holds_its_scales_in_its_blocks(tiny):
     assert w8.kv_caches[0][0].dtype == np.int8 and w8.kv_caches[0][0].shape[-1] == d + 4
     assert w8.kv_bytes_per_block() * 4 * d == w32.kv_bytes_per_block() * (d + 4)
     assert i8.kv_transfer_spec("decode").block_bytes == w8.kv_bytes_per_block()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_sliding_window_groups_take_the_dtype(dtype):
+    """Gemma 3's KV cache groups (local layers' windows: arrays shared across layers) in a reduced pool: every
+    pair in the dtype, and the tokens of each request alone in the same pool."""
+    loaded = engine_helpers.tiny_loaded("tiny-gemma3")
+    greedy = [r for r in workload() if r[2].temperature == 0.0]
+    e = make_engine(loaded, kv_cache_dtype=dtype)
+    worker = e.executor.driver_worker
+    assert len(worker.kv_groups.windows) > 1 and all(k.dtype == worker.kv_layout.storage for k, _ in worker.kv_pairs)
+    alone = {}
+    for req in greedy:
+        alone.update(run(make_engine(loaded, kv_cache_dtype=dtype), [req]))
+    assert run(e, greedy) == alone
