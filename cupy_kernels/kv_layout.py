@@ -9,8 +9,8 @@ memory budget counts its bytes, and every kernel set reads the dtype back from t
     int8             int8, each row of head_dim     1 (+ 4 a row)   one float32 per token and kv head:
                      values followed by its scale's                   amax / 127 of the row
                      4 bytes: [..., head_dim + 4]
-    fp8_e4m3,        (not yet stored by any kernel set: refused at start, see check_kv_cache_dtype)
-    fp8_e5m2
+    fp8_e4m3,        ml_dtypes' float8_e4m3fn /     1 (+ 4 a row)   as int8's: s = max|x| / 448 (e4m3) or
+    fp8_e5m2         float8_e5m2, rows as int8's                      / 57344 (e5m2), the largest finite value
 
 A cache array's dtype says what it holds (uint16 is bfloat16's bits, int8 the scaled rows: no kernel set keeps
 anything else in them), so the kernels' signatures stay the numpy reference's and a layout never needs to travel
@@ -27,16 +27,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 # vLLM's names; "fp8" is vLLM's alias of fp8_e4m3.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")
 _ALIASES = {"fp8": "fp8_e4m3"}
 _STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16),
-            "int8": np.dtype(np.int8), "fp8_e4m3": np.dtype(np.uint8), "fp8_e5m2": np.dtype(np.uint8)}
-# The scale granularity an 8-bit dtype would carry (one float32 per token and kv head): named here so the bytes
-# per value and the docs agree; no kernel set stores 8-bit KV yet.
+            "int8": np.dtype(np.int8), "fp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn),
+            "fp8_e5m2": np.dtype(ml_dtypes.float8_e5m2)}
+# The 8-bit dtypes: one float32 scale per token and kv head, stored after the row it scales.
 _SCALED = ("int8", "fp8_e4m3", "fp8_e5m2")
+SCALED_STORAGE = tuple(_STORAGE[name] for name in _SCALED)
 
 
 @dataclass(frozen=True)
@@ -95,20 +97,20 @@ def kv_cache_layout(value: object, backend_dtype: np.dtype) -> KVCacheLayout:
 
 def row_elements(storage: object, head_dim: int) -> int:
     """The last axis of a cache of `storage` dtype for `head_dim` values (int8: 4 more, the row's float32 scale)."""
-    return head_dim + 4 if np.dtype(storage) == _STORAGE["int8"] else head_dim
+    return head_dim + 4 if np.dtype(storage) in SCALED_STORAGE else head_dim
 
 
 def head_dim_of(cache: object) -> int:
     """The values a cache row holds (its last axis, less an int8 row's scale)."""
     last = int(getattr(cache, "shape")[-1])
-    return last - 4 if np.dtype(getattr(cache, "dtype")) == _STORAGE["int8"] else last
+    return last - 4 if np.dtype(getattr(cache, "dtype")) in SCALED_STORAGE else last
 
 
 def layout_of_array(a: object) -> str:
     """The kv_cache_dtype a cache array holds, from its dtype (uint16: bfloat16's bits)."""
     dtype = np.dtype(getattr(a, "dtype"))
     for name, storage in _STORAGE.items():
-        if storage == dtype and name not in ("fp8_e4m3", "fp8_e5m2"):
+        if storage == dtype:
             return name
     raise ValueError(f"no KV cache layout is stored as {dtype}")
 

@@ -61,8 +61,9 @@ class EngineConfig:
     # e.g. {"method": "ngram", "num_speculative_tokens": 4} or {"model": PATH, "num_speculative_tokens": 4}.
     speculative_config: SpeculativeConfig | dict | None = None
     # What the KV pool stores each value as (vLLM's names, cupy_kernels/kv_layout.py): "auto" (the backend's
-    # dtype: float32 on the CPU, float16 on the GPU), "float32", "bfloat16", "float16", "int8" (a scale per token
-    # and kv head), "fp8_e4m3" ("fp8"), "fp8_e5m2"; one the kernel set cannot run is refused when the engine starts.
+    # dtype: float32 on the CPU, float16 on the GPU), "float32", "bfloat16", "float16", or the 8-bit "int8",
+    # "fp8_e4m3" ("fp8"), "fp8_e5m2" (a scale per token and kv head); one the kernel set cannot run is refused when
+    # the engine starts.
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

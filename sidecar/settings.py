@@ -71,7 +71,7 @@ class Settings:
     kv_transport: str = "auto"  # decode: auto (shared memory on one host, else gRPC) | shm | grpc
     kv_test_fault: str | None = None  # prefill, testing only: corrupt | cut | delay:SECONDS
     # -- KV cache dtype (cupy_kernels/kv_layout.py) --
-    kv_cache_dtype: str = "auto"  # KV pool values: auto | float32 | bfloat16 | float16 | int8 (fp8: refused)
+    kv_cache_dtype: str = "auto"  # KV pool values: auto | float32 | bfloat16 | float16 | int8 | fp8_e4m3 | fp8_e5m2
 
     def engine_config(self) -> EngineConfig:
         names = {f.name for f in fields(EngineConfig)}

@@ -62,7 +62,11 @@ def assert_close_reduction(actual, desired, reduction_len: int, err_msg: str = "
 # Unit roundoff of the KV cache's storage dtypes (cupy_kernels/kv_layout.py): a stored value is its float32 rounded
 # to nearest, off by at most u of itself (8 significand bits for bfloat16, 11 for float16).
 # int8: a value is off by at most half a step, 1/254 of its row's largest (kv_convert.int8_rows), not of itself.
-KV_UNIT_ROUNDOFF = {"float32": U32, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "int8": 1.0 / 254}
+# fp8 (scaled so a row's largest is the format's largest): 4 and 3 significand bits, plus, near zero, half the
+# smallest subnormal of the scaled row (KV_SUBNORMAL, a share of the row's largest).
+KV_UNIT_ROUNDOFF = {"float32": U32, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "int8": 1.0 / 254,
+                    "fp8_e4m3": 2.0 ** -4, "fp8_e5m2": 2.0 ** -3}
+KV_SUBNORMAL = {"fp8_e4m3": 2.0 ** -10 / 448, "fp8_e5m2": 2.0 ** -17 / 57344}
 
 
 def kv_storage_tol(kv_cache_dtype: str, q, k, v, scale: float) -> float:
@@ -77,6 +81,8 @@ def kv_storage_tol(kv_cache_dtype: str, q, k, v, scale: float) -> float:
     ka = np.abs(np.asarray(k, np.float64)).reshape(-1, np.shape(k)[-1])
     if kv_cache_dtype == "int8":  # each value's error bound is its row's largest, not itself
         ka = np.broadcast_to(ka.max(axis=1, keepdims=True), ka.shape)
+    if kv_cache_dtype in KV_SUBNORMAL:  # u |x| + the subnormal step's half of the row's largest
+        ka = ka + ka.max(axis=1, keepdims=True) * (KV_SUBNORMAL[kv_cache_dtype] / u)
     ds = u * float((qa @ ka.T).max()) * abs(scale)
     v_scale = max_abs(v)
     return (math.expm1(2 * ds) + u) * v_scale + f32_tol(max(v_scale, 1.0), ka.shape[0] + ka.shape[1])

@@ -8,17 +8,30 @@ instruction does. float16 is numpy's own conversion (IEEE round to nearest even;
 
 int8 rows (cupy_kernels/kv_layout.py): each token's row of one kv head is scaled by s = max|x| / 127 (0 for a row
 of zeros), its values stored as rint(x / s) (round half to even) clipped to [-127, 127], and s's float32 bytes after
-them; a value comes back as q * s, off by at most s / 2 = max|x| / 254 of its row's largest.
+them; a value comes back as q * s, off by at most s / 2 = max|x| / 254 of its row's largest. fp8 rows likewise, s =
+max|x| / the format's largest finite value (448 for e4m3, 57344 for e5m2), x / s rounded to nearest even by
+ml_dtypes' conversion; a value is then off by at most 2^-4 (e4m3) or 2^-3 (e5m2) of itself, or, near zero, half
+the format's smallest subnormal times s.
 """
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 _BF16 = np.dtype(np.uint16)
 _F32 = np.dtype(np.float32)
 _I8 = np.dtype(np.int8)
 INT8_MAX = 127
+_FP8 = {np.dtype(ml_dtypes.float8_e4m3fn): 448.0, np.dtype(ml_dtypes.float8_e5m2): 57344.0}  # largest finite
+
+
+def fp8_rows(x: np.ndarray, storage: np.dtype) -> np.ndarray:
+    """float32 rows [..., D] as fp8 rows [..., D + 4] of `storage`: the scaled values, then the scale's bytes."""
+    x = np.asarray(x, dtype=np.float32)
+    scale = (np.abs(x).max(axis=-1, keepdims=True) / np.float32(_FP8[storage])).astype(np.float32)
+    values = (x / np.where(scale > 0, scale, np.float32(1.0))).astype(storage)
+    return np.concatenate([values, np.ascontiguousarray(scale).view(storage)], axis=-1)
 
 
 def int8_rows(x: np.ndarray) -> np.ndarray:
@@ -30,8 +43,8 @@ def int8_rows(x: np.ndarray) -> np.ndarray:
     return np.concatenate([values, np.ascontiguousarray(scale).view(np.int8)], axis=-1)
 
 
-def int8_rows_to_float32(rows: np.ndarray) -> np.ndarray:
-    """int8 rows [..., D + 4] (int8_rows) as float32 [..., D]."""
+def scaled_rows_to_float32(rows: np.ndarray) -> np.ndarray:
+    """int8 or fp8 rows [..., D + 4] (int8_rows, fp8_rows) as float32 [..., D]."""
     scale = np.ascontiguousarray(rows[..., -4:]).view(np.float32)
     return rows[..., :-4].astype(np.float32) * scale
 
@@ -56,6 +69,8 @@ def encode(x: np.ndarray, storage: np.dtype) -> np.ndarray:
         return float32_to_bf16_bits(np.asarray(x, dtype=np.float32))
     if np.dtype(storage) == _I8:
         return int8_rows(x)
+    if np.dtype(storage) in _FP8:
+        return fp8_rows(x, np.dtype(storage))
     with np.errstate(over="ignore"):  # past float16's largest: infinity, as documented above
         return np.asarray(x).astype(storage, copy=False)
 
@@ -64,6 +79,6 @@ def decode(stored: np.ndarray) -> np.ndarray:
     """Cache rows as float32 (a view when they are float32 already)."""
     if stored.dtype == _BF16:
         return bf16_bits_to_float32(stored)
-    if stored.dtype == _I8:
-        return int8_rows_to_float32(stored)
+    if stored.dtype == _I8 or stored.dtype in _FP8:
+        return scaled_rows_to_float32(stored)
     return stored.astype(_F32, copy=False)

@@ -83,6 +83,7 @@ def test_memory(tmp_path: Path) -> None:
     d = r["kv_dtypes"]["head_dim"]  # int8: a byte a value and a float32 scale a row of head_dim
     assert kv["int8"]["bytes_per_block"] * 4 * d == kv["float32"]["bytes_per_block"] * (d + 4)
     assert kv["int8"]["sequences_4096_per_gib"] >= 3 * kv["float32"]["sequences_4096_per_gib"]
+    assert kv["fp8_e4m3"]["bytes_per_block"] == kv["fp8_e5m2"]["bytes_per_block"] == kv["int8"]["bytes_per_block"]
     # Reserving max_model_len wastes more than reserving prompt + max_tokens.
     assert res["contiguous_max_model_len"]["waste_pct"] > res["contiguous_max_tokens"]["waste_pct"]
     assert r["workload"]["num_requests"] == 40

@@ -16,7 +16,7 @@ from tests.numerics import KV_UNIT_ROUNDOFF, f32_tol, kv_storage_tol
 from tests.paged_batches import make_batch
 
 SIXTEEN = ("bfloat16", "float16")
-REDUCED = (*SIXTEEN, "int8")
+REDUCED = (*SIXTEEN, "int8", "fp8_e4m3", "fp8_e5m2")
 
 
 def _bits(values):
@@ -61,12 +61,10 @@ def test_unknown_dtype_names_the_value_and_the_choices(bad):
 
 def test_refusals_name_the_value_and_what_the_set_runs():
     numpy_set = kernel_set.numpy_kernels()
-    for dtype in ("fp8_e4m3", "fp8", "fp8_e5m2"):
-        with pytest.raises(ValueError, match=r"kv_cache_dtype 'fp8.*'.*numpy kernel set; choose one of auto, "
-                                             r"float32, bfloat16, float16, int8"):
-            check_kv_cache_dtype(kv_cache_layout(dtype, np.float32), "numpy", numpy_set.kv_cache_dtypes, 64)
-    with pytest.raises(ValueError, match=r"'int8'.*numba kernel set; choose one of auto, float32, bfloat16, float16$"):
-        check_kv_cache_dtype(kv_cache_layout("int8", np.float32), "numba", kernel_set.CPU_KV_CACHE_DTYPES, 64)
+    for dtype in ("int8", "fp8_e4m3", "fp8", "fp8_e5m2"):
+        with pytest.raises(ValueError, match=r"kv_cache_dtype '(int8|fp8.*)'.*numba kernel set; choose one of auto, "
+                                             r"float32, bfloat16, float16$"):
+            check_kv_cache_dtype(kv_cache_layout(dtype, np.float32), "numba", kernel_set.CPU_KV_CACHE_DTYPES, 64)
     with pytest.raises(ValueError, match="'bfloat16'.*cuda kernel set; choose one of auto, float16"):
         check_kv_cache_dtype(kv_cache_layout("bfloat16", np.float16), "cuda", ("float16",), 64)
     with pytest.raises(ValueError, match="needs an even head_dim, the model's is 7"):
@@ -198,3 +196,19 @@ def test_int8_rows_keep_their_scale_and_half_a_step():
     err = np.abs(decode(rows) - x)
     assert (err <= np.abs(x).max(-1, keepdims=True) * KV_UNIT_ROUNDOFF["int8"] * (1 + 1e-5)).all()
     np.testing.assert_array_equal(decode(rows)[0, 0], 0.0)
+
+
+@pytest.mark.parametrize("dtype,u", [("fp8_e4m3", 2.0 ** -4), ("fp8_e5m2", 2.0 ** -3)])
+def test_fp8_rows_scale_to_the_formats_largest(dtype, u):
+    import ml_dtypes
+
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal((40, 2, 32)) * rng.uniform(0.01, 100, (40, 2, 1))).astype(np.float32)
+    storage = kv_cache_layout(dtype, np.float32).storage
+    rows = encode(x, storage)
+    assert rows.dtype == storage and rows.shape == (40, 2, 36)
+    top = float(ml_dtypes.finfo(storage).max)
+    assert np.abs(rows[..., :32].astype(np.float32)).max(-1).min() == top  # each row's largest is the format's
+    err = np.abs(decode(rows) - x)
+    sub = np.abs(x).max(-1, keepdims=True) * float(ml_dtypes.finfo(storage).smallest_subnormal) / top / 2
+    assert (err <= u * np.abs(x) * (1 + 1e-6) + sub).all()
