@@ -11,7 +11,12 @@ Three ways to hold the KV cache are compared on the same workload:
                              blocks on demand; when none is free the newest request is preempted
 
 Per step: token states held (used) vs slots reserved or allocated. Waste % = 1 - sum(used) /
-sum(allocated). Needs no model. Usage:
+sum(allocated). Needs no model.
+
+KV cache dtypes (`kv_dtypes` in the record): for each kv_cache_dtype a kernel set runs, the bytes of a block of the
+embedded SmolLM2 (its config only: 30 layers, 3 kv heads of 64; --kv-model for another), the blocks and the most
+concurrent --kv-seq-len-token sequences a GiB holds (arithmetic from the layout), checked against a real pool
+allocated from a --kv-check-bytes budget (its arrays' bytes, and its blocks). Usage:
 
     .venv/bin/python bench/memory.py [--quick] [--requests 500] [--kv-slots 32768] [--out-dir DIR]
 """
@@ -282,7 +287,45 @@ def run(args: argparse.Namespace) -> dict:
                        "budgets are ignored: only memory and max_num_seqs limit admission."},
             "workload": workload.description, "environment": plots.environment(args.quick),
             "results": results, "summary": summary, "timelines": timelines,
+            "kv_dtypes": kv_dtype_capacity(args.kv_model, 16, args.kv_seq_len, args.kv_check_bytes),
             "sim_seconds": round(time.perf_counter() - t0, 2)}
+
+
+def kv_dtype_capacity(model: str | None, block_size: int, seq_len: int, check_bytes: int) -> dict:
+    """Per kv_cache_dtype: bytes a block, blocks and concurrent seq_len-token sequences per GiB (from the layout),
+    and a pool allocated from check_bytes whose arrays hold exactly the bytes the arithmetic says."""
+    from pagedserve.cupy_kernels.backend import get_backend
+    from pagedserve.cupy_kernels.kernel_set import NUMPY_KV_CACHE_DTYPES
+    from pagedserve.cupy_kernels.kv_layout import kv_cache_layout
+    from pagedserve.models.kv_cache import allocate_kv_caches, kv_bytes_per_block
+    from pagedserve.models.loading.gguf_loader import gguf_config
+    from pagedserve.models.loading.gguf_metadata import read_gguf
+    from pagedserve.models.loading.loader import default_model_path
+
+    path = Path(model) if model else default_model_path()
+    cfg = gguf_config(read_gguf(path), path)
+    backend = get_backend("cpu", "numpy")
+    blocks_per_seq = -(-seq_len // block_size)
+    out = {}
+    for dtype in NUMPY_KV_CACHE_DTYPES:
+        layout = kv_cache_layout(dtype, np.float32)
+        per_block = kv_bytes_per_block(cfg, block_size, layout)
+        blocks_per_gib = (1 << 30) // per_block
+        num_blocks = check_bytes // per_block  # as the worker sizes a CPU pool
+        pool = allocate_kv_caches(cfg, num_blocks, block_size, backend, storage=layout.storage)
+        pool_bytes = sum(k.nbytes + v.nbytes for k, v in pool)
+        assert pool_bytes == num_blocks * per_block <= check_bytes, (dtype, pool_bytes, num_blocks * per_block)
+        del pool
+        out[dtype] = {"bytes_per_block": per_block, "blocks_per_gib": blocks_per_gib,
+                      "tokens_per_gib": blocks_per_gib * block_size,
+                      f"sequences_{seq_len}_per_gib": blocks_per_gib // blocks_per_seq,
+                      "checked_pool_blocks": num_blocks, "checked_pool_bytes": pool_bytes}
+    base = out["float32"]["blocks_per_gib"]
+    for row in out.values():
+        row["blocks_vs_float32"] = round(row["blocks_per_gib"] / base, 3)
+    return {"model": path.name, "block_size": block_size, "seq_len": seq_len, "check_bytes": check_bytes,
+            "num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+            "dtypes": out}
 
 
 def draw(record: dict, path: Path) -> None:
@@ -337,6 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default=None, help="where <name>.json and .png go (default bench/results)")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--kv-model", default=None, help="GGUF whose config sizes the kv_dtypes table (default: SmolLM2)")
+    ap.add_argument("--kv-seq-len", type=int, default=4096, help="tokens of a sequence in the kv_dtypes table")
+    ap.add_argument("--kv-check-bytes", type=int, default=64 << 20,
+                    help="budget of the pool allocated to check the kv_dtypes arithmetic (default 64 MiB)")
     return ap
 
 

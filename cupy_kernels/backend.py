@@ -40,13 +40,18 @@ class Backend:
 
 
 
-def finish_warm_up(backend: Backend) -> None:
+def finish_warm_up(backend: Backend, kv_cache_dtype: str | None = None) -> None:
     """Make every kernel of `backend` ready (kernel_set.finish_numba_warm_up for the numba set; nothing to do
-    for the others). Idempotent."""
+    for the others), and with a 16-bit `kv_cache_dtype` the numba loop nest that reads it (numba_cpu/attention16.py,
+    compiled only for such a pool). Idempotent."""
     if backend.ops is not None and backend.ops.name == "numba":
         from .kernel_set import finish_numba_warm_up
 
         finish_numba_warm_up()
+        if kv_cache_dtype in ("bfloat16", "float16"):
+            from .numba_cpu import attention16
+
+            attention16.warm_up(kv_cache_dtype)
 
 
 def to_host(a: Any) -> np.ndarray:

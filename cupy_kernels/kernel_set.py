@@ -71,8 +71,18 @@ class KernelSet:
     # serves no adapters (enable_lora refuses it).
     lora_shrink: Callable[..., Any] | None = None
     lora_expand: Callable[..., Any] | None = None
+    # The kv_cache_dtypes (cupy_kernels/kv_layout.py) this set's cache writes and attention read and write; the
+    # first is what "auto" means for its backend. Any other is refused at start (kv_layout.check_kv_cache_dtype).
+    kv_cache_dtypes: tuple[str, ...] = ("float32",)
 
 
+# The numpy reference stores float32, bfloat16 (uint16 bits) and float16 (reference/kv_convert.py); the numba set
+# reads 16-bit caches in its attention loop nest (numba_cpu/attention16.py: converted in registers) and rounds as
+# it writes them (numba_cpu/cache_write16.py); a long prefill's attention over them takes the reference.
+CPU_KV_CACHE_DTYPES = ("float32", "bfloat16", "float16")
+# The 8-bit dtypes (rows scaled per token and kv head, the scale in the row: kv_layout.py) in the numpy reference
+# only so far.
+NUMPY_KV_CACHE_DTYPES = (*CPU_KV_CACHE_DTYPES, "int8", "fp8_e4m3", "fp8_e5m2")
 # The op names every kernel set provides, in the order of a forward pass.
 OP_NAMES = tuple(f.name for f in fields(KernelSet) if "device_arg" in f.metadata)  # the _op fields
 # numba's attention runs at ~0.44x its matmuls' FLOP rate deep in a prompt (SmolLM2, 2 threads, AVX-512: 88
@@ -84,7 +94,8 @@ _DEVICE_ARG = {f.name: f.metadata["device_arg"] for f in fields(KernelSet)
 
 
 def _from_modules(name: str, *modules: Any, attention_cost: float = 1.0, argmax_rows: Any = None,
-                  linear_add: Any = None, linear_rotary_cache: Any = None) -> KernelSet:
+                  linear_add: Any = None, linear_rotary_cache: Any = None,
+                  kv_cache_dtypes: tuple[str, ...] = CPU_KV_CACHE_DTYPES) -> KernelSet:
     """Each op from the first module that defines it."""
     def pick(op: str) -> Callable[..., Any]:
         for m in modules:
@@ -94,13 +105,13 @@ def _from_modules(name: str, *modules: Any, attention_cost: float = 1.0, argmax_
         raise AssertionError(f"kernel set {name}: no module defines {op}")
 
     return KernelSet(name, **{op: pick(op) for op in OP_NAMES}, attention_cost=attention_cost, argmax_rows=argmax_rows,
-                     linear_add=linear_add, linear_rotary_cache=linear_rotary_cache)
+                     linear_add=linear_add, linear_rotary_cache=linear_rotary_cache, kv_cache_dtypes=kv_cache_dtypes)
 
 
 @functools.lru_cache(maxsize=None)
 def numpy_kernels() -> KernelSet:
-    return replace(_from_modules("numpy", ops, paged_attention), lora_shrink=reference_lora.lora_shrink,
-                   lora_expand=reference_lora.lora_expand)
+    return replace(_from_modules("numpy", ops, paged_attention, kv_cache_dtypes=NUMPY_KV_CACHE_DTYPES),
+                   lora_shrink=reference_lora.lora_shrink, lora_expand=reference_lora.lora_expand)
 
 
 _finish_lock = threading.Lock()
@@ -227,7 +238,8 @@ def cuda_kernels() -> KernelSet:
 
     return KernelSet("cuda", **{op: getattr(cuda_ops, op) if op not in _DEVICE_ARG
                                 else _device_only(getattr(cuda_ops, op), _DEVICE_ARG[op], op) for op in OP_NAMES},
-                     lora_shrink=cuda_lora.lora_shrink, lora_expand=cuda_lora.lora_expand)
+                     lora_shrink=cuda_lora.lora_shrink, lora_expand=cuda_lora.lora_expand,
+                     kv_cache_dtypes=("float16",))  # the .cu kernels read and write the backend's float16
 
 
 def cpu_kernels(choice: str = "auto", finish_warm_up: bool = True) -> KernelSet:

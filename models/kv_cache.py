@@ -1,4 +1,5 @@
-"""Allocating the per-layer paged KV cache arrays: [num_blocks, block_size, num_kv_heads, head_dim]."""
+"""Allocating the per-layer paged KV cache arrays: [num_blocks, block_size, num_kv_heads, head_dim], each value in
+the pool's kv_cache_dtype (its layout: cupy_kernels/kv_layout.py; "auto" = the backend's dtype)."""
 
 from __future__ import annotations
 
@@ -8,35 +9,43 @@ from typing import Any
 import numpy as np
 
 from pagedserve.cupy_kernels.backend import Backend
+from pagedserve.cupy_kernels.kv_layout import KVCacheLayout, row_elements
 
 from .config import ModelConfig
 from .tensor_parallel import TPShard
 
 
 def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int,
-                   shard: TPShard | None = None) -> tuple[int, int, int, int]:
-    """A tensor-parallel rank holds only its KV heads."""
+                   shard: TPShard | None = None, storage: Any = None) -> tuple[int, int, int, int]:
+    """A tensor-parallel rank holds only its KV heads; an int8 row holds its scale too (kv_layout.row_elements)."""
     num_kv_heads = (shard or TPShard()).kv_heads(config)[1]
-    return (num_blocks, block_size, num_kv_heads, config.head_dim)
+    row = config.head_dim if storage is None else row_elements(storage, config.head_dim)
+    return (num_blocks, block_size, num_kv_heads, row)
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, itemsize: int, shard: TPShard | None = None,
-                       num_arrays: int | None = None) -> int:
-    """Bytes one block takes across all layers, K and V (on one rank, given its `shard`); `num_arrays`: the K/V
-    array pairs when layers share them (KV cache groups: runtime/core/kv_cache_manager.kv_cache_groups)."""
+def kv_bytes_per_block(config: ModelConfig, block_size: int, itemsize: int | KVCacheLayout,
+                       shard: TPShard | None = None, num_arrays: int | None = None) -> int:
+    """Bytes one block takes across all layers, K and V (on one rank, given its `shard`); `itemsize`: a value's
+    bytes, or the pool's KVCacheLayout (its scales counted); `num_arrays`: the K/V array pairs when layers share
+    them (KV cache groups: runtime/core/kv_cache_manager.kv_cache_groups)."""
     num_kv_heads = (shard or TPShard()).kv_heads(config)[1]
     layers = config.num_hidden_layers if num_arrays is None else num_arrays
-    return 2 * layers * block_size * num_kv_heads * config.head_dim * itemsize
+    row = (itemsize.bytes_per_token_head(config.head_dim) if isinstance(itemsize, KVCacheLayout)
+           else config.head_dim * itemsize)
+    return 2 * layers * block_size * num_kv_heads * row
 
 
 def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, backend: Backend,
-                       shard: TPShard | None = None, num_arrays: int | None = None) -> list[tuple[Any, Any]]:
-    """A K/V array pair per layer, or `num_arrays` pairs when layers share them (KV cache groups)."""
+                       shard: TPShard | None = None, num_arrays: int | None = None,
+                       storage: Any = None) -> list[tuple[Any, Any]]:
+    """A K/V array pair per layer, or `num_arrays` pairs when layers share them (KV cache groups). `storage`: the
+    arrays' dtype (KVCacheLayout.storage; None: the backend's dtype)."""
     if num_blocks <= 0 or block_size <= 0:
         raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
-    shape = kv_cache_shape(config, num_blocks, block_size, shard)
+    shape = kv_cache_shape(config, num_blocks, block_size, shard, storage)
     zeros = backend.xp.zeros if backend.xp is not np else host_zeros
-    return [(zeros(shape, dtype=backend.dtype), zeros(shape, dtype=backend.dtype))
+    dtype = backend.dtype if storage is None else storage
+    return [(zeros(shape, dtype=dtype), zeros(shape, dtype=dtype))
             for _ in range(config.num_hidden_layers if num_arrays is None else num_arrays)]
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pagedserve.cupy_kernels.cuda.ops import ATTN_BLOCK_SIZES
 from pagedserve.cupy_kernels.kernel_set import CPU_KERNEL_SETS
+from pagedserve.cupy_kernels.kv_layout import normalize_kv_cache_dtype
 
 from .core.sched_policy import make_policy
 from .spec_decode.config import SpeculativeConfig
@@ -71,6 +72,11 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # What the KV pool stores each value as (vLLM's names, cupy_kernels/kv_layout.py): "auto" (the backend's
+    # dtype: float32 on the CPU, float16 on the GPU), "float32", "bfloat16", "float16", or the 8-bit "int8",
+    # "fp8_e4m3" ("fp8"), "fp8_e5m2" (a scale per token and kv head); one the kernel set cannot run is refused when
+    # the engine starts.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -129,6 +135,7 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         make_policy(self.scheduling_policy, self.tenant_weights)  # ValueError names a bad policy or weight
         check_lora_config(self)
+        self.kv_cache_dtype = normalize_kv_cache_dtype(self.kv_cache_dtype)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
 

@@ -123,3 +123,4 @@ class EngineInfo:
     blas_kernel: str  # numpy's BLAS kernel ("SkylakeX", ...); "" when unknown
     blas_threads: int  # threads the CPU backend runs at now; 0 when unknown
     numba_code_path: str  # "avx512", "avx2", "baseline"; "" on the GPU
+    kv_cache_dtype: str = ""  # what the KV pool stores ("auto" resolved): "float32", "bfloat16", "float16", ...

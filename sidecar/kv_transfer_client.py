@@ -111,7 +111,7 @@ class GrpcKVConnector(KVConnector):
                         self.handshake(min(self.timeout_s, HANDSHAKE_TIMEOUT_S))
             shape = (len(spec.dst_block_ids), *self.local.block_shape)
             if self.transport_name == "shm":
-                segment = ShmSegment.create(shape, self.local.dtype)
+                segment = ShmSegment.create(shape, self.local.storage)
             request = pb.PrefillRequest(request_id=rid, token_ids=spec.token_ids, cache_salt=spec.cache_salt or "",
                                         first_block=spec.first_block, lora_name=spec.lora_name or "",
                                         shm_path=str(segment.path) if segment is not None else "")
@@ -120,7 +120,7 @@ class GrpcKVConnector(KVConnector):
                     return
                 call = self._stub.Prefill(request, timeout=self.timeout_s)
                 self._calls[rid] = call
-            buf = segment.array if segment is not None else np.empty(shape, dtype=self.local.dtype)
+            buf = segment.array if segment is not None else np.empty(shape, dtype=self.local.storage)
             view = memoryview(buf).cast("B")
             done, t_first = None, None
             for msg in call:

@@ -78,7 +78,7 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         segment = None
         if request.shm_path:
             try:
-                segment = ShmSegment.open(request.shm_path, shape, spec.dtype)
+                segment = ShmSegment.open(request.shm_path, shape, spec.storage)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
@@ -95,7 +95,7 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
             await anyio.sleep(float(arg))  # a deliberately slow prefill instance (tests of the deadline)
 
         def sink(io: KVBlockIO, block_ids: list[int]) -> np.ndarray:
-            out = segment.array if segment is not None else np.empty(shape, dtype=spec.dtype)
+            out = segment.array if segment is not None else np.empty(shape, dtype=spec.storage)
             io.read_into(block_ids, out)
             return out
 

@@ -87,6 +87,9 @@ class Settings:
     max_lora_rank: int = opt(16, "the largest adapter rank served (the slots are sized for it)")
     max_cpu_loras: int | None = opt(None, "adapters kept read in host memory (LRU); unset = max_loras")
     allow_runtime_lora_updating: bool = opt(False, "load/unload adapters at run time (Admin RPCs, HTTP routes)")
+    # -- KV cache dtype (cupy_kernels/kv_layout.py) --
+    kv_cache_dtype: str = opt("auto", "KV pool values: auto | float32 | bfloat16 | float16 | int8 | fp8_e4m3 | "
+                              "fp8_e5m2 (auto: float32 on CPU, float16 on GPU)")
 
     def engine_config(self) -> EngineConfig:
         names = {f.name for f in fields(EngineConfig)}

@@ -126,10 +126,11 @@ class InlineConnector(KVConnector):
         if self.fault == "down":
             self._deliver(KVLoadResult(spec.request_id, error="UNAVAILABLE: connection refused"))
             return
-        shape = (len(spec.dst_block_ids), *self.prefill.kv_transfer_spec("prefill").block_shape)
+        wire = self.prefill.kv_transfer_spec("prefill")
+        shape = (len(spec.dst_block_ids), *wire.block_shape)
 
         def sink(io, block_ids):
-            out = np.empty(shape, np.float32)
+            out = np.empty(shape, wire.storage)  # the pool's own dtype (bfloat16: uint16 bits)
             io.read_into(block_ids, out)
             return out
 

@@ -57,3 +57,32 @@ def assert_close_reduction(actual, desired, reduction_len: int, err_msg: str = "
     """One float32 reduction of `reduction_len` terms (a log-sum-exp over the vocabulary, say) agrees."""
     np.testing.assert_allclose(actual, desired, rtol=0, atol=f32_tol(max_abs(desired), reduction_len),
                                err_msg=err_msg)
+
+
+# Unit roundoff of the KV cache's storage dtypes (cupy_kernels/kv_layout.py): a stored value is its float32 rounded
+# to nearest, off by at most u of itself (8 significand bits for bfloat16, 11 for float16).
+# int8: a value is off by at most half a step, 1/254 of its row's largest (kv_convert.int8_rows), not of itself.
+# fp8 (scaled so a row's largest is the format's largest): 4 and 3 significand bits, plus, near zero, half the
+# smallest subnormal of the scaled row (KV_SUBNORMAL, a share of the row's largest).
+KV_UNIT_ROUNDOFF = {"float32": U32, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "int8": 1.0 / 254,
+                    "fp8_e4m3": 2.0 ** -4, "fp8_e5m2": 2.0 ** -3}
+KV_SUBNORMAL = {"fp8_e4m3": 2.0 ** -10 / 448, "fp8_e5m2": 2.0 ** -17 / 57344}
+
+
+def kv_storage_tol(kv_cache_dtype: str, q, k, v, scale: float) -> float:
+    """Absolute bound on how far attention over K/V stored in `kv_cache_dtype` may fall from attention over the same
+    K/V in float32 (q [.., D] the scaled-by-`scale` queries' rows, k and v the keys and values read), worst case:
+    each stored value is off by at most u |x|, so a score moves by at most ds = u max(|q| . |k_j|) scale; a softmax
+    weight exp(s_j) / sum exp(s_i) then moves by at most a factor exp(+-2 ds), so the weighted sum of V rows moves
+    by at most (exp(2 ds) - 1) max|v|, and V's own rounding adds u max|v|. Plus the float32 evaluations' own
+    rounding, sqrt(keys + D) float32 roundings of the scale of the largest term (f32_tol)."""
+    u = KV_UNIT_ROUNDOFF[kv_cache_dtype]
+    qa = np.abs(np.asarray(q, np.float64)).reshape(-1, np.shape(q)[-1])
+    ka = np.abs(np.asarray(k, np.float64)).reshape(-1, np.shape(k)[-1])
+    if kv_cache_dtype == "int8":  # each value's error bound is its row's largest, not itself
+        ka = np.broadcast_to(ka.max(axis=1, keepdims=True), ka.shape)
+    if kv_cache_dtype in KV_SUBNORMAL:  # u |x| + the subnormal step's half of the row's largest
+        ka = ka + ka.max(axis=1, keepdims=True) * (KV_SUBNORMAL[kv_cache_dtype] / u)
+    ds = u * float((qa @ ka.T).max()) * abs(scale)
+    v_scale = max_abs(v)
+    return (math.expm1(2 * ds) + u) * v_scale + f32_tol(max(v_scale, 1.0), ka.shape[0] + ka.shape[1])

@@ -66,6 +66,10 @@ K_SEGMENT = 512  # keys whose scores are held at once; softmax is exact within a
 RUN = ir_loops.RUN  # keys per run in _scores and _accumulate (written out for 8, the fastest of 4, 8 and 16)
 PREFETCH_BLOCKS = 1  # blocks ahead of the one being read whose rows are prefetched (more were no faster)
 _F32 = np.dtype(np.float32)
+# What the loop nest reads the caches as, and a value's bytes (the prefetch hints count 4-byte units): float32
+# here; attention16.py compiles the same loop nest with uint16 caches (bfloat16's or float16's bits).
+_KV_STORAGE = np.float32
+_KV_BYTES = 4
 
 
 @numba.njit(inline="always", **JIT)
@@ -126,15 +130,15 @@ def _attention_chunk(c, words):
     items = launch.array2(words, 7, np.int64)
     bounds = launch.array1(words, 10, np.int64)
     query = launch.array3(words, 12, np.float32)
-    k_cache = launch.array4(words, 16, np.float32)
-    v_cache = launch.array4(words, 21, np.float32)
+    k_cache = launch.array4(words, 16, _KV_STORAGE)
+    v_cache = launch.array4(words, 21, _KV_STORAGE)
     out = launch.array3(words, 26, np.float32)
     scale = np.float32(launch.float_at(words, 30))
     window = words[31]
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    row_floats = num_kv_heads * head_dim
+    row_floats = num_kv_heads * head_dim * _KV_BYTES // 4  # a token's row, in 4-byte units (for the hints)
     segment_blocks = K_SEGMENT // block_size
     k_address, v_address = ir_loops.address(k_cache), ir_loops.address(v_cache)  # for the prefetch hints
     # A run's prefetch hints are issued in num_heads parts (one per query head's work), whole lines each.
@@ -268,8 +272,13 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     global and local layers); else one is made here. `sliding_window`: None, or W (a query at p sees the keys
     p - W < k <= p; blocks wholly older than its window are never read)."""
     window = reference.check_sliding_window(sliding_window)
-    if (query.dtype != _F32 or k_cache.dtype != _F32 or v_cache.dtype != _F32
-            or not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous)):
+    kind = None  # a 16-bit pool (kv_cache_dtype bfloat16 or float16): the loop nest of attention16.py
+    if k_cache.dtype != _F32 and query.dtype == _F32:
+        from . import attention16
+
+        kind = attention16.kind_of(k_cache, v_cache)
+    if kind is None and (query.dtype != _F32 or k_cache.dtype != _F32 or v_cache.dtype != _F32
+                         or not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous)):
         return reference.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                                          sliding_window=sliding_window)
     if v_cache.shape != k_cache.shape:
@@ -287,30 +296,38 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     out = np.empty(query.shape, dtype=_F32)
     if query.shape[0] == 0:
         return out
+    if plan.long_chunks is not None and kind is not None:  # the long-prefill tiles read float32 panels only
+        return reference.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                                         sliding_window=sliding_window)
     if plan.long_chunks is not None:
         prefill.prefill_batch(query, k_cache, v_cache, plan.long_seqs, query_start_loc, seq_lens, block_tables, scale,
                               out, window, plan.prefill_plans)
     if plan.items is None:
         return out
-    _run(plan, np.ascontiguousarray(query), k_cache, v_cache, scale, window, out)
+    if kind is None:
+        _run(plan, np.ascontiguousarray(query), k_cache, v_cache, scale, window, out)
+    else:
+        _run(plan, np.ascontiguousarray(query), attention16.as_bits(k_cache), attention16.as_bits(v_cache), scale,
+             window, out, attention16.kernel(kind))
     return out
 
 
-def _run(plan: AttentionPlan, query, k_cache, v_cache, scale, window, out) -> None:
+def _run(plan: AttentionPlan, query, k_cache, v_cache, scale, window, out, kernel=None) -> None:
     """The compiled kernel over the plan's checked metadata and work, on numba's threads when the plan cut it
     into several chunks. Its words: the plan's, then this layer's arrays (~1 us an address: a one-request
-    decode step packs 4 a layer)."""
+    decode step packs 4 a layer). `kernel`: the loop nest compiled for the caches' dtype (None: float32's)."""
+    kernel = _ATTENTION if kernel is None else kernel
     words = np.empty(32, dtype=np.int64)
     words[:12] = plan.step_words
     words[12:16] = (query.ctypes.data, *query.shape)
     words[16:26] = _cache_words(k_cache, v_cache)
     words[26:] = (out.ctypes.data, *out.shape, launch.float_word(scale), window)
     if plan.bounds.shape[0] == 2:  # one chunk: on this thread (numba's thread count left as it is)
-        _ATTENTION(np.int64(0), words)
+        kernel(np.int64(0), words)
     else:
         apply_threads(plan.parallel)
         with numba.parallel_chunksize(1):
-            launch.run_items(launch.item_address(_ATTENTION), plan.bounds.shape[0] - 1, words)
+            launch.run_items(launch.item_address(kernel), plan.bounds.shape[0] - 1, words)
 
 
 _CACHES: dict = {}  # id(k_cache) -> (weak references to the layer's caches, their words)

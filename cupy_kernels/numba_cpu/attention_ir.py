@@ -40,8 +40,9 @@ RUN = 8  # keys per call (numba_attention.RUN)
 @intrinsic
 def address(typingctx, arr):
     """The address of a C-contiguous float32 array's first element, as an integer (for dot_run and axpy_run:
-    an array passed to an intrinsic inside the loop nest is reference-counted at each call)."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and arr.layout == "C"):
+    an array passed to an intrinsic inside the loop nest is reference-counted at each call). A 16-bit KV cache's
+    too (as uint16: bfloat16's or float16's bits; numba has no float16 on the CPU), for the 16-bit runs below."""
+    if not (isinstance(arr, types.Array) and arr.dtype in (types.float32, types.uint16) and arr.layout == "C"):
         return None
 
     def codegen(context, builder, signature, args):
@@ -51,10 +52,11 @@ def address(typingctx, arr):
     return types.intp(arr), codegen
 
 
-def _run(body):
+def _run(body, b_bits: int = 32):
     """An intrinsic f(a, a_at, b, b_at, stride, head_dim, c, c_at) -> None over three float32 arrays given as
     addresses (`address`) and flat offsets into them: `body(builder, a, b, c, stride, head_dim)` emits the
-    loop, given pointers to a[a_at], b[b_at] and c[c_at] and intp values."""
+    loop, given pointers to a[a_at], b[b_at] and c[c_at] and intp values. b_bits 16: b is a 16-bit KV cache
+    (an i16 pointer, offsets in its elements)."""
 
     @intrinsic
     def run(typingctx, a, a_at, b, b_at, stride, head_dim, c, c_at):
@@ -64,7 +66,9 @@ def _run(body):
         def codegen(context, builder, signature, args):
             ints = [context.cast(builder, v, t, types.intp) for v, t in zip(args, signature.args)]
             f32p = ir.FloatType().as_pointer()
-            a_ptr, b_ptr, c_ptr = (builder.gep(builder.inttoptr(ints[i], f32p), [ints[i + 1]]) for i in (0, 2, 6))
+            b_p = f32p if b_bits == 32 else ir.IntType(16).as_pointer()
+            a_ptr, b_ptr, c_ptr = (builder.gep(builder.inttoptr(ints[i], b_p if i == 2 else f32p), [ints[i + 1]])
+                                   for i in (0, 2, 6))
             body(builder, a_ptr, b_ptr, c_ptr, ints[4], ints[5])
             return context.get_dummy_value()
 
@@ -84,9 +88,30 @@ def _vector_ops(builder):
     return vf, fma, at
 
 
-def _dot_body(builder, q, k, s, stride, head_dim):
+def _loader(builder, kind: str):
+    """A function loading LANES KV values at ptr + offset as a float32 vector: "float32" a plain load; "bfloat16"
+    LANES i16 zero-extended and shifted to the high half of i32 lanes (a bfloat16 is a float32's high 16 bits:
+    exact); "float16" LANES halves widened (VCVTPH2PS with F16C). The conversion runs in registers inside the
+    loop, on the values as they are loaded: no dequantized copy of the cache."""
+    vf, _, at = _vector_ops(builder)
+    if kind == "float32":
+        return lambda ptr, offset: builder.load(at(ptr, offset), align=4)
+    i16v = ir.VectorType(ir.IntType(16), LANES)
+
+    def load(ptr, offset):
+        raw = builder.load(builder.bitcast(builder.gep(ptr, [offset]), i16v.as_pointer()), align=2)
+        if kind == "bfloat16":
+            wide = builder.zext(raw, ir.VectorType(ir.IntType(32), LANES))
+            return builder.bitcast(builder.shl(wide, ir.Constant(wide.type, [16] * LANES)), vf)
+        return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), LANES)), vf)
+
+    return load
+
+
+def _dot_body(builder, q, k, s, stride, head_dim, kind="float32"):
     """s[i] = sum_d q[d] * k[i stride + d] for i < RUN."""
     vf, fma, at = _vector_ops(builder)
+    load_k = _loader(builder, kind)
     intp = stride.type
     accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * LANES)) for _ in range(RUN)]
     key_offsets = [builder.mul(stride, ir.Constant(intp, i)) for i in range(RUN)]
@@ -94,22 +119,23 @@ def _dot_body(builder, q, k, s, stride, head_dim):
         c = builder.mul(loop.index, ir.Constant(intp, LANES))
         qv = builder.load(at(q, c), align=4)
         for acc, ko in zip(accs, key_offsets):
-            key = builder.load(at(k, builder.add(ko, c)), align=4)
+            key = load_k(k, builder.add(ko, c))
             builder.store(builder.call(fma, [qv, key, builder.load(acc)]), acc)
     sums = lane_sums(builder, [builder.load(a) for a in accs])
     builder.store(sums, builder.bitcast(s, sums.type.as_pointer()), align=4)
 
 
-def _axpy_body(builder, p, v, acc, stride, head_dim):
+def _axpy_body(builder, p, v, acc, stride, head_dim, kind="float32"):
     """acc[d] += sum_i p[i] v[i stride + d] over d < head_dim, the RUN terms as
     ((p0 v0 + p1 v1) + (p2 v2 + p3 v3)) + ((p4 v4 + p5 v5) + (p6 v6 + p7 v7))."""
     vf, fma, at = _vector_ops(builder)
+    load_v = _loader(builder, kind)
     intp = stride.type
     ps = [splat(builder, builder.load(builder.gep(p, [ir.Constant(intp, i)])), vf) for i in range(RUN)]
     row_offsets = [builder.mul(stride, ir.Constant(intp, i)) for i in range(RUN)]
     with cgutils.for_range(builder, builder.sdiv(head_dim, ir.Constant(intp, LANES)), intp=intp) as loop:
         c = builder.mul(loop.index, ir.Constant(intp, LANES))
-        rows = [builder.load(at(v, builder.add(o, c)), align=4) for o in row_offsets]
+        rows = [load_v(v, builder.add(o, c)) for o in row_offsets]
         pairs = [builder.call(fma, [ps[i + 1], rows[i + 1], builder.fmul(ps[i], rows[i])]) for i in range(0, RUN, 2)]
         total = builder.fadd(builder.fadd(pairs[0], pairs[1]), builder.fadd(pairs[2], pairs[3]))
         out = at(acc, c)
@@ -121,3 +147,32 @@ def _axpy_body(builder, p, v, acc, stride, head_dim):
 # v[v_at + i stride + d] for d < head_dim. Arrays as addresses, offsets in floats; head_dim a multiple of LANES.
 dot_run = _run(_dot_body)
 axpy_run = _run(_axpy_body)
+# The same over a 16-bit KV cache (k, v as addresses of uint16 or float16 arrays, offsets in their elements),
+# converting each loaded vector to float32 (_loader): attention16.py's loop nest.
+dot_run_bf16 = _run(lambda *a: _dot_body(*a, kind="bfloat16"), 16)
+axpy_run_bf16 = _run(lambda *a: _axpy_body(*a, kind="bfloat16"), 16)
+dot_run_f16 = _run(lambda *a: _dot_body(*a, kind="float16"), 16)
+axpy_run_f16 = _run(lambda *a: _axpy_body(*a, kind="float16"), 16)
+
+
+def _scalar(kind: str):
+    """An intrinsic f(bits: uint16) -> float32: one 16-bit KV value (the loop nest's key-by-key tail)."""
+
+    @intrinsic
+    def to_float32(typingctx, bits):
+        if bits != types.uint16:
+            return None
+
+        def codegen(context, builder, signature, args):
+            if kind == "bfloat16":
+                wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+                return builder.bitcast(wide, ir.FloatType())
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+        return types.float32(bits), codegen
+
+    return to_float32
+
+
+bf16_to_float32 = _scalar("bfloat16")
+f16_to_float32 = _scalar("float16")

@@ -14,7 +14,7 @@ import functools
 
 import numpy as np
 
-from . import launch
+from . import cache_write16, launch
 from ..batch_checks import check_slot_mapping
 from .attention_ir import address
 from .numerics import rotate, store_fence, stream_copy
@@ -95,9 +95,12 @@ def _rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, 
 
 def rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping) -> np.ndarray:
     """paged_attention.rotary_and_cache in one compiled pass over qkv (apply_rotary on the query and key
-    heads, reshape_and_cache of the rotated key and the value), with the same bits. Other dtypes (cos and sin
-    included) take the reference."""
-    if not (qkv.dtype == k_cache.dtype == v_cache.dtype == _F32 and cos.dtype == sin.dtype == _F32):
+    heads, reshape_and_cache of the rotated key and the value), with the same bits. 16-bit caches (kv_cache_dtype
+    bfloat16, float16): rounded as they are written (cache_write16.py). Other dtypes (cos and sin included) take
+    the reference."""
+    sixteen = k_cache.dtype != _F32 and cache_write16.takes(k_cache, v_cache)
+    if not ((qkv.dtype == _F32 and (sixteen or k_cache.dtype == v_cache.dtype == _F32))
+            and cos.dtype == sin.dtype == _F32):
         from ..reference import paged_attention
 
         return paged_attention.rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache,
@@ -116,6 +119,10 @@ def rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, s
         raise ValueError(f"rotary_and_cache: slot_mapping {slot_mapping.shape} for {t} tokens")
     check_slot_mapping(slot_mapping, num_slots, "rotary_and_cache")
     out = np.empty((t, num_heads, k_cache.shape[3]), dtype=_F32)
+    if sixteen:
+        cache_write16.rotary_and_cache16(np.ascontiguousarray(qkv), num_heads, num_kv_heads, np.ascontiguousarray(cos),
+                                         np.ascontiguousarray(sin), k_cache, v_cache, slot_mapping, out)
+        return out
     # Rows of whole 64-byte lines in C-contiguous caches on a 64-byte boundary (the KV pool's: a page; the
     # kernel checks the boundary: two ctypes addresses here cost ~2 us a call) are streamed
     # (numerics.stream_copy); other caches are written element by element.

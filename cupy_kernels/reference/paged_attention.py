@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from . import ops
+from ..kv_layout import head_dim_of
+from . import kv_convert, ops
 
 
 def reshape_and_cache(
@@ -42,7 +43,8 @@ def reshape_and_cache(
     v_cache: np.ndarray,
     slot_mapping: np.ndarray,
 ) -> None:
-    """Write key/value [T, KV, D] into the caches at `slot_mapping` [T]; slot -1 means skip."""
+    """Write key/value [T, KV, D] into the caches at `slot_mapping` [T]; slot -1 means skip. Values are converted to
+    the caches' storage dtype (kv_convert.encode: bfloat16 rounded to nearest even, as uint16 bits)."""
     num_blocks, block_size = k_cache.shape[:2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
@@ -50,8 +52,8 @@ def reshape_and_cache(
         raise IndexError(f"slot {int(slots.max())} is outside a cache of {num_blocks * block_size} slots")
     k_flat = k_cache.reshape(num_blocks * block_size, *k_cache.shape[2:])
     v_flat = v_cache.reshape(num_blocks * block_size, *v_cache.shape[2:])
-    k_flat[slots] = key[keep]
-    v_flat[slots] = value[keep]
+    k_flat[slots] = kv_convert.encode(key[keep], k_cache.dtype)
+    v_flat[slots] = kv_convert.encode(value[keep], v_cache.dtype)
 
 
 def split_qkv(qkv: Any, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[Any, Any, Any]:
@@ -84,10 +86,10 @@ def linear_rotary_cache(x: np.ndarray, weight_t: Any, num_heads: int, num_kv_hea
 def compose_rotary_and_cache(apply_rotary: Any, write_cache: Any, qkv: Any, num_heads: int, num_kv_heads: int,
                              cos: Any, sin: Any, k_cache: Any, v_cache: Any, slot_mapping: Any) -> Any:
     """rotary_and_cache from a kernel set's own apply_rotary and reshape_and_cache (the numpy and CUDA sets)."""
-    if qkv.ndim != 2 or k_cache.ndim != 4 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * k_cache.shape[3]:
+    if qkv.ndim != 2 or k_cache.ndim != 4 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim_of(k_cache):
         raise ValueError(f"rotary_and_cache: qkv {tuple(qkv.shape)} is not {num_heads} query and {num_kv_heads} kv "
                          f"heads of a cache {tuple(k_cache.shape)}")
-    query, key, value = split_qkv(qkv, num_heads, num_kv_heads, k_cache.shape[3])
+    query, key, value = split_qkv(qkv, num_heads, num_kv_heads, head_dim_of(k_cache))
     write_cache(apply_rotary(key, cos, sin), value, k_cache, v_cache, slot_mapping)
     return apply_rotary(query, cos, sin)
 
@@ -142,8 +144,8 @@ def _prefill_one(query, k_cache, v_cache, start, end, context_len, block_table, 
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     first_block = int(window_start(context_len - n, window)) // block_size
-    k = _gather_context(k_cache, block_table, first_block, context_len).astype(np.float32, copy=False)
-    v = _gather_context(v_cache, block_table, first_block, context_len).astype(np.float32, copy=False)
+    k = kv_convert.decode(_gather_context(k_cache, block_table, first_block, context_len))
+    v = kv_convert.decode(_gather_context(v_cache, block_table, first_block, context_len))
     num_keys = k.shape[0]
     # [n, KV*G, D] -> [KV, G*n, D]: every query head of a group against its one kv head.
     q = query[start:end].astype(np.float32, copy=False).reshape(n, num_kv_heads, group, head_dim)
@@ -176,7 +178,7 @@ def _decode_group(query, k_cache, v_cache, rows, seq_lens, block_tables, scale, 
     nb = int((-(-seq_lens // block_size) - first).max())
     padded = nb * block_size
     tables = np.take_along_axis(block_tables, first[:, None] + np.arange(nb)[None, :], axis=1)  # [b, nb]
-    k = k_cache[tables].reshape(b, padded, num_kv_heads, head_dim).astype(np.float32, copy=False)
+    k = kv_convert.decode(k_cache[tables].reshape(b, padded, num_kv_heads, k_cache.shape[3]))
     q = query[rows].astype(np.float32, copy=False).reshape(b, num_kv_heads, group, head_dim)
     scores = np.matmul(q, k.transpose(0, 2, 3, 1))  # [b, KV, G, padded]
     scores *= np.float32(scale)
@@ -185,7 +187,7 @@ def _decode_group(query, k_cache, v_cache, rows, seq_lens, block_tables, scale, 
     hidden = (k_pos >= seq_lens[:, None]) | (k_pos < window_start(seq_lens - 1, window)[:, None])
     scores = np.where(hidden[:, None, None, :], np.float32(-np.inf), scores)  # whatever the slot holds
     del k
-    v = v_cache[tables].reshape(b, padded, num_kv_heads, head_dim).astype(np.float32, copy=False)
+    v = kv_convert.decode(v_cache[tables].reshape(b, padded, num_kv_heads, v_cache.shape[3]))
     v = np.where(hidden[:, :, None, None], np.float32(0.0), v)  # p = 0 there: 0 * v must be 0, not NaN
     out[rows] = np.matmul(_softmax_rows(scores), v.transpose(0, 2, 1, 3)).reshape(b, num_heads, head_dim)
 

@@ -45,7 +45,7 @@ class EngineView(LoRAView):
                           vocab_size=e.model_config.vocab_size, block_size=e.block_size, dtype=str(e.backend.dtype),
                           backend=e.backend.name, num_kv_blocks=e.num_kv_blocks, kernels=e.backend.ops.name,
                           blas_kernel=(e.blas or {}).get("architecture") or "", blas_threads=e.cpu_threads or 0,
-                          numba_code_path=e.numba_code_path or "")
+                          numba_code_path=e.numba_code_path or "", kv_cache_dtype=e.kv_layout.dtype)
 
     @property
     def memory_budget_bytes(self) -> int:

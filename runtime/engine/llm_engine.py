@@ -6,10 +6,8 @@ import os
 import time
 from typing import Iterable, Sequence
 
-import numpy as np
 import structlog
 
-from pagedserve.cupy_kernels.backend import to_host
 from pagedserve.cupy_kernels import OPENBLAS_ENV_APPLIED
 from pagedserve.cupy_kernels.host.blas_threads import STARTED_BLAS_THREADS, blas_info, set_cpu_threads
 from pagedserve.cupy_kernels.kernel_set import numba_code_path
@@ -22,7 +20,7 @@ from ..executor import WorkerFailedError, make_executor
 from ..core.kv_cache_manager import KVCacheManager
 from ..worker.memory_budget import check_engine_memory
 from ..core.beam_search import BeamSearchParams
-from ..kv_transfer.kv_connector import KVBlockIO, KVConnector, KVTransferSpec, KVTransferStats, model_fingerprint
+from ..kv_transfer.kv_connector import KVBlockIO, KVConnector, KVTransferSpec, KVTransferStats, transfer_spec
 from .input_processor import InputProcessor
 from .model_runner import ModelRunner, StepResult
 from .output_processor import OutputProcessor
@@ -108,7 +106,8 @@ class LLMEngine:
         self.spec = build_spec_decoder(
             config.speculative_config, lambda: loaded or load_model(config.model, use_cache=config.use_weight_cache),
             self.backend, num_blocks, self.block_size, self.max_model_len, config.seed, config.use_weight_cache,
-            self.structured)  # guided sequences' drafts are checked against their grammar
+            self.structured,  # guided sequences' drafts are checked against their grammar
+            kv_storage=self.executor.driver_worker.kv_layout.storage)  # the draft's pool in the target's kv dtype
         if self.spec is not None:
             self.scheduler.release_hooks.append(self.spec.free)
         self.lora = make_lora_manager(config, self.executor.driver_worker.model, self.scheduler, self.runner)
@@ -140,8 +139,11 @@ class LLMEngine:
             self.inputs.new_seq, self.spec, lambda r: export_blocks(r, self.kv_manager, self.block_io, self.kv_stats))
         self.blas = blas_info()  # numpy's BLAS: its kernel ("architecture") and threads, for logs and stats
         self.numba_code_path = None if self.backend.is_gpu else numba_code_path()  # avx512 / avx2 / baseline
+        self.kv_layout = worker.kv_layout  # the pool's kv_cache_dtype, "auto" resolved
         log.info("engine.kv_pool", num_blocks=num_blocks, block_size=self.block_size,
-                 num_token_slots=num_blocks * self.block_size, backend=self.backend.name,
+                 num_token_slots=num_blocks * self.block_size, kv_cache_dtype=self.kv_layout.dtype,
+                 kv_cache_dtype_requested=self.kv_layout.requested, kv_bytes_per_block=worker.kv_bytes_per_block(),
+                 backend=self.backend.name,
                  kernels=self.backend.ops.name, model=self.model_name,
                  blas_threads=(self.blas or {}).get("num_threads"), blas_kernel=(self.blas or {}).get("architecture"),
                  numba_code_path=self.numba_code_path,
@@ -384,13 +386,9 @@ class LLMEngine:
         failed, self.failed_requests = self.failed_requests, []
         return failed
 
-    def kv_transfer_spec(self, role: str, host_id: str = "") -> KVTransferSpec:
-        """What a handshake tells the other instance about this one."""
-        c = self.model_config
-        embed = to_host(self.model.embed_tokens[:4])
-        return KVTransferSpec(role, self.model_name, model_fingerprint(self.model_name, c, embed), self.block_size,
-                              str(np.dtype(self.backend.dtype)), c.num_hidden_layers, c.num_key_value_heads,
-                              c.head_dim, self.max_model_len, host_id)
+    def kv_transfer_spec(self, role: str, host_id: str = "") -> KVTransferSpec:  # what a handshake tells the peer
+        return transfer_spec(role, host_id, self.model_name, self.model_config, self.model.embed_tokens,
+                             self.block_size, self.kv_layout.dtype, self.max_model_len)
 
     # -- observability ---------------------------------------------------------------------------
 

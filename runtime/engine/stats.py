@@ -44,7 +44,7 @@ def engine_stats(engine: LLMEngine, window_s: float = 10.0) -> EngineStats:
     sched = engine.scheduler
     held = sum(r.num_computed_tokens for r in sched.running)
     slots = usage.num_used_blocks * engine.block_size
-    per_block = kv_bytes_per_block(engine.model_config, engine.block_size, engine.backend.dtype.itemsize,
+    per_block = kv_bytes_per_block(engine.model_config, engine.block_size, engine.kv_layout,
                                    num_arrays=engine.executor.driver_worker.kv_groups.num_tensors)
     table_blocks = sum(sum(b != kv.null_block for b in table) for r in sched.running
                        for table in kv.block_tables(r.request_id))

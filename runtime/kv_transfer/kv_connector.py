@@ -45,6 +45,7 @@ from typing import Any, Callable
 import numpy as np
 
 from pagedserve.cupy_kernels.backend import to_host
+from pagedserve.cupy_kernels.kv_layout import kv_cache_layout
 
 CHUNK_BYTES = 4 << 20  # payloads are checksummed (and sent over gRPC) in chunks of at most this
 ROLES = ("both", "prefill", "decode")
@@ -66,7 +67,7 @@ class KVTransferSpec:
     model_name: str
     model_fingerprint: str
     block_size: int
-    dtype: str
+    dtype: str  # the KV pool's kv_cache_dtype ("float32", "bfloat16", "float16"; cupy_kernels/kv_layout.py)
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -76,11 +77,17 @@ class KVTransferSpec:
     @property
     def block_shape(self) -> tuple[int, ...]:
         """One block on the wire: every layer's K and V, [layers, 2, block_size, kv_heads, head_dim]."""
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        row = kv_cache_layout(self.dtype, np.float32).row_elements(self.head_dim)  # int8: the row's scale too
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, row)
+
+    @property
+    def storage(self) -> np.dtype:
+        """The numpy dtype of a block's values on the wire: the pool's own (bfloat16: its uint16 bits)."""
+        return kv_cache_layout(self.dtype, np.float32).storage
 
     @property
     def block_bytes(self) -> int:
-        return int(np.prod(self.block_shape)) * np.dtype(self.dtype).itemsize
+        return int(np.prod(self.block_shape)) * self.storage.itemsize
 
 
 def check_compatible(local: KVTransferSpec, remote: KVTransferSpec, target: str) -> None:
@@ -88,7 +95,11 @@ def check_compatible(local: KVTransferSpec, remote: KVTransferSpec, target: str)
     if remote.role == "decode":
         raise KVHandshakeError(f"prefill target {target} is itself a decode instance (role 'decode'); point "
                                f"--prefill-target at an instance started with --role prefill or both")
-    for name in ("model_name", "model_fingerprint", "block_size", "dtype", "num_layers", "num_kv_heads", "head_dim"):
+    if local.dtype != remote.dtype:
+        raise KVHandshakeError(f"prefill target {target} keeps its KV cache in {remote.dtype} (kv_cache_dtype) and "
+                               f"this instance in {local.dtype}; blocks cannot move between them: start both with "
+                               f"the same --kv-cache-dtype")
+    for name in ("model_name", "model_fingerprint", "block_size", "num_layers", "num_kv_heads", "head_dim"):
         a, b = getattr(local, name), getattr(remote, name)
         if a != b:
             raise KVHandshakeError(f"prefill target {target} does not match this instance: {name} is {b!r} there "
@@ -98,6 +109,15 @@ def check_compatible(local: KVTransferSpec, remote: KVTransferSpec, target: str)
         raise KVHandshakeError(f"prefill target {target} accepts sequences of up to {remote.max_model_len} tokens, "
                                f"this instance up to {local.max_model_len}; give the prefill instance a "
                                f"--max-model-len at least as large")
+
+
+def transfer_spec(role: str, host_id: str, model_name: str, model_config: Any, embed_tokens: Any, block_size: int,
+                  dtype: str, max_model_len: int) -> KVTransferSpec:
+    """What a handshake tells the other instance about this one."""
+    c = model_config
+    fingerprint = model_fingerprint(model_name, c, to_host(embed_tokens[:4]))
+    return KVTransferSpec(role, model_name, fingerprint, block_size, dtype, c.num_hidden_layers, c.num_key_value_heads,
+                          c.head_dim, max_model_len, host_id)
 
 
 def model_fingerprint(model_name: str, model_config: Any, embed_rows: np.ndarray) -> str:

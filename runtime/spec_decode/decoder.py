@@ -155,8 +155,9 @@ class SpecDecoder:
 
 def build_spec_decoder(config: SpeculativeConfig | None, target: Callable[[], Any], backend: Any, num_blocks: int,
                        block_size: int, max_model_len: int, seed: int | None, use_cache: bool = True,
-                       structured: StructuredOutputManager | None = None) -> SpecDecoder | None:
-    """The engine's SpecDecoder (None when speculation is off); loads or builds the draft model.
+                       structured: StructuredOutputManager | None = None, kv_storage: Any = None) -> SpecDecoder | None:
+    """The engine's SpecDecoder (None when speculation is off); loads or builds the draft model. `kv_storage`: the
+    dtype of the draft's KV pool, the target's (KVCacheLayout.storage; None: the backend's).
 
     target: gives the target's LoadedModel (whole weights), called only for a draft model. The draft runs
     unsharded beside the driver (rank 0), whatever the tensor-parallel size.
@@ -167,6 +168,6 @@ def build_spec_decoder(config: SpeculativeConfig | None, target: Callable[[], An
     if config.method == "draft":
         cfg, weights, name = load_draft(config.model, config.draft_num_layers, target(), use_cache)
         model = registry.for_config(cfg).model_class(cfg, weights, backend, source=name)
-        draft = DraftProposer(model, num_blocks, block_size, seed)
+        draft = DraftProposer(model, num_blocks, block_size, seed, kv_storage)
     return SpecDecoder(config, max_model_len, draft, gpu=bool(getattr(backend, "is_gpu", False)),
                        structured=structured)

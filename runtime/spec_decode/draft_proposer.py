@@ -71,11 +71,13 @@ def load_draft(spec_model: str | None, num_layers: int | None, target: LoadedMod
 
 
 class DraftProposer:
-    def __init__(self, model: Any, num_blocks: int, block_size: int, seed: int | None = None) -> None:
-        """`model`: an instance of the draft config's registry model class (models/registry.py)."""
+    def __init__(self, model: Any, num_blocks: int, block_size: int, seed: int | None = None,
+                 kv_storage: Any = None) -> None:
+        """`model`: an instance of the draft config's registry model class (models/registry.py); `kv_storage`: its
+        KV pool's dtype (the target's kv_cache_dtype; None: the backend's)."""
         self.model = model
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, model.backend)
+        self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, model.backend, storage=kv_storage)
         self.xp = model.backend.xp
         self.generator = np.random.default_rng(seed)  # draws of unseeded requests
         self._seqs: dict[str, _DraftSeq] = {}

@@ -25,6 +25,7 @@ import structlog
 from pagedserve.cupy_kernels.backend import finish_warm_up, get_backend
 from pagedserve.cupy_kernels.host.blas_threads import set_blas_threads, set_cpu_threads
 from pagedserve.cupy_kernels.host.malloc import tune_malloc
+from pagedserve.cupy_kernels.kv_layout import check_kv_cache_dtype, kv_cache_layout
 from pagedserve.models.batch import ForwardBatch
 from pagedserve.models.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from pagedserve.models import registry
@@ -69,6 +70,9 @@ class Worker:
         # The numba set's attention kernels may still be compiling in a child process (an empty cache): the
         # model loads and packs its weights meanwhile, and finish_warm_up waits for them below.
         self.backend = get_backend(config.device, config.cpu_kernels, finish_warm_up=False)
+        # The pool's layout, refused before the model loads when the kernel set cannot run it.
+        self.kv_layout = kv_cache_layout(config.kv_cache_dtype, self.backend.dtype)
+        check_kv_cache_dtype(self.kv_layout, self.backend.ops.name, self.backend.ops.kv_cache_dtypes, None)
         # CPU: keep freed activation pages mapped between steps (cupy_kernels/host/malloc.py).
         self.malloc = {} if self.backend.is_gpu else tune_malloc()
         if self.backend.is_gpu:  # device "auto" resolved to the GPU
@@ -95,7 +99,9 @@ class Worker:
             from pagedserve.models import lora as model_lora
 
             model_lora.attach(self.model, weights, config.max_loras, config.max_lora_rank)
-        finish_warm_up(self.backend)
+        check_kv_cache_dtype(self.kv_layout, self.backend.ops.name, self.backend.ops.kv_cache_dtypes,
+                             self.model_config.head_dim)
+        finish_warm_up(self.backend, self.kv_layout.dtype)
         self.kv_groups = model_kv_groups(self.model, self.model_config.num_hidden_layers)
         self.kv_caches: list[tuple[Any, Any]] | None = None  # per layer (layers of a KV group layout share pairs)
         self.kv_pairs: list[tuple[Any, Any]] | None = None  # the distinct pairs (block copies go through these)
@@ -104,7 +110,7 @@ class Worker:
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block on this rank (its KV heads only), all layers, K and V."""
-        return kv_bytes_per_block(self.model_config, self.config.block_size, self.backend.dtype.itemsize, self.shard,
+        return kv_bytes_per_block(self.model_config, self.config.block_size, self.kv_layout, self.shard,
                                   self.kv_groups.num_tensors)
 
     def determine_num_kv_blocks(self, max_model_len: int) -> int:
@@ -132,7 +138,7 @@ class Worker:
     def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Allocate the KV pool; on a single GPU, capture the decode graphs against it (None: eager)."""
         self.kv_pairs = allocate_kv_caches(self.model_config, num_blocks, self.config.block_size, self.backend,
-                                           self.shard, self.kv_groups.num_tensors)
+                                           self.shard, self.kv_groups.num_tensors, self.kv_layout.storage)
         self.kv_caches = [self.kv_pairs[t] for t in self.kv_groups.layer_tensor]
         # The decode graphs' static batch holds one block table: a model reading several KV groups runs eager.
         grouped = len(self.kv_groups.windows) > 1

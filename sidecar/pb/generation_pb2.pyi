@@ -224,7 +224,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "max_model_len", "vocab_size", "block_size", "dtype", "backend", "num_kv_blocks", "kernels", "blas_kernel", "blas_threads", "numba_code_path")
+    __slots__ = ("name", "architecture", "max_model_len", "vocab_size", "block_size", "dtype", "backend", "num_kv_blocks", "kernels", "blas_kernel", "blas_threads", "numba_code_path", "kv_cache_dtype")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +237,7 @@ class ModelInfo(_message.Message):
     BLAS_KERNEL_FIELD_NUMBER: _ClassVar[int]
     BLAS_THREADS_FIELD_NUMBER: _ClassVar[int]
     NUMBA_CODE_PATH_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     max_model_len: int
@@ -249,7 +250,8 @@ class ModelInfo(_message.Message):
     blas_kernel: str
     blas_threads: int
     numba_code_path: str
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., kernels: _Optional[str] = ..., blas_kernel: _Optional[str] = ..., blas_threads: _Optional[int] = ..., numba_code_path: _Optional[str] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., kernels: _Optional[str] = ..., blas_kernel: _Optional[str] = ..., blas_threads: _Optional[int] = ..., numba_code_path: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class GetServerStatsRequest(_message.Message):
     __slots__ = ()

@@ -72,6 +72,18 @@ def test_memory(tmp_path: Path) -> None:
     # The last block of a request is on average half empty: waste grows with the block size.
     assert res["paged_8"]["waste_pct"] < res["paged_32"]["waste_pct"]
     assert res["paged_16"]["waste_pct"] < 4.0
+    # KV cache dtypes: a 16-bit pool holds twice float32's blocks (and at least twice its 4,096-token sequences) a GiB,
+    # and the pool allocated to check it holds exactly the bytes the layout says.
+    kv = r["kv_dtypes"]["dtypes"]
+    for dtype in ("bfloat16", "float16"):
+        assert kv[dtype]["bytes_per_block"] * 2 == kv["float32"]["bytes_per_block"]
+        assert kv[dtype]["blocks_vs_float32"] == 2.0
+        assert kv[dtype]["sequences_4096_per_gib"] >= 2 * kv["float32"]["sequences_4096_per_gib"]
+        assert kv[dtype]["checked_pool_blocks"] == 2 * kv["float32"]["checked_pool_blocks"]
+    d = r["kv_dtypes"]["head_dim"]  # int8: a byte a value and a float32 scale a row of head_dim
+    assert kv["int8"]["bytes_per_block"] * 4 * d == kv["float32"]["bytes_per_block"] * (d + 4)
+    assert kv["int8"]["sequences_4096_per_gib"] >= 3 * kv["float32"]["sequences_4096_per_gib"]
+    assert kv["fp8_e4m3"]["bytes_per_block"] == kv["fp8_e5m2"]["bytes_per_block"] == kv["int8"]["bytes_per_block"]
     # Reserving max_model_len wastes more than reserving prompt + max_tokens.
     assert res["contiguous_max_model_len"]["waste_pct"] > res["contiguous_max_tokens"]["waste_pct"]
     assert r["workload"]["num_requests"] == 40

@@ -20,7 +20,7 @@ def test_every_set_has_every_op():
         ops = len(kernel_set.OP_NAMES)
         assert names[0] == "name" and names[1:1 + ops] == list(kernel_set.OP_NAMES)
         assert names[1 + ops:] == ["attention_cost", "argmax_rows", "linear_add", "linear_rotary_cache", "lora_shrink",
-                                   "lora_expand"]
+                                   "lora_expand", "kv_cache_dtypes"]
         assert all(callable(getattr(ks, op)) for op in kernel_set.OP_NAMES)
         assert ks.argmax_rows is None  # the sampler's array module's argmax
         assert ks.linear_add is None  # the model adds in add_rms_norm

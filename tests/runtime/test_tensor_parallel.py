@@ -189,3 +189,15 @@ def test_llm_api_takes_tensor_parallel_size_and_shuts_its_ranks_down(data_dir):
     for p in procs:
         p.join(10)
         assert p.exitcode == 0  # stopped when asked, not killed
+
+
+def test_tp2_ranks_hold_their_kv_heads_in_the_pools_dtype(data_dir):
+    """kv_cache_dtype reaches every rank (each builds its pool from the config): tp=2 over a bfloat16 pool gives
+    the single-rank bfloat16 engine's greedy tokens."""
+    one = _engine(data_dir / "tiny-llama", 1, kv_cache_dtype="bfloat16", cpu_kernels="numpy")
+    many = _engine(data_dir / "tiny-llama", 2, kv_cache_dtype="bfloat16", cpu_kernels="numpy")
+    try:
+        assert many.executor.driver_worker.kv_caches[0][0].dtype == np.uint16
+        assert _generate(many) == _generate(one)
+    finally:
+        many.shutdown()

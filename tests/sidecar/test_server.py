@@ -69,6 +69,7 @@ def test_socket_mode_and_model_info(server):
     assert info.numba_code_path == numba_code_path() and info.numba_code_path in ("avx512", "avx2", "baseline")
     assert info.kernels == ("numpy" if info.numba_code_path == "baseline" else "numba")
     assert info.blas_kernel == blas_info()["architecture"] and info.blas_threads >= 1
+    assert info.kv_cache_dtype == "float32"  # kv_cache_dtype "auto" on the CPU (field 13; `pagedserve stats`)
 
 
 def test_stream_equals_offline_tokens(server, offline):
