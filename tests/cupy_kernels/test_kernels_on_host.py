@@ -236,7 +236,10 @@ def _build(module: cuda_ops.KernelModule, workdir: Path) -> Path:
     src = workdir / f"{module.name}.cpp"
     src.write_text("\n".join(lines) + "\n")
     lib = workdir / f"lib{module.name}.so"
-    flags = ["-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-U_FORTIFY_SOURCE"]
+    # -fno-gnu-unique: a template kernel's static __shared__ arrays are otherwise STB_GNU_UNIQUE symbols, which the
+    # dynamic linker unifies across every loaded library, RTLD_LOCAL or not: a second build of the same kernels (a
+    # mutant) would run on the first library's arrays, and its own (the ones registered for poisoning) go unused.
+    flags = ["-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-U_FORTIFY_SOURCE", "-fno-gnu-unique"]
     proc = subprocess.run([GXX, *flags, "-o", str(lib), str(src)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"g++ failed for {module.name}:\n{proc.stderr[-6000:]}"
     return lib
