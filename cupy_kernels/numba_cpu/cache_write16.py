@@ -2,8 +2,9 @@
 the rotated key and the value rounded as they are stored, the same bits as the numpy reference (reference/
 kv_convert.py: bfloat16 rounded to nearest even by integer ops on the float32 bits, here in LLVM IR; float16 by
 the F16C conversion, round to nearest even as numpy's). One serial pass over the step's tokens (the float32
-kernel's threads and non-temporal whole-line stores are for float32 rows: cache_write.py); float16 only where numba
-compiles for F16C (not on baseline x86-64 code, where the reference writes it).
+kernel's threads and non-temporal whole-line stores are for float32 rows: cache_write.py). Not on baseline x86-64
+code, where the reference writes both: without F16C, LLVM lowers the float16 branch's fptrunc to a runtime helper
+(__truncsfhf2) that numba's JIT does not link, and the compiled kernel crashes (CI's forced-baseline run found it).
 """
 
 from __future__ import annotations
@@ -85,9 +86,8 @@ def _rotary_and_cache16(qkv, num_heads, num_kv_heads, cos, sin, k_bits, v_bits, 
 
 
 def takes(k_cache, v_cache) -> bool:
-    """Whether this kernel writes these caches: one 16-bit dtype, C-contiguous and writable (float16 with F16C)."""
-    return (k_cache.dtype == v_cache.dtype and (k_cache.dtype == _U16 or (k_cache.dtype == _F16
-                                                                          and CODE_PATH != "baseline"))
+    """Whether this kernel writes these caches: one 16-bit dtype, C-contiguous and writable, not on baseline code."""
+    return (CODE_PATH != "baseline" and k_cache.dtype == v_cache.dtype and k_cache.dtype in (_U16, _F16)
             and k_cache.flags.carray and v_cache.flags.carray)
 
 
@@ -99,7 +99,9 @@ def rotary_and_cache16(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache,
 
 
 def warm_up() -> None:
-    """Compile (or load from the cache) the kernel: one signature serves both 16-bit dtypes."""
+    """Compile (or load from the cache) the kernel: one signature serves both 16-bit dtypes (none on baseline)."""
+    if CODE_PATH == "baseline":
+        return
     f32 = np.zeros((1, 6 * 2), np.float32)
     cache = np.zeros((1, 1, 1, 2), np.uint16)
     rotary_and_cache16(f32, 4, 1, np.ones((1, 1), np.float32), np.zeros((1, 1), np.float32), cache, cache.copy(),

@@ -169,7 +169,10 @@ def test_numba_loop_nest_reads_16_bit_caches(dtype):
     bits over the same values decoded, and the reference's within float32 rounding; a decode-only step over long
     contexts (the loop nest, several chunks on the threads) and a mixed one with a sliding window."""
     from pagedserve.cupy_kernels.numba_cpu import attention
+    from pagedserve.cupy_kernels.numba_cpu.setup import CODE_PATH
 
+    # float16 on baseline code (no F16C) is read by the reference (attention16.py): no loop-nest bits to compare
+    loop_nest = not (dtype == "float16" and CODE_PATH == "baseline")
     storage = kv_cache_layout(dtype, np.float32).storage
     for seed, seqs, window in ((4, [(300, 1), (20, 1), (129, 1), (64, 1)] * 4, None),
                                (5, [(37, 5), (20, 1), (45, 6), (9, 1), (64, 1)], 12)):
@@ -179,7 +182,8 @@ def test_numba_loop_nest_reads_16_bit_caches(dtype):
         scale = 32 ** -0.5
         got = attention.paged_attention(q, k16, v16, qsl, lens, tables, scale, sliding_window=window)
         f32 = attention.paged_attention(q, decode(k16), decode(v16), qsl, lens, tables, scale, sliding_window=window)
-        np.testing.assert_array_equal(got, f32)
+        if loop_nest:
+            np.testing.assert_array_equal(got, f32)
         want = ref.paged_attention(q, decode(k16), decode(v16), qsl, lens, tables, scale, sliding_window=window)
         assert np.abs(got - want).max() <= f32_tol(np.abs(want).max(), max(lens) + 32)
 
