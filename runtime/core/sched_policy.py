@@ -6,10 +6,13 @@ The scheduler (scheduler.py) keeps its one token-budget rule and asks its policy
     prefill_key(request)   the order of running prefill chunks under the step's budget (a sort key)
     victim(running)        which running request preemption takes when the free blocks run out
     charge(scheduled)      after a step is planned: the work each request got (fair share's counters)
+    outranks(head, victim) whether the waiting `head` goes before the running `victim`: then it is admitted
+                           ahead of the running prefills' chunks, preempting `victim` for a seat or blocks
 
-    fcfs       arrival order; preemption takes the newest running request (the scheduler's original rule)
+    fcfs       arrival order; preemption takes the newest running request (the scheduler's original rule);
+               nobody outranks a running request
     priority   vLLM's: the lowest `priority` value first, ties by arrival; preemption takes the highest
-               value, newest first
+               value, newest first; a waiting request of a lower value outranks (vLLM's priority preemption)
     fair       weighted Virtual Token Counter (VTC; Sheng et al., "Fairness in Serving Large Language Models",
                OSDI 2024, arXiv 2401.00588), within a priority level (priority first, then the counter)
 
@@ -23,6 +26,14 @@ of the least counter, its oldest request. A tenant that becomes backlogged is li
 among the backlogged ones (else among the running ones): an idle tenant banks no credit, and its share
 goes to the others meanwhile (work-conserving). Preemption takes the running request of the tenant with
 the greatest counter (its newest), and prefill chunks go in counter order.
+
+Outranking. Admission order alone leaves a newly backlogged tenant waiting for a seat that a full batch of
+another tenant's long requests frees only as they finish (~1 s at 64 seats on a CPU). So a waiting request
+outranks a running one, and takes its seat and blocks at once, when its tenant's counter, plus everything the
+request can still be charged (its whole charge C(r) / weight), stays below the running request's tenant's
+counter. The margin is hysteresis: once served in full, the newcomer's tenant is still below the preempted
+one's, which therefore cannot take the seat back (no ping-pong). Preemption moves no counter (a recompute is
+free), so the bound below is unchanged.
 
 The bound. Let C(r) = w_p * prompt(r) + w_q * max_tokens(r) be a request's whole charge, and let
 U_X = max_num_seqs * max_r C(r) / w_X bound what tenant X's running requests can still be charged at any
@@ -72,6 +83,9 @@ class FcfsPolicy:
     def on_waiting(self, request: Request, backlogged: Iterable[str], running: Iterable[Request]) -> None:
         pass
 
+    def outranks(self, head: Request, victim: Request) -> bool:
+        return False
+
     def charge(self, request: Request, num_new_tokens: int, num_real_tokens: int) -> None:
         pass
 
@@ -89,6 +103,9 @@ class PriorityPolicy(FcfsPolicy):
 
     def prefill_key(self, request: Request) -> tuple:
         return self._key(request)
+
+    def outranks(self, head: Request, victim: Request) -> bool:
+        return head.priority < victim.priority
 
     def victim(self, running: Sequence[Request]) -> Request:
         # The least urgent, newest first: max over (priority, arrival), the last one in running order on ties.
@@ -127,6 +144,16 @@ class FairPolicy(PriorityPolicy):
 
     def victim(self, running: Sequence[Request]) -> Request:
         return super().victim(running)  # the greatest (priority, counter, arrival)
+
+    def outranks(self, head: Request, victim: Request) -> bool:
+        if head.priority != victim.priority:
+            return head.priority < victim.priority
+        tenant = tenant_of(head)
+        if tenant == tenant_of(victim):
+            return False
+        params = head.sampling_params
+        whole = self.prompt_cost * head.num_prompt_tokens + self.output_cost * params.max_tokens
+        return self.counters[tenant] + whole / self.weight(tenant) < self.counters[tenant_of(victim)]
 
     def on_waiting(self, request: Request, backlogged: Iterable[str], running: Iterable[Request]) -> None:
         """`request` joins the waiting queue; if its tenant had nothing waiting, lift its counter (no banked credit)."""
