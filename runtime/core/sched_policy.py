@@ -67,9 +67,29 @@ def tenant_of(request: Request) -> str:
 
 
 class FcfsPolicy:
-    """Arrival order: the waiting queue's own (a preempted request goes back to its front)."""
+    """Arrival order: the waiting queue's own (a preempted request goes back to its front).
+
+    Every policy counts each tenant's computed tokens (`tokens`: prompt and output positions, each once: a
+    recompute after preemption is not counted again), which the engine's stats show per tenant."""
 
     name = "fcfs"
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, int] = defaultdict(int)
+        # Positions of each sequence counted so far (a recompute after preemption is free).
+        self._charged: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
+
+    def _first_computed(self, request: Request, num_real_tokens: int) -> tuple[int, int]:
+        """(prompt, output) positions this step computes for the first time; counts them in `tokens`."""
+        start = request.num_computed_tokens
+        end = start + num_real_tokens
+        done = max(self._charged.get(request, 0), start)
+        if end <= done:
+            return 0, 0
+        new_prompt = max(0, min(end, request.num_prompt_tokens) - done)
+        self._charged[request] = end
+        self.tokens[tenant_of(request)] += end - done
+        return new_prompt, end - done - new_prompt
 
     def pick(self, waiting: Iterable[Request]) -> Request | None:
         return next((r for r in waiting if not r.waiting_for_grammar), None)
@@ -87,7 +107,7 @@ class FcfsPolicy:
         return False
 
     def charge(self, request: Request, num_new_tokens: int, num_real_tokens: int) -> None:
-        pass
+        self._first_computed(request, num_real_tokens)
 
 
 class PriorityPolicy(FcfsPolicy):
@@ -128,13 +148,12 @@ class FairPolicy(PriorityPolicy):
                 raise ValueError(f"weight of tenant {name!r} must be positive, got {w!r}")
         if not prompt_cost > 0 or not output_cost > 0:
             raise ValueError(f"prompt_cost and output_cost must be positive, got {prompt_cost!r}, {output_cost!r}")
+        super().__init__()
         self.weights = dict(weights or {})
         self.prompt_cost = prompt_cost
         self.output_cost = output_cost
         self.counters: dict[str, float] = defaultdict(float)  # service / weight
         self.served: dict[str, float] = defaultdict(float)  # weighted service, not divided (bench, tests)
-        # Positions of each sequence charged so far (a recompute after preemption is free).
-        self._charged: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
 
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant, 1.0)
@@ -170,16 +189,8 @@ class FairPolicy(PriorityPolicy):
     def charge(self, request: Request, num_new_tokens: int, num_real_tokens: int) -> None:
         """Charge the positions this step computes for the first time: prompt ones w_p, output ones w_q;
         draft tokens (num_new_tokens - num_real_tokens) are output work, w_q each."""
-        start = request.num_computed_tokens
-        end = start + num_real_tokens
-        done = max(self._charged.get(request, 0), start)
-        cost = 0.0
-        if end > done:
-            prompt_end = request.num_prompt_tokens
-            new_prompt = max(0, min(end, prompt_end) - done)
-            cost = self.prompt_cost * new_prompt + self.output_cost * (end - done - new_prompt)
-            self._charged[request] = end
-        cost += self.output_cost * (num_new_tokens - num_real_tokens)
+        new_prompt, new_output = self._first_computed(request, num_real_tokens)
+        cost = self.prompt_cost * new_prompt + self.output_cost * (new_output + num_new_tokens - num_real_tokens)
         if cost:
             tenant = tenant_of(request)
             self.served[tenant] += cost

@@ -111,3 +111,21 @@ def test_outranking_takes_blocks_too_when_the_pool_is_full():
     for r in list(sim.sched.running) + list(sim.sched.waiting):
         sim.sched.finish_request(r, RequestStatus.FINISHED_ABORTED)
     assert sim.sched.kv.num_free_blocks == 8
+
+
+@pytest.mark.parametrize("policy", [FcfsPolicy, PriorityPolicy, FairPolicy])
+def test_every_policy_counts_each_tenants_positions_once_through_preemptions(policy):
+    """tokens[tenant] = the positions its requests computed (prompt + outputs but the last), a recompute after
+    preemption not counted again: the per-tenant figure GetServerStats and the metrics show."""
+    sim = Sim(policy(), budget=32, max_seqs=8, num_blocks=6)
+    requests = [_request(f"{t}{k}", 20 + 3 * k, 12, float(k), tenant=t) for k in range(3) for t in ("a", "b")]
+    for r in requests:
+        sim.add(r)
+    for _ in range(400):
+        if not sim.sched.num_unfinished:
+            break
+        sim.step()
+    assert not sim.sched.num_unfinished and sum(r.num_preemptions for r in requests) > 0
+    for t in ("a", "b"):
+        mine = [r for r in requests if r.tenant == t]
+        assert sim.sched.policy.tokens[t] == sum(r.num_prompt_tokens + 12 - 1 for r in mine)
