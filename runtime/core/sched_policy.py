@@ -23,17 +23,21 @@ w_p=1, w_q=2). Cached prefix tokens cost nothing (they are not computed); a pree
 costs nothing either (each position is charged once, at its first computation), so a preemption never
 makes its tenant pay twice. Admission takes the backlogged tenant (one with an admissible waiting request)
 of the least counter, its oldest request. A tenant that becomes backlogged is lifted to the least counter
-among the backlogged ones (else among the running ones): an idle tenant banks no credit, and its share
-goes to the others meanwhile (work-conserving). Preemption takes the running request of the tenant with
+among the backlogged ones (else among the running ones) less the whole charge of the request it brings
+(C(r) / weight, below): an idle tenant banks no credit beyond that one request, which goes ahead of the
+backlog (what a tenant sending one request at a time needs), and its share goes to the others meanwhile
+(work-conserving). Preemption takes the running request of the tenant with
 the greatest counter (its newest), and prefill chunks go in counter order.
 
 Outranking. Admission order alone leaves a newly backlogged tenant waiting for a seat that a full batch of
-another tenant's long requests frees only as they finish (~1 s at 64 seats on a CPU). So a waiting request
-outranks a running one, and takes its seat and blocks at once, when its tenant's counter, plus everything the
-request can still be charged (its whole charge C(r) / weight), stays below the running request's tenant's
-counter. The margin is hysteresis: once served in full, the newcomer's tenant is still below the preempted
-one's, which therefore cannot take the seat back (no ping-pong). Preemption moves no counter (a recompute is
-free), so the bound below is unchanged.
+another tenant's long requests frees only as they finish (~1 s at 64 seats on a CPU). So the waiting request
+fair share would admit next (the least counter) outranks the running request preemption would take (the
+greatest counter), of another tenant, and takes its seat and blocks at once, when its tenant, served that
+request in full (C(r) / weight added), would still be at or below the running request's tenant's counter.
+No ping-pong: the preempted request's tenant keeps its counter, which stays at or above the newcomer's
+through the newcomer's whole request, so it can only outrank back (its own C(r) > 0 added) after that
+request is done. Preemption moves no counter (a recompute is free), and the newcomer is the least counter
+among the backlogged (pick), so the bound below is unchanged.
 
 The bound. Let C(r) = w_p * prompt(r) + w_q * max_tokens(r) be a request's whole charge, and let
 U_X = max_num_seqs * max_r C(r) / w_X bound what tenant X's running requests can still be charged at any
@@ -42,8 +46,9 @@ moment (it holds at most max_num_seqs of them). While tenants A and B are both b
   - A is admitted only while c_A <= c_B (B has an admissible request, and the least counter goes first;
     when that request cannot be admitted, admission stops for the step rather than skip to A);
   - so after A's last admission at t0, c_A(t) - c_B(t) <= c_A(t0) - c_B(t0) + U_A <= U_A; likewise for B.
-When the later of the two becomes backlogged it is lifted to the other's counter (or above it, where its own
-is higher, and then by at most U of its running set: it was last admitted at or below the least counter).
+When the later of the two becomes backlogged it is lifted to the other's counter less one request's C(r)/w
+(<= its own U: it starts at most that far behind), or stays above it, where its own is higher, and then by at
+most U of its running set (it was last admitted at or below the least counter).
 Over any interval [t1, t2] in which both stay backlogged (a request waiting at every moment, right after each
 step's admissions too: a tenant that runs dry and comes back is lifted), with W_X its weighted service in it,
     |W_A / w_A - W_B / w_B| <= |gap(t2)| + |gap(t1)| <= U_A + U_B  (2U for equal weights: VTC's bound).
@@ -170,12 +175,16 @@ class FairPolicy(PriorityPolicy):
         tenant = tenant_of(head)
         if tenant == tenant_of(victim):
             return False
-        params = head.sampling_params
-        whole = self.prompt_cost * head.num_prompt_tokens + self.output_cost * params.max_tokens
-        return self.counters[tenant] + whole / self.weight(tenant) < self.counters[tenant_of(victim)]
+        mine, theirs = self.counters[tenant], self.counters[tenant_of(victim)]
+        return mine + self._whole(head) / self.weight(tenant) <= theirs
+
+    def _whole(self, r: Request) -> float:
+        """C(r): everything the request can be charged, its prompt and max_tokens outputs."""
+        return self.prompt_cost * r.num_prompt_tokens + self.output_cost * r.sampling_params.max_tokens
 
     def on_waiting(self, request: Request, backlogged: Iterable[str], running: Iterable[Request]) -> None:
-        """`request` joins the waiting queue; if its tenant had nothing waiting, lift its counter (no banked credit)."""
+        """`request` joins the waiting queue; if its tenant had nothing waiting, lift its counter (no banked
+        credit but this request's)."""
         tenant = tenant_of(request)
         backlogged = set(backlogged)
         if tenant in backlogged:  # already backlogged: its counter stands (a lift now would lose it service)
@@ -184,7 +193,7 @@ class FairPolicy(PriorityPolicy):
         if not others:
             others = [self.counters[tenant_of(r)] for r in running if tenant_of(r) != tenant]
         if others:
-            self.counters[tenant] = max(self.counters[tenant], min(others))
+            self.counters[tenant] = max(self.counters[tenant], min(others) - self._whole(request) / self.weight(tenant))
 
     def charge(self, request: Request, num_new_tokens: int, num_real_tokens: int) -> None:
         """Charge the positions this step computes for the first time: prompt ones w_p, output ones w_q;

@@ -39,12 +39,12 @@ def _admitting_step(sim: Sim, rid: str, limit: int = 40):
 
 
 def test_fair_admits_a_new_tenant_within_steps_preempting_the_flood_fcfs_does_not():
-    """The newcomer is lifted to the flood's counter (no banked credit) and outranks it once the flood's service
-    since then exceeds the newcomer's whole charge (8 + 2 * 4 = 16 here; the flood is charged 4 * 2 a step)."""
+    """The newcomer is lifted to the flood's counter (no banked credit): a tie, and its whole request (8 + 2 * 4)
+    is below the flood request's (32 + 2 * 200), so it outranks at once."""
     sim = _flooded(FairPolicy())
     sim.add(_request("chat", 8, 4, 100.0, tenant="chat"))
     out, steps = _admitting_step(sim, "chat")
-    assert out is not None and steps <= 4, steps
+    assert out is not None and steps == 1, steps
     assert [r.request_id for r, _ in out.admitted] == ["chat"]
     assert len(out.preempted) == 1 and out.preempted[0].tenant == "flood"  # the flood's newest
     assert out.preempted[0].status == RequestStatus.WAITING and out.preempted[0] is sim.sched.waiting[0]
