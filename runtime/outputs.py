@@ -62,6 +62,20 @@ class RequestOutput:
     warnings: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class TenantStats:
+    """One tenant's share of the engine now (its requests running and queued) and since start (its computed
+    prompt + output tokens, each position once; under fair share its weighted service and virtual counter)."""
+
+    name: str
+    num_running: int = 0
+    num_waiting: int = 0
+    tokens_served: int = 0
+    weight: float = 1.0
+    fair_share_served: float = 0.0  # w_p * prompt + w_q * output tokens (runtime/core/sched_policy.py); 0 unless fair
+    fair_share_counter: float = 0.0  # fair_share_served / weight: what fair share compares between tenants
+
+
 @dataclass
 class EngineStats:
     """The one schema of the engine's figures: runtime/engine/stats.py fills it, the logs, the sidecar's
@@ -97,6 +111,13 @@ class EngineStats:
     lora_hits: int = 0
     lora_loads: int = 0
     lora_evictions: int = 0
+    # Per tenant (runtime/core/sched_policy.py): every tenant with requests in the engine or served since start;
+    # one "default" row when no tenants file names callers.
+    tenants: tuple[TenantStats, ...] = ()
+
+    def tenant(self, name: str) -> TenantStats:
+        """`name`'s row (an empty one when it has had nothing in this engine)."""
+        return next((t for t in self.tenants if t.name == name), TenantStats(name))
 
     @property
     def spec_acceptance_rate(self) -> float:

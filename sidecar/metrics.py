@@ -97,7 +97,13 @@ ENGINE_METRICS: tuple[EngineMetric, ...] = (
 NOT_METRICS: dict[str, str] = {
     "kv_transfer": "disaggregated-serving counters: on the wire (GetServerStats) and in the logs",
     "spec_method": "a name, not a number: on the wire and in the logs",
+    "tenants": "per tenant: pagedserve_tenant_num_requests_running / _waiting, pagedserve_tenant_tokens_served",
 }
+TENANT_METRICS = (  # (name, help, kind, TenantStats field)
+    ("pagedserve_tenant_num_requests_running", "Requests running, by tenant", "gauge", "num_running"),
+    ("pagedserve_tenant_num_requests_waiting", "Requests queued, by tenant", "gauge", "num_waiting"),
+    ("pagedserve_tenant_tokens_served", "Prompt + generated tokens computed, by tenant", "counter", "tokens_served"),
+)
 _COVERED = frozenset(name for m in ENGINE_METRICS for name in m.covers)
 
 
@@ -189,6 +195,12 @@ class _EngineCollector(Collector):
             value = getattr(s, name)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 yield _gauge(f"pagedserve_engine_{name}", f"EngineStats.{name}", value)
+        # Labelled only by the tenants file's names and "default": bounded, nothing a client sends.
+        for name, doc, kind, field in TENANT_METRICS:
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=["tenant"])
+            for row in s.tenants:
+                family.add_metric([row.name], getattr(row, field))
+            yield family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

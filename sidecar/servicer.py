@@ -337,7 +337,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         engine = await self._engine(context)
         # The snapshot, with the KV-transfer counters read now: a decode instance's are bumped before the
         # stream that used them moves on, so a reader never sees them late.
-        return server_stats_message(engine.stats, engine.kv_transfer_stats(), time.monotonic() - engine.started_at)
+        return server_stats_message(engine.stats, engine.kv_transfer_stats(), time.monotonic() - engine.started_at,
+                                    self.callers.tenant(context))
 
     async def Abort(self, request: pb.AbortRequest, context):
         engine = await self._engine(context)

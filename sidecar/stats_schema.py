@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pagedserve.runtime.core.sched_policy import DEFAULT_TENANT
 from pagedserve.runtime.kv_transfer.kv_connector import KVTransferStats
 from pagedserve.runtime.outputs import EngineStats
 
@@ -28,12 +29,16 @@ WIRE_NAMES: dict[str, str] = {
 NOT_ON_WIRE: frozenset[str] = frozenset({
     "prefix_cache_request_hit_rate", "num_shared_blocks", "num_exclusive_blocks", "kv_bytes_used",
     "kv_bytes_without_sharing",
+    "tenants",  # every tenant's row: only the caller's own goes on the wire, as TENANT_FIELDS below
 })
+# ServerStats fields of the caller's own tenant: its TenantStats row, by these names.
+TENANT_FIELDS: dict[str, str] = {"tenant": "name", "tenant_num_running": "num_running",
+                                 "tenant_num_waiting": "num_waiting", "tenant_tokens_served": "tokens_served"}
 # EngineStats fields spread into their own fields, each under its own name.
 NESTED = "kv_transfer"
 KV_NOT_ON_WIRE: frozenset[str] = frozenset({"fallback_reasons"})  # a dict of reason -> count
 # ServerStats fields that are the server's, not the engine's.
-SERVER_FIELDS: tuple[str, ...] = ("uptime_s",)
+SERVER_FIELDS: tuple[str, ...] = ("uptime_s",) + tuple(TENANT_FIELDS)
 
 ENGINE_WIRE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(EngineStats)
                                             if f.name not in NOT_ON_WIRE and f.name != NESTED)
@@ -41,8 +46,12 @@ KV_WIRE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(KVTra
                                         if f.name not in KV_NOT_ON_WIRE)
 
 
-def server_stats_message(stats: EngineStats, kv: KVTransferStats, uptime_s: float) -> pb.ServerStats:
-    """GetServerStats' answer: the snapshot `stats`, the live KV-transfer counters `kv`, and the uptime."""
+def server_stats_message(stats: EngineStats, kv: KVTransferStats, uptime_s: float,
+                         tenant: str | None = None) -> pb.ServerStats:
+    """GetServerStats' answer: the snapshot `stats`, the live KV-transfer counters `kv`, the uptime, and the
+    calling `tenant`'s own row (None: the one default tenant)."""
     values = {WIRE_NAMES.get(name, name): getattr(stats, name) for name in ENGINE_WIRE_FIELDS}
     values.update({name: getattr(kv, name) for name in KV_WIRE_FIELDS})
+    row = stats.tenant(tenant or DEFAULT_TENANT)
+    values.update({wire: getattr(row, name) for wire, name in TENANT_FIELDS.items()})
     return pb.ServerStats(uptime_s=uptime_s, **values)

@@ -43,60 +43,14 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from .chunking import attention_cost, chunk_within
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
+from .sched_output import ScheduledRequest, SchedulerOutput
 from .sched_policy import FcfsPolicy, tenant_of
 
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # includes the draft tokens below
-    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step (after the newest token)
-
-    @property
-    def num_real_tokens(self) -> int:
-        """The sequence's own new tokens (prompt chunk or newest token), without the drafts after them."""
-        return self.num_new_tokens - len(self.spec_token_ids)
-
-    @property
-    def completes_prompt(self) -> bool:
-        """This step computes the sequence's last known token, so it samples (decodes always do)."""
-        return self.request.num_computed_tokens + self.num_real_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    admitted: list[tuple[Request, int]] = field(default_factory=list)  # moved from waiting this step
-    # Requests whose scheduling raised: already out of the queues with their blocks freed; the engine
-    # fails their groups. One request's bug costs the others nothing.
-    failed: list[tuple[Request, Exception]] = field(default_factory=list)
-    # Copy-on-write block copies (src, dst) the device makes before this step's forward.
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-
-    # (the list counted, its length then, their tokens): the scheduler asks after every request it schedules, and
-    # summing the whole list each time made a step of N requests cost O(N^2) (~28k additions a step at 256).
-    # `scheduled` only grows by appends or is replaced by a new list; either is seen here.
-    _counted: tuple[list, int, int] = field(default=([], 0, 0), repr=False, compare=False)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        counted, n, total = self._counted
-        if counted is not self.scheduled or n > len(self.scheduled):
-            n, total = 0, 0
-        for i in range(n, len(self.scheduled)):
-            total += self.scheduled[i].num_new_tokens
-        self._counted = (self.scheduled, len(self.scheduled), total)
-        return total
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+__all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput", "chunk_within"]
 
 
 class Scheduler:
@@ -292,6 +246,10 @@ class Scheduler:
             if request.is_prefilling:
                 if with_decodes is None:
                     with_decodes = self._has_decodes(out)
+                    self._admit_outranking(out, now, with_decodes)  # before the running prefills' chunks
+                    if request not in self.running or self._budget(out) <= 0:
+                        continue
+                    budget = self._budget(out)
                 num_new = self._chunk(budget, request.num_computed_tokens, remaining, with_decodes)
             else:
                 num_new = min(remaining, budget)
@@ -314,6 +272,8 @@ class Scheduler:
                     out.scheduled.append(ScheduledRequest(request, num_new + len(spec), list(spec)))
             except Exception as e:
                 self._fail([request], e, out)
+        if with_decodes is None:  # no running prefill: the loop did not get to it
+            self._admit_outranking(out, now, self._has_decodes(out))
         # New requests only when nothing was preempted: memory is tight, let the running ones finish.
         with_decodes = self._has_decodes(out)
         while self.waiting and not out.preempted and self._budget(out) > 0:
@@ -344,6 +304,27 @@ class Scheduler:
             out.admitted = [a for a in out.admitted if a[0] is not r]
             self.finish_request(r, RequestStatus.FINISHED_ABORTED)
             out.failed.append((r, error))
+
+    def _admit_outranking(self, out: SchedulerOutput, now: float, with_decodes: bool) -> None:
+        """Admit the policy's next requests that outrank the running request preemption would take (a newly
+        backlogged tenant under fair share, a lower `priority` value), ahead of the running prefills' chunks,
+        preempting that request whenever a seat or blocks are missing. fcfs: nobody outranks, nothing happens."""
+        while self.waiting and self.running and self._budget(out) > 0:
+            unit = self._admission_unit()
+            if unit is None or not self.policy.outranks(unit[0], self.policy.victim(self.running)):
+                return
+            try:
+                for _ in range(len(self.running) + 1):  # each try preempts one more victim
+                    if self._admit(unit, out, now, with_decodes):
+                        break
+                    victim = self.policy.victim(self.running) if self.running else None
+                    if victim is None or not self.policy.outranks(unit[0], victim):
+                        return
+                    self._preempt(victim, out)
+                else:
+                    return
+            except Exception as e:
+                self._fail(unit, e, out)
 
     def _admission_unit(self) -> list[Request] | None:
         """The policy's next request whose grammar (if any) is compiled and adapter (if any) has a slot, with its

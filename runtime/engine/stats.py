@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 from pagedserve.models.kv_cache import kv_bytes_per_block
 
 from ..kv_transfer.kv_connector import KVTransferStats
-from ..outputs import EngineStats
+from ..core.sched_policy import tenant_of
+from ..outputs import EngineStats, TenantStats
 
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine
@@ -65,7 +66,24 @@ def engine_stats(engine: LLMEngine, window_s: float = 10.0) -> EngineStats:
                                        if sched.num_admitted else 0.0),
         num_shared_blocks=usage.num_shared_blocks, num_exclusive_blocks=usage.num_exclusive_blocks,
         kv_bytes_used=usage.num_used_blocks * per_block, kv_bytes_without_sharing=table_blocks * per_block,
-        kv_transfer=engine.kv_stats.snapshot(), **spec, **lora_fields(engine.lora))
+        kv_transfer=engine.kv_stats.snapshot(), **spec, **lora_fields(engine.lora), tenants=tenant_rows(sched))
+
+
+def tenant_rows(sched) -> tuple[TenantStats, ...]:
+    """Each tenant's requests running and waiting now, and what the scheduler's policy counted for it."""
+    policy = sched.policy
+    running: dict[str, int] = {}
+    waiting: dict[str, int] = {}
+    for r in sched.running:
+        running[tenant_of(r)] = running.get(tenant_of(r), 0) + 1
+    for r in list(sched.waiting) + list(sched.waiting_for_kv.values()):
+        waiting[tenant_of(r)] = waiting.get(tenant_of(r), 0) + 1
+    served = getattr(policy, "served", {})
+    counters = getattr(policy, "counters", {})
+    weight = getattr(policy, "weight", lambda name: 1.0)
+    names = sorted(set(running) | set(waiting) | set(policy.tokens) | set(served))
+    return tuple(TenantStats(name, running.get(name, 0), waiting.get(name, 0), policy.tokens.get(name, 0),
+                             weight(name), served.get(name, 0.0), counters.get(name, 0.0)) for name in names)
 
 
 def lora_fields(manager) -> dict:

@@ -258,7 +258,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "kv_utilization", "prefix_cache_hit_rate", "output_tokens_per_s", "total_tokens_per_s", "num_preemptions", "uptime_s", "kv_blocks_sent", "kv_blocks_received", "remote_prefills", "local_prefill_fallbacks", "kv_bytes_sent", "kv_bytes_received", "kv_transfer_s", "spec_method", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_mean_accepted_length", "lora_loaded", "lora_resident", "lora_hits", "lora_loads", "lora_evictions")
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "kv_utilization", "prefix_cache_hit_rate", "output_tokens_per_s", "total_tokens_per_s", "num_preemptions", "uptime_s", "kv_blocks_sent", "kv_blocks_received", "remote_prefills", "local_prefill_fallbacks", "kv_bytes_sent", "kv_bytes_received", "kv_transfer_s", "spec_method", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_mean_accepted_length", "lora_loaded", "lora_resident", "lora_hits", "lora_loads", "lora_evictions", "tenant", "tenant_num_running", "tenant_num_waiting", "tenant_tokens_served")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +285,10 @@ class ServerStats(_message.Message):
     LORA_HITS_FIELD_NUMBER: _ClassVar[int]
     LORA_LOADS_FIELD_NUMBER: _ClassVar[int]
     LORA_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    TENANT_NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    TENANT_TOKENS_SERVED_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_blocks_used: int
@@ -311,7 +315,11 @@ class ServerStats(_message.Message):
     lora_hits: int
     lora_loads: int
     lora_evictions: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., output_tokens_per_s: _Optional[float] = ..., total_tokens_per_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., kv_blocks_sent: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., local_prefill_fallbacks: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ..., spec_method: _Optional[str] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_mean_accepted_length: _Optional[float] = ..., lora_loaded: _Optional[int] = ..., lora_resident: _Optional[int] = ..., lora_hits: _Optional[int] = ..., lora_loads: _Optional[int] = ..., lora_evictions: _Optional[int] = ...) -> None: ...
+    tenant: str
+    tenant_num_running: int
+    tenant_num_waiting: int
+    tenant_tokens_served: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., output_tokens_per_s: _Optional[float] = ..., total_tokens_per_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., kv_blocks_sent: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., local_prefill_fallbacks: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ..., spec_method: _Optional[str] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_mean_accepted_length: _Optional[float] = ..., lora_loaded: _Optional[int] = ..., lora_resident: _Optional[int] = ..., lora_hits: _Optional[int] = ..., lora_loads: _Optional[int] = ..., lora_evictions: _Optional[int] = ..., tenant: _Optional[str] = ..., tenant_num_running: _Optional[int] = ..., tenant_num_waiting: _Optional[int] = ..., tenant_tokens_served: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -361,3 +361,14 @@ def test_tenants(tmp_path: Path) -> None:
     assert res["equal"]["served_tokens"] == {"a": 12 * 32, "b": 12 * 32}
     assert set(s["interactive_p99_ttft_s"]) == {"alone", "fcfs", "fair"} and s["fair_throughput_over_fcfs"] > 0
     assert s["served_ratio_2to1_weights"] > s["served_ratio_equal_weights"]  # the weights show (timing-free)
+
+
+@pytest.mark.slow  # two model servers side by side (~30 s)
+def test_tenant_relay(tmp_path: Path) -> None:
+    """Both servers came up and answered every call (direct: gRPC on the socket; relay: the tenants file's)."""
+    r = run_bench("tenant_relay", tmp_path, "--model", TINY, timeout=240)
+    res = r["results"]
+    assert set(res) == {"direct", "relay"}
+    for k in res:
+        assert res[k]["unary_ms"]["p50"] > 0 and res[k]["first_token_ms"]["p50"] > 0 and res[k]["stream_tok_s"] > 0
+    assert set(r["summary"]) == {"unary_p50_added_ms", "first_token_p50_added_ms", "stream_relay_over_direct"}

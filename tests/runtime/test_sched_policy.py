@@ -102,7 +102,7 @@ def test_fair_alternates_between_two_flooding_tenants():
     assert _admission_order(FcfsPolicy(), sorted(rs, key=lambda r: r.request_id))[:6] == [f"a{i}" for i in range(6)]
 
 
-def test_fair_lifts_a_newly_backlogged_tenant_no_banked_credit():
+def test_fair_lifts_a_newly_backlogged_tenant_no_banked_credit_but_its_request():
     p = FairPolicy()
     sim = Sim(p, budget=64, max_seqs=2)
     for i in range(8):
@@ -111,7 +111,8 @@ def test_fair_lifts_a_newly_backlogged_tenant_no_banked_credit():
         sim.step()
     assert p.counters["a"] > 100 and p.counters["b"] == 0
     sim.add(_request("b0", 32, 8, 100.0, tenant="b"))
-    assert p.counters["b"] == p.counters["a"]  # lifted to the least backlogged counter: a's
+    # lifted to the least backlogged counter (a's), less the request's whole charge: 32 + 2 * 8
+    assert p.counters["b"] == p.counters["a"] - (32 + 2 * 8)
 
 
 def test_fair_does_not_lift_a_tenant_that_is_already_backlogged():
@@ -120,7 +121,10 @@ def test_fair_does_not_lift_a_tenant_that_is_already_backlogged():
     p.on_waiting(_request("a9", 4, 1, 9.0, tenant="a"), ["a", "b"], [])  # a already has a request waiting
     assert p.counters["a"] == 1.0
     p.on_waiting(_request("c0", 4, 1, 9.0, tenant="c"), ["a", "b"], [])  # c becomes backlogged: lifted
-    assert p.counters["c"] == 1.0
+    assert p.counters["c"] == 0.0  # max(0, 1 - (4 + 2 * 1))
+    p.counters["c"] = 0.5
+    p.on_waiting(_request("c1", 4, 1, 9.0, tenant="c"), ["a", "b"], [])  # a lift never lowers a counter
+    assert p.counters["c"] == 0.5
 
 
 def test_fair_priority_goes_before_the_counter():

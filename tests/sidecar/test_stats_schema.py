@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from pagedserve.runtime.kv_transfer.kv_connector import KVTransferStats
-from pagedserve.runtime.outputs import EngineInfo, EngineStats
+from pagedserve.runtime.outputs import EngineInfo, EngineStats, TenantStats
 from pagedserve.sidecar import client_types, metrics, stats_schema
 from pagedserve.sidecar.pb import generation_pb2 as pb
 
@@ -22,6 +22,9 @@ def _distinct(cls: type, start: int) -> dict:
     for i, f in enumerate(dataclasses.fields(cls), start):
         if f.name == stats_schema.NESTED:
             values[f.name] = KVTransferStats(**_distinct(KVTransferStats, 100))
+        elif f.name == "tenants":
+            values[f.name] = (TenantStats("default", i, i + 1, i + 2, 1.5, i + 3.5, i + 4.5),
+                              TenantStats("other", i + 5, i + 6, i + 7))
         elif f.type == "int":
             values[f.name] = i
         elif f.type == "float":
@@ -157,3 +160,22 @@ def test_a_new_field_with_no_way_out_fails_the_checks():
     stats = extended(**_distinct(EngineStats, 1), new_count=999, new_label="label")
     assert _off_the_wire(stats) == ["new_count", "new_label"]
     assert _not_in_metrics(stats) == ["new_label"]  # the number goes out as pagedserve_engine_new_count
+
+
+def test_each_tenant_row_reaches_the_metrics_by_its_label():
+    stats = _stats()
+    samples = {(s.name, s.labels.get("tenant")): s.value
+               for family in metrics._EngineCollector(lambda: _FakeEngine(stats)).collect() for s in family.samples}
+    for row in stats.tenants:
+        assert samples[("pagedserve_tenant_num_requests_running", row.name)] == row.num_running
+        assert samples[("pagedserve_tenant_num_requests_waiting", row.name)] == row.num_waiting
+        assert samples[("pagedserve_tenant_tokens_served_total", row.name)] == row.tokens_served
+
+
+def test_the_wire_carries_the_callers_own_tenant_row_only():
+    stats = _stats()
+    mine = stats_schema.server_stats_message(stats, stats.kv_transfer, 1.0, tenant="other")
+    assert (mine.tenant, mine.tenant_num_running, mine.tenant_num_waiting, mine.tenant_tokens_served) == \
+        ("other", stats.tenants[1].num_running, stats.tenants[1].num_waiting, stats.tenants[1].tokens_served)
+    unknown = stats_schema.server_stats_message(stats, stats.kv_transfer, 1.0, tenant="nobody")
+    assert (unknown.tenant, unknown.tenant_num_running, unknown.tenant_tokens_served) == ("nobody", 0, 0)

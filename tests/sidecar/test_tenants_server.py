@@ -96,6 +96,27 @@ def test_a_tenant_over_its_quota_gets_resource_exhausted_with_a_retry_hint_other
         assert wait_idle(app).kv_blocks_used == 0
 
 
+def test_server_stats_show_the_callers_own_tenant_only(server):
+    """GetServerStats carries the caller's own tenant row: "app" sees its running request and tokens; the TCP
+    caller ("default") sees its own zeros and never the name or the figures of "app"."""
+    with client_for(server) as app, PagedServeClient(server.tcp) as other:
+        mine = app.generate([5, 6, 7], request_id="stats-1", **LONG)
+        assert next(mine).token_ids
+        seen = None
+        for _ in range(200):  # bounded: the engine's snapshot follows within a few steps
+            seen = app.server_stats()
+            if seen.tenant_num_running == 1 and seen.tenant_tokens_served >= 4:
+                break
+            next(mine)
+        assert seen.tenant == "app" and seen.tenant_num_running == 1 and seen.tenant_tokens_served >= 4, seen
+        theirs = other.server_stats()
+        assert theirs.tenant == "default" and theirs.tenant_num_running == 0, theirs
+        assert theirs.num_running >= 1  # the engine-wide figures stay engine-wide
+        assert app.abort("stats-1") is True
+        assert list(mine)[-1].finish_reason == "abort"
+        assert wait_idle(app).tenant_num_running == 0
+
+
 def test_priority_is_taken_from_the_request(server):
     with grpc.insecure_channel(f"unix:{server.socket}") as ch:
         chunks = list(pb_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
