@@ -164,8 +164,6 @@ def _tile_dot(cases):
                              for o in (at, builder.add(at, const(_LANES))))
 
             def case(rows: int, source: int):
-                if source != _BUFFER:
-                    prefetch_ahead()
                 # two accumulators per row (the block's first and second 16 weights): two independent FMA chains
                 accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * _LANES)) for _ in range(2)]
                         for _ in range(rows)]
@@ -191,6 +189,8 @@ def _tile_dot(cases):
                     at = builder.add(builder.mul(builder.add(r0_v, const(j)), ldo), n_v)
                     builder.store(total, builder.gep(optr, [at]))
 
+            with builder.if_then(builder.icmp_signed("!=", source_v, const(_BUFFER))):
+                prefetch_ahead()  # once, before the switch: not a loop of it in every case
             done = builder.append_basic_block("tile_done")
             switch = builder.switch(builder.add(builder.mul(rows_v, const(4)), source_v), done)
             for rows, source in cases:
