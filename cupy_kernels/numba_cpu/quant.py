@@ -58,13 +58,17 @@ from ..reference.quant import BLOCK, QuantWeight
 # vs 51.8 ms, AVX2 code 40 vs 57: a verify step of 8 drafts stays here.
 QUANT_MAX_ROWS = 9
 _LANES = 16  # float32 lanes per accumulator (one AVX-512 register, two AVX2 ones)
-# Rows a pass over a weight row multiplies, each keeping two accumulators in registers: all of a decode or
-# verify step's rows (1 + up to 8 drafts) on AVX-512, whose 32 registers hold 9 rows' 18 (+ the unpacked
-# block and its table). In AVX2 code each accumulator is two of 16 registers: 3 rows do not spill, so more
-# rows go in tiles of 3 and the weight row is unpacked once, by the first tile, into a float32 row in L1
-# that the other tiles read (_BUFFERED). Every weight is read from memory and unpacked once either way.
-_TILE = 9 if AVX512 else 3
+# Rows a pass over a weight row multiplies while unpacking its blocks, each keeping two accumulators in
+# registers: all of a decode or verify step's rows (1 + up to 8 drafts) on AVX-512, whose 32 registers hold
+# 9 rows' 18 (+ the unpacked block and its table). In AVX2 code each accumulator is two of 16 registers:
+# 2 rows (8, + the block's 4, its scale and min). With more rows (_BUFFERED) that first pass also stores the
+# unpacked weight row into a float32 row in L1, and passes of up to _BUFFER_TILE rows read it (12
+# accumulators, a weight vector at a time). 3 rows unpacking in AVX2 code spilled an accumulator to the
+# stack every block, and some processes ran them 3-4x slower (bench/decode_rows.py, 3 and 5-9 rows: the
+# x loads likely aliasing the spill slot). Every weight is read from memory and unpacked once either way.
+_TILE = 9 if AVX512 else 2
 _BUFFERED = not AVX512
+_BUFFER_TILE = 3
 # Weight rows ahead whose blocks each row's pass hints into the cache (llvm.prefetch). The hardware
 # prefetcher follows each stream only within a 4 KB page and has three per thread here (quants, scales,
 # mins). Medians of 11 rounds interleaved in one process, SmolLM2's 30 layers and its Q8 lm_head, 2
@@ -210,14 +214,16 @@ def _tile_dot(cases):
 # Where a tile's weights come from (the `source` argument of _DOT).
 _BLOCKS, _STORE, _BUFFER = 0, 1, 2
 _DOT = _tile_dot([(r, _BLOCKS) for r in range(1, _TILE + 1)]
-                 + ([(r, s) for r in range(1, _TILE + 1) for s in (_STORE, _BUFFER)] if _BUFFERED else []))
+                 + ([(r, _STORE) for r in range(1, _TILE + 1)] + [(r, _BUFFER) for r in range(1, _BUFFER_TILE + 1)]
+                    if _BUFFERED else []))
 
 
 @numba.njit(**JIT)
 def _columns(x, qs, scales, mins, out, n0, n1):
-    """out[:, n0:n1] = x @ dequantize(weight rows n0 .. n1-1).T: per weight row, its rows in tiles of at most
-    _TILE, as even as they go. With _BUFFERED, a weight row of more than one tile is unpacked once, by the
-    first tile, into a float32 row the others read."""
+    """out[:, n0:n1] = x @ dequantize(weight rows n0 .. n1-1).T: per weight row, one pass of all its rows when
+    they fit a tile (_TILE), else with _BUFFERED a first pass of _TILE rows that unpacks the weight row into a
+    float32 row and passes of the rest over that (_BUFFER_TILE rows at most), else passes of at most _TILE
+    rows unpacking it each; passes as even as they go."""
     m, k = x.shape
     # x copied to start on a cache line (its rows then do too: k is a multiple of 32 floats), so that no
     # 64-byte load of it straddles two lines: on the Xeon VM, L2-resident weights, 1 row 2.5 -> 2.2 ns a
@@ -226,15 +232,19 @@ def _columns(x, qs, scales, mins, out, n0, n1):
     skip = (-raw.ctypes.data % 64) // 4
     flat = raw[skip:skip + m * k]
     flat[:] = x.reshape(m * k)
-    tiles = -(-m // _TILE)
-    buffered = _BUFFERED and tiles > 1
+    buffered = _BUFFERED and m > _TILE
+    first = _TILE if buffered else 0  # rows of the unpacking pass
+    tile = _BUFFER_TILE if buffered else _TILE
+    passes = -(-(m - first) // tile)
     buf = np.empty(k if buffered else 0, dtype=np.float32)
     for n in range(n0, n1):
         r = 0
-        for i in range(tiles):
-            rows = -(-(m - r) // (tiles - i))
-            source = (_STORE if i == 0 else _BUFFER) if buffered else _BLOCKS
-            _DOT(qs, scales, mins, n, flat, r, k, rows, source, out, buf)
+        if buffered:
+            _DOT(qs, scales, mins, n, flat, 0, k, first, _STORE, out, buf)
+            r = first
+        for i in range(passes):
+            rows = -(-(m - r) // (passes - i))
+            _DOT(qs, scales, mins, n, flat, r, k, rows, _BUFFER if buffered else _BLOCKS, out, buf)
             r += rows
 
 

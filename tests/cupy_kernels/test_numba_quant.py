@@ -134,7 +134,8 @@ import numpy as np
 from numerics import f32_tol
 from pagedserve.cupy_kernels.numba_cpu import gemm as numba_gemm, quant as numba_quant
 from pagedserve.cupy_kernels.reference import quant
-assert not numba_gemm.AVX512 and numba_quant._TILE == 3 and numba_quant._BUFFERED, numba_quant._TILE
+assert not numba_gemm.AVX512 and numba_quant._BUFFERED, numba_quant._TILE
+assert (numba_quant._TILE, numba_quant._BUFFER_TILE) == (2, 3)
 rng = np.random.default_rng(0)
 for kind in ("q4", "q8"):
     out, inp = 37, 96
@@ -144,7 +145,7 @@ for kind in ("q4", "q8"):
     mins = rng.uniform(-1, 1, (out, inp // 32)).astype(np.float16).astype(np.float32) if kind == "q4" else None
     w = quant.make_quant_weight(kind, qs, scales, mins)
     full = quant.dequantize(w)
-    for rows in range(12):  # tiles of at most 3 rows, from the blocks alone, else from a row unpacked once
+    for rows in range(12):  # 2 rows from the blocks; more: 2 that unpack the row once, then 3 at a time from it
         x = rng.standard_normal((rows, inp)).astype(np.float32)
         got = numba_quant.linear(x, w)
         scale = float((np.abs(x) @ np.abs(full).T).max(initial=0.0))
@@ -155,10 +156,10 @@ print("OK")
 """
 
 
-def test_without_avx512_the_kernel_converts_quants_and_takes_3_rows_a_pass(tmp_path):
+def test_without_avx512_the_kernel_converts_quants_and_unpacks_each_weight_row_once(tmp_path):
     """AVX2 code (NUMBA_CPU_FEATURES without AVX-512) has no vpermps table lookup: the quants go through
-    int-to-float conversions, and 3 rows a pass keep the accumulators in 16 registers; with more rows the
-    first pass stores the unpacked weight row and the others read it. Results stay right, a row the same
-    bits alone as in a batch."""
+    int-to-float conversions, and 2 rows a pass that unpacks keep the accumulators in 16 registers; with more
+    rows that pass stores the unpacked weight row and passes of 3 rows read it. Results stay right, a row the
+    same bits alone as in a batch."""
     proc = run_as_avx2(AVX2_CHECK, tmp_path)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-2000:]
