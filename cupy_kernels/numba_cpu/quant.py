@@ -214,8 +214,7 @@ def _tile_dot(cases):
 # Where a tile's weights come from (the `source` argument of _DOT).
 _BLOCKS, _STORE, _BUFFER = 0, 1, 2
 _DOT = _tile_dot([(r, _BLOCKS) for r in range(1, _TILE + 1)]
-                 + ([(r, _STORE) for r in range(1, _TILE + 1)] + [(r, _BUFFER) for r in range(1, _BUFFER_TILE + 1)]
-                    if _BUFFERED else []))
+                 + ([(_TILE, _STORE)] + [(r, _BUFFER) for r in range(1, _BUFFER_TILE + 1)] if _BUFFERED else []))
 
 
 @numba.njit(**JIT)
