@@ -75,7 +75,11 @@ _FEATURES = set(_target_features().split(","))
 # The integer dot product this module emits: "vnni", "avx2" or "generic" (see the module docstring).
 DOT_PATH = ("vnni" if {"+avx512vnni", "+avx512vl"} <= _FEATURES and CODE_PATH == "avx512"
             else "avx2" if "+avx2" in _FEATURES and CODE_PATH in ("avx512", "avx2") else "generic")
-_ROWS = 4  # activation rows a pass over a weight row (then 2, 1): 4 accumulators of 8 lanes
+# Activation rows a pass over a weight row multiplies (a call's rows in passes of at most this, as even as they
+# go), each with a 16-lane and a 2-lane accumulator: with AVX-512's 32 registers a decode step's or a verify
+# step's 1 + up to 8 rows in one pass, so each weight block is loaded and unpacked once; 4 in AVX2 code
+# (16 registers, each accumulator two of them).
+_ROWS = 9 if CODE_PATH == "avx512" else 4
 _PREFETCH_ROWS = 4  # weight rows ahead hinted into the cache (numba_quant.py's measurement)
 
 
@@ -148,25 +152,26 @@ def _int_dot(builder, w, a, signed_w: bool):
     return p
 
 
-def _block_dot(rows: int):
-    """An intrinsic dot(qs, scales, mins, n, a, da, sa, r0) -> UniTuple(float32, rows): weight row n against
-    activation rows r0 .. r0 + rows - 1 of a (int8 [T, k]) with scales da and sums sa ([T, k / 32]). qs uint8
+def _block_dot(max_rows: int):
+    """An intrinsic dot(qs, scales, mins, n, a, da, sa, r0, rows, out): out[r0 + j, n] = weight row n against
+    activation row r0 + j of a (int8 [T, k]) with scales da and sums sa ([T, k / 32]), j < rows <= max_rows
+    (a loop compiled for each height, a switch picks it; a row's sums are the same in any). qs uint8
     (Q4: mins read) or int8 (Q8: mins not read); every array 2-D C-contiguous. Blocks go two at a time (a lone
     last block with zeros beside it): one 16-lane accumulator a row, lanes 0-7 for even blocks, 8-15 for odd."""
 
     @intrinsic
-    def dot(typingctx, qs, scales, mins, n, a, da, sa, r0):
+    def dot(typingctx, qs, scales, mins, n, a, da, sa, r0, rows, out):
         if not isinstance(qs, types.Array) or qs.dtype not in (types.int8, types.uint8):
             return None
         q4 = qs.dtype == types.uint8
-        for arr in (qs, scales, mins, a, da, sa):
+        for arr in (qs, scales, mins, a, da, sa, out):
             if not (isinstance(arr, types.Array) and arr.ndim == 2 and arr.layout == "C"):
                 return None
-        if a.dtype != types.int8 or not all(t.dtype == types.float32 for t in (scales, mins, da, sa)):
+        if a.dtype != types.int8 or not all(t.dtype == types.float32 for t in (scales, mins, da, sa, out)):
             return None
-        if not all(isinstance(v, types.Integer) for v in (n, r0)):
+        if not all(isinstance(v, types.Integer) for v in (n, r0, rows)):
             return None
-        sig = types.UniTuple(types.float32, rows)(qs, scales, mins, n, a, da, sa, r0)
+        sig = types.void(qs, scales, mins, n, a, da, sa, r0, rows, out)
 
         def codegen(context, builder, signature, args):
             intp = context.get_value_type(types.intp)
@@ -225,63 +230,81 @@ def _block_dot(rows: int):
                 return builder.insert_element(ir.Constant(v2f, [0.0, 0.0]), builder.load(builder.gep(ptr, [at])),
                                               ir.Constant(i32, 0))
 
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(rows)]
-            mins_acc = [cgutils.alloca_once_value(builder, ir.Constant(v2f, [0.0] * 2)) for _ in range(rows)]
+            out_arr = context.make_array(signature.args[9])(context, builder, args[9])
+            optr, ldo = out_arr.data, builder.extract_value(out_arr.shape, 1)
 
-            def blocks_at(b, pair: bool):
-                """Add blocks b and b + 1 (pair) or block b alone to every row's accumulators."""
-                if q4:  # 16 bytes a block: weights 0-15 in the low nibbles, 16-31 in the high ones
-                    nbytes = 32 if pair else 16
-                    packed = load(qptr, builder.mul(b, const(BLOCK // 2)), vec(i8, nbytes))
-                    low = builder.and_(packed, ir.Constant(vec(i8, nbytes), [15] * nbytes))
-                    high = builder.lshr(packed, ir.Constant(vec(i8, nbytes), [4] * nbytes))
-                    if pair:
-                        order = list(range(16)) + list(range(32, 48)) + list(range(16, 32)) + list(range(48, 64))
-                        w = builder.shuffle_vector(low, high, idx(order))
+            def case(rows: int):
+                accs = [cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(rows)]
+                mins_acc = [cgutils.alloca_once_value(builder, ir.Constant(v2f, [0.0] * 2)) for _ in range(rows)]
+
+                def blocks_at(b, pair: bool):
+                    """Add blocks b and b + 1 (pair) or block b alone to every row's accumulators."""
+                    if q4:  # 16 bytes a block: weights 0-15 in the low nibbles, 16-31 in the high ones
+                        nbytes = 32 if pair else 16
+                        packed = load(qptr, builder.mul(b, const(BLOCK // 2)), vec(i8, nbytes))
+                        low = builder.and_(packed, ir.Constant(vec(i8, nbytes), [15] * nbytes))
+                        high = builder.lshr(packed, ir.Constant(vec(i8, nbytes), [4] * nbytes))
+                        if pair:
+                            order = list(range(16)) + list(range(32, 48)) + list(range(16, 32)) + list(range(48, 64))
+                            w = builder.shuffle_vector(low, high, idx(order))
+                        else:
+                            w = widen(builder.shuffle_vector(low, high, idx(range(32))), 64)
                     else:
-                        w = widen(builder.shuffle_vector(low, high, idx(range(32))), 64)
-                else:
-                    w = load(qptr, builder.mul(b, const(BLOCK)), vec(i8, 64 if pair else 32))
-                    w = w if pair else widen(w, 64)
-                dw = floats(dptr, b, pair)
-                m = floats(mptr, b, pair) if q4 else None
-                for j in range(rows):
-                    row_b = builder.add(builder.mul(blocks, const(j)), b)  # block b of activation row r0 + j
-                    at = builder.add(builder.mul(k_v, const(j)), builder.mul(b, const(BLOCK)))
-                    av = load(aptr, at, vec(i8, 64 if pair else 32))
-                    av = av if pair else widen(av, 64)
-                    isum = builder.sitofp(_int_dot(builder, w, av, not q4), v16f)
-                    scale = builder.shuffle_vector(builder.fmul(dw, floats(daptr, row_b, pair)), ir.Constant(v2f, None),
-                                                   idx([0] * 8 + [1] * 8))
-                    builder.store(builder.call(fma16, [isum, scale, builder.load(accs[j])]), accs[j])
-                    if q4:
-                        s = floats(saptr, row_b, pair)
-                        builder.store(builder.call(fma2, [m, s, builder.load(mins_acc[j])]), mins_acc[j])
+                        w = load(qptr, builder.mul(b, const(BLOCK)), vec(i8, 64 if pair else 32))
+                        w = w if pair else widen(w, 64)
+                    dw = floats(dptr, b, pair)
+                    m = floats(mptr, b, pair) if q4 else None
+                    for j in range(rows):
+                        row_b = builder.add(builder.mul(blocks, const(j)), b)  # block b of activation row r0 + j
+                        at = builder.add(builder.mul(k_v, const(j)), builder.mul(b, const(BLOCK)))
+                        av = load(aptr, at, vec(i8, 64 if pair else 32))
+                        av = av if pair else widen(av, 64)
+                        isum = builder.sitofp(_int_dot(builder, w, av, not q4), v16f)
+                        scale = builder.shuffle_vector(builder.fmul(dw, floats(daptr, row_b, pair)),
+                                                       ir.Constant(v2f, None), idx([0] * 8 + [1] * 8))
+                        builder.store(builder.call(fma16, [isum, scale, builder.load(accs[j])]), accs[j])
+                        if q4:
+                            s = floats(saptr, row_b, pair)
+                            builder.store(builder.call(fma2, [m, s, builder.load(mins_acc[j])]), mins_acc[j])
 
-            with cgutils.for_range(builder, builder.sdiv(blocks, const(2)), intp=intp) as loop:
-                blocks_at(builder.mul(loop.index, const(2)), True)
-            odd = builder.icmp_signed("!=", builder.srem(blocks, const(2)), const(0))
-            with builder.if_then(odd, likely=False):
-                blocks_at(builder.sub(blocks, const(1)), False)
-            first, second = ir.Constant(i32, 0), ir.Constant(i32, 1)
-            sums = []
-            for acc, macc in zip(accs, mins_acc):
-                total = builder.load(acc)
-                even_odd = builder.fadd(builder.shuffle_vector(total, total, idx(range(8))),
-                                        builder.shuffle_vector(total, total, idx(range(8, 16))))
-                mv = builder.load(macc)
-                sums.append(builder.fadd(builder.extract_element(lane_sums(builder, [even_odd]), first),
-                                         builder.fadd(builder.extract_element(mv, first),
-                                                      builder.extract_element(mv, second))))
-            assert even_odd.type == v8f
-            return context.make_tuple(builder, signature.return_type, sums)
+                with cgutils.for_range(builder, builder.sdiv(blocks, const(2)), intp=intp) as loop:
+                    blocks_at(builder.mul(loop.index, const(2)), True)
+                odd = builder.icmp_signed("!=", builder.srem(blocks, const(2)), const(0))
+                with builder.if_then(odd, likely=False):
+                    blocks_at(builder.sub(blocks, const(1)), False)
+                first, second = ir.Constant(i32, 0), ir.Constant(i32, 1)
+                sums = []
+                for acc, macc in zip(accs, mins_acc):
+                    total = builder.load(acc)
+                    even_odd = builder.fadd(builder.shuffle_vector(total, total, idx(range(8))),
+                                            builder.shuffle_vector(total, total, idx(range(8, 16))))
+                    mv = builder.load(macc)
+                    sums.append(builder.fadd(builder.extract_element(lane_sums(builder, [even_odd]), first),
+                                             builder.fadd(builder.extract_element(mv, first),
+                                                          builder.extract_element(mv, second))))
+                assert even_odd.type == v8f
+                for j, total in enumerate(sums):
+                    at = builder.add(builder.mul(builder.add(r0_v, const(j)), ldo), n_v)
+                    builder.store(total, builder.gep(optr, [at]))
+
+            rows_v = context.cast(builder, args[8], signature.args[8], types.intp)
+            done = builder.append_basic_block("tile_done")
+            switch = builder.switch(rows_v, done)
+            for rows in range(1, max_rows + 1):
+                block = builder.append_basic_block(f"tile_{rows}")
+                switch.add_case(const(rows), block)
+                builder.position_at_end(block)
+                case(rows)
+                builder.branch(done)
+            builder.position_at_end(done)
+            return context.get_dummy_value()
 
         return sig, codegen
 
     return dot
 
 
-_DOT4, _DOT2, _DOT1 = (_block_dot(r) for r in (_ROWS, 2, 1))
+_DOT = _block_dot(_ROWS)
 
 
 @numba.njit(parallel=True, **JIT)
@@ -291,20 +314,13 @@ def _matmul(x, qs, scales, mins, out):
     da = np.empty((m, k // BLOCK), dtype=np.float32)
     sa = np.empty((m, k // BLOCK), dtype=np.float32)
     _quantize_rows(x, a, da, sa)
+    passes = -(-m // _ROWS)
     for n in numba.prange(scales.shape[0]):
         r = 0
-        while r + _ROWS <= m:
-            v = _DOT4(qs, scales, mins, n, a, da, sa, r)
-            for j in range(_ROWS):
-                out[r + j, n] = v[j]
-            r += _ROWS
-        if r + 2 <= m:
-            v = _DOT2(qs, scales, mins, n, a, da, sa, r)
-            for j in range(2):
-                out[r + j, n] = v[j]
-            r += 2
-        if r < m:
-            out[r, n] = _DOT1(qs, scales, mins, n, a, da, sa, r)[0]
+        for i in range(passes):
+            rows = -(-(m - r) // (passes - i))
+            _DOT(qs, scales, mins, n, a, da, sa, r, rows, out)
+            r += rows
 
 
 def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

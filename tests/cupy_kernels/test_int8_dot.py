@@ -67,7 +67,7 @@ def test_compiled_quantization_is_the_reference_bit_for_bit(rows, inp):
 
 
 @pytest.mark.parametrize("kind", ["q4", "q8"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 10])
 def test_integer_sums_are_exact(kind, rows):
     """Scales 1, minimums 0 and activations that quantize to themselves (da = 1): the float32 output is the sum
     of the integer block sums, exact (below 2^24), so it must equal the reference's integer total."""
@@ -99,8 +99,8 @@ def _term_scale(x: np.ndarray, w: quant.QuantWeight) -> float:
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 9])
-@pytest.mark.parametrize("out,inp", [(1, 32), (37, 64), (130, 576)])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11])
+@pytest.mark.parametrize("out,inp", [(1, 32), (37, 64), (130, 576), (19, 1536)])
 def test_kernel_matches_the_reference(qtype, rows, out, inp):
     w = quantized(qtype, out, inp, seed=rows + out)
     x = activations(rows, inp, seed=rows)
@@ -122,13 +122,15 @@ def test_difference_from_float32_activations_is_bounded(qtype):
     assert 0 < (diff / bound).max() < 1
 
 
-def test_each_row_is_computed_alone():
-    """A row's bits do not depend on the rows beside it (the 4-, 2- and 1-row passes do the same arithmetic)."""
-    w = quantized("Q4_1", 50, 128, seed=3)
-    x = activations(7, 128, seed=4)
-    batch = quant_int8.linear(x, w)
-    for r in range(7):
-        np.testing.assert_array_equal(quant_int8.linear(x[r: r + 1], w)[0], batch[r])
+@pytest.mark.parametrize("qtype", TYPES)
+def test_each_row_is_computed_alone(qtype):
+    """A row's bits do not depend on the rows beside it (passes of any height do the same arithmetic per row):
+    the same alone as in a batch of 1 .. 12 rows (decode steps, verify steps of up to 8 drafts, and more)."""
+    w = quantized(qtype, 50, 160, seed=3)
+    x = activations(12, 160, seed=4)
+    alone = np.stack([quant_int8.linear(x[r: r + 1], w)[0] for r in range(12)])
+    for rows in range(1, 13):
+        np.testing.assert_array_equal(quant_int8.linear(x[:rows], w), alone[:rows], err_msg=f"{rows} rows")
 
 
 def test_bias_and_bad_input():

@@ -56,8 +56,8 @@ def test_split_blocks_dequantize_bit_for_bit_as_gguf(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 11, 16])
-@pytest.mark.parametrize("out,inp", [(1, 32), (37, 64), (130, 576)])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 16])
+@pytest.mark.parametrize("out,inp", [(1, 32), (37, 64), (130, 576), (19, 1536)])
 def test_kernel_matches_the_reference(qtype, rows, out, inp):
     raw, _ = quantized(qtype, out, inp, seed=rows + out)
     w = weight(qtype, raw)
@@ -68,15 +68,17 @@ def test_kernel_matches_the_reference(qtype, rows, out, inp):
     np.testing.assert_allclose(got, ref, rtol=0, atol=f32_tol(term_scale(x, w), inp))
 
 
-def test_each_row_is_computed_alone():
-    """A row's result does not depend on which other rows share the call (the 4-, 2- and 1-row passes
-    compute it the same way): the same bits alone as in a batch of 7."""
-    raw, _ = quantized("Q4_1", 50, 128, seed=3)
-    w = weight("Q4_1", raw)
-    x = np.random.default_rng(4).standard_normal((7, 128)).astype(np.float32)
-    batch = numba_quant.linear(x, w)
-    for r in range(7):
-        np.testing.assert_array_equal(numba_quant.linear(x[r : r + 1], w)[0], batch[r])
+@pytest.mark.parametrize("qtype", TYPES)
+def test_each_row_is_computed_alone(qtype):
+    """A row's result does not depend on which other rows share the call (every tile, of whatever height,
+    computes it the same way, from the blocks or from an unpacked row): the same bits alone as in a batch of
+    1 .. 12 rows (a decode step, a verify step of up to 8 drafts, and more)."""
+    raw, _ = quantized(qtype, 50, 160, seed=3)
+    w = weight(qtype, raw)
+    x = np.random.default_rng(4).standard_normal((12, 160)).astype(np.float32)
+    alone = np.stack([numba_quant.linear(x[r : r + 1], w)[0] for r in range(12)])
+    for rows in range(1, 13):
+        np.testing.assert_array_equal(numba_quant.linear(x[:rows], w), alone[:rows], err_msg=f"{rows} rows")
 
 
 def test_strided_input_and_bias():
@@ -132,7 +134,8 @@ import numpy as np
 from numerics import f32_tol
 from pagedserve.cupy_kernels.numba_cpu import gemm as numba_gemm, quant as numba_quant
 from pagedserve.cupy_kernels.reference import quant
-assert not numba_gemm.AVX512 and numba_quant._BIG_ROWS == 3, (numba_gemm.AVX512, numba_quant._BIG_ROWS)
+assert not numba_gemm.AVX512 and numba_quant._BUFFERED, numba_quant._TILE
+assert (numba_quant._TILE, numba_quant._BUFFER_TILE) == (2, 3)
 rng = np.random.default_rng(0)
 for kind in ("q4", "q8"):
     out, inp = 37, 96
@@ -142,7 +145,7 @@ for kind in ("q4", "q8"):
     mins = rng.uniform(-1, 1, (out, inp // 32)).astype(np.float16).astype(np.float32) if kind == "q4" else None
     w = quant.make_quant_weight(kind, qs, scales, mins)
     full = quant.dequantize(w)
-    for rows in range(9):  # 3-row passes, then 2 and 1
+    for rows in range(12):  # 2 rows from the blocks; more: 2 that unpack the row once, then 3 at a time from it
         x = rng.standard_normal((rows, inp)).astype(np.float32)
         got = numba_quant.linear(x, w)
         scale = float((np.abs(x) @ np.abs(full).T).max(initial=0.0))
@@ -153,9 +156,10 @@ print("OK")
 """
 
 
-def test_without_avx512_the_kernel_converts_quants_and_takes_3_rows_a_pass(tmp_path):
+def test_without_avx512_the_kernel_converts_quants_and_unpacks_each_weight_row_once(tmp_path):
     """AVX2 code (NUMBA_CPU_FEATURES without AVX-512) has no vpermps table lookup: the quants go through
-    int-to-float conversions, and 3 rows a pass keep the accumulators in 16 registers. Results stay right,
-    a row the same bits alone as in a batch."""
+    int-to-float conversions, and 2 rows a pass that unpacks keep the accumulators in 16 registers; with more
+    rows that pass stores the unpacked weight row and passes of 3 rows read it. Results stay right, a row the
+    same bits alone as in a batch."""
     proc = run_as_avx2(AVX2_CHECK, tmp_path)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-2000:]
