@@ -76,13 +76,12 @@ class KernelSet:
     kv_cache_dtypes: tuple[str, ...] = ("float32",)
 
 
-# The numpy reference stores float32, bfloat16 (uint16 bits) and float16 (reference/kv_convert.py); the numba set
-# reads 16-bit caches in its attention loop nest (numba_cpu/attention16.py: converted in registers) and rounds as
-# it writes them (numba_cpu/cache_write16.py); a long prefill's attention over them takes the reference.
-CPU_KV_CACHE_DTYPES = ("float32", "bfloat16", "float16")
-# The 8-bit dtypes (rows scaled per token and kv head, the scale in the row: kv_layout.py) in the numpy reference
-# only so far.
-NUMPY_KV_CACHE_DTYPES = (*CPU_KV_CACHE_DTYPES, "int8", "fp8_e4m3", "fp8_e5m2")
+# The CPU sets store every kv_cache_dtype: the numpy reference (reference/kv_convert.py) and the numba set, which
+# reads 16-bit caches in its attention loop nest (numba_cpu/attention16.py) and 8-bit ones, each row's scale
+# included (attention8.py), converting in registers, and rounds as it writes them (cache_write16.py,
+# cache_write8.py); a long prefill's attention over them takes the reference.
+CPU_KV_CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")
+NUMPY_KV_CACHE_DTYPES = CPU_KV_CACHE_DTYPES
 # The op names every kernel set provides, in the order of a forward pass.
 OP_NAMES = tuple(f.name for f in fields(KernelSet) if "device_arg" in f.metadata)  # the _op fields
 # numba's attention runs at ~0.44x its matmuls' FLOP rate deep in a prompt (SmolLM2, 2 threads, AVX-512: 88
