@@ -367,6 +367,9 @@ def check_kv_dtype_refusals():
     short = cp.zeros((4, 16, 1, 64), dtype=cp.uint8)  # rows without room for their scale
     with pytest.raises(ValueError, match=r"query must be \[T, H, 60\]"):
         cuda.paged_attention(q, short, short, qsl, lens, tables, 1.0, kv_cache_dtype="fp8_e4m3")
+    wide = cp.zeros((1, 32, 64), dtype=cp.float16)  # 32 query heads on one kv head: the 32-row tile fp8 lacks
+    with pytest.raises(ValueError, match="32 query heads per kv head over an fp8 cache; .* at most 16"):
+        cuda.paged_attention(wide, fp8, fp8, qsl, lens, tables, 1.0, kv_cache_dtype="fp8_e5m2")
     bf16 = cp.zeros((4, 16, 1, 64), dtype=np.uint16)
     with pytest.raises(ValueError, match="prefill_attention: reads caches of the query's dtype only"):
         cuda_attention.prefill_attention(q, bf16, bf16, qsl, lens, tables, 1.0)

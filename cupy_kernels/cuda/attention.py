@@ -23,7 +23,7 @@ import numpy as np
 from ..batch_checks import check_metadata
 from ..reference.paged_attention import check_sliding_window
 from .launch import _check_cache_pair, _dummy, _elements, _i32, _i64, _inner_contiguous, _next_pow2, is_cupy_array
-from .modules import (ATTN_BLOCK_SIZES, ATTN_HEAD_DIMS, ATTN_KV_TYPES, ATTN_THREADS, KV_TYPES, LOG2E,
+from .modules import (ATTN_BLOCK_SIZES, ATTN_HEAD_DIMS, ATTN_KV_TYPES, ATTN_THREADS, FP8_BLOCK_MS, KV_TYPES, LOG2E,
                       MAX_QUERIES_PER_KV, PARTITION_SIZE, PREFILL_BLOCK_Q, PREFILL_HEAD_DIMS, PREFILL_THREADS, _kernel,
                       attention_kernel_name, attention_reduce_name, attention_shared_bytes, prefill_kernel_name)
 
@@ -175,6 +175,9 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     num_tokens, num_heads, _ = query.shape
     num_seqs = int(seq_lens.shape[0])
     launch = attention_launch(num_heads, num_kv, num_tokens, num_seqs)
+    if kv.startswith("kv_fp8") and launch.block_m not in FP8_BLOCK_MS:
+        raise ValueError(f"paged_attention: {num_heads // num_kv} query heads per kv head over an fp8 cache; the GPU "
+                         f"kernel supports at most {max(FP8_BLOCK_MS)} there")
     out = cupy.empty((num_tokens, num_heads, dim), dtype=query.dtype)
     if num_tokens == 0:
         return out

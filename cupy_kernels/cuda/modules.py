@@ -66,6 +66,9 @@ ATTN_TYPES = ("f16", "bf16")  # storage type of query, caches and out (the templ
 # (the GPU backend's dtype): kv_cache_dtype -> the C++ type. fp8 caches are uint8 arrays (CuPy has no fp8 dtype).
 KV_TYPES = {"float16": "f16", "bfloat16": "bf16", "fp8_e4m3": "kv_fp8e4m3", "fp8_e5m2": "kv_fp8e5m2"}
 ATTN_KV_TYPES = ("bf16", "kv_fp8e4m3", "kv_fp8e5m2")  # with T = f16
+# fp8 caches: no 32-row tile (> 16 query heads per kv head): under the 128-register cap its score loop with the fp8
+# conversion spilled 144 bytes at head dim 256 on sm_90 (ptxas, CUDA 13.0); paged_attention refuses those groups.
+FP8_BLOCK_MS = (4, 8, 16)
 
 
 def attention_kernel_name(head_dim: int, block_size: int, block_m: int, dtype: str = "f16", kv: str | None = None
@@ -135,10 +138,11 @@ def attention_module_name(family: str, dtype: str, head_dim: int, kv: str | None
 
 
 def _paged_attention_module(dtype: str, dim: int, kv: str | None = None) -> KernelModule:
-    names = tuple(attention_kernel_name(dim, bs, m, dtype, kv) for bs in ATTN_BLOCK_SIZES for m in ATTN_BLOCK_MS)
+    block_ms = FP8_BLOCK_MS if kv is not None and kv.startswith("kv_fp8") else ATTN_BLOCK_MS
+    names = tuple(attention_kernel_name(dim, bs, m, dtype, kv) for bs in ATTN_BLOCK_SIZES for m in block_ms)
     names += (attention_reduce_name(dim, dtype),)
     large = tuple((attention_kernel_name(dim, bs, m, dtype, kv), attention_shared_bytes(dim, m))
-                  for bs in ATTN_BLOCK_SIZES for m in ATTN_BLOCK_MS
+                  for bs in ATTN_BLOCK_SIZES for m in block_ms
                   if attention_shared_bytes(dim, m) + attention_static_shared_bytes(m) > DEFAULT_SHARED_LIMIT)
     return KernelModule(
         attention_module_name("paged_attention", dtype, dim, kv), "paged_attention.cu",

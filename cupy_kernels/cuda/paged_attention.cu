@@ -3,7 +3,8 @@
 // Layout contract (see paged_attention.py):
 //   query   [T, H, D] float16 or bfloat16 (the template's T; f16 by default), rows may be strided (a view of
 //           the fused qkv projection)
-//   caches  [num_blocks, BLOCK_SIZE, KV, D] T, C-contiguous
+//   caches  [num_blocks, BLOCK_SIZE, KV, D] of the template's KV (T's by default; kv_types.cuh: bfloat16, or fp8
+//           rows of D codes and their float32 scale, D + 4 bytes), C-contiguous
 //   query_start_loc [B + 1], seq_lens [B], block_tables [B, stride] int32
 //   out     [T, H, D] T (arithmetic in float32 whatever T is)
 // Query row j of a sequence with n new tokens sits at position seq_len - n + j and sees keys 0..pos;
