@@ -42,8 +42,8 @@ class Backend:
 
 def finish_warm_up(backend: Backend, kv_cache_dtype: str | None = None) -> None:
     """Make every kernel of `backend` ready (kernel_set.finish_numba_warm_up for the numba set; nothing to do
-    for the others), and with a 16-bit `kv_cache_dtype` the numba loop nest that reads it (numba_cpu/attention16.py,
-    compiled only for such a pool). Idempotent."""
+    for the others), and with a 16- or 8-bit `kv_cache_dtype` the numba loop nest that reads it (numba_cpu/
+    attention16.py, attention8.py: compiled only for such a pool). Idempotent."""
     if backend.ops is not None and backend.ops.name == "numba":
         from .kernel_set import finish_numba_warm_up
 
@@ -52,6 +52,10 @@ def finish_warm_up(backend: Backend, kv_cache_dtype: str | None = None) -> None:
             from .numba_cpu import attention16
 
             attention16.warm_up(kv_cache_dtype)
+        elif kv_cache_dtype in ("int8", "fp8_e4m3", "fp8_e5m2"):
+            from .numba_cpu import attention8
+
+            attention8.warm_up(kv_cache_dtype)
 
 
 def to_host(a: Any) -> np.ndarray:

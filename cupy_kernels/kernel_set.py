@@ -76,13 +76,17 @@ class KernelSet:
     kv_cache_dtypes: tuple[str, ...] = ("float32",)
 
 
-# The numpy reference stores float32, bfloat16 (uint16 bits) and float16 (reference/kv_convert.py); the numba set
-# reads 16-bit caches in its attention loop nest (numba_cpu/attention16.py: converted in registers) and rounds as
-# it writes them (numba_cpu/cache_write16.py); a long prefill's attention over them takes the reference.
-CPU_KV_CACHE_DTYPES = ("float32", "bfloat16", "float16")
-# The 8-bit dtypes (rows scaled per token and kv head, the scale in the row: kv_layout.py) in the numpy reference
-# only so far.
-NUMPY_KV_CACHE_DTYPES = (*CPU_KV_CACHE_DTYPES, "int8", "fp8_e4m3", "fp8_e5m2")
+# The CPU sets store every kv_cache_dtype: the numpy reference (reference/kv_convert.py) and the numba set, which
+# reads 16-bit caches in its attention loop nest (numba_cpu/attention16.py) and 8-bit ones, each row's scale
+# included (attention8.py), converting in registers, and rounds as it writes them (cache_write16.py,
+# cache_write8.py); a long prefill's attention over them takes the reference.
+CPU_KV_CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")
+NUMPY_KV_CACHE_DTYPES = CPU_KV_CACHE_DTYPES
+# The CUDA set's: the backend's float16, and bfloat16 pools (uint16 arrays) that its cache write and attention read
+# from the caches' dtype (kv_types.cuh, converted in registers). Its kernels also read and write fp8 rows with their
+# scales (cuda/attention.py, ops.py: kv_cache_dtype), but an engine's fp8 pool is not wired (CuPy has no fp8 dtype:
+# the pool would be uint8 and the model would pass the dtype to the ops), so an engine refuses fp8 at start.
+CUDA_KV_CACHE_DTYPES = ("float16", "bfloat16")
 # The op names every kernel set provides, in the order of a forward pass.
 OP_NAMES = tuple(f.name for f in fields(KernelSet) if "device_arg" in f.metadata)  # the _op fields
 # numba's attention runs at ~0.44x its matmuls' FLOP rate deep in a prompt (SmolLM2, 2 threads, AVX-512: 88
@@ -239,7 +243,7 @@ def cuda_kernels() -> KernelSet:
     return KernelSet("cuda", **{op: getattr(cuda_ops, op) if op not in _DEVICE_ARG
                                 else _device_only(getattr(cuda_ops, op), _DEVICE_ARG[op], op) for op in OP_NAMES},
                      lora_shrink=cuda_lora.lora_shrink, lora_expand=cuda_lora.lora_expand,
-                     kv_cache_dtypes=("float16",))  # the .cu kernels read and write the backend's float16
+                     kv_cache_dtypes=CUDA_KV_CACHE_DTYPES)
 
 
 def cpu_kernels(choice: str = "auto", finish_warm_up: bool = True) -> KernelSet:

@@ -101,9 +101,11 @@ def row_elements(storage: object, head_dim: int) -> int:
 
 
 def head_dim_of(cache: object) -> int:
-    """The values a cache row holds (its last axis, less an int8 row's scale)."""
+    """The values a cache row holds (its last axis, less an 8-bit row's scale; a uint8 array is a CuPy fp8 cache,
+    CuPy having no fp8 dtype: cupy_kernels/cuda/kv_types.cuh)."""
     last = int(getattr(cache, "shape")[-1])
-    return last - 4 if np.dtype(getattr(cache, "dtype")) in SCALED_STORAGE else last
+    dtype = np.dtype(getattr(cache, "dtype"))
+    return last - 4 if dtype in SCALED_STORAGE or dtype == np.uint8 else last
 
 
 def layout_of_array(a: object) -> str:

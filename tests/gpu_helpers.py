@@ -263,6 +263,118 @@ def check_rotary_and_cache(dtype):
         cuda.rotary_and_cache(cp.asarray(qkv), heads, kv, cos, sin, got_k, got_v, np.full(t, num_blocks * bs))
 
 
+# ---------------------------------------------------------------------------------------------
+# KV cache dtypes (kv_cache_dtype bfloat16, fp8_e4m3, fp8_e5m2 under a float16 model: kv_types.cuh)
+# ---------------------------------------------------------------------------------------------
+
+
+def _kv_storage(kv_cache_dtype):
+    from pagedserve.cupy_kernels.kv_layout import kv_cache_layout
+
+    return kv_cache_layout(kv_cache_dtype, np.float16).storage
+
+
+def _device_kv(cp, a):
+    """A cache in the reference's layout on the device: an fp8 one as its uint8 bits (CuPy has no fp8 dtype)."""
+    return cp.asarray(a.view(np.uint8) if a.dtype.itemsize == 1 else a)
+
+
+def _fp8_name(kv_cache_dtype, storage):
+    """What the ops are told: an fp8 cache's dtype (uint8 on the device) says nothing; bfloat16's uint16 says it."""
+    return kv_cache_dtype if np.dtype(storage).itemsize == 1 else None
+
+
+def check_kv_dtype_cache_write(kv_cache_dtype):
+    """float16 keys and values into a bfloat16 or fp8 cache by reshape_and_cache, and by rotary_and_cache after its
+    rotation: the numpy reference's bits (kv_convert.encode: fp8 rows scaled by their max|x| and rounded to nearest
+    even, the scale after the codes), with wide ranges, float16's extremes, a subnormal and a row of zeros."""
+    from pagedserve.cupy_kernels.reference.kv_convert import encode
+
+    cp = import_cupy()
+    storage = _kv_storage(kv_cache_dtype)
+    name = _fp8_name(kv_cache_dtype, storage)
+    rng = np.random.default_rng(12)
+    num_blocks, bs, heads, kv, d, t = 9, 16, 4, 2, 64, 40
+    qkv = (rng.standard_normal((t, (heads + 2 * kv) * d)) * rng.uniform(1e-3, 1e3, (t, 1))).astype(f16)
+    qkv[3, heads * d: (heads + 1) * d] = 0  # a key row of zeros: scale 0
+    qkv[4, -4:] = [65504, -65504, 6e-8, 1.0]
+    slots = rng.permutation(num_blocks * bs)[:t].astype(np.int64)
+    slots[[0, 5]] = -1
+    key = qkv[:, heads * d: (heads + kv) * d].reshape(t, kv, d)
+    value = qkv[:, (heads + kv) * d:].reshape(t, kv, d)
+    init = encode(rng.standard_normal((num_blocks, bs, kv, d)).astype(np.float32), storage)
+    ref_k, ref_v = init.copy(), init.copy()
+    pa.reshape_and_cache(key, value, ref_k, ref_v, slots)
+    assert (ref_k.view(np.uint8) != init.view(np.uint8)).any()
+    got_k, got_v = _device_kv(cp, init), _device_kv(cp, init)
+    qkv_d = cp.asarray(qkv)
+    cuda.reshape_and_cache(qkv_d[:, heads * d: (heads + kv) * d].reshape(t, kv, d),
+                           qkv_d[:, (heads + kv) * d:].reshape(t, kv, d), got_k, got_v, slots, kv_cache_dtype=name)
+    np.testing.assert_array_equal(to_host(got_k).view(np.uint8), ref_k.view(np.uint8))
+    np.testing.assert_array_equal(to_host(got_v).view(np.uint8), ref_v.view(np.uint8))
+    # rotary_and_cache: the key rotated on the device (apply_rotary), then written as reshape_and_cache writes it
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
+    cos, sin = ops.rope_cos_sin(inv_freq, rng.integers(0, 4096, size=t))
+    got_k, got_v = _device_kv(cp, init), _device_kv(cp, init)
+    cuda.rotary_and_cache(cp.asarray(qkv), heads, kv, cos, sin, got_k, got_v, slots, kv_cache_dtype=name)
+    rotated = to_host(cuda.apply_rotary(qkv_d[:, heads * d: (heads + kv) * d].reshape(t, kv, d), cos, sin))
+    ref_k, ref_v = init.copy(), init.copy()
+    pa.reshape_and_cache(rotated, value, ref_k, ref_v, slots)
+    np.testing.assert_array_equal(to_host(got_k).view(np.uint8), ref_k.view(np.uint8))
+    np.testing.assert_array_equal(to_host(got_v).view(np.uint8), ref_v.view(np.uint8))
+
+
+def check_kv_dtype_attention(rng, kv_cache_dtype, batches, num_kv, head_dim, block_size, group, window=None):
+    """A float16 query over bfloat16 or fp8 caches (converted in the attention loop): the numpy reference over the
+    same stored values decoded (kv_convert.decode) within check_attention's float16 bound, and not the float16
+    caches' result (the storage rounding is really there)."""
+    from pagedserve.cupy_kernels.reference.kv_convert import decode, encode
+
+    cp = import_cupy()
+    storage = _kv_storage(kv_cache_dtype)
+    scale = head_dim ** -0.5
+    for label, specs in batches:
+        k, v, qsl, lens, tables = build_cache(rng, specs, num_kv, head_dim, block_size)
+        k8, v8 = encode(k.astype(np.float32), storage), encode(v.astype(np.float32), storage)
+        query = rng.standard_normal((int(qsl[-1]), num_kv * group, head_dim)).astype(f16)
+        host_tables = np.where(tables == PAD_BLOCK, 0, tables)
+        ref = pa.paged_attention(query.astype(np.float32), decode(k8), decode(v8), qsl, lens, host_tables, scale,
+                                 sliding_window=window)
+        got = to_host(cuda.paged_attention(cp.asarray(query), _device_kv(cp, k8), _device_kv(cp, v8), qsl, lens,
+                                           tables, scale, sliding_window=window,
+                                           kv_cache_dtype=_fp8_name(kv_cache_dtype, storage)))
+        assert got.dtype == f16 and got.shape == query.shape
+        check_attention(got, ref, f"kv_{kv_cache_dtype}/{label}/d{head_dim}/bs{block_size}/g{group}/w{window}")
+        f16_ref = pa.paged_attention(query.astype(np.float32), k.astype(np.float32), v.astype(np.float32), qsl, lens,
+                                     host_tables, scale, sliding_window=window)
+        assert np.abs(got.astype(np.float64) - f16_ref).max() > 2 * ulp16(f16_ref).max()
+
+
+def check_kv_dtype_refusals():
+    """Bad kv_cache_dtype input to the CUDA ops: a clear ValueError naming the value and the choices."""
+    from pagedserve.cupy_kernels.cuda import attention as cuda_attention
+
+    cp = import_cupy()
+    q = cp.zeros((1, 2, 64), dtype=cp.float16)
+    qsl, lens, tables = np.array([0, 1]), np.array([1]), np.zeros((1, 1), np.int32)
+    fp8 = cp.zeros((4, 16, 1, 68), dtype=cp.uint8)
+    with pytest.raises(ValueError, match="needs kv_cache_dtype"):
+        cuda.paged_attention(q, fp8, fp8, qsl, lens, tables, 1.0)
+    with pytest.raises(ValueError, match="'int8' has no CUDA kernels; choose one of float16, bfloat16, fp8_e4m3"):
+        cuda.paged_attention(q, fp8, fp8, qsl, lens, tables, 1.0, kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="a bfloat16 cache cannot be an array of uint8"):
+        cuda.paged_attention(q, fp8, fp8, qsl, lens, tables, 1.0, kv_cache_dtype="bfloat16")
+    short = cp.zeros((4, 16, 1, 64), dtype=cp.uint8)  # rows without room for their scale
+    with pytest.raises(ValueError, match=r"query must be \[T, H, 60\]"):
+        cuda.paged_attention(q, short, short, qsl, lens, tables, 1.0, kv_cache_dtype="fp8_e4m3")
+    wide = cp.zeros((1, 32, 64), dtype=cp.float16)  # 32 query heads on one kv head: the 32-row tile fp8 lacks
+    with pytest.raises(ValueError, match="32 query heads per kv head over an fp8 cache; .* at most 16"):
+        cuda.paged_attention(wide, fp8, fp8, qsl, lens, tables, 1.0, kv_cache_dtype="fp8_e5m2")
+    bf16 = cp.zeros((4, 16, 1, 64), dtype=np.uint16)
+    with pytest.raises(ValueError, match="prefill_attention: reads caches of the query's dtype only"):
+        cuda_attention.prefill_attention(q, bf16, bf16, qsl, lens, tables, 1.0)
+
+
 def check_copy_blocks_all_layers_one_launch():
     cp = import_cupy()
     rng = np.random.default_rng(3)

@@ -23,9 +23,9 @@ import numpy as np
 from ..batch_checks import check_metadata
 from ..reference.paged_attention import check_sliding_window
 from .launch import _check_cache_pair, _dummy, _elements, _i32, _i64, _inner_contiguous, _next_pow2, is_cupy_array
-from .modules import (ATTN_BLOCK_SIZES, ATTN_HEAD_DIMS, ATTN_THREADS, LOG2E, MAX_QUERIES_PER_KV, PARTITION_SIZE,
-                      PREFILL_BLOCK_Q, PREFILL_HEAD_DIMS, PREFILL_THREADS, _kernel, attention_kernel_name,
-                      attention_reduce_name, attention_shared_bytes, prefill_kernel_name)
+from .modules import (ATTN_BLOCK_SIZES, ATTN_HEAD_DIMS, ATTN_KV_TYPES, ATTN_THREADS, FP8_BLOCK_MS, KV_TYPES, LOG2E,
+                      MAX_QUERIES_PER_KV, PARTITION_SIZE, PREFILL_BLOCK_Q, PREFILL_HEAD_DIMS, PREFILL_THREADS, _kernel,
+                      attention_kernel_name, attention_reduce_name, attention_shared_bytes, prefill_kernel_name)
 
 # Most bytes of float32 partials (acc + max/sum) one attention launch may use. A batch whose split
 # decodes would need more runs in several launches over ranges of sequences (each with this much at
@@ -65,6 +65,26 @@ def _storage_kind(dtype, what: str) -> str:
     raise ValueError(f"{what}: dtype {dtype} is not float16 or bfloat16")
 
 
+def kv_element_type(cache_dtype, kv_cache_dtype: str | None, what: str) -> str:
+    """The caches' C++ element type (modules.KV_TYPES, kv_types.cuh): `kv_cache_dtype` when given (an fp8 cache is a
+    uint8 array: CuPy has no fp8 dtype), else read from the array's dtype (float16; uint16: bfloat16's bits;
+    ml_dtypes' fp8 types, in the host emulation)."""
+    dtype = np.dtype(cache_dtype)
+    if kv_cache_dtype is None:
+        inferred = {"float16": "float16", "uint16": "bfloat16", "bfloat16": "bfloat16", "float8_e4m3fn": "fp8_e4m3",
+                    "float8_e5m2": "fp8_e5m2"}.get(dtype.name)
+        if inferred is None:
+            raise ValueError(f"{what}: a cache of {dtype} needs kv_cache_dtype (one of {', '.join(KV_TYPES)})")
+        kv_cache_dtype = inferred
+    if kv_cache_dtype not in KV_TYPES:
+        raise ValueError(f"{what}: kv_cache_dtype {kv_cache_dtype!r} has no CUDA kernels; choose one of "
+                         f"{', '.join(KV_TYPES)}")
+    kind = KV_TYPES[kv_cache_dtype]
+    if dtype.itemsize != (1 if kind.startswith("kv_fp8") else 2):
+        raise ValueError(f"{what}: a {kv_cache_dtype} cache cannot be an array of {dtype}")
+    return kind
+
+
 @dataclass(frozen=True)
 class AttentionLaunch:
     """How one paged attention call is cut into CTAs (see paged_attention.cu)."""
@@ -75,22 +95,27 @@ class AttentionLaunch:
 
 
 
-def _check_inputs(name: str, query, k_cache, v_cache, head_dims: tuple[int, ...]) -> str:
-    """The checks both attention kernels make of their arrays; the storage kind (_storage_kind)."""
+def _check_inputs(name: str, query, k_cache, v_cache, head_dims: tuple[int, ...], kv_cache_dtype: str | None = None
+                  ) -> tuple[str, str]:
+    """The checks both attention kernels make of their arrays; the storage kind (_storage_kind) and the caches'
+    element type (kv_element_type: the query's kind, or one of ATTN_KV_TYPES for a float16 query)."""
     _check_cache_pair(k_cache, v_cache, name)
     _, block_size, _, dim = k_cache.shape
+    kind = _storage_kind(query.dtype, name)
+    kv = kind if query.dtype == k_cache.dtype and kv_cache_dtype is None else kv_element_type(k_cache.dtype,
+                                                                                               kv_cache_dtype, name)
+    if kv != kind and (kind != "f16" or kv not in ATTN_KV_TYPES):
+        raise ValueError(f"{name}: query dtype {query.dtype} and cache dtype {k_cache.dtype} differ")
+    dim -= 4 if kv.startswith("kv_fp8") else 0  # an fp8 row: its codes, then its float32 scale
     if query.ndim != 3 or query.shape[2] != dim:
         raise ValueError(f"{name}: query must be [T, H, {dim}], got {tuple(query.shape)}")
-    if query.dtype != k_cache.dtype:
-        raise ValueError(f"{name}: query dtype {query.dtype} and cache dtype {k_cache.dtype} differ")
-    kind = _storage_kind(query.dtype, name)
     if dim not in head_dims:
         raise ValueError(f"{name}: head_dim {dim} is not supported on the GPU ({head_dims})")
     if block_size not in ATTN_BLOCK_SIZES:
         raise ValueError(f"{name}: block_size {block_size} is not supported on the GPU ({ATTN_BLOCK_SIZES})")
     if k_cache.data.ptr % 16 or v_cache.data.ptr % 16:
         raise ValueError(f"{name}: KV caches must be 16-byte aligned")
-    return kind
+    return kind, kv
 
 
 def attention_launch(num_heads: int, num_kv_heads: int, num_tokens: int, num_seqs: int) -> AttentionLaunch:
@@ -131,9 +156,10 @@ def plan_attention(query_shape, cache_shape, query_start_loc, seq_lens, block_ta
 
 
 def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float, plan=None,
-                    sliding_window: int | None = None):
+                    sliding_window: int | None = None, kv_cache_dtype: str | None = None):
     """Unified paged attention over a flat varlen batch: query [T, H, D] -> out [T, H, D], float16 or bfloat16
-    (_storage_kind; query and caches of one dtype). `plan` is
+    (_storage_kind; caches of the query's dtype, or for a float16 query bfloat16 or fp8 caches: kv_cache_dtype,
+    read from the caches' dtype when None; fp8 rows hold D codes and their scale). `plan` is
     plan_attention's None (accepted for the op table's one signature). `sliding_window`: None, or W (a query
     at p sees keys p - W < k <= p; the blocks before the window's are never read).
 
@@ -143,11 +169,15 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     import cupy
 
     window = check_sliding_window(sliding_window)
-    kind = _check_inputs("paged_attention", query, k_cache, v_cache, ATTN_HEAD_DIMS)
-    num_blocks, block_size, num_kv, dim = k_cache.shape
+    kind, kv = _check_inputs("paged_attention", query, k_cache, v_cache, ATTN_HEAD_DIMS, kv_cache_dtype)
+    num_blocks, block_size, num_kv, _ = k_cache.shape
+    dim = query.shape[2]
     num_tokens, num_heads, _ = query.shape
     num_seqs = int(seq_lens.shape[0])
     launch = attention_launch(num_heads, num_kv, num_tokens, num_seqs)
+    if kv.startswith("kv_fp8") and launch.block_m not in FP8_BLOCK_MS:
+        raise ValueError(f"paged_attention: {num_heads // num_kv} query heads per kv head over an fp8 cache; the GPU "
+                         f"kernel supports at most {max(FP8_BLOCK_MS)} there")
     out = cupy.empty((num_tokens, num_heads, dim), dtype=query.dtype)
     if num_tokens == 0:
         return out
@@ -169,10 +199,11 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     else:
         part_acc = part_ml = _dummy()
     query = _inner_contiguous(query, "query")
-    prefill_elsewhere = num_tokens != num_seqs and tensor_core_prefill_enabled()
+    # (the tensor-core prefill reads caches of the query's dtype only)
+    prefill_elsewhere = num_tokens != num_seqs and kv == kind and tensor_core_prefill_enabled()
     if prefill_elsewhere:  # chunks of 2+ tokens on tensor cores; the launch below does the decodes only
         _launch_prefill(out, query, k_cache, v_cache, qsl, lens, tables, scale, window, kind)
-    attend = _kernel("paged_attention", attention_kernel_name(dim, block_size, launch.block_m, kind))
+    attend = _kernel("paged_attention", attention_kernel_name(dim, block_size, launch.block_m, kind, kv))
     reduce = _kernel("paged_attention", attention_reduce_name(dim, kind)) if max_parts > 1 else None
     shared = attention_shared_bytes(dim, launch.block_m)  # the tiles' dynamic shared memory (the loader opted in)
     for begin in range(0, num_seqs, chunk):  # one range, unless the partials would exceed the cap
@@ -215,7 +246,10 @@ def prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_
     import cupy
 
     window = check_sliding_window(sliding_window)
-    kind = _check_inputs("prefill_attention", query, k_cache, v_cache, PREFILL_HEAD_DIMS)
+    kind, kv = _check_inputs("prefill_attention", query, k_cache, v_cache, PREFILL_HEAD_DIMS)
+    if kv != kind:
+        raise ValueError(f"prefill_attention: reads caches of the query's dtype only ({query.dtype}); paged_attention "
+                         f"reads {k_cache.dtype} caches")
     num_blocks, block_size, num_kv, dim = k_cache.shape
     num_tokens, num_heads, _ = query.shape
     if num_heads % num_kv:

@@ -53,3 +53,43 @@ extern "C" __global__ void copy_blocks_kernel(const unsigned long long* __restri
         for (long long i = threadIdx.x; i < block_bytes; i += blockDim.x) t[i] = s[i];
     }
 }
+
+// One (token, kv head) row of D values of type T into a cache row of element type KV (kv_types.cuh), converted as it
+// is written, by the 32 lanes of one warp: 16-bit values rounded (kv_encode); fp8 rows scaled by s = max|x| / the
+// format's largest finite value (a row of zeros: s = 0, divided by 1), their codes then the scale's 4 bytes.
+template <typename T, typename KV>
+__device__ __forceinline__ void write_kv_row(const T* __restrict__ src, KV* __restrict__ cache, long long row,
+                                             int head_dim) {
+    const int lane = threadIdx.x;
+    if constexpr (KVType<KV>::SCALED) {
+        unsigned char* dst = reinterpret_cast<unsigned char*>(cache) + row * (head_dim + 4);
+        float amax = 0.f;
+        for (int d = lane; d < head_dim; d += 32) amax = fmaxf(amax, fabsf(to_float(src[d])));
+        amax = warp_max(amax);
+        const float scale = amax / KVType<KV>::MAX;  // IEEE division (no fast math), as numpy's
+        const float safe = scale > 0.f ? scale : 1.f;
+        for (int d = lane; d < head_dim; d += 32) dst[d] = (unsigned char)float_to_fp8<KV>(to_float(src[d]) / safe);
+        if (lane == 0) *reinterpret_cast<float*>(dst + head_dim) = scale;  // rows start on 4 bytes (D even)
+    } else {
+        unsigned short* dst = reinterpret_cast<unsigned short*>(cache) + row * head_dim;
+        for (int d = lane; d < head_dim; d += 32) dst[d] = (unsigned short)kv_encode<KV>(to_float(src[d]));
+    }
+}
+
+// reshape_and_cache_kernel into caches of another element type than key/value's (kv_cache_dtype bfloat16 or fp8 for
+// a float16 model): grid (tokens, kv heads), one warp each. Same slot rules.
+template <typename T, typename KV>
+__global__ void reshape_and_cache_kv_kernel(const T* __restrict__ key, const T* __restrict__ value,
+                                            long long k_stride_token, long long k_stride_head,
+                                            long long v_stride_token, long long v_stride_head,
+                                            KV* __restrict__ k_cache, KV* __restrict__ v_cache,
+                                            const long long* __restrict__ slot_mapping, long long num_slots,
+                                            int num_kv_heads, int head_dim) {
+    const long long token = blockIdx.x;
+    const int head = blockIdx.y;
+    const long long slot = slot_mapping[token];
+    if (slot < 0 || slot >= num_slots) return;
+    const long long row = slot * num_kv_heads + head;
+    write_kv_row<T, KV>(key + token * k_stride_token + head * k_stride_head, k_cache, row, head_dim);
+    write_kv_row<T, KV>(value + token * v_stride_token + head * v_stride_head, v_cache, row, head_dim);
+}

@@ -62,10 +62,20 @@ STORAGE_TYPES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "float"}
 
 
 ATTN_TYPES = ("f16", "bf16")  # storage type of query, caches and out (the template's T; f16 by default)
+# The caches' element types (kv_types.cuh; the template's KV, T's by default) besides T's own, for a float16 model
+# (the GPU backend's dtype): kv_cache_dtype -> the C++ type. fp8 caches are uint8 arrays (CuPy has no fp8 dtype).
+KV_TYPES = {"float16": "f16", "bfloat16": "bf16", "fp8_e4m3": "kv_fp8e4m3", "fp8_e5m2": "kv_fp8e5m2"}
+ATTN_KV_TYPES = ("bf16", "kv_fp8e4m3", "kv_fp8e5m2")  # with T = f16
+# fp8 caches: no 32-row tile (> 16 query heads per kv head): under the 128-register cap its score loop with the fp8
+# conversion spilled 144 bytes at head dim 256 on sm_90 (ptxas, CUDA 13.0); paged_attention refuses those groups.
+FP8_BLOCK_MS = (4, 8, 16)
 
 
-def attention_kernel_name(head_dim: int, block_size: int, block_m: int, dtype: str = "f16") -> str:
+def attention_kernel_name(head_dim: int, block_size: int, block_m: int, dtype: str = "f16", kv: str | None = None
+                          ) -> str:
     suffix = "" if dtype == "f16" else f", {dtype}"
+    if kv not in (None, dtype):  # caches of another element type than the query's
+        suffix = f", {dtype}, {kv}"
     return f"paged_attention_kernel<{head_dim}, {block_size}, {block_m}{suffix}>"
 
 
@@ -86,14 +96,6 @@ def attention_static_shared_bytes(block_m: int) -> int:
     """The kernel's static shared memory: five per-row words (alpha, m, l, pos, lo). ptxas reports it (the nvcc
     test holds the two equal); with the dynamic part above DEFAULT_SHARED_LIMIT the kernel is opted in (_kernel)."""
     return 5 * block_m * 4
-
-
-def _large_attention_shared() -> tuple[tuple[str, int], ...]:
-    """(name expression, dynamic bytes) of the paged attention instantiations whose shared memory, dynamic and static,
-    passes DEFAULT_SHARED_LIMIT: head dim 256 at block_m 16 and 32."""
-    return tuple((attention_kernel_name(d, bs, m, t), attention_shared_bytes(d, m))
-                 for t in ATTN_TYPES for d in ATTN_HEAD_DIMS for bs in ATTN_BLOCK_SIZES for m in ATTN_BLOCK_MS
-                 if attention_shared_bytes(d, m) + attention_static_shared_bytes(m) > DEFAULT_SHARED_LIMIT)
 
 
 def _typed(name: str) -> tuple[str, ...]:
@@ -126,21 +128,26 @@ class KernelModule:
         return defines + common + "\n" + preludes + (KERNEL_DIR / self.source_file).read_text()
 
 
-def attention_module_name(family: str, dtype: str, head_dim: int) -> str:
+def attention_module_name(family: str, dtype: str, head_dim: int, kv: str | None = None) -> str:
     """The module holding `family`'s kernels (paged_attention, prefill_attention) for one storage type and head dim:
-    "paged_attention_f16_d128". The sliding window is a run-time argument of both kernels, not an instantiation, so
-    one module serves every window."""
-    return f"{family}_{dtype}_d{head_dim}"
+    "paged_attention_f16_d128" ("paged_attention_f16_kv_fp8e4m3_d128" for caches of element type kv). The sliding
+    window is a run-time argument of both kernels, not an instantiation, so one module serves every window."""
+    if kv in (None, dtype):
+        return f"{family}_{dtype}_d{head_dim}"
+    return f"{family}_{dtype}_kv_{kv.removeprefix('kv_')}_d{head_dim}"
 
 
-def _paged_attention_module(dtype: str, dim: int) -> KernelModule:
-    names = tuple(attention_kernel_name(dim, bs, m, dtype) for bs in ATTN_BLOCK_SIZES for m in ATTN_BLOCK_MS)
+def _paged_attention_module(dtype: str, dim: int, kv: str | None = None) -> KernelModule:
+    block_ms = FP8_BLOCK_MS if kv is not None and kv.startswith("kv_fp8") else ATTN_BLOCK_MS
+    names = tuple(attention_kernel_name(dim, bs, m, dtype, kv) for bs in ATTN_BLOCK_SIZES for m in block_ms)
     names += (attention_reduce_name(dim, dtype),)
+    large = tuple((attention_kernel_name(dim, bs, m, dtype, kv), attention_shared_bytes(dim, m))
+                  for bs in ATTN_BLOCK_SIZES for m in block_ms
+                  if attention_shared_bytes(dim, m) + attention_static_shared_bytes(m) > DEFAULT_SHARED_LIMIT)
     return KernelModule(
-        attention_module_name("paged_attention", dtype, dim), "paged_attention.cu",
+        attention_module_name("paged_attention", dtype, dim, kv), "paged_attention.cu",
         (("PS_ATTN_THREADS", ATTN_THREADS), ("PS_TILE_N", ATTN_TILE_N), ("PS_PARTITION_SIZE", PARTITION_SIZE)),
-        names, preludes=("tensor_core.cuh",), family="paged_attention",
-        large_shared=tuple((n, b) for n, b in _large_attention_shared() if n in names))
+        names, preludes=("tensor_core.cuh", "kv_types.cuh"), family="paged_attention", large_shared=large)
 
 
 def _prefill_attention_module(dtype: str, dim: int) -> KernelModule:
@@ -156,12 +163,15 @@ def _prefill_attention_module(dtype: str, dim: int) -> KernelModule:
 # paged attention instantiations took 94 s of nvcc for sm_90). A storage type added to ATTN_TYPES / PREFILL_TYPES
 # adds its modules here.
 _ATTENTION_MODULES = tuple(_paged_attention_module(t, d) for t in ATTN_TYPES for d in ATTN_HEAD_DIMS) + tuple(
+    _paged_attention_module("f16", d, kv) for kv in ATTN_KV_TYPES for d in ATTN_HEAD_DIMS) + tuple(
     _prefill_attention_module(t, d) for t in PREFILL_TYPES for d in PREFILL_HEAD_DIMS)
 
 MODULES: dict[str, KernelModule] = {
     m.name: m
     for m in _ATTENTION_MODULES + (
-        KernelModule("cache_ops", "cache_ops.cu", (), _typed("reshape_and_cache_kernel") + ("copy_blocks_kernel",)),
+        KernelModule("cache_ops", "cache_ops.cu", (), _typed("reshape_and_cache_kernel") + ("copy_blocks_kernel",)
+                     + tuple(f"reshape_and_cache_kv_kernel<f16, {kv}>" for kv in ATTN_KV_TYPES),
+                     preludes=("tensor_core.cuh", "kv_types.cuh")),
         KernelModule("norm", "norm.cu", (), _typed("add_rms_norm_kernel")),
         KernelModule("rotary", "rotary.cu", (), _typed("rotary_kernel")),
         KernelModule("activation", "activation.cu", (), _typed("silu_and_mul_kernel")),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..batch_checks import check_slot_mapping
-from .attention import paged_attention, plan_attention  # noqa: F401 - the op table's (kernel_set.cuda_kernels)
+from .attention import kv_element_type, paged_attention, plan_attention  # noqa: F401 - the op table's
 from .launch import _check_cache_pair, _dummy, _elements, _i32, _i64, _inner_contiguous, _next_pow2, _storage_type
 from . import cublas_route
 from .modules import _kernel
@@ -210,19 +210,26 @@ def logsumexp_rows(x, row_max=None):
 
 
 
-def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """Write key/value [T, KV, D] into the caches at `slot_mapping` [T]; slot -1 means skip."""
+def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_cache_dtype: str | None = None) -> None:
+    """Write key/value [T, KV, D] into the caches at `slot_mapping` [T]; slot -1 means skip. Caches of the keys'
+    dtype, or for float16 keys bfloat16 or fp8 caches (kv_cache_dtype, read from the caches' dtype when None:
+    attention.kv_element_type), converted as they are written (kv_types.cuh; fp8 rows: D codes, then the scale)."""
     import cupy
 
     _check_cache_pair(k_cache, v_cache, "reshape_and_cache")
     num_blocks, block_size, num_kv, dim = k_cache.shape
     num_slots = num_blocks * block_size
+    kv = None  # the caches' element type when it is not the keys'
+    if kv_cache_dtype is not None or (key.dtype != k_cache.dtype and key.dtype == np.float16):
+        kv = kv_element_type(k_cache.dtype, kv_cache_dtype, "reshape_and_cache")
+        kv = None if kv == "f16" else kv
+        dim -= 4 if kv is not None and kv.startswith("kv_fp8") else 0
     if key.ndim != 3 or key.shape != value.shape or tuple(key.shape[1:]) != (num_kv, dim):
         raise ValueError(f"reshape_and_cache: key/value must be [T, {num_kv}, {dim}], got {tuple(key.shape)} and "
                          f"{tuple(value.shape)}")
-    if key.dtype != k_cache.dtype or value.dtype != k_cache.dtype:
+    if (key.dtype != k_cache.dtype and kv is None) or value.dtype != key.dtype or (kv and key.dtype != np.float16):
         raise ValueError("reshape_and_cache: key/value dtype must match the cache dtype")
-    t = _storage_type(k_cache.dtype, "reshape_and_cache")
+    t = _storage_type(key.dtype, "reshape_and_cache")
     tokens = key.shape[0]
     if len(slot_mapping) != tokens:
         raise ValueError(f"reshape_and_cache: slot_mapping has {len(slot_mapping)} entries for {tokens} tokens")
@@ -238,8 +245,10 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     value = _inner_contiguous(value, "value")
     n = num_kv * dim
     threads = min(256, max(32, -(-n // 32) * 32))
-    _kernel("cache_ops", f"reshape_and_cache_kernel<{t}>")(
-        (tokens,), (threads,),
+    grid = (tokens,) if kv is None else (tokens, num_kv)  # the converting kernel: a warp a (token, kv head) row
+    name = f"reshape_and_cache_kernel<{t}>" if kv is None else f"reshape_and_cache_kv_kernel<{t}, {kv}>"
+    _kernel("cache_ops", name)(
+        grid, (threads,) if kv is None else (32,),
         (key, value, _i64(_elements(key.strides[0], key.itemsize, "key")),
          _i64(_elements(key.strides[1], key.itemsize, "key")),
          _i64(_elements(value.strides[0], value.itemsize, "value")),
@@ -248,12 +257,16 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     )
 
 
-def rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping):
+def rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping,
+                     kv_cache_dtype: str | None = None):
     """paged_attention.rotary_and_cache: apply_rotary and reshape_and_cache on qkv's head views, each its own
-    kernel here (a launch costs microseconds, not the CPU's cold-cache call)."""
+    kernel here (a launch costs microseconds, not the CPU's cold-cache call). kv_cache_dtype: reshape_and_cache's."""
     from ..reference.paged_attention import compose_rotary_and_cache
 
-    return compose_rotary_and_cache(apply_rotary, reshape_and_cache, qkv, num_heads, num_kv_heads, cos, sin,
+    def write(key, value, k, v, slots):
+        reshape_and_cache(key, value, k, v, slots, kv_cache_dtype)
+
+    return compose_rotary_and_cache(apply_rotary, write, qkv, num_heads, num_kv_heads, cos, sin,
                                     k_cache, v_cache, slot_mapping)
 
 

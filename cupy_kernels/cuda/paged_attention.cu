@@ -3,7 +3,8 @@
 // Layout contract (see paged_attention.py):
 //   query   [T, H, D] float16 or bfloat16 (the template's T; f16 by default), rows may be strided (a view of
 //           the fused qkv projection)
-//   caches  [num_blocks, BLOCK_SIZE, KV, D] T, C-contiguous
+//   caches  [num_blocks, BLOCK_SIZE, KV, D] of the template's KV (T's by default; kv_types.cuh: bfloat16, or fp8
+//           rows of D codes and their float32 scale, D + 4 bytes), C-contiguous
 //   query_start_loc [B + 1], seq_lens [B], block_tables [B, stride] int32
 //   out     [T, H, D] T (arithmetic in float32 whatever T is)
 // Query row j of a sequence with n new tokens sits at position seq_len - n + j and sees keys 0..pos;
@@ -91,12 +92,47 @@ __device__ __forceinline__ void load_kv_tile(T (*dst)[HEAD_DIM + 8], const T* __
     }
 }
 
+// An fp8 tile (kv_types.cuh): rows of D codes and their scale, D + 4 bytes at 4-byte (not 16-byte) boundaries in
+// the cache, read by plain 4-byte loads (zeros for a masked key: scale 0) into rows of kv_tile_pitch bytes.
+template <int HEAD_DIM, int BLOCK_SIZE, typename KV>
+__device__ __forceinline__ void load_scaled_tile(unsigned char* dst, const KV* __restrict__ cache,
+                                                 const int* __restrict__ block_table, int num_kv_heads, int kv_head,
+                                                 int k_lo, int t0, int k_end) {
+    constexpr int ROW = kv_row_bytes<KV, HEAD_DIM>();
+    constexpr int WORDS = ROW / 4;
+    const unsigned char* base = reinterpret_cast<const unsigned char*>(cache);
+    for (int c = threadIdx.x; c < PS_TILE_N * WORDS; c += PS_ATTN_THREADS) {
+        const int row = c / WORDS;
+        const int col = (c % WORDS) * 4;
+        const int key = t0 + row;
+        unsigned int word = 0u;
+        if (key >= k_lo && key < k_end) {
+            const long long slot = (long long)block_table[key / BLOCK_SIZE] * BLOCK_SIZE + key % BLOCK_SIZE;
+            word = *reinterpret_cast<const unsigned int*>(base + (slot * num_kv_heads + kv_head) * ROW + col);
+        }
+        *reinterpret_cast<unsigned int*>(dst + row * kv_tile_pitch<KV, HEAD_DIM>() + col) = word;
+    }
+}
+
+// A K or V tile of keys [t0, t0 + PS_TILE_N) into shared memory: 16-bit rows by cp.async, fp8 rows as above.
+template <int HEAD_DIM, int BLOCK_SIZE, typename KV>
+__device__ __forceinline__ void load_tile(unsigned char* dst, const KV* __restrict__ cache,
+                                          const int* __restrict__ block_table, int num_kv_heads, int kv_head,
+                                          int k_lo, int t0, int k_end) {
+    if constexpr (KVType<KV>::SCALED)
+        load_scaled_tile<HEAD_DIM, BLOCK_SIZE, KV>(dst, cache, block_table, num_kv_heads, kv_head, k_lo, t0, k_end);
+    else
+        load_kv_tile<HEAD_DIM, BLOCK_SIZE, KV>(reinterpret_cast<KV (*)[HEAD_DIM + 8]>(dst), cache, block_table,
+                                               (long long)num_kv_heads * HEAD_DIM, kv_head, k_lo, t0, k_end);
+}
+
 // Shared memory of one CTA. The tiles are dynamic (extern __shared__): the host launches with
 // attention_shared_bytes(HEAD_DIM, BLOCK_M) bytes (modules.py, the same sum) and opts the kernel in where they and
 // the static per-row arrays pass the 48 KB a launch gets without (head dim 256 at BLOCK_M 16: 52,288 + 320).
 // Byte offsets, each a multiple of 16:
 //   Q     float [BLOCK_M][HEAD_DIM]         the tile's queries, scale * log2(e) folded in
-//   K, V  T [PS_TILE_N][HEAD_DIM + 8]       one key tile each (+8 halves: conflict-free 16-byte reads)
+//   K, V  KV [PS_TILE_N][HEAD_DIM + 8]      one key tile each (+8 halves: conflict-free 16-byte reads; fp8 rows
+//                                           of HEAD_DIM + 16 bytes fit in the same space: kv_tile_pitch)
 //   P     float [BLOCK_M][PS_TILE_N + 1]    scores, then probabilities
 // The five per-row arrays (5 x BLOCK_M x 4 bytes) stay static: in the dynamic buffer the compiler cannot tell
 // them from the tiles, and BLOCK_M 32 at head dim 128 spilled 40 / 36 bytes (stores / loads) on sm_90, not 28 / 28.
@@ -118,13 +154,15 @@ __device__ __forceinline__ unsigned char* dynamic_shared_memory(int /*bytes*/) {
 }
 #endif
 
-template <int HEAD_DIM, int BLOCK_SIZE, int BLOCK_M, typename T = f16>
+// KV: the caches' element type (kv_types.cuh; T's by default), converted to float32 in registers as each K row's
+// values are read for the scores and each V pair for P.V (fp8: times the row's scale), never dequantized apart.
+template <int HEAD_DIM, int BLOCK_SIZE, int BLOCK_M, typename T = f16, typename KV = T>
 __global__ void __launch_bounds__(PS_ATTN_THREADS, PS_ATTN_MIN_BLOCKS)
 paged_attention_kernel(T* __restrict__ out,                 // [T, H, D]
                        float* __restrict__ part_acc,        // [seq_end - seq_begin, H, max_parts, D]
                        float* __restrict__ part_ml,         // [seq_end - seq_begin, H, max_parts, 2]
                        const T* __restrict__ query, long long q_stride_token, long long q_stride_head,
-                       const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+                       const KV* __restrict__ k_cache, const KV* __restrict__ v_cache,
                        const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
                        const int* __restrict__ block_tables, long long block_table_stride, int num_seqs,
                        int num_heads, int num_kv_heads, int block_q, int max_parts, float scale_log2,
@@ -141,8 +179,8 @@ paged_attention_kernel(T* __restrict__ out,                 // [T, H, D]
     using Smem = AttentionSmem<HEAD_DIM, BLOCK_M>;
     unsigned char* smem = dynamic_shared_memory(Smem::BYTES);
     float (*q_s)[HEAD_DIM] = reinterpret_cast<float (*)[HEAD_DIM]>(smem + Smem::Q);
-    T (*k_s)[HEAD_DIM + 8] = reinterpret_cast<T (*)[HEAD_DIM + 8]>(smem + Smem::K);
-    T (*v_s)[HEAD_DIM + 8] = reinterpret_cast<T (*)[HEAD_DIM + 8]>(smem + Smem::V);
+    unsigned char* k_s = smem + Smem::K;  // kv_tile_pitch<KV, HEAD_DIM>() bytes a key row
+    unsigned char* v_s = smem + Smem::V;
     float (*p_s)[PS_TILE_N + 1] = reinterpret_cast<float (*)[PS_TILE_N + 1]>(smem + Smem::P);
     __shared__ float alpha_s[BLOCK_M];
     __shared__ float m_s[BLOCK_M];
@@ -181,12 +219,11 @@ paged_attention_kernel(T* __restrict__ out,                 // [T, H, D]
     const int num_kv_tiles = (k_end - k_begin + PS_TILE_N - 1) / PS_TILE_N;
 
     const int* block_table = block_tables + (long long)seq * block_table_stride;
-    const long long slot_stride = (long long)num_kv_heads * HEAD_DIM;
 
     // Start fetching the first K and V tiles before anything else.
-    load_kv_tile<HEAD_DIM, BLOCK_SIZE, T>(k_s, k_cache, block_table, slot_stride, kv_head, key_lo, k_begin, k_end);
+    load_tile<HEAD_DIM, BLOCK_SIZE, KV>(k_s, k_cache, block_table, num_kv_heads, kv_head, key_lo, k_begin, k_end);
     cp_async_commit();
-    load_kv_tile<HEAD_DIM, BLOCK_SIZE, T>(v_s, v_cache, block_table, slot_stride, kv_head, key_lo, k_begin, k_end);
+    load_tile<HEAD_DIM, BLOCK_SIZE, KV>(v_s, v_cache, block_table, num_kv_heads, kv_head, key_lo, k_begin, k_end);
     cp_async_commit();
 
     // Rows: r = query_in_tile * group + head_in_group.
@@ -234,27 +271,23 @@ paged_attention_kernel(T* __restrict__ out,                 // [T, H, D]
             float s[ROWS_PER_WARP];
 #pragma unroll
             for (int i = 0; i < ROWS_PER_WARP; ++i) s[i] = 0.f;
+            constexpr int RUN = kv_run<KV>();  // values converted at once (8; 4 for fp8: fewer registers)
 #pragma unroll
-            for (int d = 0; d < HEAD_DIM; d += 8) {
-                const uint4 raw = *reinterpret_cast<const uint4*>(&k_s[lane][d]);
-                const float2 k01 = pair_to_float2<T>(raw.x);
-                const float2 k23 = pair_to_float2<T>(raw.y);
-                const float2 k45 = pair_to_float2<T>(raw.z);
-                const float2 k67 = pair_to_float2<T>(raw.w);
+            for (int d = 0; d < HEAD_DIM; d += RUN) {
+                float k[RUN];  // key `lane`'s values d .. d + RUN - 1, converted in registers
+                kv_tile_run<KV, HEAD_DIM>(k_s, lane, d, k);
 #pragma unroll
                 for (int i = 0; i < ROWS_PER_WARP; ++i) {
                     const int r = warp + i * PS_ATTN_WARPS;
-                    const float4 qa = *reinterpret_cast<const float4*>(&q_s[r][d]);
-                    const float4 qb = *reinterpret_cast<const float4*>(&q_s[r][d + 4]);
                     float x = s[i];
-                    x = fmaf(qa.x, k01.x, x);
-                    x = fmaf(qa.y, k01.y, x);
-                    x = fmaf(qa.z, k23.x, x);
-                    x = fmaf(qa.w, k23.y, x);
-                    x = fmaf(qb.x, k45.x, x);
-                    x = fmaf(qb.y, k45.y, x);
-                    x = fmaf(qb.z, k67.x, x);
-                    x = fmaf(qb.w, k67.y, x);
+#pragma unroll
+                    for (int j = 0; j < RUN; j += 4) {  // the same fma order over d as one 8-value step
+                        const float4 qa = *reinterpret_cast<const float4*>(&q_s[r][d + j]);
+                        x = fmaf(qa.x, k[j], x);
+                        x = fmaf(qa.y, k[j + 1], x);
+                        x = fmaf(qa.z, k[j + 2], x);
+                        x = fmaf(qa.w, k[j + 3], x);
+                    }
                     s[i] = x;
                 }
             }
@@ -269,8 +302,8 @@ paged_attention_kernel(T* __restrict__ out,                 // [T, H, D]
         __syncthreads();  // every warp is done reading k_s
 
         if (it + 1 < num_kv_tiles)
-            load_kv_tile<HEAD_DIM, BLOCK_SIZE, T>(k_s, k_cache, block_table, slot_stride, kv_head, key_lo,
-                                                  t0 + PS_TILE_N, k_end);
+            load_tile<HEAD_DIM, BLOCK_SIZE, KV>(k_s, k_cache, block_table, num_kv_heads, kv_head, key_lo,
+                                                t0 + PS_TILE_N, k_end);
         cp_async_commit();  // possibly empty: keeps the group count uniform
 
         // Online softmax, base 2. Warp w owns rows w, w + 4, ... (the rows it just scored).
@@ -300,7 +333,7 @@ paged_attention_kernel(T* __restrict__ out,                 // [T, H, D]
         }
 #pragma unroll 4
         for (int t = 0; t < PS_TILE_N; ++t) {
-            const float2 v = pair_to_float2<T>(*reinterpret_cast<const unsigned int*>(&v_s[t][2 * pair]));
+            const float2 v = kv_tile_pair<KV, HEAD_DIM>(v_s, t, 2 * pair);
 #pragma unroll
             for (int j = 0; j < ROWS_PER_THREAD; ++j) {
                 const float p = p_s[row_group + j * ROW_GROUPS][t];
@@ -311,8 +344,8 @@ paged_attention_kernel(T* __restrict__ out,                 // [T, H, D]
         __syncthreads();  // every warp is done reading v_s and p_s
 
         if (it + 1 < num_kv_tiles)
-            load_kv_tile<HEAD_DIM, BLOCK_SIZE, T>(v_s, v_cache, block_table, slot_stride, kv_head, key_lo,
-                                                  t0 + PS_TILE_N, k_end);
+            load_tile<HEAD_DIM, BLOCK_SIZE, KV>(v_s, v_cache, block_table, num_kv_heads, kv_head, key_lo,
+                                                t0 + PS_TILE_N, k_end);
         cp_async_commit();
     }
     cp_async_wait<0>();

@@ -55,6 +55,7 @@ from . import attention_ir as ir_loops
 from . import launch
 from . import prefetch as hints
 from . import prefill
+from ..kv_layout import head_dim_of
 from ..reference import paged_attention as reference
 # The plan, and names tests and benchmarks read from here.
 from .attention_plan import (Q_TILE, AttentionPlan, _check_shapes, _cut_work, _scan, _work_items,  # noqa: F401
@@ -138,7 +139,7 @@ def _attention_chunk(c, words):
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    row_floats = num_kv_heads * head_dim * _KV_BYTES // 4  # a token's row, in 4-byte units (for the hints)
+    row_floats = num_kv_heads * k_cache.shape[3] * _KV_BYTES // 4  # a token's row in 4-byte units (the hints)
     segment_blocks = K_SEGMENT // block_size
     k_address, v_address = ir_loops.address(k_cache), ir_loops.address(v_cache)  # for the prefetch hints
     # A run's prefetch hints are issued in num_heads parts (one per query head's work), whole lines each.
@@ -272,11 +273,13 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     global and local layers); else one is made here. `sliding_window`: None, or W (a query at p sees the keys
     p - W < k <= p; blocks wholly older than its window are never read)."""
     window = reference.check_sliding_window(sliding_window)
-    kind = None  # a 16-bit pool (kv_cache_dtype bfloat16 or float16): the loop nest of attention16.py
+    kind, reduced = None, None  # a 16- or 8-bit pool: the loop nest of attention16.py or attention8.py
     if k_cache.dtype != _F32 and query.dtype == _F32:
-        from . import attention16
+        from . import attention8, attention16
 
-        kind = attention16.kind_of(k_cache, v_cache)
+        kind, reduced = attention16.kind_of(k_cache, v_cache), attention16
+        if kind is None:
+            kind, reduced = attention8.kind_of(k_cache, v_cache), attention8
     if kind is None and (query.dtype != _F32 or k_cache.dtype != _F32 or v_cache.dtype != _F32
                          or not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous)):
         return reference.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
@@ -292,6 +295,9 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
                          f"pool {plan.pool}; here {query.shape}, {k_cache.shape[:2]})")
     else:
         _check_shapes(query.shape, k_cache.shape)  # each layer's own caches
+    if head_dim_of(k_cache) != query.shape[2]:  # (the plan knows shapes, not dtypes: an 8-bit row's scale)
+        raise ValueError(f"paged_attention: query {query.shape} does not fit a {k_cache.dtype} cache of "
+                         f"{k_cache.shape}")
     query_start_loc, seq_lens, block_tables = plan.query_start_loc, plan.seq_lens, plan.block_tables
     out = np.empty(query.shape, dtype=_F32)
     if query.shape[0] == 0:
@@ -307,8 +313,9 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     if kind is None:
         _run(plan, np.ascontiguousarray(query), k_cache, v_cache, scale, window, out)
     else:
-        _run(plan, np.ascontiguousarray(query), attention16.as_bits(k_cache), attention16.as_bits(v_cache), scale,
-             window, out, attention16.kernel(kind))
+        stored = attention16.as_bits if reduced is attention16 else reduced.as_bytes
+        _run(plan, np.ascontiguousarray(query), stored(k_cache), stored(v_cache), scale, window, out,
+             reduced.kernel(kind))
     return out
 
 

@@ -93,7 +93,8 @@ def _check_shapes(query_shape, cache_shape) -> None:
     if len(query_shape) != 3 or len(cache_shape) != 4:
         raise ValueError(f"paged_attention: query {tuple(query_shape)} must be [tokens, heads, head_dim] and the "
                          f"caches {tuple(cache_shape)} [blocks, block_size, kv_heads, head_dim]")
-    if query_shape[1] % cache_shape[2] or query_shape[2] != cache_shape[3]:
+    # (an 8-bit cache's rows hold head_dim values and a 4-byte scale; paged_attention checks the dtype)
+    if query_shape[1] % cache_shape[2] or query_shape[2] not in (cache_shape[3], cache_shape[3] - 4):
         raise ValueError(f"paged_attention: query {tuple(query_shape)} does not fit a cache of {tuple(cache_shape)}")
 
 

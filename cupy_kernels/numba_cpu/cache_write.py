@@ -14,7 +14,8 @@ import functools
 
 import numpy as np
 
-from . import cache_write16, launch
+from . import cache_write8, cache_write16, launch
+from ..kv_layout import head_dim_of
 from ..batch_checks import check_slot_mapping
 from .attention_ir import address
 from .numerics import rotate, store_fence, stream_copy
@@ -96,20 +97,23 @@ def _rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, 
 def rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping) -> np.ndarray:
     """paged_attention.rotary_and_cache in one compiled pass over qkv (apply_rotary on the query and key
     heads, reshape_and_cache of the rotated key and the value), with the same bits. 16-bit caches (kv_cache_dtype
-    bfloat16, float16): rounded as they are written (cache_write16.py). Other dtypes (cos and sin included) take
+    bfloat16, float16): rounded as they are written (cache_write16.py); 8-bit ones (int8, fp8_e4m3, fp8_e5m2)
+    scaled and rounded, each row's scale after it (cache_write8.py). Other dtypes (cos and sin included) take
     the reference."""
     sixteen = k_cache.dtype != _F32 and cache_write16.takes(k_cache, v_cache)
-    if not ((qkv.dtype == _F32 and (sixteen or k_cache.dtype == v_cache.dtype == _F32))
+    eight = k_cache.dtype != _F32 and not sixteen and cache_write8.takes(k_cache, v_cache)
+    if not ((qkv.dtype == _F32 and (sixteen or eight or k_cache.dtype == v_cache.dtype == _F32))
             and cos.dtype == sin.dtype == _F32):
         from ..reference import paged_attention
 
         return paged_attention.rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache,
                                                 slot_mapping)
     # The loop trusts these shapes (no bounds checks): checked here.
+    head_dim = head_dim_of(k_cache) if k_cache.ndim == 4 else -1
     if (qkv.ndim != 2 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2] != num_kv_heads
-            or num_heads < 1 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * k_cache.shape[3]
-            or k_cache.shape[3] % 2 or cos.shape != sin.shape or cos.ndim != 2 or cos.shape[0] < qkv.shape[0]
-            or cos.shape[1] < k_cache.shape[3] // 2):
+            or num_heads < 1 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim
+            or head_dim % 2 or cos.shape != sin.shape or cos.ndim != 2 or cos.shape[0] < qkv.shape[0]
+            or cos.shape[1] < head_dim // 2):
         raise ValueError(f"rotary_and_cache: qkv {qkv.shape} of {num_heads} query and {num_kv_heads} kv heads, cos "
                          f"{cos.shape}, sin {sin.shape} and caches {k_cache.shape}, {v_cache.shape} do not fit")
     t = qkv.shape[0]
@@ -118,7 +122,11 @@ def rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, s
     if slot_mapping.shape != (t,):
         raise ValueError(f"rotary_and_cache: slot_mapping {slot_mapping.shape} for {t} tokens")
     check_slot_mapping(slot_mapping, num_slots, "rotary_and_cache")
-    out = np.empty((t, num_heads, k_cache.shape[3]), dtype=_F32)
+    out = np.empty((t, num_heads, head_dim), dtype=_F32)
+    if eight:
+        cache_write8.rotary_and_cache8(np.ascontiguousarray(qkv), num_heads, num_kv_heads, np.ascontiguousarray(cos),
+                                       np.ascontiguousarray(sin), k_cache, v_cache, slot_mapping, out)
+        return out
     if sixteen:
         cache_write16.rotary_and_cache16(np.ascontiguousarray(qkv), num_heads, num_kv_heads, np.ascontiguousarray(cos),
                                          np.ascontiguousarray(sin), k_cache, v_cache, slot_mapping, out)

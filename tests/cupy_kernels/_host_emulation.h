@@ -48,6 +48,7 @@
 
 struct ps_dim3 { unsigned x = 1, y = 1, z = 1; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(8) uint2 { unsigned x, y; };
 struct alignas(8) float2 { float x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
 
@@ -304,6 +305,16 @@ static int ps_launch(void (*kernel)(P...), const unsigned* dims, void** args, in
 inline float __int_as_float(int i) {
     float f;
     std::memcpy(&f, &i, 4);
+    return f;
+}
+inline unsigned int __float_as_uint(float f) {
+    unsigned int u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
+inline float __uint_as_float(unsigned int u) {
+    float f;
+    std::memcpy(&f, &u, 4);
     return f;
 }
 inline float __fmul_rn(float a, float b) { return a * b; }

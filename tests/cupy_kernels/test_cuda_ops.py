@@ -116,6 +116,26 @@ def test_paged_attention_rejects_unsupported_shapes():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8_e4m3", "fp8_e5m2"])
+def test_kv_dtype_cache_write(kv_cache_dtype):
+    gpu_helpers.check_kv_dtype_cache_write(kv_cache_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("head_dim,block_size,group,window", [(64, 16, 1, None), (128, 32, 4, 300), (256, 16, 8, None)])
+def test_kv_dtype_attention(kv_cache_dtype, head_dim, block_size, group, window):
+    specs = [(1, 1), (7, 7), (40, 40), (100, 33), (1100, 1), (513, 1), (700, 45), (17, 1), (530, 3)]
+    gpu_helpers.check_kv_dtype_attention(np.random.default_rng(head_dim + group), kv_cache_dtype, (("mixed", specs),),
+                                         2, head_dim, block_size, group, window)
+
+
+@pytest.mark.gpu
+def test_kv_dtype_refusals():
+    gpu_helpers.check_kv_dtype_refusals()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_reshape_and_cache(dtype):
     gpu_helpers.check_reshape_and_cache(dtype)

@@ -493,8 +493,9 @@ def test_a_model_compiles_only_its_own_attention_modules():
     assert {"cache_ops", "norm", "rotary", "activation", "sampling", "lora"} <= set(f16) and len(f16) == 8
     rest = pre.module_names(["f16", "bf16"], [64, 128, 256], ["f16:128", "f16:64"])
     assert not set(rest) & set(f16 + pre.module_names(["f16"], [64]))
-    every = {m for m in cuda_modules.MODULES}
-    assert set(rest) | set(f16) | set(pre.module_names(["f16"], [64])) == every  # the two runs cover every module
+    # the two runs cover every module but the kv_cache_dtype ones (a bfloat16 pool's: compiled on first use)
+    every = {m for m in cuda_modules.MODULES if "_kv_" not in m}
+    assert set(rest) | set(f16) | set(pre.module_names(["f16"], [64])) == every
     with pytest.raises(ValueError, match="dtype/head_dim"):
         cuda_modules.model_modules("f16", 96)
 

@@ -35,6 +35,8 @@ from pagedserve.cupy_kernels.cuda import ops as cuda_ops
 from pagedserve.cupy_kernels.reference import paged_attention as pa
 
 GXX = shutil.which("g++")
+# The preludes the harness stands in for (PTX asm); the others (kv_types.cuh: plain C++) are compiled as they are.
+EMULATED_PRELUDES = {"tensor_core.cuh"}
 HARNESS = Path(__file__).with_name("_host_emulation.h")
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not found (needed to run the kernels on the CPU)")
 
@@ -225,7 +227,7 @@ def _build(module: cuda_ops.KernelModule, workdir: Path) -> Path:
     source = module.source()
     assert common in source
     source = source.replace(common, f'#include "{HARNESS}"\n')
-    for prelude in module.preludes:  # the harness stands in for these too (tensor_core.cuh: the mma model)
+    for prelude in set(module.preludes) & EMULATED_PRELUDES:  # the harness stands in for these (the mma model)
         text = (cuda_ops.KERNEL_DIR / prelude).read_text()
         assert text in source
         source = source.replace(text, "")
@@ -267,13 +269,28 @@ def load(lib: Path) -> ctypes.CDLL:
     return handle
 
 
+class _Libs(dict):
+    """The emulated modules by name: a module of another KV element type than its query's (the kv_cache_dtype
+    modules, modules._paged_attention_module's kv) is built when a test first loads it."""
+
+    def __init__(self, workdir: Path):
+        super().__init__()
+        self.workdir = workdir
+
+    def __missing__(self, name: str) -> ctypes.CDLL:
+        self[name] = load(_build(cuda_ops.MODULES[name], self.workdir))
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def libs(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("host_emulation")
-    mods = list(cuda_ops.MODULES.values())
+    mods = [m for m in cuda_ops.MODULES.values() if "_kv_" not in m.name]
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
         paths = list(pool.map(lambda m: _build(m, workdir), mods))
-    return {m.name: load(p) for m, p in zip(mods, paths)}
+    built = _Libs(workdir)
+    built.update({m.name: load(p) for m, p in zip(mods, paths)})
+    return built
 
 
 @pytest.fixture
@@ -474,6 +491,22 @@ def test_rotary_and_cache_on_host(emulated, dtype):
     gpu_helpers.check_rotary_and_cache(dtype)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8_e4m3", "fp8_e5m2"])
+def test_kv_dtype_cache_write_on_host(emulated, kv_cache_dtype):
+    gpu_helpers.check_kv_dtype_cache_write(kv_cache_dtype)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("group,window", [(1, None), (4, 300)])
+def test_kv_dtype_attention_on_host(emulated, kv_cache_dtype, group, window):
+    gpu_helpers.check_kv_dtype_attention(np.random.default_rng(group), kv_cache_dtype, (("mixed", MIXED),), 2, 64,
+                                         16, group, window)
+
+
+def test_kv_dtype_refusals_on_host(emulated):
+    gpu_helpers.check_kv_dtype_refusals()
+
+
 def test_copy_blocks_on_host(emulated):
     gpu_helpers.check_copy_blocks_all_layers_one_launch()
 
@@ -638,6 +671,37 @@ def test_engine_on_host_with_graphs_and_device_sampling(emulated, monkeypatch):
             assert engine.runner.graphs.num_replays >= 8
     assert argmax_calls, "greedy rows did not go through cuda_ops.argmax_rows"
     assert results[True] == results[False]
+
+
+@pytest.mark.slow
+def test_engine_on_host_with_a_bfloat16_pool(emulated, monkeypatch):
+    """LLMEngine(device="cuda", kv_cache_dtype="bfloat16") on the emulation: a uint16 pool (bfloat16's bits) that the
+    CUDA cache write fills and the attention reads (kv_types.cuh), eager and through (fake-captured) graphs with the
+    same tokens, and another result than the float16 pool's (the rounding is there: each op's bits are checked
+    against the reference by test_kv_dtype_*); fp8 is refused at start naming the value and the choices."""
+    from pagedserve.runtime.config import EngineConfig
+    from pagedserve.runtime.engine.llm_engine import LLMEngine
+    from pagedserve.runtime.sampling_params import SamplingParams
+    from pagedserve.runtime.worker import cuda_graphs
+
+    sys.modules["cupy"].__getattr__ = lambda name: getattr(np, name)
+    monkeypatch.setattr(cuda_graphs, "CupyGraphCapturer", RecordingCapturer)
+    rng = np.random.default_rng(2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    requests = [(f"r{i}", rng.integers(3, 500, n).tolist(), greedy) for i, n in enumerate((30, 7, 50))]
+    results = {}
+    for dtype, graphs in (("auto", False), ("bfloat16", False), ("bfloat16", True)):
+        engine = LLMEngine(EngineConfig(device="cuda", num_kv_blocks=64, max_num_seqs=4, enable_cuda_graphs=graphs,
+                                        cuda_graph_batch_sizes=(1, 2, 4), seed=0, kv_cache_dtype=dtype),
+                           loaded=gpu_helpers.tiny_loaded())
+        storage = engine.executor.driver_worker.kv_caches[0][0].dtype
+        assert storage == (np.float16 if dtype == "auto" else np.uint16)
+        results[dtype, graphs] = gpu_helpers.generate(engine, requests)
+    assert results["bfloat16", True] == results["bfloat16", False]
+    assert results["bfloat16", False] != results["auto", False]
+    with pytest.raises(ValueError, match=r"kv_cache_dtype 'fp8_e4m3' .*cuda kernel set; choose one of auto, float16, "
+                                         r"bfloat16$"):
+        LLMEngine(EngineConfig(device="cuda", num_kv_blocks=64, kv_cache_dtype="fp8"), loaded=gpu_helpers.tiny_loaded())
 
 
 def test_attention_over_sequence_ranges_is_bitwise_the_same_on_host(emulated, monkeypatch):

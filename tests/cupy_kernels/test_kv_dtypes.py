@@ -62,9 +62,10 @@ def test_unknown_dtype_names_the_value_and_the_choices(bad):
 def test_refusals_name_the_value_and_what_the_set_runs():
     numpy_set = kernel_set.numpy_kernels()
     for dtype in ("int8", "fp8_e4m3", "fp8", "fp8_e5m2"):
-        with pytest.raises(ValueError, match=r"kv_cache_dtype '(int8|fp8.*)'.*numba kernel set; choose one of auto, "
+        with pytest.raises(ValueError, match=r"kv_cache_dtype '(int8|fp8.*)'.*some kernel set; choose one of auto, "
                                              r"float32, bfloat16, float16$"):
-            check_kv_cache_dtype(kv_cache_layout(dtype, np.float32), "numba", kernel_set.CPU_KV_CACHE_DTYPES, 64)
+            check_kv_cache_dtype(kv_cache_layout(dtype, np.float32), "some", ("float32", "bfloat16", "float16"), 64)
+    assert kernel_set.CPU_KV_CACHE_DTYPES == numpy_set.kv_cache_dtypes  # the numba set runs every one now
     with pytest.raises(ValueError, match="'bfloat16'.*cuda kernel set; choose one of auto, float16"):
         check_kv_cache_dtype(kv_cache_layout("bfloat16", np.float16), "cuda", ("float16",), 64)
     with pytest.raises(ValueError, match="needs an even head_dim, the model's is 7"):
@@ -163,29 +164,79 @@ def test_copy_blocks_moves_16_bit_blocks_whole(dtype):
 
 @pytest.mark.slow
 @pytest.mark.skipif(kernel_set.numba_code_path() is None, reason="numba is not installed")
-@pytest.mark.parametrize("dtype", SIXTEEN)
-def test_numba_loop_nest_reads_16_bit_caches(dtype):
-    """numba_cpu/attention16.py: the loop nest converting 16-bit K/V as it loads them gives the float32 loop nest's
-    bits over the same values decoded, and the reference's within float32 rounding; a decode-only step over long
-    contexts (the loop nest, several chunks on the threads) and a mixed one with a sliding window."""
-    from pagedserve.cupy_kernels.numba_cpu import attention
+@pytest.mark.parametrize("dtype", REDUCED)
+def test_numba_loop_nest_reads_reduced_caches(dtype):
+    """numba_cpu/attention16.py and attention8.py: the loop nest converting 16- or 8-bit K/V (and an 8-bit row's
+    scale) as it loads them gives the reference's result over the same values decoded within float32 rounding,
+    and for 16-bit caches the float32 loop nest's bits; a decode-only step over long contexts (the loop nest,
+    several chunks on the threads) and a mixed one with a sliding window; head_dim 32 (the vector runs) and 24
+    (key by key)."""
+    from pagedserve.cupy_kernels.numba_cpu import attention, attention8
     from pagedserve.cupy_kernels.numba_cpu.setup import CODE_PATH
 
     # float16 on baseline code (no F16C) is read by the reference (attention16.py): no loop-nest bits to compare
     loop_nest = not (dtype == "float16" and CODE_PATH == "baseline")
     storage = kv_cache_layout(dtype, np.float32).storage
-    for seed, seqs, window in ((4, [(300, 1), (20, 1), (129, 1), (64, 1)] * 4, None),
-                               (5, [(37, 5), (20, 1), (45, 6), (9, 1), (64, 1)], 12)):
-        q, k, v, qsl, lens, tables = make_batch(np.random.default_rng(seed), seqs, num_kv=2, group=2, head_dim=32,
+    for seed, seqs, window, d in ((4, [(300, 1), (20, 1), (129, 1), (64, 1)] * 4, None, 32),
+                                  (5, [(37, 5), (20, 1), (45, 6), (9, 1), (64, 1)], 12, 32),
+                                  (6, [(37, 5), (21, 1), (64, 1)], None, 24)):
+        if d != 32 and dtype in SIXTEEN:
+            continue
+        q, k, v, qsl, lens, tables = make_batch(np.random.default_rng(seed), seqs, num_kv=2, group=2, head_dim=d,
                                                 block_size=8)
         k16, v16 = encode(k, storage), encode(v, storage)
-        scale = 32 ** -0.5
+        scale = d ** -0.5
+        if dtype not in SIXTEEN:  # the loop nest, not the reference, takes them
+            assert attention8.kind_of(k16, v16) == dtype
         got = attention.paged_attention(q, k16, v16, qsl, lens, tables, scale, sliding_window=window)
         f32 = attention.paged_attention(q, decode(k16), decode(v16), qsl, lens, tables, scale, sliding_window=window)
-        if loop_nest:
+        if loop_nest and dtype in SIXTEEN:
             np.testing.assert_array_equal(got, f32)
         want = ref.paged_attention(q, decode(k16), decode(v16), qsl, lens, tables, scale, sliding_window=window)
-        assert np.abs(got - want).max() <= f32_tol(np.abs(want).max(), max(lens) + 32)
+        tol = f32_tol(np.abs(want).max(), max(lens) + 32)
+        assert np.abs(got - want).max() <= tol
+        assert np.abs(f32 - want).max() <= tol
+        # and the rounding is real: the result is not the float32 K/V's
+        assert np.abs(got - ref.paged_attention(q, k, v, qsl, lens, tables, scale, sliding_window=window)).max() > tol
+
+
+@pytest.mark.skipif(kernel_set.numba_code_path() is None, reason="numba is not installed")
+@pytest.mark.parametrize("dtype", ("fp8_e4m3", "fp8_e5m2"))
+def test_numba_fp8_conversions_are_ml_dtypes(dtype):
+    """The numba set's fp8 rounding (cache_write8.to_fp8, integer ops on the float32 bits) gives ml_dtypes' bits for
+    normal, subnormal, tied, overflowing and special values; its decoding (attention_ir.fp8_to_float32) gives
+    ml_dtypes' value of every one of the 256 codes (NaNs as NaNs)."""
+    import numba
+
+    from pagedserve.cupy_kernels.numba_cpu import attention_ir, cache_write8
+
+    storage = kv_cache_layout(dtype, np.float32).storage
+    mant, bias, e4m3 = (3, 7, True) if dtype == "fp8_e4m3" else (2, 15, False)
+    to_float32 = attention_ir.SCALED_TO_FLOAT32[dtype]
+
+    @numba.njit
+    def round_and_back(x, codes):
+        out = np.empty(x.shape[0], np.int64)
+        for i in range(x.shape[0]):
+            out[i] = cache_write8.to_fp8(x[i], mant, bias, e4m3)
+        back = np.empty(codes.shape[0], np.float32)
+        for i in range(codes.shape[0]):
+            back[i] = to_float32(codes[i], np.float32(1.0))
+        return out, back
+
+    rng = np.random.default_rng(9)
+    x = np.concatenate([(rng.standard_normal(50000) * 10.0 ** rng.uniform(-12, 6, 50000)).astype(np.float32),
+                        rng.integers(0, 2 ** 32, 50000, dtype=np.uint64).astype(np.uint32).view(np.float32),
+                        np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 448, 464, 465, 480, 57344, 61440, 61439,
+                                  2.0 ** -10, 3 * 2.0 ** -10, 2.0 ** -17, 1e-45], np.float32)])
+    codes = np.arange(256, dtype=np.uint8)
+    got, back = round_and_back(x, codes.view(np.int8))
+    with np.errstate(all="ignore"):
+        want = x.astype(storage).view(np.uint8)
+    np.testing.assert_array_equal(got.astype(np.uint8), want)
+    values = codes.view(storage).astype(np.float32)
+    np.testing.assert_array_equal(back, values)  # (assert_array_equal takes NaN for NaN, -0 apart from +0 not)
+    np.testing.assert_array_equal(np.signbit(back), np.signbit(values))
 
 
 def test_int8_rows_keep_their_scale_and_half_a_step():
