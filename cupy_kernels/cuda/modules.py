@@ -163,8 +163,9 @@ MODULES: dict[str, KernelModule] = {
     for m in _ATTENTION_MODULES + (
         KernelModule("cache_ops", "cache_ops.cu", (), _typed("reshape_and_cache_kernel") + ("copy_blocks_kernel",)),
         KernelModule("norm", "norm.cu", (), _typed("add_rms_norm_kernel")),
-        KernelModule("rotary", "rotary.cu", (), _typed("rotary_kernel")),
-        KernelModule("activation", "activation.cu", (), _typed("silu_and_mul_kernel")),
+        KernelModule("rotary", "rotary.cu", (), _typed("rotary_kernel") + ("rope_cos_sin_kernel",)),
+        KernelModule("activation", "activation.cu", (), _typed("silu_and_mul_kernel") + _typed("to_float32_kernel")),
+        KernelModule("embedding", "embedding.cu", (), _typed("embedding_kernel")),
         KernelModule("sampling", "sampling.cu", (), _typed("argmax_rows_kernel") + _typed("sample_rows_kernel")),
         KernelModule("lora", "lora.cu", (), _typed("lora_shrink_kernel") + _typed("lora_expand_kernel")),
     )
