@@ -680,6 +680,16 @@ def test_decode_graph_replays_on_host(emulated):
     assert capturer.events.count("reserve") == 1
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-gemma3"])
+def test_decode_graph_replays_of_other_families_on_host(emulated, name):
+    """The families whose layers differ from Llama's (q/k/v bias; Gemma 3's q/k norms, GELU, four norms a layer, two
+    ropes and a sliding layer) through the decode graphs' shared workspace: replays give the eager steps' logits and
+    KV (their own ops still allocate, from the graphs' private pool on a device)."""
+    sys.modules["cupy"].__getattr__ = lambda attr: getattr(np, attr)  # Gemma 3's GELU: CuPy array code
+    gpu_helpers.check_decode_graph_replays(name, RecordingCapturer())
+
+
 def test_device_metadata_on_host(emulated):
     gpu_helpers.check_device_metadata_and_table_width_change_nothing()
 
