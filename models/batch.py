@@ -47,6 +47,7 @@ class ForwardBatch:
     layer_group: tuple[int, ...] = ()  # per layer, its group (empty: group 0 for every layer)
     prompt_lens: Any = None  # [B] int32: each sequence's prompt length (LongRoPE's factors); None: seq_lens
     lora_slots: Any = None  # [T] int32: each row's LoRA slot, -1 = the base (models/lora.py); None: no adapter rows
+    workspace: Any = None  # models/workspace.Workspace: where the ops write (a decode graph's); None: they allocate
 
     def group_of(self, layer: int) -> int:
         """The KV cache group `layer` reads and writes."""

@@ -63,10 +63,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return super()._embed(ids) * self.embed_scale
 
     def _query(self, layer: Gemma3LayerWeights, qkv: Any, cos: Any, sin: Any, k_cache: Any, v_cache: Any,
-               slot_mapping: Any) -> Any:
+               slot_mapping: Any, **out: Any) -> Any:
         qkv = qk_norm(self.backend, qkv, layer.q_norm, layer.k_norm, self.num_heads, self.num_kv_heads,
                       self.config.head_dim, self.config.rms_norm_eps)
-        return super()._query(layer, qkv, cos, sin, k_cache, v_cache, slot_mapping)
+        return super()._query(layer, qkv, cos, sin, k_cache, v_cache, slot_mapping, **out)
 
     def _mlp(self, layer: Gemma3LayerWeights, x: Any) -> Any:
         ops = self.backend.ops

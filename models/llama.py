@@ -14,7 +14,7 @@ models/gemma3.py: four norms a layer, GELU, sliding windows): `_layer` (one laye
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,7 @@ from .registry import check_weights, expected_shapes  # the shape table lives in
 from .rope import RotaryEmbedding
 from .tensor_parallel import TPShard
 from .loading.weights_check import check_float16_range
+from .workspace import Workspace, out_kw, takes_workspace
 
 
 @dataclass
@@ -181,10 +182,11 @@ class LlamaForCausalLM:
             return packed
         return self._put((parts[0] if len(parts) == 1 else np.concatenate(parts)).T)
 
-    def _embed(self, ids: Any) -> Any:
+    def _embed(self, ids: Any, workspace: Any = None) -> Any:
         ops = self.backend.ops
         if not self.shard.is_sharded:
-            return ops.embedding(self.embed_tokens, ids)
+            return ops.embedding(self.embed_tokens, ids, **out_kw(workspace, "residual", (
+                ids.shape[0], self.config.hidden_size), self.backend.dtype))
         # Vocab-parallel: rows of this rank's ids, zeros for the others'; the sum over ranks is exact.
         xp = self.backend.xp
         local = ids - self.vocab_start
@@ -196,8 +198,10 @@ class LlamaForCausalLM:
             rows = xp.zeros((ids.shape[0], self.config.hidden_size), dtype=self.backend.dtype)
         return self.comm.all_reduce(rows)
 
-    def _logits(self, x: Any) -> Any:
-        logits = self.backend.ops.linear(x, self.lm_head, quant=self.lm_head_q).astype(np.float32, copy=False)
+    def _logits(self, x: Any, workspace: Any = None) -> Any:
+        kw = {} if workspace is None else {"workspace": workspace, **workspace.out(
+            "logits", (x.shape[0], self.lm_head.shape[1]), np.float32)}  # float32 straight from the GEMM's buffer
+        logits = self.backend.ops.linear(x, self.lm_head, quant=self.lm_head_q, **kw).astype(np.float32, copy=False)
         if not self.shard.is_sharded:
             return logits
         pad = self.vocab_per_rank - logits.shape[1]  # the last ranks may hold fewer rows than ceil(V / N)
@@ -207,10 +211,11 @@ class LlamaForCausalLM:
         return None if full is None else full[:, : self.config.vocab_size]
 
     def _query(self, layer: LayerWeights, qkv: Any, cos: Any, sin: Any, k_cache: Any, v_cache: Any,
-               slot_mapping: Any) -> Any:
-        """qkv [T, (H + 2 KV) D] -> the rotated query [T, H, D]; the rotated key and the value go to the cache."""
+               slot_mapping: Any, **out: Any) -> Any:
+        """qkv [T, (H + 2 KV) D] -> the rotated query [T, H, D]; the rotated key and the value go to the cache.
+        out: the op's out= and workspace= (a decode graph's buffers), or nothing."""
         return self.backend.ops.rotary_and_cache(qkv, self.num_heads, self.num_kv_heads, cos, sin, k_cache, v_cache,
-                                                 slot_mapping)
+                                                 slot_mapping, **out)
 
     def _attention(self, n: int, layer: LayerWeights, x: Any, cos_sin: tuple[Any, Any], kv: tuple[Any, Any],
                    batch: ForwardBatch, plans: dict[int, Any], rows: Any = None, add_to: Any = None,
@@ -223,25 +228,30 @@ class LlamaForCausalLM:
         ops = self.backend.ops
         k_cache, v_cache = kv
         block_tables, slot_mapping = batch.kv_tables(n)
+        ws, t = batch.workspace, x.shape[0]  # ws: where each op writes (a decode graph's buffers), or None
         if (ops.linear_rotary_cache is not None and layer.qkv_bias is None and lora is None
                 and type(self)._query is LlamaForCausalLM._query):  # nothing between the projection and rotary
             q = ops.linear_rotary_cache(x, layer.qkv, self.num_heads, self.num_kv_heads, *cos_sin, k_cache, v_cache,
                                         slot_mapping, quant=layer.qkv_q)
         else:
-            qkv = ops.linear(x, layer.qkv, layer.qkv_bias, quant=layer.qkv_q)
+            qkv = ops.linear(x, layer.qkv, layer.qkv_bias, quant=layer.qkv_q,
+                             **{} if ws is None else ws.out("qkv", (t, layer.qkv.shape[1]), x.dtype))
             if lora is not None:
                 lora.add("qkv", x, qkv)
-            q = self._query(layer, qkv, *cos_sin, k_cache, v_cache, slot_mapping)
+            q = self._query(layer, qkv, *cos_sin, k_cache, v_cache, slot_mapping, **{} if ws is None else {
+                "workspace": ws, **ws.out("query", (t, self.num_heads, self.config.head_dim), x.dtype)})
         window = {} if self.windows[n] is None else {"sliding_window": self.windows[n]}
         attn = ops.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, block_tables,
-                                   self.scale, plan=plans[batch.group_of(n)], **window)
+                                   self.scale, plan=plans[batch.group_of(n)], **window,
+                                   **{} if ws is None else {"workspace": ws, **ws.out("attention", q.shape, q.dtype)})
         attn = attn.reshape(batch.num_tokens, self.q_size)
         if rows is not None:
             attn = attn[rows]
         if add_to is not None:  # (never with an o_proj bias: forward does not fuse then)
             out = ops.linear_add(attn, layer.o_proj, add_to, quant=layer.o_proj_q)
             return out if lora is None else lora.add("o_proj", attn, out, rows)
-        out = ops.linear(attn, layer.o_proj, quant=layer.o_proj_q)
+        out = ops.linear(attn, layer.o_proj, quant=layer.o_proj_q,
+                         **{} if ws is None else ws.out("hidden", (attn.shape[0], layer.o_proj.shape[1]), attn.dtype))
         if lora is not None:
             lora.add("o_proj", attn, out, rows)
         out = self.comm.all_reduce(out)
@@ -250,18 +260,21 @@ class LlamaForCausalLM:
         return out
 
     def _mlp(self, layer: LayerWeights, x: Any, add_to: Any = None, lora: lora_slots.LoRALayer | None = None,
-             rows: Any = None) -> Any:
+             rows: Any = None, workspace: Any = None) -> Any:
         """The gated MLP: down(silu(gate x) * up x), all-reduced (down is row-parallel); add_to, lora, rows: as
-        _attention's (with LoRA, gate_up is unfused so its delta lands before the SiLU)."""
-        ops = self.backend.ops
+        _attention's (with LoRA, gate_up is unfused so its delta lands before the SiLU); workspace: where the ops
+        write (models/workspace.py), or None."""
+        ops, ws = self.backend.ops, workspace
         if lora is None:
-            up = ops.linear_silu_and_mul(x, layer.gate_up, quant=layer.gate_up_q)
+            up = ops.linear_silu_and_mul(x, layer.gate_up, quant=layer.gate_up_q, **{} if ws is None else {
+                "workspace": ws, **ws.out("act", (x.shape[0], layer.gate_up.shape[1] // 2), x.dtype)})
         else:
             up = ops.silu_and_mul(lora.add("gate_up", x, ops.linear(x, layer.gate_up, quant=layer.gate_up_q), rows))
         if add_to is not None:
             out = ops.linear_add(up, layer.down, add_to, quant=layer.down_q)
             return out if lora is None else lora.add("down", up, out, rows)
-        out = ops.linear(up, layer.down, quant=layer.down_q)
+        out = ops.linear(up, layer.down, quant=layer.down_q,
+                         **{} if ws is None else ws.out("hidden", (up.shape[0], layer.down.shape[1]), up.dtype))
         if lora is not None:
             lora.add("down", up, out, rows)
         return self.comm.all_reduce(out)
@@ -287,8 +300,11 @@ class LlamaForCausalLM:
         cfg, ops = self.config, self.backend.ops
         # GPU: the step's metadata is checked and uploaded here, once (numpy: the batch as it is).
         batch, plans = self._prepare(batch, kv_caches)
+        if batch.workspace is None and takes_workspace(self.backend):  # eager: buffers of its own (workspace.py)
+            batch = replace(batch, workspace=Workspace(self.backend.xp))
+        ws = batch.workspace  # where the ops write; None (numpy, numba): they allocate
         cos_sin = self.rope.cos_sin(batch)
-        hidden = self._embed(batch.input_ids)
+        hidden = self._embed(batch.input_ids, ws)
         residual = None
         check, peaks = self.check_activations, {}
         keep = rows_wanting_logits(batch)
@@ -301,7 +317,8 @@ class LlamaForCausalLM:
             if fused and residual is not None:  # the previous layer's down added its output already
                 x = ops.rms_norm(residual, layer.input_norm, cfg.rms_norm_eps)
             else:
-                x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
+                x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps,
+                                               **out_kw(ws, "normed", hidden.shape, hidden.dtype))
             if check:
                 activation_check.check_residual(residual, self.backend.xp, f"layer {n} input", peaks)
             rows = keep if n == len(self.layers) - 1 else None
@@ -311,10 +328,12 @@ class LlamaForCausalLM:
             if fused:
                 x = ops.rms_norm(residual, layer.post_norm, cfg.rms_norm_eps)
             else:
-                x, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
+                x, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps,
+                                               **out_kw(ws, "normed", hidden.shape, hidden.dtype))
             if check:
                 activation_check.check_residual(residual, self.backend.xp, f"layer {n} after attention", peaks)
-            hidden = self._mlp(layer, x, residual if fused else None, **lk, **({"rows": rows} if lk else {}))
+            hidden = self._mlp(layer, x, residual if fused else None, **lk, **({"rows": rows} if lk else {}),
+                               **({} if ws is None else {"workspace": ws}))
         return self._final(hidden, residual, batch, peaks, selected=keep is not None, added=fused)
 
     def _final(self, hidden: Any, residual: Any, batch: ForwardBatch, peaks: dict[str, float],
@@ -322,18 +341,22 @@ class LlamaForCausalLM:
         """The last add + norm on the rows that want logits, then the logits. selected: hidden and residual
         already hold only those rows (the last layer computed no others: rows_wanting_logits). added: the last
         down added hidden into residual already (ops.linear_add)."""
-        if not selected:
+        # Every row wanting logits, in row order (rows_wanting_logits' None): nothing to gather (a gather would be a
+        # copy, and inside a decode graph a CuPy expression).
+        if not selected and len(batch.logits_indices) != batch.num_tokens:
             residual = residual[batch.logits_indices]
             if not added:  # (added: hidden is in residual already; no rows of it to gather)
                 hidden = hidden[batch.logits_indices]
+        ws = batch.workspace
         if added:
             x = self.backend.ops.rms_norm(residual, self.norm, self.config.rms_norm_eps)
         else:
-            x, residual = self.backend.ops.add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)
+            x, residual = self.backend.ops.add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps,
+                                                        **out_kw(ws, "normed", hidden.shape, hidden.dtype))
         if self.check_activations:
             activation_check.check_residual(residual, self.backend.xp, "final norm input", peaks)
             self.activation_peaks = peaks
-        return self._logits(x)
+        return self._logits(x, ws)
 
 
 def rows_wanting_logits(batch: ForwardBatch) -> Any:

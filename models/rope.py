@@ -118,6 +118,11 @@ class RotaryEmbedding:
 
     def cos_sin(self, batch: Any) -> tuple[Any, Any]:
         ops = self.backend.ops
+        ws = getattr(batch, "workspace", None)  # a decode graph's buffers: one pair per rope (Gemma 3 has two)
+        if ws is not None and self.long_inv_freq is None:
+            shape, key = (batch.positions.shape[0], self.inv_freq.shape[0]), f"{id(self):x}"
+            return ops.rope_cos_sin(self.inv_freq, batch.positions, out=(
+                ws.take(f"rope_cos@{key}", shape, np.float32), ws.take(f"rope_sin@{key}", shape, np.float32)))
         cos, sin = ops.rope_cos_sin(self.inv_freq, batch.positions)
         if self.long_inv_freq is None:
             return cos, sin

@@ -525,6 +525,74 @@ def check_argmax_rows(dtype):
     np.testing.assert_array_equal(got, np.argmax(logits, axis=1))
 
 
+def check_ops_write_into_out():
+    """Each op a decode graph's forward calls, given `out=` (and `workspace=` for its scratch: models/workspace.py),
+    writes the bits it returns without them, into those very buffers; a wrong `out` is refused naming the op. The
+    kernels that replaced CuPy expressions (issue 59): the embedding gather (the table's bits), the float32 widening
+    of the logits (astype's bits), rope cos/sin (the float64 reference within float32 rounding)."""
+    from pagedserve.models.workspace import Workspace
+
+    cp = import_cupy()
+    rng = np.random.default_rng(21)
+    ws = Workspace(cp)
+
+    def same(got, want, buffer):
+        assert got.data.ptr == buffer.data.ptr
+        np.testing.assert_array_equal(to_host(got), to_host(want))
+
+    for dtype in (f16, np.float32):
+        table = rng.standard_normal((300, 64)).astype(dtype)
+        ids = rng.integers(0, 300, size=25)
+        buf = cp.empty((25, 64), dtype=dtype)
+        same(cuda_ops.embedding(cp.asarray(table), cp.asarray(ids), out=buf), cp.asarray(table[ids]), buf)
+        np.testing.assert_array_equal(to_host(cuda_ops.embedding(cp.asarray(table), ids)), table[ids])
+    np.testing.assert_array_equal(to_host(cuda_ops.embedding(cp.asarray(table), np.array([-1, 0]))), table[[-1, 0]])
+    x = rng.standard_normal((7, 96)).astype(f16)
+    wide = cp.empty((7, 96), dtype=cp.float32)
+    same(cuda_ops.to_float32(cp.asarray(x), out=wide), cp.asarray(x.astype(np.float32)), wide)
+    w = (rng.standard_normal((96, 40)) / 10).astype(f16)
+    logits = cp.empty((7, 40), dtype=cp.float32)
+    got = cuda_ops.linear(cp.asarray(x), cp.asarray(w), out=logits, workspace=ws)
+    same(got, cuda_ops.linear(cp.asarray(x), cp.asarray(w)).astype(np.float32), logits)
+    inv_freq, positions = 1.0 / (10000.0 ** (np.arange(0, 64, 2) / 64)), rng.integers(0, 100_000, size=7)
+    pair = (cp.empty((7, 32), dtype=cp.float32), cp.empty((7, 32), dtype=cp.float32))
+    cos, sin = cuda_ops.rope_cos_sin(inv_freq, cp.asarray(positions), out=pair)
+    ref_cos, ref_sin = ops.rope_cos_sin(inv_freq, positions)
+    assert cos.data.ptr == pair[0].data.ptr and sin.data.ptr == pair[1].data.ptr
+    np.testing.assert_allclose(to_host(cos), ref_cos, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(to_host(sin), ref_sin, rtol=0, atol=1e-6)
+    h = cp.asarray(x[:, :64])
+    normed = cp.empty((7, 64), dtype=cp.float16)
+    weight = cp.asarray(np.ones(64, f16))
+    same(cuda_ops.rms_norm(h, weight, 1e-6, out=normed), cuda_ops.rms_norm(h, weight, 1e-6), normed)
+    act = cp.empty((7, 48), dtype=cp.float16)
+    same(cuda_ops.silu_and_mul(cp.asarray(x), out=act), cuda_ops.silu_and_mul(cp.asarray(x)), act)
+    heads = cp.asarray(x).reshape(7, 3, 32)
+    rotated = cp.empty((7, 3, 32), dtype=cp.float16)
+    c16, s16 = ops.rope_cos_sin(inv_freq[:16], positions)
+    same(cuda_ops.apply_rotary(heads, c16, s16, out=rotated), cuda_ops.apply_rotary(heads, c16, s16), rotated)
+    with pytest.raises(ValueError, match="silu_and_mul: out must be"):
+        cuda_ops.silu_and_mul(cp.asarray(x), out=cp.empty((7, 47), dtype=cp.float16))
+    # Paged attention into `out`, its split-decode partials in the workspace: the bits of a plain call.
+    k, v, qsl, lens, tables = build_cache(rng, [(700, 1), (37, 1), (20, 20)], 2, 64, 16)
+    query = cp.asarray(rng.standard_normal((int(qsl[-1]), 4, 64)).astype(f16))
+    dev = [cp.asarray(a) for a in (k, v, qsl, lens, tables)]
+    attn = cp.empty(query.shape, dtype=cp.float16)
+    want = cuda_ops.paged_attention(query, *dev, 0.125)
+    same(cuda_ops.paged_attention(query, *dev, 0.125, out=attn, workspace=ws), want, attn)
+    assert ws.buffers["attention_partials"].dtype == np.float32
+    # rotary_and_cache: the query into `out`, the rotated key through the workspace, the cache as a plain call writes.
+    qkv = cp.asarray(rng.standard_normal((3, (4 + 2 * 2) * 64)).astype(f16))
+    slots = cp.asarray(np.array([5, -1, 40], np.int64))
+    c3, s3 = ops.rope_cos_sin(1.0 / (10000.0 ** (np.arange(0, 64, 2) / 64)), np.array([5, 9, 40]))
+    caches = [(cp.asarray(k), cp.asarray(v)) for _ in range(2)]
+    q_out = cp.empty((3, 4, 64), dtype=cp.float16)
+    got = cuda_ops.rotary_and_cache(qkv, 4, 2, c3, s3, *caches[0], slots, out=q_out, workspace=ws)
+    same(got, cuda_ops.rotary_and_cache(qkv, 4, 2, c3, s3, *caches[1], slots), q_out)
+    for a, b in zip(caches[0], caches[1]):
+        np.testing.assert_array_equal(to_host(a), to_host(b))
+
+
 def check_ops_return_device_arrays():
     cp = import_cupy()
     x = cp.ones((3, 8), dtype=cp.float16)

@@ -156,7 +156,7 @@ def plan_attention(query_shape, cache_shape, query_start_loc, seq_lens, block_ta
 
 
 def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float, plan=None,
-                    sliding_window: int | None = None, kv_cache_dtype: str | None = None):
+                    sliding_window: int | None = None, kv_cache_dtype: str | None = None, out=None, workspace=None):
     """Unified paged attention over a flat varlen batch: query [T, H, D] -> out [T, H, D], float16 or bfloat16
     (_storage_kind; caches of the query's dtype, or for a float16 query bfloat16 or fp8 caches: kv_cache_dtype,
     read from the caches' dtype when None; fp8 rows hold D codes and their scale). `plan` is
@@ -164,7 +164,9 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     at p sees keys p - W < k <= p; the blocks before the window's are never read).
 
     One launch of paged_attention_kernel covers prefill chunks and decodes; decodes longer than
-    PARTITION_SIZE are split into partitions and combined by a second, small reduce launch.
+    PARTITION_SIZE are split into partitions and combined by a second, small reduce launch. `out`: where the
+    result goes (a C-contiguous [T, H, D]); `workspace` (models/workspace.py): where the partials go, so a
+    captured decode step allocates nothing.
     """
     import cupy
 
@@ -178,7 +180,11 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     if kv.startswith("kv_fp8") and launch.block_m not in FP8_BLOCK_MS:
         raise ValueError(f"paged_attention: {num_heads // num_kv} query heads per kv head over an fp8 cache; the GPU "
                          f"kernel supports at most {max(FP8_BLOCK_MS)} there")
-    out = cupy.empty((num_tokens, num_heads, dim), dtype=query.dtype)
+    if out is None:
+        out = cupy.empty((num_tokens, num_heads, dim), dtype=query.dtype)
+    elif tuple(out.shape) != (num_tokens, num_heads, dim) or out.dtype != query.dtype or not out.flags.c_contiguous:
+        raise ValueError(f"paged_attention: out must be a C-contiguous {query.dtype} array of "
+                         f"{(num_tokens, num_heads, dim)}")
     if num_tokens == 0:
         return out
     if is_cupy_array(seq_lens) or is_cupy_array(query_start_loc) or is_cupy_array(block_tables):
@@ -193,7 +199,12 @@ def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     if window and max_seq_len > PARTITION_SIZE:  # a split decode's window spans at most this many partitions
         max_parts = min(max_parts, (window - 1) // PARTITION_SIZE + 2)
     chunk = partition_chunk(num_seqs, num_heads, dim, max_parts)
-    if max_parts > 1:
+    if max_parts > 1 and workspace is not None:  # one buffer: acc, then max/sum
+        n_acc = chunk * num_heads * max_parts * dim
+        parts = workspace.take("attention_partials", (n_acc + chunk * num_heads * max_parts * 2,), cupy.float32)
+        part_acc = parts[:n_acc].reshape(chunk, num_heads, max_parts, dim)
+        part_ml = parts[n_acc:].reshape(chunk, num_heads, max_parts, 2)
+    elif max_parts > 1:
         part_acc = cupy.empty((chunk, num_heads, max_parts, dim), dtype=cupy.float32)
         part_ml = cupy.empty((chunk, num_heads, max_parts, 2), dtype=cupy.float32)
     else:

@@ -173,8 +173,9 @@ MODULES: dict[str, KernelModule] = {
                      + tuple(f"reshape_and_cache_kv_kernel<f16, {kv}>" for kv in ATTN_KV_TYPES),
                      preludes=("tensor_core.cuh", "kv_types.cuh")),
         KernelModule("norm", "norm.cu", (), _typed("add_rms_norm_kernel")),
-        KernelModule("rotary", "rotary.cu", (), _typed("rotary_kernel")),
-        KernelModule("activation", "activation.cu", (), _typed("silu_and_mul_kernel")),
+        KernelModule("rotary", "rotary.cu", (), _typed("rotary_kernel") + ("rope_cos_sin_kernel",)),
+        KernelModule("activation", "activation.cu", (), _typed("silu_and_mul_kernel") + _typed("to_float32_kernel")),
+        KernelModule("embedding", "embedding.cu", (), _typed("embedding_kernel")),
         KernelModule("sampling", "sampling.cu", (), _typed("argmax_rows_kernel") + _typed("sample_rows_kernel")),
         KernelModule("lora", "lora.cu", (), _typed("lora_shrink_kernel") + _typed("lora_expand_kernel")),
     )

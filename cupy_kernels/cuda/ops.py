@@ -24,6 +24,8 @@ from .attention import kv_element_type, paged_attention, plan_attention  # noqa:
 from .launch import _check_cache_pair, _dummy, _elements, _i32, _i64, _inner_contiguous, _next_pow2, _storage_type
 from . import cublas_route
 from .modules import _kernel
+# The sampling helpers (not dispatched from the op layer: the runtime's sampler is backend-generic).
+from .sampling import SAMPLE_THREADS, argmax_rows, sample_rows  # noqa: F401
 
 # Read from here by the runtime, tests and benchmarks: the module table, the attention's launch planning.
 from .attention import (PARTITION_SCRATCH_BYTES, AttentionLaunch, _check_host_metadata,  # noqa: F401
@@ -40,8 +42,9 @@ from .modules import (ATTN_BLOCK_MS, ATTN_BLOCK_SIZES, ATTN_HEAD_DIMS, ATTN_THRE
 # ---------------------------------------------------------------------------------------------
 
 
-def embedding(table, ids):
-    """Rows of `table` [V, hidden] for `ids` [T] -> [T, hidden]."""
+def embedding(table, ids, out=None):
+    """Rows of `table` [V, hidden] for `ids` [T] -> [T, hidden] (into `out` when given: a workspace's buffer).
+    Host ids are checked (negative ones count from the end, as numpy's); device ids are trusted metadata."""
     import cupy
 
     if not is_cupy_array(ids):
@@ -49,22 +52,82 @@ def embedding(table, ids):
         if ids.size and (int(ids.min()) < -table.shape[0] or int(ids.max()) >= table.shape[0]):
             bad = int(ids.max()) if int(ids.max()) >= table.shape[0] else int(ids.min())
             raise IndexError(f"index {bad} is out of bounds for axis 0 with size {table.shape[0]}")
-        ids = cupy.asarray(ids)
-    return cupy.take(table, ids, axis=0)
+        ids = cupy.asarray(np.where(ids < 0, ids + table.shape[0], ids).astype(np.int64))
+    elif ids.dtype != np.int64:
+        ids = ids.astype(cupy.int64)
+    if table.ndim != 2 or ids.ndim != 1:
+        raise ValueError(f"embedding: table must be [V, hidden] and ids [T], got {tuple(table.shape)} and "
+                         f"{tuple(ids.shape)}")
+    t = _storage_type(table.dtype, "embedding")
+    table = _inner_contiguous(table, "embedding table")
+    tokens, hidden = ids.shape[0], table.shape[1]
+    out = _out(out, (tokens, hidden), table.dtype, "embedding")
+    if tokens and hidden:
+        _kernel("embedding", f"embedding_kernel<{t}>")(
+            (tokens,), (min(1024, max(32, -(-hidden // 4 // 32) * 32)),),
+            (out, table, _i64(_elements(table.strides[0], table.itemsize, "table")), ids, _i32(hidden)))
+    return out
 
 
-def linear(x, weight_t, bias=None, quant=None):
+def _out(out, shape, dtype, what: str):
+    """`out` checked against what an op writes (a C-contiguous `shape` of `dtype`), or a new array."""
+    import cupy
+
+    if out is None:
+        return cupy.empty(shape, dtype=dtype)
+    if tuple(out.shape) != tuple(shape) or out.dtype != np.dtype(dtype) or not out.flags.c_contiguous:
+        raise ValueError(f"{what}: out must be a C-contiguous {np.dtype(dtype)} array of {tuple(shape)}, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    return out
+
+
+def _scratch(workspace, name: str, shape, dtype):
+    """An op's own temporary: the workspace's buffer `name` (a decode graph's), or a new array."""
+    import cupy
+
+    return cupy.empty(shape, dtype=dtype) if workspace is None else workspace.take(name, tuple(shape), dtype)
+
+
+def linear(x, weight_t, bias=None, quant=None, out=None, workspace=None):
     """x [T, in] @ weight_t [in, out] -> [T, out]: cuBLAS, float32 accumulation for float16 operands.
-    `quant` (host blocks of the same weight, ops.linear) is not used on the device.
+    `quant` (host blocks of the same weight, ops.linear) is not used on the device. `out`: where the product goes
+    (a workspace's buffer); a float32 `out` for float16 operands takes the product rounded to float16 and widened
+    (the logits: to_float32_kernel from a `workspace` buffer, no astype).
 
     weight_t may be C- or F-contiguous (a tied lm_head is the embedding's transposed view); cuBLAS
     reads either layout in place. The GEMM is our own cuBLAS handle's when cublas_route.py's probe found
     one that a stream capture records (CuPy's refuses), else CuPy's matmul.
     """
+    wide = out is not None and out.dtype == np.float32 and x.dtype != np.float32
+    if wide:
+        final, out = out, _scratch(workspace, "linear_storage", tuple(out.shape), x.dtype)
     gemm = cublas_route.current_gemm() if x.ndim == 2 and weight_t.ndim == 2 else None
-    out = x @ weight_t if gemm is None else gemm.matmul(x, weight_t)
+    if gemm is not None:
+        out = gemm.matmul(x, weight_t, out=out)
+    elif out is None:
+        out = x @ weight_t
+    else:
+        import cupy
+
+        out = cupy.matmul(x, weight_t, out=out)
     if bias is not None:
         out += bias
+    return to_float32(out, final) if wide else out
+
+
+def to_float32(x, out=None):
+    """x [T, N] (float16 or float32) widened to float32 [T, N], into `out` when given."""
+    import cupy
+
+    if x.ndim != 2:
+        raise ValueError(f"to_float32: x must be [T, N], got shape {tuple(x.shape)}")
+    t = _storage_type(x.dtype, "to_float32")
+    x = _inner_contiguous(x, "to_float32 x")
+    rows, n = x.shape
+    out = _out(out, (rows, n), cupy.float32, "to_float32")
+    if rows and n:
+        _kernel("activation", f"to_float32_kernel<{t}>")(
+            (rows, -(-n // 256)), (256,), (out, x, _i64(_elements(x.strides[0], x.itemsize, "x")), _i32(n)))
     return out
 
 
@@ -83,7 +146,7 @@ def _rows(a, hidden: int, what: str):
     return a
 
 
-def _norm(x, residual, weight, eps: float):
+def _norm(x, residual, weight, eps: float, out=None):
     import cupy
 
     hidden = x.shape[-1]
@@ -96,7 +159,7 @@ def _norm(x, residual, weight, eps: float):
     t = _storage_type(x.dtype, "rms_norm")
     x2 = _rows(x, hidden, "rms_norm x")
     rows = x2.shape[0]
-    normed = cupy.empty((rows, hidden), dtype=x.dtype)
+    normed = _out(None if out is None else out.reshape(rows, hidden), (rows, hidden), x.dtype, "rms_norm")
     if residual is None:
         r_in = r_out = _dummy(x.dtype)
         r_stride = 0
@@ -124,30 +187,40 @@ def _norm(x, residual, weight, eps: float):
     return normed, r_out.reshape(x.shape)
 
 
-def rms_norm(x, weight, eps: float):
-    """Root-mean-square norm over the last axis, computed in float32."""
-    return _norm(x, None, weight, eps)[0]
+def rms_norm(x, weight, eps: float, out=None):
+    """Root-mean-square norm over the last axis, computed in float32 (into `out`, x's shape, when given)."""
+    return _norm(x, None, weight, eps, out)[0]
 
 
-def add_rms_norm(x, residual, weight, eps: float):
+def add_rms_norm(x, residual, weight, eps: float, out=None):
     """residual += x (in place, like the numpy op), then rms_norm(residual); returns (normed, residual).
 
-    With no residual yet, `x` itself is returned as the residual.
+    With no residual yet, `x` itself is returned as the residual. `out`: where normed goes (x's shape).
     """
-    return _norm(x, residual, weight, eps)
+    return _norm(x, residual, weight, eps, out)
 
 
-def rope_cos_sin(inv_freq, positions):
-    """cos and sin [T, D/2] float32 of positions x inv_freq, computed in float64 on the device."""
+def rope_cos_sin(inv_freq, positions, out=None):
+    """cos and sin [T, D/2] float32 of positions x inv_freq, computed in float64 on the device (rope_cos_sin_kernel;
+    into the pair `out` when given)."""
     import cupy
 
-    inv = cupy.asarray(inv_freq, dtype=cupy.float64)
-    freqs = cupy.asarray(positions).astype(cupy.float64)[:, None] * inv[None, :]
-    return cupy.cos(freqs).astype(cupy.float32), cupy.sin(freqs).astype(cupy.float32)
+    inv = cupy.ascontiguousarray(cupy.asarray(inv_freq, dtype=cupy.float64))
+    pos = cupy.ascontiguousarray(cupy.asarray(positions, dtype=cupy.int64))
+    if inv.ndim != 1 or pos.ndim != 1:
+        raise ValueError(f"rope_cos_sin: inv_freq and positions must be 1-D, got {tuple(inv.shape)} and "
+                         f"{tuple(pos.shape)}")
+    shape = (pos.shape[0], inv.shape[0])
+    cos, sin = (None, None) if out is None else out
+    cos, sin = _out(cos, shape, cupy.float32, "rope_cos_sin cos"), _out(sin, shape, cupy.float32, "rope_cos_sin sin")
+    if shape[0] and shape[1]:
+        _kernel("rotary", "rope_cos_sin_kernel")((shape[0],), (min(256, max(32, -(-shape[1] // 32) * 32)),),
+                                                 (cos, sin, pos, inv, _i32(shape[1])))
+    return cos, sin
 
 
-def apply_rotary(x, cos, sin):
-    """Rotate x [T, heads, D] by position, rotate-half layout; returns a new contiguous array."""
+def apply_rotary(x, cos, sin, out=None):
+    """Rotate x [T, heads, D] by position, rotate-half layout; returns a new contiguous array (or `out`)."""
     import cupy
 
     if x.ndim != 3 or x.shape[-1] % 2:
@@ -160,7 +233,7 @@ def apply_rotary(x, cos, sin):
     if cos.shape != (tokens, half) or sin.shape != (tokens, half):
         raise ValueError(f"apply_rotary: cos/sin must have shape ({tokens}, {half}), got {tuple(cos.shape)}")
     x = _inner_contiguous(x, "apply_rotary x")
-    out = cupy.empty((tokens, heads, dim), dtype=x.dtype)
+    out = _out(out, (tokens, heads, dim), x.dtype, "apply_rotary")
     if tokens:
         threads = min(256, max(32, -(-heads * half // 32) * 32))
         _kernel("rotary", f"rotary_kernel<{t}>")(
@@ -171,16 +244,15 @@ def apply_rotary(x, cos, sin):
     return out
 
 
-def silu_and_mul(x):
-    """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
-    import cupy
+def silu_and_mul(x, out=None):
+    """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I] (into `out` when given)."""
 
     if x.ndim != 2 or x.shape[1] % 2:
         raise ValueError(f"silu_and_mul: x must be [T, 2I], got shape {tuple(x.shape)}")
     t = _storage_type(x.dtype, "silu_and_mul")
     x = _inner_contiguous(x, "silu_and_mul x")
     rows, inter = x.shape[0], x.shape[1] // 2
-    out = cupy.empty((rows, inter), dtype=x.dtype)
+    out = _out(out, (rows, inter), x.dtype, "silu_and_mul")
     if rows and inter:
         threads = 256
         _kernel("activation", f"silu_and_mul_kernel<{t}>")(
@@ -190,9 +262,11 @@ def silu_and_mul(x):
     return out
 
 
-def linear_silu_and_mul(x, weight_t, quant=None):
-    """ops.linear_silu_and_mul: the GEMM, then the SiLU-and-mul kernel."""
-    return silu_and_mul(linear(x, weight_t, quant=quant))
+def linear_silu_and_mul(x, weight_t, quant=None, out=None, workspace=None):
+    """ops.linear_silu_and_mul: the GEMM (into the workspace's gate_up buffer, when given), then the SiLU-and-mul
+    kernel (into `out`)."""
+    gate_up = None if workspace is None else workspace.take("gate_up", (x.shape[0], weight_t.shape[1]), x.dtype)
+    return silu_and_mul(linear(x, weight_t, quant=quant, out=gate_up), out=out)
 
 
 def logsumexp_rows(x, row_max=None):
@@ -258,15 +332,22 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_cache_dtype
 
 
 def rotary_and_cache(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping,
-                     kv_cache_dtype: str | None = None):
+                     kv_cache_dtype: str | None = None, out=None, workspace=None):
     """paged_attention.rotary_and_cache: apply_rotary and reshape_and_cache on qkv's head views, each its own
-    kernel here (a launch costs microseconds, not the CPU's cold-cache call). kv_cache_dtype: reshape_and_cache's."""
+    kernel here (a launch costs microseconds, not the CPU's cold-cache call). kv_cache_dtype: reshape_and_cache's.
+    `out`: the rotated query's buffer; `workspace`: the rotated key's (written to the cache, then dead)."""
     from ..reference.paged_attention import compose_rotary_and_cache
+
+    def rotate(x, c, s):  # the key first, then the query (compose_rotary_and_cache's order)
+        if x.shape[1] == num_heads and x.data.ptr == qkv.data.ptr:
+            return apply_rotary(x, c, s, out=out)
+        return apply_rotary(x, c, s, out=None if workspace is None else
+                            workspace.take("rotary_key", tuple(x.shape), x.dtype))
 
     def write(key, value, k, v, slots):
         reshape_and_cache(key, value, k, v, slots, kv_cache_dtype)
 
-    return compose_rotary_and_cache(apply_rotary, write, qkv, num_heads, num_kv_heads, cos, sin,
+    return compose_rotary_and_cache(rotate, write, qkv, num_heads, num_kv_heads, cos, sin,
                                     k_cache, v_cache, slot_mapping)
 
 
@@ -308,72 +389,3 @@ def copy_blocks(kv_caches, block_mapping) -> None:
     scratch = cupy.empty(len(mapping) * len(caches) * block_bytes, dtype=cupy.uint8)
     for phase in (1, 2):  # same stream: the scatter starts after every source has been read
         kernel(grid, (256,), (ptrs, device_mapping, _i64(block_bytes), scratch, _i32(phase)))
-
-
-# ---------------------------------------------------------------------------------------------
-# Sampling helpers (not dispatched from the op layer: the runtime's sampler is backend-generic)
-# ---------------------------------------------------------------------------------------------
-
-
-def argmax_rows(logits):
-    """Index of the largest value of each row of logits [B, V] -> int64 [B], numpy.argmax's ties/NaN rule."""
-    import cupy
-
-    if logits.ndim != 2:
-        raise ValueError(f"argmax_rows: logits must be [B, V], got shape {tuple(logits.shape)}")
-    t = _storage_type(logits.dtype, "argmax_rows")
-    logits = _inner_contiguous(logits, "logits")
-    rows, vocab = logits.shape
-    out = cupy.empty(rows, dtype=cupy.int64)
-    if rows and vocab:
-        _kernel("sampling", f"argmax_rows_kernel<{t}>")(
-            (rows,), (1024,), (out, logits, _i64(_elements(logits.strides[0], logits.itemsize, "logits")),
-                               _i32(vocab)),
-        )
-    elif rows:
-        raise ValueError("argmax_rows: attempt to get argmax of an empty row")
-    return out
-
-
-SAMPLE_THREADS = 512  # PS_SAMPLE_THREADS in sampling.cu: the most threads a sample_rows launch uses
-
-
-def sample_rows(logits, temperature, top_k, top_p, min_p, uniforms, by_value=None, out=None):
-    """One token id per row of logits [B, V] (float16/32): logits / temperature, then top-k, top-p, min-p,
-    then an inverse-CDF draw in token order with the row's uniform; no sort (sampling.cu's sample_rows_kernel;
-    numpy reference: reference/sample_rows.py). Per-row parameters: temperature (> 0) float32, top_k int32
-    (0 = off), top_p float32 (1 = off), min_p float32 (0 = off), uniforms float64 in [0, 1), by_value int32 (1:
-    draw in value order, the host sampler's order for top-k rows; None: token order for every row): each [B], on
-    the host or the device. Returns int64 [B] (into `out` when given: a graph's static buffer)."""
-    import cupy
-
-    if logits.ndim != 2:
-        raise ValueError(f"sample_rows: logits must be [B, V], got shape {tuple(logits.shape)}")
-    t = _storage_type(logits.dtype, "sample_rows")
-    logits = _inner_contiguous(logits, "logits")
-    rows, vocab = logits.shape
-    if rows and not vocab:
-        raise ValueError("sample_rows: logits has rows of length 0")
-    args = []
-    for name, a, dtype in (("temperature", temperature, np.float32), ("top_k", top_k, np.int32),
-                           ("top_p", top_p, np.float32), ("min_p", min_p, np.float32),
-                           ("uniforms", uniforms, np.float64),
-                           ("by_value", np.zeros(rows, np.int32) if by_value is None else by_value, np.int32)):
-        if not is_cupy_array(a):
-            a = np.ascontiguousarray(a, dtype=dtype)
-        if a.shape != (rows,):
-            raise ValueError(f"sample_rows: {name} has shape {tuple(a.shape)}, expected ({rows},)")
-        if a.dtype != dtype or not a.flags.c_contiguous:
-            raise ValueError(f"sample_rows: {name} must be a contiguous {np.dtype(dtype).name} array")
-        args.append(a if is_cupy_array(a) else cupy.asarray(a))
-    if out is None:
-        out = cupy.empty(rows, dtype=cupy.int64)
-    elif out.shape != (rows,) or out.dtype != np.int64:
-        raise ValueError(f"sample_rows: out must be int64 ({rows},)")
-    if rows:
-        threads = min(SAMPLE_THREADS, max(32, _next_pow2(-(-vocab // 8))))
-        _kernel("sampling", f"sample_rows_kernel<{t}>")(
-            (rows,), (threads,),
-            (out, logits, _i64(_elements(logits.strides[0], logits.itemsize, "logits")), _i32(vocab), *args),
-        )
-    return out

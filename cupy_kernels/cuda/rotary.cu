@@ -27,3 +27,18 @@ __global__ void rotary_kernel(T* __restrict__ out, const T* __restrict__ x, long
         dst[h * head_dim + d + half] = from_float<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
     }
 }
+
+// cos and sin [T, D / 2] float32 of positions [T] (int64) x inv_freq [D / 2] (float64): the product, cos and sin in
+// float64 and one rounding to float32, as ops.rope_cos_sin (and CuPy's float64 cos/sin before this kernel) do.
+// Written into buffers of their own, so a captured forward allocates nothing. One CTA per token.
+extern "C" __global__ void rope_cos_sin_kernel(float* __restrict__ cos_out, float* __restrict__ sin_out,
+                                               const long long* __restrict__ positions,
+                                               const double* __restrict__ inv_freq, int half) {
+    const long long token = blockIdx.x;
+    const double p = (double)positions[token];
+    for (int d = threadIdx.x; d < half; d += blockDim.x) {
+        const double f = p * inv_freq[d];
+        cos_out[token * half + d] = (float)cos(f);
+        sin_out[token * half + d] = (float)sin(f);
+    }
+}

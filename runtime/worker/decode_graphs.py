@@ -29,6 +29,12 @@ KV cache groups (a model with sliding-window layers, runtime/core/kv_cache_group
 every group after the first go up too, into static buffers of their own (padding rows: slot -1, block 0), and
 the captured batch's layers read their group's views of them (ForwardBatch.kv_tables).
 
+Activations. The captured forward allocates nothing: every op writes into one Workspace (models/workspace.py)
+that all graphs share, sized by one eager forward of the largest size and width before the warm-ups (so its
+buffers come from the ordinary pool, not the warm-ups' throw-away one) and frozen; the float32 logits are its
+`logits` buffer, the shared static output. A family whose forward still allocates (LoRA, Gemma 3's GELU) draws
+from the graphs' private pool as before (cuda_graphs.py).
+
 Failure policy: a capture error (any exception while warming up, capturing, or in the first test
 launch) is logged as `cuda_graphs.capture_failed` with the batch size and the error, every graph is
 dropped, and decode steps run eagerly. A failure of a later replay is raised, not hidden.
@@ -47,6 +53,7 @@ import numpy as np
 from pagedserve.cupy_kernels.cuda.ops import PARTITION_SIZE
 from pagedserve.models.batch import ForwardBatch
 from pagedserve.models.device_batch import PackedLayout, blocks_needed, check_batch, unpack_batch
+from pagedserve.models.workspace import Workspace, takes_workspace
 
 from ..config import EngineConfig
 
@@ -225,7 +232,12 @@ class DecodeGraphs:
         self.widths = context_buckets(self.max_blocks, self.block_size)
         self.vocab_size = self.model.config.vocab_size
         xp = self.model.backend.xp
-        self.logits = xp.empty((self.sizes[-1], self.vocab_size), dtype=np.float32)  # shared static output
+        # The ops' buffers (the CUDA set's: the numpy and numba ones take no out=); its logits, the static output.
+        self.workspace = Workspace(xp) if takes_workspace(self.model.backend) else None
+        if self.workspace is not None:
+            self.logits = self.workspace.take("logits", (self.sizes[-1], self.vocab_size), np.float32)
+        else:
+            self.logits = xp.empty((self.sizes[-1], self.vocab_size), dtype=np.float32)  # shared static output
         largest = PackedLayout(self.sizes[-1], self.sizes[-1], self.sizes[-1], self.max_blocks)
         self.static_i64 = xp.zeros(largest.i64_size, dtype=np.int64)
         self.static_i32 = xp.zeros(largest.i32_size, dtype=np.int32)
@@ -241,7 +253,7 @@ class DecodeGraphs:
     def _step(self, size: int, width: int) -> _Captured:
         layout = PackedLayout(size, size, size, width)
         i64, i32 = self.static_i64[: layout.i64_size], self.static_i32[: layout.i32_size]
-        batch = unpack_batch(i64, i32, layout)
+        batch = replace(unpack_batch(i64, i32, layout), workspace=self.workspace)
         if self.num_extra:
             n = self.num_extra
             slots = self.static_slots[: n * size].reshape(n, size)
@@ -273,8 +285,9 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         order = [(size, width) for size in reversed(self.sizes) for width in reversed(self.widths)]
         steps = {key: self._step(*key) for key in order}
-        for phase in ("warmup", "capture"):
-            for size, width in order:
+        phases = ("warmup", "capture") if self.workspace is None else ("size", "warmup", "capture")
+        for phase in phases:
+            for size, width in order[:1] if phase == "size" else order:
                 error = None
                 step = steps[(size, width)]
                 try:
@@ -282,7 +295,10 @@ class DecodeGraphs:
                     # shared: another graph's layout would put real slot ids where this one reads).
                     self._upload(self._padding(size, width))
                     fn = self._forward_fn(step)
-                    if phase == "warmup":
+                    if phase == "size":  # eager, outside the capturer's pools: the workspace's buffers, then frozen
+                        fn()
+                        self.workspace.frozen = True
+                    elif phase == "warmup":
                         self.capturer.warmup(fn)
                     else:
                         step.graph = self.capturer.capture(fn)
@@ -308,7 +324,8 @@ class DecodeGraphs:
     def _forward_fn(self, step: _Captured) -> Callable[[], None]:
         def forward() -> None:
             out = self.model.forward(step.batch, self.kv_caches)
-            self.logits[: step.size] = out
+            if _address(out) != _address(self.logits) or out.shape[0] != step.size:
+                self.logits[: step.size] = out  # a forward that did not write the workspace's logits (a copy)
 
         return forward
 
@@ -316,6 +333,7 @@ class DecodeGraphs:
         """Drop every graph (and their memory) and run eagerly from now on."""
         self.captured.clear()
         self.disabled_reason = reason
+        self.workspace = None  # its buffers go with the last step that held them
         try:  # nothing may still run from the pool about to be freed
             self.capturer.synchronize()
         except Exception:  # noqa: BLE001 - a sticky device error surfaces again at the next eager step
@@ -345,3 +363,9 @@ class DecodeGraphs:
         self.capturer.launch(step.graph)
         self.num_replays += 1
         return self.logits[: batch.num_seqs]
+
+
+def _address(a: Any) -> int:
+    """Where an array's first element is (CuPy: its device pointer; numpy: its host address)."""
+    data = a.data
+    return int(data.ptr) if hasattr(data, "ptr") else int(a.__array_interface__["data"][0])

@@ -269,6 +269,11 @@ def test_argmax_rows(dtype):
 
 
 @pytest.mark.gpu
+def test_ops_write_into_out():
+    gpu_helpers.check_ops_write_into_out()
+
+
+@pytest.mark.gpu
 def test_ops_return_device_arrays():
     gpu_helpers.check_ops_return_device_arrays()
 

@@ -490,7 +490,7 @@ def test_a_model_compiles_only_its_own_attention_modules():
     assert f16[:2] == ["paged_attention_f16_d128", "prefill_attention_f16_d128"]
     assert not any("bf16" in n or "d256" in n or "d64" in n for n in f16)
     # the elementwise families, and the LoRA shrink/expand module a server with --enable-lora loads
-    assert {"cache_ops", "norm", "rotary", "activation", "sampling", "lora"} <= set(f16) and len(f16) == 8
+    assert {"cache_ops", "norm", "rotary", "activation", "embedding", "sampling", "lora"} <= set(f16) and len(f16) == 9
     rest = pre.module_names(["f16", "bf16"], [64, 128, 256], ["f16:128", "f16:64"])
     assert not set(rest) & set(f16 + pre.module_names(["f16"], [64]))
     # the two runs cover every module but the kv_cache_dtype ones (a bfloat16 pool's: compiled on first use)

@@ -276,11 +276,9 @@ def test_a_decode_layer_runs_no_cupy_array_expression(counting):
     assert sum(counts["expressions"].values()) <= MAX_EXPRESSIONS_PER_LAYER, dict(counts["expressions"])
 
 
-@pytest.mark.xfail(strict=True, reason="measured on this harness (2026-12-04): 10 array expressions per decode step, "
-                   "all outside the layers - ops.rope_cos_sin 6 (astype x3, multiply, cos, sin), the embedding's "
-                   "cupy.take, _final's two row gathers by logits_indices, the logits' astype(float32) (models/: "
-                   "another owner; a rope table gathered by position and one gather kernel would remove them)")
 def test_a_decode_step_runs_no_cupy_array_expression(counting):
+    """The whole step, eager: until issue 59 it ran 10 outside the layers (rope_cos_sin's 6, the embedding's
+    cupy.take, _final's two row gathers, the logits' astype); now kernels into the step's workspace."""
     step = _count_decode_step(2)
     assert sum(step["expressions"].values()) == 0, dict(step["expressions"])
 
