@@ -26,8 +26,9 @@ from pagedserve.models import registry
 from .draft_proposer import DraftProposer, load_draft
 from ..core.request import Request, RequestStatus
 from .config import SpeculativeConfig
-from .grammar import DraftGuide, guided_ngram_drafts
+from .grammar import DraftGuide, cut_to_grammar, guided_ngram_drafts
 from .policy import Candidate, SpecPolicy
+from .suffix_proposer import SuffixProposer
 
 if TYPE_CHECKING:
     from ..structured_output.manager import StructuredOutputManager
@@ -65,11 +66,17 @@ class SpecDecoder:
         self.policy = SpecPolicy(config.num_speculative_tokens, config.max_num_speculative_tokens,
                                  config.probe_interval, config.min_acceptance_rate, gpu, shadow=draft is None)
         self.structured = structured  # the engine's: guided sequences' drafts are ones their grammar takes
+        self.suffix = SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
+                                     config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob) \
+            if config.method == "suffix" else None
 
     def free(self, seq_id: str) -> None:
-        """The sequence left the running set (finished, aborted, preempted): drop its draft cache."""
+        """The sequence left the running set (finished, aborted, preempted): drop its draft cache (a draft
+        model's KV, a suffix method's local tree; its output stays in the global suffix tree)."""
         if self.draft is not None:
             self.draft.free(seq_id)
+        if self.suffix is not None:
+            self.suffix.free(seq_id)
 
     def num_lookahead(self, r: Request, k: int | None = None) -> int:
         """Most drafts worth proposing: a verify step emits up to k + 1 tokens and writes k + 1 slots."""
@@ -103,7 +110,11 @@ class SpecDecoder:
                 policy.catch_up(record, tokens)
                 if k <= 0:
                     continue
-                drafts = guided_ngram_drafts(self.structured, r, k, c.prompt_lookup_min, c.prompt_lookup_max)
+                if self.suffix is not None:
+                    drafts = self.suffix.propose(r.request_id, r, tokens, r.num_prompt_tokens, k)
+                    drafts = cut_to_grammar(self.structured, r, drafts)
+                else:
+                    drafts = guided_ngram_drafts(self.structured, r, k, c.prompt_lookup_min, c.prompt_lookup_max)
                 if not drafts:
                     continue  # no match: nothing to verify or to check
                 lookups.append(drafts)
