@@ -71,6 +71,10 @@ class StepCosts:
     def shape(self, rows: int) -> float:
         return 1.0 + (self.jump if rows > 1 else 0.0) + self.slope * (rows - 1)
 
+    def seed(self, seconds: dict[int, float]) -> None:
+        """Start from figures measured before the first step (calibration.py); steps then move them as usual."""
+        self.seconds.update({int(m): float(s) for m, s in seconds.items() if s > 0})
+
     def observe(self, rows: int, seconds: float) -> None:
         old = self.seconds.get(rows)
         if old is None:
