@@ -105,11 +105,17 @@ class SuffixTree:
         return node
 
     def speculate(self, context: Sequence[int], max_spec_tokens: int, max_spec_factor: float,
-                  min_token_prob: float) -> Draft:
+                  min_token_prob: float, seq_id: int | None = None) -> Draft:
+        """The best draft after `context`; `seq_id`: the context is that sequence's end (a local tree), whose
+        open suffixes are already the nodes of its matches (no walk from the root)."""
         context = list(context)[-self.max_depth:]
+        opened = self._open.get(seq_id, []) if seq_id is not None else None
         best = Draft()
         for m in range(1, len(context) + 1):
-            node = self._match(context[len(context) - m:])
+            if opened is not None:  # the suffix of m tokens: opened[m - 1] (max_depth tokens: no child)
+                node = opened[m - 1] if m <= len(opened) else None
+            else:
+                node = self._match(context[len(context) - m:])
             if node is None:
                 break  # a longer suffix of the context cannot be a path either
             limit = max(0, min(max_spec_tokens, int(m * max_spec_factor + 1e-6)))
@@ -180,8 +186,8 @@ class SuffixProposer:
         if k <= 0:
             return []
         context = tokens[-self.max_depth:]
-        drafts = [tree.speculate(context, k, self.max_spec_factor, self.min_token_prob)
-                  for tree in (state.tree, self.global_tree)]
+        drafts = [state.tree.speculate(context, k, self.max_spec_factor, self.min_token_prob, seq_id=0),
+                  self.global_tree.speculate(context, k, self.max_spec_factor, self.min_token_prob)]
         best = drafts[0] if drafts[0].score >= drafts[1].score else drafts[1]
         return best.token_ids
 
