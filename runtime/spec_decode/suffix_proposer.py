@@ -31,6 +31,10 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 
+def _rank(item: tuple[int, Node]) -> tuple[int, int]:
+    return item[1].count, item[1].stamp
+
+
 class Node:
     __slots__ = ("count", "stamp", "children")
 
@@ -106,32 +110,31 @@ class SuffixTree:
 
     def speculate(self, context: Sequence[int], max_spec_tokens: int, max_spec_factor: float,
                   min_token_prob: float, seq_id: int | None = None) -> Draft:
-        """The best draft after `context`; `seq_id`: the context is that sequence's end (a local tree), whose
-        open suffixes are already the nodes of its matches (no walk from the root)."""
+        """The best draft after `context`. `seq_id`: the context ends with that sequence of the tree, whose open
+        suffixes are then the nodes of the shorter matches (no walk from the root for those)."""
         context = list(context)[-self.max_depth:]
-        opened = self._open.get(seq_id, []) if seq_id is not None else None
+        opened = self._open.get(seq_id, []) if seq_id is not None else []
         best = Draft()
         for m in range(1, len(context) + 1):
-            if opened is not None:  # the suffix of m tokens: opened[m - 1] (max_depth tokens: no child)
-                node = opened[m - 1] if m <= len(opened) else None
-            else:
-                node = self._match(context[len(context) - m:])
+            # The suffix of m tokens: opened[m - 1] while the sequence is that long, else a walk.
+            node = opened[m - 1] if m <= len(opened) else self._match(context[len(context) - m:])
             if node is None:
                 break  # a longer suffix of the context cannot be a path either
             limit = max(0, min(max_spec_tokens, int(m * max_spec_factor + 1e-6)))
-            draft = Draft(match_len=m)
-            prob = 1.0
-            while len(draft.token_ids) < limit and node.children:
-                token, child = max(node.children.items(), key=lambda kv: (kv[1].count, kv[1].stamp))
+            tokens: list[int] = []
+            probs: list[float] = []
+            prob, score = 1.0, 0.0
+            while len(tokens) < limit and node.children:
+                token, child = max(node.children.items(), key=_rank)
                 prob *= child.count / node.count
                 if prob < min_token_prob:
                     break
-                draft.token_ids.append(token)
-                draft.probs.append(prob)
-                draft.score += prob
+                tokens.append(token)
+                probs.append(prob)
+                score += prob
                 node = child
-            if draft.score >= best.score and draft.token_ids:
-                best = draft
+            if tokens and score >= best.score:
+                best = Draft(tokens, probs, score, m)
         return best
 
 
@@ -186,8 +189,9 @@ class SuffixProposer:
         if k <= 0:
             return []
         context = tokens[-self.max_depth:]
+        own = state.global_id if state.global_id in self._lru else None  # its output, the context's end
         drafts = [state.tree.speculate(context, k, self.max_spec_factor, self.min_token_prob, seq_id=0),
-                  self.global_tree.speculate(context, k, self.max_spec_factor, self.min_token_prob)]
+                  self.global_tree.speculate(context, k, self.max_spec_factor, self.min_token_prob, seq_id=own)]
         best = drafts[0] if drafts[0].score >= drafts[1].score else drafts[1]
         return best.token_ids
 

@@ -102,9 +102,10 @@ def test_speculation_equals_the_reference(depth, chunks, context, k, factor, min
     draft = tree.speculate(context, k, factor, min_prob)
     want, score, match = brute_speculate(seqs, times, depth, context, k, factor, min_prob)
     assert draft.token_ids == want
-    for sid, seq in seqs.items():  # a sequence's own end: its open suffixes are the matches' nodes
-        own = tree.speculate(seq, k, factor, min_prob, seq_id=sid)
-        assert own.token_ids == brute_speculate(seqs, times, depth, seq, k, factor, min_prob)[0]
+    for sid, seq in seqs.items():  # a context ending with a sequence: its open suffixes are the matches' nodes
+        for ctx in (seq, context + seq):
+            own = tree.speculate(ctx, k, factor, min_prob, seq_id=sid)
+            assert own.token_ids == brute_speculate(seqs, times, depth, ctx, k, factor, min_prob)[0]
     if want:
         assert (draft.score, draft.match_len) == (pytest.approx(score), match)
         assert len(want) <= min(k, int(match * factor + 1e-6))
