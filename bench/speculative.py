@@ -202,7 +202,8 @@ def run_one(loaded, args: argparse.Namespace, spec: dict | None, batch: list[lis
     from pagedserve.runtime.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(device=args.device, seed=0, speculative_config=spec, cpu_threads=args.cpu_threads,
-                                    max_model_len=2048), loaded=loaded)
+                                    max_model_len=2048, kv_cache_memory_bytes=256 << 20),  # 8 x 2048 tokens fit
+                       loaded=loaded)
     guided = None
     if workload == "json":
         from pagedserve.runtime.structured_outputs_params import StructuredOutputsParams
