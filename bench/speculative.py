@@ -190,6 +190,7 @@ def run_single(loaded, args: argparse.Namespace, spec: dict | None, batch: list[
                per_prompt=[{k: r[k] for k in ("decode_tokens", "decode_cpu_s", "decode_s")} for r in runs])
     if spec is not None:
         draft, acc, steps = (sum(r[k] for r in runs) for k in ("draft_tokens", "accepted_tokens", "verify_steps"))
+        res["verify_5_rows_in_steps"] = runs[-1].get("verify_5_rows_in_steps")  # the last prompt's engine
         res.update(draft_tokens=draft, accepted_tokens=acc, verify_steps=steps,
                    acceptance_rate=round(acc / draft, 4) if draft else 0.0,
                    mean_accepted_length=round(1 + acc / steps, 3) if steps else 0.0)
@@ -202,7 +203,7 @@ def run_one(loaded, args: argparse.Namespace, spec: dict | None, batch: list[lis
     from pagedserve.runtime.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(device=args.device, seed=0, speculative_config=spec, cpu_threads=args.cpu_threads,
-                                    max_model_len=2048, kv_cache_memory_bytes=256 << 20),  # 8 x 2048 tokens fit
+                                    max_model_len=2048, kv_cache_memory_bytes=256 << 20, max_num_seqs=16),
                        loaded=loaded)
     guided = None
     if workload == "json":
