@@ -253,9 +253,8 @@ def headline(record: dict) -> tuple[str, str]:
                f"{s.get('requests')}")
     elif name == "speculative":
         acc = s.get("acceptance_rate", {})
-        got = (f"n-gram speedup: copy/edit {s.get('ngram_speedup_repetitive')}, chat {s.get('ngram_speedup_chat')}; "
-               f"self-draft: copy/edit {s.get('draft_speedup_repetitive')}, chat {s.get('draft_speedup_chat')}; "
-               "acceptance " + ", ".join(f"{k}: {v}" for k, v in acc.items()))
+        got = ("speedup " + ", ".join(f"{k}: {v}" for k, v in s.get("speedup", {}).items())
+               + "; acceptance " + ", ".join(f"{k}: {v}" for k, v in acc.items()))
     else:
         got = json.dumps(s)[:200]
     return claim, got

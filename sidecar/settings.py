@@ -49,12 +49,16 @@ class Settings:
     collective_timeout_s: float = opt(60.0, "longest wait in seconds on another rank before the step fails")
     max_logprobs: int = opt(20, "most top logprobs a request may ask for (vLLM's max_logprobs)")
     # -- speculative decoding (runtime.spec_config): off unless a method or a draft model is named --
-    speculative_method: str | None = opt(None, "speculative decoding: ngram | draft; unset = off")
+    speculative_method: str | None = opt(None, "speculative decoding: ngram | suffix | draft; unset = off")
     speculative_model: str | None = opt(None, "draft checkpoint (GGUF or HF directory); implies draft")
     speculative_draft_layers: int | None = opt(None, "draft = the target's first N layers (no checkpoint)")
     num_speculative_tokens: int = opt(4, "tokens proposed per step when speculating")
     prompt_lookup_max: int = opt(4, "ngram: longest n-gram looked up in the context")
     prompt_lookup_min: int = opt(2, "ngram: shortest n-gram looked up in the context")
+    suffix_decoding_max_tree_depth: int = opt(24, "suffix: depth of the suffix trees (longest match and draft)")
+    suffix_decoding_max_cached_requests: int = opt(10000, "suffix: earlier requests' outputs kept (LRU); 0 = none")
+    suffix_decoding_max_spec_factor: float = opt(1.0, "suffix: drafts per matched token")
+    suffix_decoding_min_token_prob: float = opt(0.1, "suffix: lowest estimated probability of a draft token")
     # -- server --
     socket: str = opt(DEFAULT_SOCKET, 'gRPC unix domain socket path; "" turns the socket off')
     tcp: str | None = opt(None, 'gRPC over TCP: "host:port" or ":port" (host defaults to 127.0.0.1); unset = off')
@@ -110,6 +114,11 @@ class Settings:
         config: dict = {"method": method, "num_speculative_tokens": self.num_speculative_tokens}
         if method == "ngram":
             config.update(prompt_lookup_max=self.prompt_lookup_max, prompt_lookup_min=self.prompt_lookup_min)
+        elif method == "suffix":
+            config.update({k: getattr(self, k) for k in ("suffix_decoding_max_tree_depth",
+                                                        "suffix_decoding_max_cached_requests",
+                                                        "suffix_decoding_max_spec_factor",
+                                                        "suffix_decoding_min_token_prob")})
         else:
             config.update(model=self.speculative_model, draft_num_layers=self.speculative_draft_layers)
         return config

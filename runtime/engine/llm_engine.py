@@ -107,7 +107,7 @@ class LLMEngine:
             config.speculative_config, lambda: loaded or load_model(config.model, use_cache=config.use_weight_cache),
             self.backend, num_blocks, self.block_size, self.max_model_len, config.seed, config.use_weight_cache,
             self.structured,  # guided sequences' drafts are checked against their grammar
-            kv_storage=self.executor.driver_worker.kv_layout.storage)  # the draft's pool in the target's kv dtype
+            kv_storage=self.executor.driver_worker.kv_layout.storage, executor=self.executor)  # executor: calibrate
         if self.spec is not None:
             self.scheduler.release_hooks.append(self.spec.free)
         self.lora = make_lora_manager(config, self.executor.driver_worker.model, self.scheduler, self.runner)

@@ -21,16 +21,22 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+import structlog
+
 from pagedserve.models import registry
 
 from .draft_proposer import DraftProposer, load_draft
 from ..core.request import Request, RequestStatus
+from .calibration import engine_key, seed_policy, verify_forward
 from .config import SpeculativeConfig
-from .grammar import DraftGuide, guided_ngram_drafts
+from .grammar import DraftGuide, cut_to_grammar, guided_ngram_drafts
 from .policy import Candidate, SpecPolicy
+from .suffix_proposer import SuffixProposer
 
 if TYPE_CHECKING:
     from ..structured_output.manager import StructuredOutputManager
+
+log = structlog.get_logger("pagedserve.engine")
 
 
 @dataclass
@@ -62,14 +68,37 @@ class SpecDecoder:
         # The clock of step costs: on a CPU this process's CPU time (other processes on shared cores
         # inflate wall time at random, not the ratio of a verify step to a decode step); on a GPU wall time.
         self.clock = time.perf_counter if gpu else time.process_time
+        self.gpu = gpu
         self.policy = SpecPolicy(config.num_speculative_tokens, config.max_num_speculative_tokens,
                                  config.probe_interval, config.min_acceptance_rate, gpu, shadow=draft is None)
         self.structured = structured  # the engine's: guided sequences' drafts are ones their grammar takes
+        self.suffix = SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
+                                     config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob) \
+            if config.method == "suffix" else None
+
+    def calibrate(self, executor: Any, block_size: int, num_blocks: int) -> str | None:
+        """Seed the policy's step costs with this host's (calibration.py): "cached", "measured", or None where
+        skipped (a GPU, tensor parallelism, KV cache groups, a fixed min_acceptance_rate, a pool too small)."""
+        worker = executor.driver_worker
+        if (self.gpu or self.config.min_acceptance_rate is not None or executor.world_size > 1
+                or len(worker.kv_groups.windows) > 1):
+            return None
+        forward = verify_forward(executor, block_size, num_blocks)
+        if forward is None:
+            return None
+        source = seed_policy(self.policy, engine_key(worker), forward, self.clock)
+        costs = self.policy.costs
+        log.info("engine.spec_step_costs", source=source, ms_1_row=round(1e3 * costs.estimate(1), 3),
+                 verify_5_rows_in_steps=round(costs.ratio(5, 1), 3), verify_9_rows_in_steps=round(costs.ratio(9, 1), 3))
+        return source
 
     def free(self, seq_id: str) -> None:
-        """The sequence left the running set (finished, aborted, preempted): drop its draft cache."""
+        """The sequence left the running set (finished, aborted, preempted): drop its draft cache (a draft
+        model's KV, a suffix method's local tree; its output stays in the global suffix tree)."""
         if self.draft is not None:
             self.draft.free(seq_id)
+        if self.suffix is not None:
+            self.suffix.free(seq_id)
 
     def num_lookahead(self, r: Request, k: int | None = None) -> int:
         """Most drafts worth proposing: a verify step emits up to k + 1 tokens and writes k + 1 slots."""
@@ -103,7 +132,11 @@ class SpecDecoder:
                 policy.catch_up(record, tokens)
                 if k <= 0:
                     continue
-                drafts = guided_ngram_drafts(self.structured, r, k, c.prompt_lookup_min, c.prompt_lookup_max)
+                if self.suffix is not None:
+                    drafts = self.suffix.propose(r.request_id, r, tokens, r.num_prompt_tokens, k)
+                    drafts = cut_to_grammar(self.structured, r, drafts)
+                else:
+                    drafts = guided_ngram_drafts(self.structured, r, k, c.prompt_lookup_min, c.prompt_lookup_max)
                 if not drafts:
                     continue  # no match: nothing to verify or to check
                 lookups.append(drafts)
@@ -155,12 +188,14 @@ class SpecDecoder:
 
 def build_spec_decoder(config: SpeculativeConfig | None, target: Callable[[], Any], backend: Any, num_blocks: int,
                        block_size: int, max_model_len: int, seed: int | None, use_cache: bool = True,
-                       structured: StructuredOutputManager | None = None, kv_storage: Any = None) -> SpecDecoder | None:
+                       structured: StructuredOutputManager | None = None, kv_storage: Any = None,
+                       executor: Any = None) -> SpecDecoder | None:
     """The engine's SpecDecoder (None when speculation is off); loads or builds the draft model. `kv_storage`: the
     dtype of the draft's KV pool, the target's (KVCacheLayout.storage; None: the backend's).
 
     target: gives the target's LoadedModel (whole weights), called only for a draft model. The draft runs
-    unsharded beside the driver (rank 0), whatever the tensor-parallel size.
+    unsharded beside the driver (rank 0), whatever the tensor-parallel size. executor (its KV pool allocated):
+    where the policy's step costs are calibrated before the first step (calibration.py); None: not calibrated.
     """
     if config is None:
         return None
@@ -169,5 +204,7 @@ def build_spec_decoder(config: SpeculativeConfig | None, target: Callable[[], An
         cfg, weights, name = load_draft(config.model, config.draft_num_layers, target(), use_cache)
         model = registry.for_config(cfg).model_class(cfg, weights, backend, source=name)
         draft = DraftProposer(model, num_blocks, block_size, seed, kv_storage)
-    return SpecDecoder(config, max_model_len, draft, gpu=bool(getattr(backend, "is_gpu", False)),
-                       structured=structured)
+    spec = SpecDecoder(config, max_model_len, draft, gpu=bool(getattr(backend, "is_gpu", False)), structured=structured)
+    if executor is not None:
+        spec.calibrate(executor, block_size, num_blocks)
+    return spec

@@ -35,6 +35,11 @@ from ..sample.sampling_ops import apply_token_bitmask
 def guided_ngram_drafts(structured: Any, request: Any, k: int, lookup_min: int, lookup_max: int) -> list[int]:
     """Prompt-lookup drafts for `request`, cut before the first one its grammar refuses (if guided)."""
     drafts = propose_ngram(np.asarray(request.all_token_ids), k, lookup_min, lookup_max).tolist()
+    return cut_to_grammar(structured, request, drafts)
+
+
+def cut_to_grammar(structured: Any, request: Any, drafts: list[int]) -> list[int]:
+    """Looked-up (one-hot) drafts cut before the first one `request`'s grammar refuses (if guided)."""
     if drafts and structured is not None and request.group is not None and request.group.grammar is not None:
         drafts = drafts[: structured.num_valid_drafts(request, drafts)]
     return drafts

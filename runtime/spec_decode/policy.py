@@ -29,6 +29,10 @@ beyond the one it replaces (at least 1x), doubling the wait after each probe tha
 to 8x): failed probes take at most about 1/probe_interval of the time. No probe is made where even
 drafts that were all accepted could not pay for their step and drafting.
 
+First evidence (CPU, n-gram and suffix): a sequence verifies drafts only once at least one of its own
+proposals was checked (unverified, as above): a chat sequence whose lookups fail never pays for a verify
+step to find out, and a copying one starts speculating a token or two later.
+
 Decision per step (choose). Given B decoding sequences, each candidate's d and expected gain g, the
 candidates are taken best gain-per-row first and the engine keeps the prefix that maximises expected
 tokens per second, (B + sum g) / (T(B + sum d) + drafting), none if speculating nothing is best;
@@ -70,6 +74,10 @@ class StepCosts:
 
     def shape(self, rows: int) -> float:
         return 1.0 + (self.jump if rows > 1 else 0.0) + self.slope * (rows - 1)
+
+    def seed(self, seconds: dict[int, float]) -> None:
+        """Start from figures measured before the first step (calibration.py); steps then move them as usual."""
+        self.seconds.update({int(m): float(s) for m, s in seconds.items() if s > 0})
 
     def observe(self, rows: int, seconds: float) -> None:
         old = self.seconds.get(rows)
@@ -151,6 +159,7 @@ class SpecPolicy:
         self.probe_interval = probe_interval
         self.min_acceptance_rate = min_acceptance_rate
         self.shadow = shadow  # proposals are free to make (n-gram): check them without verifying
+        self.gpu = gpu
         self.costs = StepCosts(GPU_PRIOR if gpu else CPU_PRIOR)
         self.engine = Acceptance()
         self.draft_step_seconds: float | None = None  # a draft model's time per draft token step (batched)
@@ -234,6 +243,10 @@ class SpecPolicy:
             return [c for c in candidates if self.acceptance_rate(c.record) >= self.min_acceptance_rate
                     or self._probe_due(c, base=max(1, num_decoding))]
         base = max(1, num_decoding)
+        if self.shadow and not self.gpu:
+            # Lookups are free to check unverified: on a CPU, where a failed verify step costs real time, a
+            # sequence pays for one only after its own proposals have been checked at least once.
+            candidates = [c for c in candidates if c.record.acceptance.tried > 0]
         scored = []
         for c in candidates:
             gain = expected_gain(self.acceptance_rate(c.record), c.num_drafts)

@@ -17,11 +17,14 @@ from pagedserve.runtime.spec_decode.config import SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
          "min_acceptance_rate": 0.0}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 16,
+          "suffix_decoding_max_cached_requests": 4, "min_acceptance_rate": 0.0}
 
 
 def specs(data_dir):
     return {
         "ngram": NGRAM,
+        "suffix": SUFFIX,
         # min_acceptance_rate 0: always speculate, whatever the policy would decide (these tests check exactness).
         "self_draft": {"method": "draft", "draft_num_layers": 1, "num_speculative_tokens": 3,
                        "min_acceptance_rate": 0.0},
@@ -77,7 +80,7 @@ def greedy_baseline(tiny):
     return reqs, stops, plain
 
 
-@pytest.mark.parametrize("method", ["ngram", "self_draft", "other_draft", "same_draft"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "self_draft", "other_draft", "same_draft"])
 def test_greedy_tokens_are_the_same_with_and_without_speculation(tiny, data_dir, greedy_baseline, method):
     reqs, stops, plain = greedy_baseline
     e = make_engine(tiny, specs(data_dir)[method], **SMALL)
@@ -202,6 +205,12 @@ def test_drafts_never_run_past_max_tokens_or_max_model_len(tiny):
     ({"method": "draft"}, "draft_num_layers"),
     ({"method": "ngram", "min_acceptance_rate": 2}, "min_acceptance_rate"),
     ({"num_spec_tokens": 4}, "unknown field"),
+    ({"method": "suffix", "suffix_decoding_max_tree_depth": 0}, "suffix_decoding_max_tree_depth"),
+    ({"method": "suffix", "suffix_decoding_max_tree_depth": 1000}, "suffix_decoding_max_tree_depth"),
+    ({"method": "suffix", "suffix_decoding_max_cached_requests": -1}, "suffix_decoding_max_cached_requests"),
+    ({"method": "suffix", "suffix_decoding_max_spec_factor": 0}, "suffix_decoding_max_spec_factor"),
+    ({"method": "suffix", "suffix_decoding_min_token_prob": 1.5}, "suffix_decoding_min_token_prob"),
+    ({"method": "suffix", "draft_num_layers": 2}, "need method 'draft'"),
     ("ngram", "speculative_config must be a dict"),
 ])
 def test_bad_speculative_configs_name_the_field(config, field):
@@ -238,6 +247,11 @@ def test_the_offline_api_takes_vllms_speculative_config(data_dir):
                                   "prompt_lookup_min": 2})
     assert llm.generate(prompt, params)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert llm.engine.spec.stats.method == "ngram"
+    llm = LLM(str(data_dir / "tiny-llama"), device="cpu", num_kv_blocks=64,
+              speculative_config={"method": "suffix", "num_speculative_tokens": 4,
+                                  "suffix_decoding_max_tree_depth": 16, "min_acceptance_rate": 0.0})
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert llm.engine.spec.stats.method == "suffix"
 
 
 def test_speculation_under_tensor_parallelism_keeps_greedy_tokens(data_dir):

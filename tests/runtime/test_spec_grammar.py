@@ -26,6 +26,8 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"typ
           "required": ["ok", "n"], "additionalProperties": False}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
          "min_acceptance_rate": 0.0}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 16,
+          "suffix_decoding_max_cached_requests": 4, "min_acceptance_rate": 0.0}
 # A fragment the prompt repeats and the regex asks for again: prompt lookup finds it, the target takes it.
 ECHO_TEXT = "id=ab12-cd34; id=ab12-cd34; id="
 ECHO = r"ab12-cd34; id=ab12-cd34"
@@ -34,6 +36,7 @@ ECHO = r"ab12-cd34; id=ab12-cd34"
 def specs(data_dir):
     return {
         "ngram": NGRAM,
+        "suffix": SUFFIX,
         "self_draft": {"method": "draft", "draft_num_layers": 1, "num_speculative_tokens": 3,
                        "min_acceptance_rate": 0.0},
         # The target as its own draft: masked the same way, every guided draft must be accepted.
@@ -87,7 +90,7 @@ def baseline(tiny):
     return out
 
 
-@pytest.mark.parametrize("method", ["ngram", "self_draft", "same_draft"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "self_draft", "same_draft"])
 def test_greedy_guided_output_is_the_same_with_speculation(tiny, data_dir, baseline, method):
     e = make_engine(tiny, specs(data_dir)[method], **SMALL)
     got = outputs(e, guided_workload(tiny.tokenizer))

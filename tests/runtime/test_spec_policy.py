@@ -66,11 +66,13 @@ def test_in_a_batch_the_best_drafts_go_first_and_hopeless_ones_stay_out():
 def test_an_engine_learns_that_lookups_fail_so_new_sequences_do_not_each_pay_for_it():
     p = policy()  # the CPU prior's costs: a verify step of 5 rows ~2.7 decode steps
     fresh = p.new_record()
-    assert chosen(p, [Candidate("first", fresh, 4)], 1) == ["first"]  # the prior acceptance: worth a try
+    assert chosen(p, [Candidate("first", fresh, 4)], 1) == []  # nothing of its own checked yet: shadow first
+    p._learn(fresh, 1, 1)  # its first proposal's first token came true (checked unverified)
+    assert chosen(p, [Candidate("first", fresh, 4)], 1) == ["first"]  # with the prior acceptance: worth a try
     for _ in range(3):  # three sequences' verify steps that accept nothing
         p.observe_verify(p.new_record(), 4, 0)
     assert p.acceptance_rate(p.new_record()) < 0.5
-    assert chosen(p, [Candidate("new", p.new_record(), 4)], 1) == []
+    assert chosen(p, [Candidate("new", learned(p, 1, 1), 4)], 1) == []  # one lucky token no longer pays for it
 
 
 def test_ngram_proposals_are_checked_unverified_and_speculation_comes_back_when_they_come_true():

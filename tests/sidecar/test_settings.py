@@ -49,6 +49,14 @@ def test_speculative_decoding_from_flags_and_environment():
     config = parse(env={"PAGEDSERVE_SPECULATIVE_MODEL": "/d", "PAGEDSERVE_NUM_SPECULATIVE_TOKENS": "2"}).engine_config()
     assert (config.speculative_config.method, config.speculative_config.model) == ("draft", "/d")
     assert parse("--speculative-draft-layers", "4").engine_config().speculative_config.draft_num_layers == 4
+    config = parse("--speculative-method", "suffix", "--suffix-decoding-max-tree-depth", "32",
+                   "--suffix-decoding-max-cached-requests", "0", "--suffix-decoding-max-spec-factor", "2",
+                   "--suffix-decoding-min-token-prob", "0.2").engine_config().speculative_config
+    assert (config.method, config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
+            config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob) == \
+        ("suffix", 32, 0, 2.0, 0.2)
+    with pytest.raises(ValueError, match="speculative_config.suffix_decoding_min_token_prob"):
+        parse("--speculative-method", "suffix", "--suffix-decoding-min-token-prob", "2")
     with pytest.raises(ValueError, match="speculative_config.num_speculative_tokens"):
         parse("--speculative-method", "ngram", "--num-speculative-tokens", "0")
     with pytest.raises(ValueError, match="speculative_config.method"):
