@@ -252,7 +252,7 @@ class LlamaForCausalLM:
     def _mlp(self, layer: LayerWeights, x: Any, add_to: Any = None, lora: lora_slots.LoRALayer | None = None,
              rows: Any = None) -> Any:
         """The gated MLP: down(silu(gate x) * up x), all-reduced (down is row-parallel); add_to, lora, rows: as
-        _attention's (with LoRA, gate_up is unfused so its delta lands before the SiLU)."""
+        _attention's (a LoRA step multiplies gate_up plainly, so its delta lands before the SiLU)."""
         ops = self.backend.ops
         if lora is None:
             up = ops.linear_silu_and_mul(x, layer.gate_up, quant=layer.gate_up_q)
