@@ -54,8 +54,11 @@ def run(loaded, requests: list[list[int]], max_tokens: int, loras: list, device:
     from pagedserve.runtime.sampling_params import SamplingParams
 
     lora_kw = dict(enable_lora=True, max_loras=len(loras), max_lora_rank=max(a.rank for a in loras)) if loras else {}
-    engine = LLMEngine(EngineConfig(device=device, seed=0, max_num_seqs=max(len(requests), 1), **lora_kw),
-                       loaded=loaded)
+    # A KV pool of what the run needs (every request's prompt and output, whole blocks, plus one block each),
+    # not the default budget: the benchmark must start on a host whose memory others hold.
+    blocks = sum(-(-(len(p) + max_tokens) // 16) + 1 for p in requests)
+    engine = LLMEngine(EngineConfig(device=device, seed=0, max_num_seqs=max(len(requests), 1), num_kv_blocks=blocks,
+                                    **lora_kw), loaded=loaded)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for lora in loras:
         engine.lora.register(lora.request)
@@ -68,6 +71,7 @@ def run(loaded, requests: list[list[int]], max_tokens: int, loras: list, device:
             if out.finished:
                 tokens += len(out.outputs[0].token_ids)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    plots.progress(f"  {tokens} tokens in {wall:.1f} s ({tokens / wall:.1f} tok/s), CPU {cpu:.1f} s")
     return {"output_tokens": tokens, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
             "output_tokens_per_s": round(tokens / wall, 1), "output_tokens_per_cpu_s": round(tokens / cpu, 1)}
 

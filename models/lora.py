@@ -167,15 +167,17 @@ def attach(model: Any, weights: dict[str, np.ndarray], max_loras: int, max_lora_
     cannot serve adapters. The weights stay as they are: a step without adapter rows runs exactly as without LoRA
     (the numba set's gate_up keeps its fused SiLU), one with adapter rows multiplies the same gated panels plainly
     (ops.linear) and adds the gate and up deltas before silu_and_mul."""
+    from .gemma3 import Gemma3ForCausalLM
     from .llama import LlamaForCausalLM
 
     ops = model.backend.ops
     if ops.lora_shrink is None or ops.lora_expand is None:
         raise ValueError(f"enable_lora: the {ops.name} kernel set has no LoRA kernels")
     kind = type(model)
-    if kind.forward is not LlamaForCausalLM.forward or kind._mlp is not LlamaForCausalLM._mlp:
+    served = [(c.forward, c._mlp) for c in (LlamaForCausalLM, Gemma3ForCausalLM)]  # forwards with the LoRA hook
+    if (kind.forward, kind._mlp) not in served or kind._attention is not LlamaForCausalLM._attention:
         raise ValueError(f"enable_lora: {model.config.architecture} models are not served with adapters yet "
-                         f"(Llama-family blocks only)")
+                         f"(Llama-family and Gemma 3 blocks only)")
     if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 1:
         raise ValueError(f"max_loras must be a positive integer, got {max_loras!r}")
     if isinstance(max_lora_rank, bool) or not isinstance(max_lora_rank, int) or max_lora_rank < 1:

@@ -32,7 +32,7 @@ def forward(model, cfg, chunks, backend):
 
 
 @pytest.mark.parametrize("kernels", ["numpy", "numba"])
-@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen3", "tiny-gemma3"])
 def test_adapter_rows_equal_merged_weights_and_base_rows_the_base(tmp_path, kernels, family):
     loaded = load_model(DATA / family)
     cfg, weights = loaded.config, loaded.weights
@@ -57,9 +57,15 @@ def test_adapter_rows_equal_merged_weights_and_base_rows_the_base(tmp_path, kern
 
 
 def test_refused_where_adapters_cannot_be_served():
-    loaded = load_model(DATA / "tiny-gemma3")
-    model = registry.for_config(loaded.config).model_class(loaded.config, loaded.weights, get_backend("cpu", "numpy"))
-    with pytest.raises(ValueError, match="gemma3 models are not served with adapters"):
+    """A family whose blocks do not thread the LoRA hook (its own _mlp here) is refused by name, not served wrong."""
+    loaded = load_model(DATA / "tiny-llama")
+
+    class OwnMLP(registry.for_config(loaded.config).model_class):
+        def _mlp(self, layer, x, add_to=None, lora=None, rows=None):
+            return super()._mlp(layer, x, add_to)
+
+    model = OwnMLP(loaded.config, loaded.weights, get_backend("cpu", "numpy"))
+    with pytest.raises(ValueError, match="llama models are not served with adapters"):
         model_lora.attach(model, loaded.weights, 2, 8)
 
 
