@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from . import activation_check
+from . import activation_check, lora as lora_slots
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .layers import QKNormLayerWeights, gelu_tanh_and_mul, qk_norm
@@ -68,10 +68,19 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                       self.config.head_dim, self.config.rms_norm_eps)
         return super()._query(layer, qkv, cos, sin, k_cache, v_cache, slot_mapping, **out)
 
-    def _mlp(self, layer: Gemma3LayerWeights, x: Any) -> Any:
+    def _mlp(self, layer: Gemma3LayerWeights, x: Any, lora: lora_slots.LoRALayer | None = None,
+             rows: Any = None) -> Any:
+        """down(gelu_tanh(gate x) * up x), all-reduced; lora, rows: a step with adapter rows adds their gate/up deltas
+        before the activation and their down delta after (models/lora.py), rows as LlamaForCausalLM._mlp's."""
         ops = self.backend.ops
-        up = gelu_tanh_and_mul(self.backend.xp, ops.linear(x, layer.gate_up, quant=layer.gate_up_q))
-        return self.comm.all_reduce(ops.linear(up, layer.down, quant=layer.down_q))
+        gate_up = ops.linear(x, layer.gate_up, quant=layer.gate_up_q)
+        if lora is not None:
+            lora.add("gate_up", x, gate_up, rows)
+        up = gelu_tanh_and_mul(self.backend.xp, gate_up)
+        out = ops.linear(up, layer.down, quant=layer.down_q)
+        if lora is not None:
+            lora.add("down", up, out, rows)
+        return self.comm.all_reduce(out)
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[Any, Any]]) -> Any:
         """Run one step; returns float32 logits [len(batch.logits_indices), vocab] (None on ranks > 0)."""
@@ -83,17 +92,19 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         residual = None
         check, peaks = self.check_activations, {}
         keep = rows_wanting_logits(batch)
+        lora = lora_slots.step_for(self.lora, batch.lora_slots, ops)  # None: no adapter rows in this step
         for n, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
             if check:
                 activation_check.check_residual(residual, self.backend.xp, f"layer {n} input", peaks)
             rows = keep if n == len(self.layers) - 1 else None
-            attn = ops.rms_norm(self._attention(n, layer, x, cos_sin[sliding[n]], kv, batch, plans, rows),
+            lk = {} if lora is None else {"lora": lora.layer(n)}
+            attn = ops.rms_norm(self._attention(n, layer, x, cos_sin[sliding[n]], kv, batch, plans, rows, **lk),
                                 layer.post_norm, eps)
             if rows is not None:
                 residual = residual[rows]
             x, residual = ops.add_rms_norm(attn, residual, layer.pre_ff_norm, eps)
             if check:
                 activation_check.check_residual(residual, self.backend.xp, f"layer {n} after attention", peaks)
-            hidden = ops.rms_norm(self._mlp(layer, x), layer.post_ff_norm, eps)
+            hidden = ops.rms_norm(self._mlp(layer, x, **lk, **({"rows": rows} if lk else {})), layer.post_ff_norm, eps)
         return self._final(hidden, residual, batch, peaks, selected=keep is not None)

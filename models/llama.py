@@ -262,8 +262,8 @@ class LlamaForCausalLM:
     def _mlp(self, layer: LayerWeights, x: Any, add_to: Any = None, lora: lora_slots.LoRALayer | None = None,
              rows: Any = None, workspace: Any = None) -> Any:
         """The gated MLP: down(silu(gate x) * up x), all-reduced (down is row-parallel); add_to, lora, rows: as
-        _attention's (with LoRA, gate_up is unfused so its delta lands before the SiLU); workspace: where the ops
-        write (models/workspace.py), or None."""
+        _attention's (a LoRA step multiplies gate_up plainly, so its delta lands before the SiLU); workspace: where
+        the ops write (models/workspace.py), or None."""
         ops, ws = self.backend.ops, workspace
         if lora is None:
             up = ops.linear_silu_and_mul(x, layer.gate_up, quant=layer.gate_up_q, **{} if ws is None else {

@@ -5,14 +5,17 @@ The model fuses q/k/v into one qkv matmul and gate/up into one gate_up (llama.py
 projection's parts side by side: their A rows stacked, their B block-diagonal. With R = max_lora_rank:
 
     qkv      A [L, 3R, hidden]           rows 0..R-1 q's A, R..2R-1 k's, 2R..3R-1 v's (zero past the rank)
-             B [L, q + 2kv, 3R]          q's B in rows 0..q-1 x columns 0..R-1, k's and v's below, diagonal
-    o_proj   A [L, R, q]      B [L, hidden, R]
-    gate_up  A [L, 2R, hidden]  B [L, 2I, 2R]
-    down     A [L, R, I]      B [L, hidden, R]
+             B [L, 3R, q + 2kv]          B transposed: q's in rows 0..R-1 x columns 0..q-1, k's and v's after
+    o_proj   A [L, R, q]      B [L, R, hidden]
+    gate_up  A [L, 2R, hidden]  B [L, 2R, 2I]
+    down     A [L, R, I]      B [L, R, hidden]
 
 so one shrink and one expand (cupy_kernels/reference/lora.py) per fused projection serve every adapter of the
-step, whatever modules each one targets (a module it leaves alone is zeros: its delta is 0). The slot's
-scale (lora_alpha / r, or / sqrt(r)) multiplies in the expand. A step without adapter rows never calls in here.
+step, whatever modules each one targets (a module it leaves alone is zeros: its delta is 0). `ranks[layer]
+[fused]` ([L, parts] int32: each slot's rank in each part, 0 where it does not target it) and `bounds[fused]`
+(the parts' output columns) let the compiled sets skip those zeros and the padding past an adapter's rank. The
+slot's scale (lora_alpha / r, or / sqrt(r)) multiplies in the expand. A step without adapter rows never calls in
+here.
 
 Under tensor parallelism (models/tensor_parallel.py) A and B are sharded like the layer they attach to: a
 column-parallel projection (qkv, gate_up) keeps its rank's rows of B (A whole); a row-parallel one (o_proj,
@@ -68,19 +71,24 @@ class LoRASlots:
         r = max_lora_rank
         self.a: list[dict[str, np.ndarray]] = []
         self.b: list[dict[str, np.ndarray]] = []
+        self.ranks: list[dict[str, np.ndarray]] = []  # host int32 [L, parts], whatever the backend
         self.row_offsets: dict[str, list[int]] = {}  # fused -> each part's first output row
         for fused, parts in FUSED.items():
             outs = [_shape_on_rank(config, self.shard, p)[0] for p in parts]
             self.row_offsets[fused] = [sum(outs[:k]) for k in range(len(parts))]
+        self.bounds = {fused: np.array(rows + [sum(_shape_on_rank(config, self.shard, p)[0] for p in FUSED[fused])],
+                                       dtype=np.int32) for fused, rows in self.row_offsets.items()}
         for _ in range(config.num_hidden_layers):
-            a, b = {}, {}
+            a, b, ranks = {}, {}, {}
             for fused, parts in FUSED.items():
                 n_in = _shape_on_rank(config, self.shard, parts[0])[1]
                 n_out = sum(_shape_on_rank(config, self.shard, p)[0] for p in parts)
                 a[fused] = xp.zeros((max_loras, len(parts) * r, n_in), dtype=dtype)
-                b[fused] = xp.zeros((max_loras, n_out, len(parts) * r), dtype=dtype)
+                b[fused] = xp.zeros((max_loras, len(parts) * r, n_out), dtype=dtype)
+                ranks[fused] = np.zeros((max_loras, len(parts)), dtype=np.int32)
             self.a.append(a)
             self.b.append(b)
+            self.ranks.append(ranks)
         self.scale = xp.zeros(max_loras, dtype=np.float32)
 
     @property
@@ -91,6 +99,9 @@ class LoRASlots:
         for layer in self.a + self.b:
             for x in layer.values():
                 x[slot] = 0.0
+        for layer in self.ranks:
+            for x in layer.values():
+                x[slot] = 0
         self.scale[slot] = 0.0
 
     def set(self, slot: int, adapter: LoRAAdapter) -> None:
@@ -106,7 +117,8 @@ class LoRASlots:
             a, b = a[:, cols], b[rows]
             row = self.row_offsets[fused][k]
             self.a[layer][fused][slot, k * big_r:k * big_r + r] = self._put(a)
-            self.b[layer][fused][slot, row:row + b.shape[0], k * big_r:k * big_r + r] = self._put(b)
+            self.b[layer][fused][slot, k * big_r:k * big_r + r, row:row + b.shape[0]] = self._put(b.T)
+            self.ranks[layer][fused][slot, k] = r
         self.scale[slot] = adapter.scale
 
     def _put(self, w: np.ndarray) -> Any:
@@ -134,8 +146,9 @@ class LoRALayer:
         step = self.step
         slots = step.row_slots if rows is None else step.row_slots[rows]
         w = step.weights
-        t = step.ops.lora_shrink(x, w.a[self.n][fused], slots)
-        step.ops.lora_expand(t, w.b[self.n][fused], w.scale, slots, y)
+        ranks = w.ranks[self.n][fused]
+        t = step.ops.lora_shrink(x, w.a[self.n][fused], slots, ranks)
+        step.ops.lora_expand(t, w.b[self.n][fused], w.scale, slots, y, ranks, w.bounds[fused])
         return y
 
 
@@ -151,31 +164,29 @@ def step_for(slots: LoRASlots | None, row_slots: Any, ops: Any) -> LoRAStep | No
 
 def attach(model: Any, weights: dict[str, np.ndarray], max_loras: int, max_lora_rank: int) -> LoRASlots:
     """Give `model` (a LlamaForCausalLM built from `weights`) `max_loras` empty LoRA slots; ValueError where it
-    cannot serve adapters. A gate_up the kernel set packed for its fused SiLU is packed again plain, so a step
-    with adapter rows can add the gate and up deltas before the SiLU (base-only steps then run linear and
-    silu_and_mul: the same math)."""
+    cannot serve adapters. The weights stay as they are: a step without adapter rows runs exactly as without LoRA
+    (the numba set's gate_up keeps its fused SiLU), one with adapter rows multiplies the same gated panels plainly
+    (ops.linear) and adds the gate and up deltas before silu_and_mul."""
+    from .gemma3 import Gemma3ForCausalLM
     from .llama import LlamaForCausalLM
 
     ops = model.backend.ops
     if ops.lora_shrink is None or ops.lora_expand is None:
         raise ValueError(f"enable_lora: the {ops.name} kernel set has no LoRA kernels")
     kind = type(model)
-    if kind.forward is not LlamaForCausalLM.forward or kind._mlp is not LlamaForCausalLM._mlp:
+    served = [(c.forward, c._mlp) for c in (LlamaForCausalLM, Gemma3ForCausalLM)]  # forwards with the LoRA hook
+    if (kind.forward, kind._mlp) not in served or kind._attention is not LlamaForCausalLM._attention:
         raise ValueError(f"enable_lora: {model.config.architecture} models are not served with adapters yet "
-                         f"(Llama-family blocks only)")
+                         f"(Llama-family and Gemma 3 blocks only)")
     if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 1:
         raise ValueError(f"max_loras must be a positive integer, got {max_loras!r}")
     if isinstance(max_lora_rank, bool) or not isinstance(max_lora_rank, int) or max_lora_rank < 1:
         raise ValueError(f"max_lora_rank must be a positive integer, got {max_lora_rank!r}")
-    for n, layer in enumerate(model.layers):
-        if getattr(layer.gate_up, "gated", False):
-            p = f"model.layers.{n}.mlp."
-            layer.gate_up = model._put_t(weights[p + "gate_proj.weight"], weights[p + "up_proj.weight"])
     model.lora = LoRASlots(model.config, max_loras, max_lora_rank, model.shard, model.backend)
     if not model.backend.is_gpu:  # compile (or load) the CPU set's kernels now, not in the first adapter's request
-        layer = model.lora.a[0]["o_proj"], model.lora.b[0]["o_proj"]
-        x = np.zeros((1, layer[0].shape[2]), dtype=np.float32)
-        t = ops.lora_shrink(x, layer[0], np.zeros(1, dtype=np.int32))
-        ops.lora_expand(t, layer[1], model.lora.scale, np.zeros(1, dtype=np.int32),
-                        np.zeros((1, layer[1].shape[1]), dtype=np.float32))
+        a, b, ranks = (model.lora.a[0]["o_proj"], model.lora.b[0]["o_proj"], model.lora.ranks[0]["o_proj"])
+        slot = np.zeros(1, dtype=np.int32)
+        t = ops.lora_shrink(np.zeros((1, a.shape[2]), dtype=np.float32), a, slot, ranks)
+        ops.lora_expand(t, b, model.lora.scale, slot, np.zeros((1, b.shape[2]), dtype=np.float32), ranks,
+                        model.lora.bounds["o_proj"])
     return model.lora

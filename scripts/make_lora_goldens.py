@@ -1,8 +1,8 @@
 """Make the LoRA goldens: greedy tokens of transformers + peft (CPU, float32) for random adapters on the tiny
-Llama and tiny Qwen3 checkpoints in tests/data.
+Llama, Qwen3 and Gemma 3 checkpoints in tests/data.
 
-Writes, for each model M in (tiny-llama, tiny-qwen3) and adapter spec S (rank 8 and 16, rsLoRA on and off, all
-seven projections and q/v only):
+Writes, for each model M in (tiny-llama, tiny-qwen3, tiny-gemma3) and adapter spec S (rank 8 and 16, rsLoRA on
+and off, all seven projections and q/v only):
 
   tests/data/loras/M-S/                 adapter_config.json + adapter_model.safetensors (float16 A and B, made by
                                         scripts/make_lora.py and rounded, so both sides read the same values)
@@ -14,13 +14,14 @@ seven projections and q/v only):
 A plain loop of full forwards + argmax (no KV cache), as scripts/make_goldens.py does. Needs the oracle extra
 (torch, transformers, peft); rerun from the repository root:
 
-    OMP_NUM_THREADS=1 ORACLE_PYTHON scripts/make_lora_goldens.py
+    OMP_NUM_THREADS=1 ORACLE_PYTHON scripts/make_lora_goldens.py [MODEL ...]      (default: every model)
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,7 @@ from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
-MODELS = ("tiny-llama", "tiny-qwen3")
+MODELS = ("tiny-llama", "tiny-qwen3", "tiny-gemma3")
 SPECS = {  # name: make_lora arguments
     "r8": dict(rank=8, alpha=16.0, rslora=False, targets=None, seed=11),
     "r16-rslora": dict(rank=16, alpha=8.0, rslora=True, targets=None, seed=12),
@@ -78,9 +79,9 @@ def greedy(model, prompt: list[int]) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(ids, dtype=np.int64), np.asarray(gaps, dtype=np.float32)
 
 
-def main() -> None:
+def main(models: list[str]) -> None:
     torch.manual_seed(0)
-    for model_name in MODELS:
+    for model_name in models:
         out: dict[str, np.ndarray] = {}
         base = AutoModelForCausalLM.from_pretrained(DATA / model_name, torch_dtype=torch.float32).eval()
         for i, p in enumerate(PROMPTS):
@@ -100,4 +101,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:] or list(MODELS))

@@ -3,7 +3,8 @@
 // The slots are read from a device buffer, so a captured graph replays whatever the step wrote there.
 //
 //   shrink:  t[row, r]  = sum_k A[slot, r, k] * x[row, k]           (float32 t; a warp per r, lanes over k)
-//   expand:  y[row, o] += scale[slot] * sum_r B[slot, o, r] * t[row, r]   (threads over o, r in order)
+//   expand:  y[row, o] += scale[slot] * sum_r B[slot, r, o] * t[row, r]   (threads over o, r in order;
+//            B is [rank, n_out]: a warp reads 32 consecutive outputs of one rank row)
 //
 // Each row's sums run in an order fixed by the shapes alone (lane-strided partial sums, then butterflies),
 // so a row's result does not depend on the batch.
@@ -38,9 +39,9 @@ __global__ void lora_expand_kernel(T* y, long long y_stride, const float* __rest
     const float* t_row = t + row * rank;
     T* y_row = y + row * y_stride;
     for (int o = threadIdx.x; o < n_out; o += blockDim.x) {
-        const T* b_row = b + ((long long)s * n_out + o) * rank;
+        const T* b_col = b + (long long)s * rank * n_out + o;
         float acc = 0.f;
-        for (int r = 0; r < rank; ++r) acc = fmaf(to_float(b_row[r]), t_row[r], acc);
+        for (int r = 0; r < rank; ++r) acc = fmaf(to_float(b_col[(long long)r * n_out]), t_row[r], acc);
         y_row[o] = from_float<T>(to_float(y_row[o]) + sc * acc);
     }
 }

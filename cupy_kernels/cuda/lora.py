@@ -16,8 +16,9 @@ def _slots(slots):
     return cupy.ascontiguousarray(cupy.asarray(slots), dtype=cupy.int32)
 
 
-def lora_shrink(x, lora_a, slots):
-    """t [T, R] float32 = A[slot] @ x per row; rows with slot -1 are left zero."""
+def lora_shrink(x, lora_a, slots, ranks=None):
+    """t [T, R] float32 = A[slot] @ x per row; rows with slot -1 are left zero (ranks: reference/lora.py's hint,
+    unused here: the zero padding is multiplied)."""
     import cupy
 
     if x.ndim != 2 or lora_a.ndim != 3 or lora_a.shape[2] != x.shape[1]:
@@ -37,12 +38,12 @@ def lora_shrink(x, lora_a, slots):
     return out
 
 
-def lora_expand(t, lora_b, scale, slots, y):
-    """y[i] += scale[slot] * B[slot] @ t[i] in place for rows with a slot; returns y."""
+def lora_expand(t, lora_b, scale, slots, y, ranks=None, bounds=None):
+    """y[i] += scale[slot] * t[i] @ B[slot] ([L, R, out]) in place for rows with a slot; returns y."""
     import cupy
 
-    if y.ndim != 2 or lora_b.ndim != 3 or lora_b.shape[1] != y.shape[1] or t.shape != (y.shape[0], lora_b.shape[2]):
-        raise ValueError(f"lora_expand: t [T, R], lora_b [L, out, R] and y [T, out], got {tuple(t.shape)}, "
+    if y.ndim != 2 or lora_b.ndim != 3 or lora_b.shape[2] != y.shape[1] or t.shape != (y.shape[0], lora_b.shape[1]):
+        raise ValueError(f"lora_expand: t [T, R], lora_b [L, R, out] and y [T, out], got {tuple(t.shape)}, "
                          f"{tuple(lora_b.shape)} and {tuple(y.shape)}")
     if lora_b.dtype != y.dtype:
         raise ValueError("lora_expand: y and lora_b must share one dtype on the GPU")
@@ -51,11 +52,11 @@ def lora_expand(t, lora_b, scale, slots, y):
     if y2.data.ptr != y.data.ptr:
         raise ValueError("lora_expand: y must have contiguous rows (it is written in place)")
     rows = y.shape[0]
-    if rows and lora_b.shape[2]:
+    if rows and lora_b.shape[1]:
         _kernel("lora", f"lora_expand_kernel<{t_name}>")(
             (rows,), (THREADS,),
             (y, _i64(_elements(y.strides[0], y.itemsize, "y")), cupy.ascontiguousarray(t, dtype=cupy.float32),
              cupy.ascontiguousarray(lora_b), cupy.ascontiguousarray(cupy.asarray(scale), dtype=cupy.float32),
-             _slots(slots), _i32(y.shape[1]), _i32(lora_b.shape[2])))
+             _slots(slots), _i32(y.shape[1]), _i32(lora_b.shape[1])))
     return y
 

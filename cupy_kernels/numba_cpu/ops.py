@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import gemm as numba_gemm, gemm_rotary as numba_gemm_rotary, quant as numba_quant, setup as numba_setup
+from ..host.malloc import aligned_empty
 from ..reference import ops
 from .attention_ir import address
 from .launch import array1, array2, float_at, item_address, run_parts
@@ -82,8 +83,30 @@ def linear(x: np.ndarray, weight_t, bias: np.ndarray | None = None, quant=None) 
     if isinstance(weight_t, numba_gemm.PackedWeight):
         if _reads_blocks(x, quant):
             return numba_quant.linear(x, quant, bias)
+        if weight_t.gated:
+            return _gated_products(x, weight_t, bias)
         return numba_gemm.matmul(x, weight_t, bias)
     return ops.linear(x, weight_t, bias)
+
+
+def _gated_products(x: np.ndarray, w: numba_gemm.PackedWeight, bias: np.ndarray | None) -> np.ndarray:
+    """[gate | up] = x @ [gate; up].T [T, 2I] from a gated weight's panels (pack_gated: each panel holds _LANES
+    gate columns then the same up columns): the plain GEMM over those panels, its columns put back in order. A
+    LoRA step adds its gate/up deltas here before silu_and_mul, while base-only steps keep the fused SiLU on the
+    same panels (models/lora.py); each output is the GEMM's one FMA chain, so the bits are matmul's."""
+    x = np.ascontiguousarray(x, dtype=_F32)
+    if x.ndim != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"packed linear: input of shape {x.shape} for a weight of [in, out] = {w.shape}")
+    count, inter, lanes = w.panels.shape[0], w.out_features // 2, numba_gemm.PANEL // 2
+    raw = aligned_empty((x.shape[0], count * numba_gemm.PANEL))
+    if x.shape[0]:
+        apply_threads(parallel=True)
+        numba_gemm.matmul_into(x, w.panels, raw, numba_gemm.row_passes(*x.shape), numba_gemm.PLAIN)
+    halves = raw.reshape(x.shape[0], count, 2, lanes).transpose(0, 2, 1, 3).reshape(x.shape[0], 2, count * lanes)
+    out = np.ascontiguousarray(halves[:, :, :inter]).reshape(x.shape[0], 2 * inter)
+    if bias is not None:
+        out += bias
+    return out
 
 
 def pack_weight(w, gated: bool = False) -> numba_gemm.PackedWeight | None:

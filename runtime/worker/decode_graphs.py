@@ -35,6 +35,12 @@ buffers come from the ordinary pool, not the warm-ups' throw-away one) and froze
 `logits` buffer, the shared static output. A family whose forward still allocates (LoRA, Gemma 3's GELU) draws
 from the graphs' private pool as before (cuda_graphs.py).
 
+LoRA (a model with adapter slots, models/lora.py): each row's adapter slot goes up too, into a static int32 buffer
+(padding and base rows: -1) that the captured LoRA kernels read, as they read the block tables; the slots'
+A, B and scales are the model's persistent device arrays, written in place when an adapter takes a slot (before
+the step, worker.execute_model), so a replay serves whatever adapters the step's rows name. A step without
+adapter rows replays the same graphs (every row -1: the LoRA kernels' CTAs return at once).
+
 Failure policy: a capture error (any exception while warming up, capturing, or in the first test
 launch) is logged as `cuda_graphs.capture_failed` with the batch size and the error, every graph is
 dropped, and decode steps run eagerly. A failure of a later replay is raised, not hidden.
@@ -245,6 +251,9 @@ class DecodeGraphs:
         self.num_extra = max(self.layer_group, default=0)  # KV cache groups after the first
         self.static_slots = xp.zeros(max(1, self.num_extra * self.sizes[-1]), dtype=np.int64)
         self.static_tables = xp.zeros(max(1, self.num_extra * self.sizes[-1] * self.max_blocks), dtype=np.int32)
+        lora = getattr(self.model, "lora", None)  # the adapters' slots (models/lora.py), None without enable_lora
+        self.max_loras = None if lora is None else lora.max_loras
+        self.static_lora = None if lora is None else xp.asarray(np.full(self.sizes[-1], -1, dtype=np.int32))
 
     @property
     def enabled(self) -> bool:
@@ -260,6 +269,8 @@ class DecodeGraphs:
             tables = self.static_tables[: n * size * width].reshape(n, size, width)
             batch = replace(batch, group_slot_mappings=tuple(slots[g] for g in range(n)),
                             group_block_tables=tuple(tables[g] for g in range(n)), layer_group=self.layer_group)
+        if self.static_lora is not None:
+            batch = replace(batch, lora_slots=self.static_lora[:size])
         return _Captured(size, width, batch)
 
     def _padding(self, size: int, width: int) -> list[tuple[Any, np.ndarray]]:
@@ -273,6 +284,11 @@ class DecodeGraphs:
         if self.num_extra:
             slots, tables = pack_decode_groups(batch, size, width, self.num_extra)
             copies += [(self.static_slots[: slots.size], slots), (self.static_tables[: tables.size], tables)]
+        if self.static_lora is not None:
+            lora = np.full(size, -1, dtype=np.int32)
+            if batch is not None and batch.lora_slots is not None:
+                lora[: batch.num_seqs] = batch.lora_slots
+            copies.append((self.static_lora[:size], lora))
         return copies
 
     def _upload(self, copies: list[tuple[Any, np.ndarray]]) -> None:
@@ -352,6 +368,12 @@ class DecodeGraphs:
         if size is None or width is None:
             return None
         check_batch(batch, self.block_size, self.num_blocks, self.vocab_size)
+        if batch.lora_slots is not None:
+            lora = np.asarray(batch.lora_slots)
+            if self.max_loras is None or lora.shape != (batch.num_seqs,) or not (
+                    (lora >= -1) & (lora < self.max_loras)).all():
+                raise ValueError(f"a decode batch's lora_slots {lora.tolist()} for graphs captured with "
+                                 f"{self.max_loras or 0} LoRA slots")
         if len(batch.group_block_tables) != self.num_extra:
             raise ValueError(f"a decode batch of {1 + len(batch.group_block_tables)} KV cache groups for graphs "
                              f"captured with {1 + self.num_extra}")

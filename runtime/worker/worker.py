@@ -153,9 +153,8 @@ class Worker:
         self.backend.ops.copy_blocks(self.kv_pairs, request.block_copies)  # once per array pair
         for slot, adapter in request.lora_updates:
             self.model.lora.set(slot, adapter)
-        # (a step with LoRA rows runs eagerly: the decode graphs were captured without adapters)
-        graphs = self.graphs if request.batch.lora_slots is None else None
-        logits = graphs.run(request.batch) if graphs is not None else None
+        # (the slots are written in place before the step: a decode graph's LoRA kernels read them at replay)
+        logits = self.graphs.run(request.batch) if self.graphs is not None else None
         if logits is None:  # no graph for this step (CPU, graphs off, prefill in the batch, too many rows)
             logits = self.model.forward(request.batch, self.kv_caches)
         return logits

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -245,3 +245,47 @@ def test_a_host_read_inside_the_captured_forward_fails_the_capture(emulated, mon
     assert ok, "the old fake should have captured the mutant (the fault was invisible to it)"
     _, graphs, ok = _capture_tiny_llama(_host.StrictCapturer(strict=False))  # (the check's `>` is an expression)
     assert not ok and "host read of a device value" in str(graphs.disabled_reason), graphs.disabled_reason
+
+
+def test_decode_graphs_with_adapters_capture_cleanly_and_replay_the_eager_step(emulated, tmp_path):
+    """A CUDA model with LoRA slots (lora.cu through the op table) captured inside the strict fake: no host sync,
+    copy or host read in the captured forward with its LoRA kernels; an adapter copied into a slot after the
+    capture, then mixed decode steps (two adapters and the base, padded to a captured size) replay the eager
+    step's logits, which differ from the base's."""
+    from lora_helpers import make_lora
+    from pagedserve.cupy_kernels.backend import get_backend, to_host
+    from pagedserve.models import lora as model_lora
+    from pagedserve.models.batch import SeqChunk, build_forward_batch
+    from pagedserve.models.kv_cache import allocate_kv_caches
+    from pagedserve.models.loading.peft import load_peft_adapter
+    from pagedserve.runtime.worker.decode_graphs import DecodeGraphs
+
+    _, gpu = gpu_helpers.model_pair("tiny-llama")
+    cfg = gpu.config
+    adapters = [load_peft_adapter(make_lora(tmp_path / f"a{k}", cfg, rank=8, std=0.15, seed=k, **t), cfg)
+                for k, t in enumerate([{}, {"targets": ("q_proj", "v_proj")}])]
+    model_lora.attach(gpu, {}, max_loras=3, max_lora_rank=8)
+    gpu.lora.set(0, adapters[0])
+    kv_eager, kv_graph = (allocate_kv_caches(cfg, 16, gpu_helpers.BS, get_backend("cuda")) for _ in range(2))
+    capturer = _host.StrictCapturer()
+    graphs = DecodeGraphs(gpu, kv_graph, (2, 4), 1024 // gpu_helpers.BS, capturer)
+    assert graphs.capture_all(), graphs.disabled_reason
+    fatal = [w for c in capturer.counts for w in c["what"] if not w.startswith(("allocations", "expressions"))]
+    assert fatal == []
+    gpu.lora.set(2, adapters[1])
+    rng = np.random.default_rng(4)
+    lens, tables, slots = [9, 21, 14], [[0, 1], [2, 3], [4, 5]], [0, -1, 2]
+    prompt = build_forward_batch([SeqChunk(rng.integers(0, cfg.vocab_size, n).tolist(), 0, t, lora_slot=s)
+                                  for n, t, s in zip(lens, tables, slots)], gpu_helpers.BS)
+    for kv in (kv_eager, kv_graph):
+        gpu.forward(prompt, kv)
+    batch = build_forward_batch([SeqChunk([5 + i], n, t, lora_slot=s)
+                                 for i, (n, t, s) in enumerate(zip(lens, tables, slots))], gpu_helpers.BS)
+    want = to_host(gpu.forward(batch, kv_eager))
+    got = to_host(graphs.run(batch))
+    np.testing.assert_array_equal(got, want)  # the same kernels on the same rows
+    base = to_host(gpu.forward(replace(batch, lora_slots=None), kv_eager))
+    for row in (0, 2):  # the adapters' rows moved well past the comparisons' tolerance (0.02 of the max logit)
+        assert np.abs(want[row] - base[row]).max() > 0.02 * np.abs(base).max()
+    np.testing.assert_array_equal(want[1], base[1])  # the base row: untouched by the adapters' kernels
+    assert graphs.num_replays == 1

@@ -999,8 +999,8 @@ def test_lora_shrink_expand_on_host(emulated, dtype):
     T, L, R, n_in, n_out = 37, 4, 16, 200, 72
     x = rng.standard_normal((T, n_in)).astype(dtype)
     a = (rng.standard_normal((L, R, n_in)) * 0.3).astype(dtype)
-    b = (rng.standard_normal((L, n_out, R)) * 0.3).astype(dtype)
-    a[1, 8:], b[1, :, 8:] = 0, 0  # slot 1: rank 8 of 16
+    b = (rng.standard_normal((L, R, n_out)) * 0.3).astype(dtype)  # B transposed: [R, out] a slot
+    a[1, 8:], b[1, 8:] = 0, 0  # slot 1: rank 8 of 16
     scale = rng.uniform(0.5, 2.0, L).astype(np.float32)
     slots = rng.integers(0, L, T).astype(np.int32)
     slots[::3] = -1

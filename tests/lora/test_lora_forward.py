@@ -32,7 +32,7 @@ def forward(model, cfg, chunks, backend):
 
 
 @pytest.mark.parametrize("kernels", ["numpy", "numba"])
-@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen3", "tiny-gemma3"])
 def test_adapter_rows_equal_merged_weights_and_base_rows_the_base(tmp_path, kernels, family):
     loaded = load_model(DATA / family)
     cfg, weights = loaded.config, loaded.weights
@@ -57,7 +57,49 @@ def test_adapter_rows_equal_merged_weights_and_base_rows_the_base(tmp_path, kern
 
 
 def test_refused_where_adapters_cannot_be_served():
-    loaded = load_model(DATA / "tiny-gemma3")
-    model = registry.for_config(loaded.config).model_class(loaded.config, loaded.weights, get_backend("cpu", "numpy"))
-    with pytest.raises(ValueError, match="gemma3 models are not served with adapters"):
+    """A family whose blocks do not thread the LoRA hook (its own _mlp here) is refused by name, not served wrong."""
+    loaded = load_model(DATA / "tiny-llama")
+
+    class OwnMLP(registry.for_config(loaded.config).model_class):
+        def _mlp(self, layer, x, add_to=None, lora=None, rows=None):
+            return super()._mlp(layer, x, add_to)
+
+    model = OwnMLP(loaded.config, loaded.weights, get_backend("cpu", "numpy"))
+    with pytest.raises(ValueError, match="llama models are not served with adapters"):
         model_lora.attach(model, loaded.weights, 2, 8)
+
+
+def test_base_only_steps_keep_the_fused_mlp_and_call_no_lora_code(tmp_path):
+    """enable_lora costs a base-only step nothing (numba set): gate_up stays packed for the fused SiLU, the step
+    calls linear_silu_and_mul and no LoRA op, and its logits are the plain model's bit for bit. A step with an
+    adapter row multiplies the same gated panels plainly and adds the deltas (the LoRA ops are called)."""
+    import dataclasses
+
+    loaded = load_model(DATA / "tiny-llama")
+    cfg, weights = loaded.config, loaded.weights
+    backend = get_backend("cpu", "numba")
+    cls = registry.for_config(cfg).model_class
+    model = cls(cfg, weights, backend)
+    model_lora.attach(model, weights, max_loras=2, max_lora_rank=8)
+    model.lora.set(1, load_peft_adapter(make_lora(tmp_path / "a", cfg, rank=8, seed=3, std=0.1), cfg))
+    assert all(layer.gate_up.gated for layer in model.layers)  # (the forward test covers the adapter rows' math)
+    calls = {"lora": 0, "fused": 0}
+
+    def counting(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    ops = backend.ops
+    counted = dataclasses.replace(ops, lora_shrink=counting("lora", ops.lora_shrink),
+                                  linear_silu_and_mul=counting("fused", ops.linear_silu_and_mul))
+    object.__setattr__(model, "backend", dataclasses.replace(backend, ops=counted))
+    prompt = [(5 * i + 1) % cfg.vocab_size for i in range(9)]
+    got = forward(model, cfg, [SeqChunk(prompt, 0, [0]), SeqChunk(prompt[:4], 0, [1])], backend)
+    assert calls == {"lora": 0, "fused": cfg.num_hidden_layers}
+    plain = forward(cls(cfg, weights, backend), cfg, [SeqChunk(prompt, 0, [0]), SeqChunk(prompt[:4], 0, [1])],
+                    backend)
+    np.testing.assert_array_equal(got, plain)
+    forward(model, cfg, [SeqChunk(prompt, 0, [0], lora_slot=1), SeqChunk(prompt[:4], 0, [1])], backend)
+    assert calls["lora"] == 4 * cfg.num_hidden_layers and calls["fused"] == cfg.num_hidden_layers

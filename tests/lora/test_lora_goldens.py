@@ -1,6 +1,6 @@
 """Greedy tokens with adapters equal transformers + peft's (goldens by scripts/make_lora_goldens.py): ranks 8 and
-16, rsLoRA on and off, all seven projections and q/v only, on the tiny Llama and Qwen3; every adapter and the base
-mixed in one batch."""
+16, rsLoRA on and off, all seven projections and q/v only, on the tiny Llama, Qwen3 and Gemma 3; every adapter and
+the base mixed in one batch."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ SPECS = ("r8", "r16-rslora", "r8-qv-rslora", "r16-qv")
 
 
 @pytest.mark.parametrize("kernels", ["numba", "numpy"])
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3", "tiny-gemma3"])
 def test_greedy_tokens_equal_peft(model, kernels):
     golden = np.load(DATA / "goldens" / f"lora_{model}.npz")
     num_tokens = len(golden["base_greedy_0"])

@@ -383,3 +383,57 @@ def test_the_graph_arena_never_hands_out_the_same_bytes_twice():
 def test_graph_pool_reserve_adds_a_margin():
     assert graph_pool_reserve(0) == 8 << 20
     assert graph_pool_reserve(400 << 20) == (500 << 20) + (8 << 20)
+
+
+def test_decode_graphs_serve_adapters_from_the_slots_as_they_are_at_replay(tmp_path):
+    """A model with LoRA slots is captured with its LoRA kernels reading a static per-row slot buffer: replays of
+    mixed decode steps (two adapters and the base, padded) give the eager step's logits, and an adapter copied into
+    a slot after the capture (the slot tables are written in place) is what the next replay serves. (Before, steps
+    with adapter rows could not replay: the graphs had no LoRA, so a replay gave the base's logits.)"""
+    from lora_helpers import make_lora
+    from pagedserve.models import lora as model_lora
+    from pagedserve.models.loading.peft import load_peft_adapter
+
+    model, kv_eager, kv_graph = _model_and_caches()
+    cfg = model.config
+    adapters = [load_peft_adapter(make_lora(tmp_path / f"a{k}", cfg, rank=4, std=0.3, seed=k, **t), cfg)
+                for k, t in enumerate([{}, {"targets": ("q_proj", "v_proj")}, {}])]
+    model_lora.attach(model, {}, max_loras=3, max_lora_rank=4)
+    model.lora.set(0, adapters[0])
+    graphs = DecodeGraphs(model, kv_graph, (1, 4, 8), max_blocks=6, capturer=FakeCapturer())
+    assert graphs.capture_all() and _zero(kv_graph)
+    model.lora.set(2, adapters[1])  # after the capture
+    rng = np.random.default_rng(1)
+    lens = [int(n) for n in rng.integers(2, 40, size=5)]
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(5)]
+    slots = [0, -1, 2, 0, 2]
+    prompt = build_forward_batch([SeqChunk(rng.integers(0, 61, n - 1).tolist(), 0, t, lora_slot=s)
+                                  for n, t, s in zip(lens, tables, slots)], BS)
+    model.forward(prompt, kv_eager)
+    model.forward(prompt, kv_graph)
+
+    def decode(rows):
+        return build_forward_batch([SeqChunk([7 + i], lens[i] - 1, tables[i], lora_slot=slots[i]) for i in rows], BS)
+
+    for step, rows in enumerate(([0, 1, 2], [0, 1, 2, 3, 4], [1], [4, 2])):
+        if step == 2:
+            model.lora.set(0, adapters[2])  # another adapter in slot 0: the graphs read it at replay
+        batch = decode(rows)
+        ref = model.forward(batch, kv_eager)
+        got = graphs.run(batch)
+        assert got is not None
+        assert_close_model(got, ref, model.config)
+        base = model.forward(replace_slots(batch), [(k.copy(), v.copy()) for k, v in kv_eager])  # no adapters
+        if any(slots[i] >= 0 for i in rows):
+            assert np.abs(ref - base).max() > 100 * model_tol(model.config, np.abs(base).max())
+        for i in rows:
+            lens[i] += 1
+    assert graphs.num_replays == 4
+    with pytest.raises(ValueError, match="lora_slots"):
+        graphs.run(replace_slots(decode([0]), np.array([3], dtype=np.int32)))
+
+
+def replace_slots(batch, slots=None):
+    from dataclasses import replace
+
+    return replace(batch, lora_slots=slots)
