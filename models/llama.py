@@ -269,7 +269,9 @@ class LlamaForCausalLM:
             up = ops.linear_silu_and_mul(x, layer.gate_up, quant=layer.gate_up_q, **{} if ws is None else {
                 "workspace": ws, **ws.out("act", (x.shape[0], layer.gate_up.shape[1] // 2), x.dtype)})
         else:
-            up = ops.silu_and_mul(lora.add("gate_up", x, ops.linear(x, layer.gate_up, quant=layer.gate_up_q), rows))
+            t, width = x.shape[0], layer.gate_up.shape[1]
+            gate_up = ops.linear(x, layer.gate_up, quant=layer.gate_up_q, **out_kw(ws, "gate_up", (t, width), x.dtype))
+            up = ops.silu_and_mul(lora.add("gate_up", x, gate_up, rows), **out_kw(ws, "act", (t, width // 2), x.dtype))
         if add_to is not None:
             out = ops.linear_add(up, layer.down, add_to, quant=layer.down_q)
             return out if lora is None else lora.add("down", up, out, rows)
@@ -311,7 +313,7 @@ class LlamaForCausalLM:
         # A set whose GEMM adds into its output (ops.linear_add: numba) takes o_proj's and down's outputs straight
         # into the residual; then only the norms remain (one rank: with several, the add follows the all-reduce).
         fused = ops.linear_add is not None and self.comm.world_size == 1 and not cfg.o_proj_bias
-        lora = lora_slots.step_for(self.lora, batch.lora_slots, ops)  # None: no adapter rows in this step
+        lora = lora_slots.step_for(self.lora, batch.lora_slots, ops, ws)  # None: no adapter rows in this step
         for n, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             lk = {} if lora is None else {"lora": lora.layer(n)}
             if fused and residual is not None:  # the previous layer's down added its output already

@@ -31,6 +31,7 @@ import numpy as np
 from .config import ModelConfig
 from .loading.peft import LoRAAdapter, module_shape
 from .tensor_parallel import TPShard
+from .workspace import out_kw
 
 # Fused projection -> its PEFT parts, in the order of the fused weight's rows (models/llama.py _layer).
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
@@ -130,8 +131,9 @@ class LoRAStep:
     """One step's adapter rows: each row's slot ([T] int32, -1 = base), bound to the model's slots and kernels.
     `layer(n)` gives the hook a layer's view; `rows` (the last layer's kept rows) selects the slots of a subset."""
 
-    def __init__(self, slots: LoRASlots, row_slots: np.ndarray, ops: Any) -> None:
+    def __init__(self, slots: LoRASlots, row_slots: np.ndarray, ops: Any, workspace: Any = None) -> None:
         self.weights, self.row_slots, self.ops = slots, row_slots, ops
+        self.workspace = workspace  # models/workspace.py: where the shrink writes on the GPU (None: it allocates)
 
     def layer(self, n: int) -> "LoRALayer":
         return LoRALayer(self, n)
@@ -147,19 +149,21 @@ class LoRALayer:
         slots = step.row_slots if rows is None else step.row_slots[rows]
         w = step.weights
         ranks = w.ranks[self.n][fused]
-        t = step.ops.lora_shrink(x, w.a[self.n][fused], slots, ranks)
+        a = w.a[self.n][fused]
+        t = step.ops.lora_shrink(x, a, slots, ranks, **out_kw(step.workspace, "lora_t", (x.shape[0], a.shape[1]),
+                                                              np.float32))
         step.ops.lora_expand(t, w.b[self.n][fused], w.scale, slots, y, ranks, w.bounds[fused])
         return y
 
 
-def step_for(slots: LoRASlots | None, row_slots: Any, ops: Any) -> LoRAStep | None:
+def step_for(slots: LoRASlots | None, row_slots: Any, ops: Any, workspace: Any = None) -> LoRAStep | None:
     """The step's LoRA view, or None when the model serves no adapters or no row of the batch has one (then the
     forward runs exactly as without LoRA)."""
     if slots is None or row_slots is None:
         return None
     if type(row_slots) is np.ndarray:  # (on the GPU: the device copy device_batch.to_device made)
         row_slots = np.ascontiguousarray(row_slots, dtype=np.int32)
-    return LoRAStep(slots, row_slots, ops)
+    return LoRAStep(slots, row_slots, ops, workspace)
 
 
 def attach(model: Any, weights: dict[str, np.ndarray], max_loras: int, max_lora_rank: int) -> LoRASlots:

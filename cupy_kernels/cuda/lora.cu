@@ -14,7 +14,10 @@ __global__ void lora_shrink_kernel(float* __restrict__ t, const T* __restrict__ 
                                    const T* __restrict__ a, const int* __restrict__ slots, int n_in, int rank) {
     const long long row = blockIdx.x;
     const int s = slots[row];
-    if (s < 0) return;  // the whole CTA: no barrier follows
+    if (s < 0) {  // a base row: its t row is zeros (the whole CTA returns: no barrier follows)
+        for (int r = threadIdx.x; r < rank; r += blockDim.x) t[row * rank + r] = 0.f;
+        return;
+    }
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const int num_warps = blockDim.x >> 5;

@@ -16,9 +16,10 @@ def _slots(slots):
     return cupy.ascontiguousarray(cupy.asarray(slots), dtype=cupy.int32)
 
 
-def lora_shrink(x, lora_a, slots, ranks=None):
-    """t [T, R] float32 = A[slot] @ x per row; rows with slot -1 are left zero (ranks: reference/lora.py's hint,
-    unused here: the zero padding is multiplied)."""
+def lora_shrink(x, lora_a, slots, ranks=None, out=None):
+    """t [T, R] float32 = A[slot] @ x per row; rows with slot -1 are zero (ranks: reference/lora.py's hint,
+    unused here: the zero padding is multiplied). out: a C-contiguous float32 [T, R] buffer to write (a decode
+    graph's workspace), else a new array."""
     import cupy
 
     if x.ndim != 2 or lora_a.ndim != 3 or lora_a.shape[2] != x.shape[1]:
@@ -29,7 +30,10 @@ def lora_shrink(x, lora_a, slots, ranks=None):
     t_name = _storage_type(x.dtype, "lora_shrink")
     x = _inner_contiguous(x, "lora_shrink x")
     rows, rank = x.shape[0], lora_a.shape[1]
-    out = cupy.zeros((rows, rank), dtype=cupy.float32)
+    if out is None:
+        out = cupy.empty((rows, rank), dtype=cupy.float32)
+    elif tuple(out.shape) != (rows, rank) or out.dtype != cupy.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"lora_shrink: out must be a C-contiguous float32 array of {(rows, rank)}")
     if rows and rank:
         _kernel("lora", f"lora_shrink_kernel<{t_name}>")(
             (rows,), (THREADS,),

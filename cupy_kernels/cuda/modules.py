@@ -184,8 +184,13 @@ MODULES: dict[str, KernelModule] = {
 FAMILIES: dict[str, tuple[str, ...]] = {}
 for _m in MODULES.values():
     FAMILIES[_m.family_name] = FAMILIES.get(_m.family_name, ()) + (_m.name,)
-_MODULE_OF: dict[tuple[str, str], str] = {(f, n): m for f, ms in FAMILIES.items() for m in ms
-                                          for n in MODULES[m].name_expressions}
+# A name instantiated in several modules of a family (the reduce kernel sits in every KV element type's module of
+# its query type and head dim) maps to the first: the query's own module, which a step loads anyway.
+_MODULE_OF: dict[tuple[str, str], str] = {}
+for _f, _ms in FAMILIES.items():
+    for _m in _ms:
+        for _n in MODULES[_m].name_expressions:
+            _MODULE_OF.setdefault((_f, _n), _m)
 
 
 def family_name_expressions(family: str) -> tuple[str, ...]:
