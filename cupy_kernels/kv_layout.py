@@ -14,7 +14,7 @@ memory budget counts its bytes, and every kernel set reads the dtype back from t
 
 A cache array's dtype says what it holds (uint16 is bfloat16's bits, int8 the scaled rows: no kernel set keeps
 anything else in them), so the kernels' signatures stay the numpy reference's and a layout never needs to travel
-beside the arrays. "auto" is the backend's own storage dtype (float32 on the CPU, float16 on the GPU), as before.
+beside the arrays. "auto" is float32 on the CPU and float16 on the GPU, by the evidence at AUTO_KV_CACHE_DTYPE.
 
 int8's scale is per token and kv head, stored at the end of the row it scales: a fused cache write holds exactly
 that row (a per-block scale would change as the block fills, and rewriting the earlier rows would break a shared
@@ -86,12 +86,24 @@ def normalize_kv_cache_dtype(value: object) -> str:
     return value.strip().lower()
 
 
+# What "auto" resolves to on a backend of each storage dtype, by evidence (issue 64; docs/benchmarks.md, "KV cache
+# dtypes"). The rule: a CPU pool stays float32 until a 16-bit pool is measured faster in an interleaved A/B, because
+# 16 bits cost greedy agreement that float32 does not (full bench/kv_quality.py run, 64 prompts x 128 tokens:
+# bfloat16 62/64 identical on SmolLM2-135M, 60/64 on Gemma 3 270M at 32 tokens, every divergence at a float32 top-2
+# margin under 0.03 nats) and the speed evidence so far does not show a gain: bench/throughput.py, 64 requests, the
+# numba set, interleaved on the shared 2-core Xeon (model 167) under a load average of 13-16 (contended), output
+# tok/s float32 17.0, bfloat16 14.1, float16 21.0 in one round, the spread between rounds larger than the
+# differences; a 16-bit pool's cache write is a serial pass instead of the fused GEMM-tile write, and a step with a
+# long prefill chunk reads it through the numpy reference. Ask for bfloat16 or float16 for twice the context in the
+# same memory. A GPU pool is float16, the CUDA kernels' native (and only) 16-bit dtype.
+AUTO_KV_CACHE_DTYPE = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
+
+
 def kv_cache_layout(value: object, backend_dtype: np.dtype) -> KVCacheLayout:
-    """The layout `value` asks for on a backend whose storage dtype is `backend_dtype` ("auto" takes it)."""
+    """The layout `value` asks for on a backend whose storage dtype is `backend_dtype` ("auto": AUTO_KV_CACHE_DTYPE)."""
     name = normalize_kv_cache_dtype(value)
     if name == "auto":
-        resolved = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}[np.dtype(backend_dtype)]
-        return KVCacheLayout(resolved, "auto")
+        return KVCacheLayout(AUTO_KV_CACHE_DTYPE[np.dtype(backend_dtype)], "auto")
     return KVCacheLayout(name, name)
 
 
