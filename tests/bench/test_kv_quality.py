@@ -70,13 +70,14 @@ def test_16_bit_kv_quality_within_bounds(tmp_path):
 #   fp8_e4m3   4/8        0.079, 0.019, 0.015, 0.055    0.055 / 0.25           -0.20%
 #   fp8_e5m2   3/8        0.079, 0.030, 0.064, 0.015,   0.099 / 0.58           +5.5%
 #                         0.253
-# The bounds: 1.5x each measured mean (a rounding regression, truncation for round-to-nearest say, doubles it) and
-# 2x each max; at most one more flip than measured, only at a near tie (float32's top-2 margin under 0.3 nats; 0.5
-# for e5m2); perplexity within about twice its measured move; and the order of the means, finest first.
+# The bounds: 1.5x each measured mean and 2x each max (bfloat16 truncated instead of rounded to nearest even measured
+# 0.0079 / 0.055: it fails both), int8's mean within 15% (its rows' rint replaced by floor measured 0.033: +24%); at
+# most one more flip than measured, only at a near tie (float32's top-2 margin under 0.3 nats; 0.5 for e5m2);
+# perplexity within about twice its measured move; and the order of the means, finest first.
 SMOL_BOUNDS = {  # dtype: (least agreement, largest margin, mean, max |delta logprob|, |perplexity move|)
     "float16": (1.0, 0.0, 0.001, 0.02, 0.0005),
     "bfloat16": (7 / 8, 0.3, 0.006, 0.05, 0.002),
-    "int8": (5 / 8, 0.3, 0.04, 0.9, 0.02),
+    "int8": (5 / 8, 0.3, 0.031, 0.9, 0.02),
     "fp8_e4m3": (3 / 8, 0.3, 0.08, 0.5, 0.005),
     "fp8_e5m2": (2 / 8, 0.5, 0.15, 1.2, 0.11),
 }
