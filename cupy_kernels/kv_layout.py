@@ -87,15 +87,15 @@ def normalize_kv_cache_dtype(value: object) -> str:
 
 
 # What "auto" resolves to on a backend of each storage dtype, by evidence (issue 64; docs/benchmarks.md, "KV cache
-# dtypes"). The rule: a CPU pool stays float32 until a 16-bit pool is measured faster in an interleaved A/B, because
-# 16 bits cost greedy agreement that float32 does not (full bench/kv_quality.py run, 64 prompts x 128 tokens:
-# bfloat16 62/64 identical on SmolLM2-135M, 60/64 on Gemma 3 270M at 32 tokens, every divergence at a float32 top-2
-# margin under 0.03 nats) and the speed evidence so far does not show a gain: bench/throughput.py, 64 requests, the
-# numba set, interleaved on the shared 2-core Xeon (model 167) under a load average of 13-16 (contended), output
-# tok/s float32 17.0, bfloat16 14.1, float16 21.0 in one round, the spread between rounds larger than the
-# differences; a 16-bit pool's cache write is a serial pass instead of the fused GEMM-tile write, and a step with a
-# long prefill chunk reads it through the numpy reference. Ask for bfloat16 or float16 for twice the context in the
-# same memory. A GPU pool is float16, the CUDA kernels' native (and only) 16-bit dtype.
+# dtypes"). The rule: a CPU pool stays float32 until a 16-bit pool is measured faster than float32 in an interleaved
+# A/B on a quiet host. It was not: bench/throughput.py, 64 requests x (128 + 128) tokens, the numba set, AVX-512,
+# the 2-core Xeon VM quiet (load 1.1-1.7), two rounds, output tok/s float32 359.3 / 381.3, bfloat16 348.8 / 352.2,
+# float16 332.1 / 335.0 (a 16-bit pool's cache write is a serial pass instead of the fused GEMM-tile write, and a
+# step with a long prefill chunk reads it through the numpy reference). And 16 bits cost what float32 does not:
+# bench/kv_quality.py, 64 prompts, SmolLM2-135M x 128 tokens bfloat16 62/64 and float16 63/64 greedy runs identical,
+# Gemma 3 270M x 32 tokens 60/64 and 63/64, every divergence at a float32 top-2 margin under 0.03 nats, perplexity
+# within 0.01%. Ask for bfloat16 or float16 for twice the context in the same memory. A GPU pool is float16, the CUDA
+# kernels' native (and only) dtype.
 AUTO_KV_CACHE_DTYPE = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
 
 
