@@ -10,11 +10,20 @@ For each kv_cache_dtype, the same model and prompts as a float32-KV engine (both
                         (bench/data/coriolanus_act1.txt: Shakespeare, Coriolanus, act 1, scenes 1-2), in chunks of
                         --ppl-chunk tokens through the dtype's pool, so later chunks read the stored K and V
 
-The prompts are --prompts windows of --prompt-len tokens of the same text at evenly spaced offsets. Usage:
+The prompts are --prompts windows of --prompt-len tokens of the same text at evenly spaced offsets (after the
+tokenizer's BOS where it adds one: Gemma's). All prompts of a dtype run as one batch through the engine, and the
+float32 run is made once per invocation and compared with every dtype.
 
-    .venv/bin/python bench/kv_quality.py [--quick] [--model PATH] [--prompts 64] [--max-tokens 128] [--out-dir DIR]
+--kv-ops reference (the default): the KV cache write, paged attention and block copies are the numpy reference's
+(the ground truth for rounding; the numba and CUDA 8-bit kernels are bit-exact with it), everything else is the
+--cpu-kernels set's (numba: its packed-weight GEMMs, ~10x the numpy set's matmul speed here), for float32 too, so
+the dtypes differ by their KV storage alone. --kv-ops kernel-set: the set's own KV kernels (numba: its 16-bit
+loop nest; the 8-bit dtypes are refused there). Usage:
 
-The full size (64 prompts x 128 tokens, SmolLM2) takes many minutes of a quiet machine; --quick is 8 x 16.
+    .venv/bin/python bench/kv_quality.py [--quick] [--model PATH] [--dtypes ...] [--prompts 64] [--max-tokens 128]
+
+The full size (64 prompts x 128 tokens, 4,096 perplexity tokens) takes ~10-20 minutes per model on the shared
+2-core VM; --quick is 8 x 16 and 512.
 """
 
 from __future__ import annotations
@@ -36,10 +45,38 @@ TEXT = Path(__file__).parent / "data" / "coriolanus_act1.txt"
 BLOCK = 16
 
 
-def _engine(loaded, dtype: str, kernels: str, max_model_len: int):
+# The KV ops --kv-ops reference takes from the numpy reference (kernel_set.KernelSet's fields).
+KV_OPS = ("reshape_and_cache", "rotary_and_cache", "copy_blocks", "plan_attention", "paged_attention")
+
+
+def reference_kv_backend(kernels: str):
+    """A CPU backend whose KV ops are the numpy reference's and whose other ops are the `kernels` set's (its name
+    kept, so the model packs its weights for it as usual); its fused GEMM-and-cache write is off."""
+    from dataclasses import replace
+
+    from pagedserve.cupy_kernels import backend as backend_mod, kernel_set
+
+    base = backend_mod.get_backend("cpu", kernels)
+    ref = kernel_set.numpy_kernels()
+    ops = replace(base.ops, **{op: getattr(ref, op) for op in KV_OPS}, linear_rotary_cache=None,
+                  kv_cache_dtypes=ref.kv_cache_dtypes)
+    return replace(base, ops=ops)
+
+
+def _engine(loaded, dtype: str, kernels: str, max_model_len: int, kv_ops: str = "kernel-set"):
     from pagedserve.runtime.config import EngineConfig
     from pagedserve.runtime.engine.llm_engine import LLMEngine
+    from pagedserve.runtime.worker import worker as worker_mod
 
+    if kv_ops == "reference":  # the worker asks get_backend for its backend: hand it the mixed one
+        backend = reference_kv_backend(kernels)
+        originals = worker_mod.get_backend, worker_mod.finish_warm_up
+        worker_mod.get_backend = lambda *a, **k: backend
+        worker_mod.finish_warm_up = lambda b, kv_dtype=None: originals[1](b)  # no 16-bit numba loop nest to compile
+        try:
+            return _engine(loaded, dtype, kernels, max_model_len)
+        finally:
+            worker_mod.get_backend, worker_mod.finish_warm_up = originals
     return LLMEngine(EngineConfig(device="cpu", cpu_kernels=kernels, kv_cache_dtype=dtype, seed=0,
                                   max_model_len=max_model_len, kv_cache_memory_bytes=256 << 20), loaded=loaded)
 
@@ -107,15 +144,18 @@ def run(args: argparse.Namespace) -> dict:
     from pagedserve.models.loading.loader import load_model
 
     loaded = load_model(args.model)
-    text_ids = loaded.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
-    ppl_ids = text_ids[:args.ppl_tokens]
+    text = TEXT.read_text()
+    text_ids = loaded.tokenizer.encode(text, add_special_tokens=False)
+    with_special = loaded.tokenizer.encode(text, add_special_tokens=True)
+    bos = with_special[:len(with_special) - len(text_ids)]  # [<bos>] where the tokenizer adds one (Gemma), else []
+    ppl_ids = (bos + text_ids)[:args.ppl_tokens]
     step = max(1, (len(text_ids) - args.prompt_len) // args.prompts)
-    prompts = [text_ids[i * step:i * step + args.prompt_len] for i in range(args.prompts)]
-    max_model_len = max(len(ppl_ids), args.prompt_len + args.max_tokens) + BLOCK
+    prompts = [bos + text_ids[i * step:i * step + args.prompt_len] for i in range(args.prompts)]
+    max_model_len = max(len(ppl_ids), len(prompts[0]) + args.max_tokens) + BLOCK
     results = {}
     ref = None
     for dtype in ["float32", *args.dtypes]:
-        engine = _engine(loaded, dtype, args.cpu_kernels, max_model_len)
+        engine = _engine(loaded, dtype, args.cpu_kernels, max_model_len, args.kv_ops)
         kernels = engine.backend.ops.name  # the set that ran ("numba" or "numpy")
         t = time.perf_counter()
         runs = greedy(engine, prompts, args.max_tokens)
@@ -127,10 +167,13 @@ def run(args: argparse.Namespace) -> dict:
             row.update(compare(ref, runs))
             row["perplexity_vs_float32"] = row["perplexity"] / results["float32"]["perplexity"] - 1.0
         results[dtype] = row
+        plots.progress(f"{loaded.name} {dtype}: {row}")
+        del engine
     return {"benchmark": NAME, "quick": args.quick,
             "config": {"model": loaded.name, "prompts": args.prompts, "prompt_len": args.prompt_len,
                        "max_tokens": args.max_tokens, "ppl_tokens": len(ppl_ids), "ppl_chunk": args.ppl_chunk,
-                       "text": TEXT.name, "cpu_kernels": args.cpu_kernels, "kernels": kernels},
+                       "text": TEXT.name, "cpu_kernels": args.cpu_kernels, "kernels": kernels,
+                       "kv_ops": args.kv_ops, "bos": bos},
             "environment": plots.environment(args.quick), "results": results}
 
 
@@ -146,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ppl-tokens", type=int, default=None, help="default 4096 (512 with --quick)")
     ap.add_argument("--ppl-chunk", type=int, default=256)
     ap.add_argument("--cpu-kernels", default="auto")
+    ap.add_argument("--kv-ops", choices=("reference", "kernel-set"), default="reference",
+                    help="the KV write and attention: the numpy reference's (default) or the --cpu-kernels set's")
     ap.add_argument("--out-dir", default=None, help="where kv_quality.json goes (default bench/results)")
     return ap
 

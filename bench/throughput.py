@@ -6,7 +6,10 @@ seconds went (matmuls, paged attention, the rest of the forward pass, the engine
 the output rate would be if the matmuls were the only cost. Usage:
 
     .venv/bin/python bench/throughput.py [--requests 64 256] [--prompt-len 128] [--output-len 128] [--breakdown]
-        [--model gemma3-270m | PATH]
+        [--model gemma3-270m | PATH] [--kv-cache-dtype float32 bfloat16 float16] [--repeats 3]
+
+With several settings (kernel sets, thread counts, KV dtypes) and --repeats R, each N runs them in turn R times
+over (A B C A B C ...), so a neighbour's load on a shared host falls on all of them alike.
 """
 
 from __future__ import annotations
@@ -66,11 +69,11 @@ def timed_parts(model, seconds: dict[str, float]):
 
 def run(loaded, num_requests: int, prompt_len: int, output_len: int, max_num_batched_tokens: int,
         breakdown: bool = False, cpu_kernels: str = "auto", cpu_threads: int | str | None = None,
-        kv_cache_gib: float | None = None) -> dict:
+        kv_cache_gib: float | None = None, kv_cache_dtype: str = "auto") -> dict:
     kv_bytes = int(kv_cache_gib * (1 << 30)) if kv_cache_gib else None
     engine = LLMEngine(EngineConfig(device="cpu", max_num_batched_tokens=max_num_batched_tokens,
                                     max_num_seqs=256, seed=0, cpu_kernels=cpu_kernels, cpu_threads=cpu_threads,
-                                    kv_cache_memory_bytes=kv_bytes),
+                                    kv_cache_memory_bytes=kv_bytes, kv_cache_dtype=kv_cache_dtype),
                        loaded=loaded)
     # Touch every page of the KV pool before the clock starts, as a long-running server's pages are (and as
     # vLLM's zero-filled pool is at start): first-touch page faults cost ~2.5 s per GiB on the test VM and
@@ -99,6 +102,7 @@ def run(loaded, num_requests: int, prompt_len: int, output_len: int, max_num_bat
                             + output_len * model_flops_per_token(cfg, mean_ctx, True))
     tuner = engine.threads_tuner
     return {"requests": num_requests, "cpu_kernels": engine.backend.ops.name,
+            "kv_cache_dtype": engine.kv_layout.dtype, "kv_cache_dtype_requested": kv_cache_dtype,
             "cpu_threads": cpu_threads, "threads_switches": tuner.switches if tuner else None,
             "prompt_len": prompt_len, "output_len": output_len,
             "max_num_batched_tokens": max_num_batched_tokens, "steps": steps, "seconds": round(elapsed, 2),
@@ -149,16 +153,23 @@ def main() -> None:
                     help="kernel sets to run, one after the other for each N (A/B in one run)")
     ap.add_argument("--cpu-threads", nargs="+", default=[None], type=lambda v: v if v == "auto" else int(v),
                     help="thread counts (or auto) to run, one after the other for each N and kernel set")
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"],
+                    help="KV cache dtypes to run, one after the other for each N, kernel set and thread count")
+    ap.add_argument("--repeats", type=int, default=1, help="run every setting this many times, interleaved")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be positive, got {args.repeats}")
     configure_logging(level="warning", stream=sys.stderr)
     loaded = load_model(args.model)
     gflops = sgemm_gflops()
     bandwidth = read_gbps()
     started_threads = blas_threads()
     for n in args.requests:
-        for kernels, threads in [(k, t) for k in args.cpu_kernels for t in args.cpu_threads]:
+        settings = [(k, t, d) for k in args.cpu_kernels for t in args.cpu_threads for d in args.kv_cache_dtype]
+        for repeat, (kernels, threads, kv_dtype) in [(r, s) for r in range(args.repeats) for s in settings]:
             result = run(loaded, n, args.prompt_len, args.output_len, args.max_num_batched_tokens, args.breakdown,
-                         kernels, threads, args.kv_cache_gib)
+                         kernels, threads, args.kv_cache_gib, kv_dtype)
+            result["repeat"] = repeat
             result["model"] = loaded.name
             result["kv_cache_gib"] = args.kv_cache_gib
             reset_cpu_threads(started_threads)  # each setting starts from the same state

@@ -14,7 +14,7 @@ memory budget counts its bytes, and every kernel set reads the dtype back from t
 
 A cache array's dtype says what it holds (uint16 is bfloat16's bits, int8 the scaled rows: no kernel set keeps
 anything else in them), so the kernels' signatures stay the numpy reference's and a layout never needs to travel
-beside the arrays. "auto" is the backend's own storage dtype (float32 on the CPU, float16 on the GPU), as before.
+beside the arrays. "auto" is float32 on the CPU and float16 on the GPU, by the evidence at AUTO_KV_CACHE_DTYPE.
 
 int8's scale is per token and kv head, stored at the end of the row it scales: a fused cache write holds exactly
 that row (a per-block scale would change as the block fills, and rewriting the earlier rows would break a shared
@@ -86,12 +86,24 @@ def normalize_kv_cache_dtype(value: object) -> str:
     return value.strip().lower()
 
 
+# What "auto" resolves to on a backend of each storage dtype, by evidence (issue 64; docs/benchmarks.md, "KV cache
+# dtypes"). The rule: a CPU pool stays float32 until a 16-bit pool is measured faster than float32 in an interleaved
+# A/B on a quiet host. It was not: bench/throughput.py, 64 requests x (128 + 128) tokens, the numba set, AVX-512,
+# the 2-core Xeon VM quiet (load 1.1-1.7), two rounds, output tok/s float32 359.3 / 381.3, bfloat16 348.8 / 352.2,
+# float16 332.1 / 335.0 (a 16-bit pool's cache write is a serial pass instead of the fused GEMM-tile write, and a
+# step with a long prefill chunk reads it through the numpy reference). And 16 bits cost what float32 does not:
+# bench/kv_quality.py, 64 prompts, SmolLM2-135M x 128 tokens bfloat16 62/64 and float16 63/64 greedy runs identical,
+# Gemma 3 270M x 32 tokens 60/64 and 63/64, every divergence at a float32 top-2 margin under 0.03 nats, perplexity
+# within 0.01%. Ask for bfloat16 or float16 for twice the context in the same memory. A GPU pool is float16, the CUDA
+# kernels' native (and only) dtype.
+AUTO_KV_CACHE_DTYPE = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
+
+
 def kv_cache_layout(value: object, backend_dtype: np.dtype) -> KVCacheLayout:
-    """The layout `value` asks for on a backend whose storage dtype is `backend_dtype` ("auto" takes it)."""
+    """The layout `value` asks for on a backend whose storage dtype is `backend_dtype` ("auto": AUTO_KV_CACHE_DTYPE)."""
     name = normalize_kv_cache_dtype(value)
     if name == "auto":
-        resolved = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}[np.dtype(backend_dtype)]
-        return KVCacheLayout(resolved, "auto")
+        return KVCacheLayout(AUTO_KV_CACHE_DTYPE[np.dtype(backend_dtype)], "auto")
     return KVCacheLayout(name, name)
 
 
