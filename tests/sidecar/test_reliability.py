@@ -54,7 +54,9 @@ def test_fuzzed_requests_each_get_an_expected_answer(rel, tmp_path):
     assert 0 < r["generate_admitted"] == r["by_rpc"].get("Generate:OK", 0)
     assert r["running_after"] == r["waiting_after"] == 0
     assert set(r["outcomes"]) <= {"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
-    assert r["outcomes"].get("OK", 0) > 50 and r["outcomes"].get("INVALID_ARGUMENT", 0) > 50  # both paths ran
+    # Both paths ran, each for at least a tenth of the requests (the draw's split is ~1:5 and moves with the
+    # request fields and their checks).
+    assert r["outcomes"].get("OK", 0) > 30 and r["outcomes"].get("INVALID_ARGUMENT", 0) > 30
     assert r["always_serving"] and r["rss_within_budget"] and r["kv_blocks_used_after"] == 0 and r["exit_code"] == 0
     assert r["server_errors_logged"] == 0, r["server_error_examples"]  # cancels racing writes are not errors
 
